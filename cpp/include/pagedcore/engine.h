@@ -1,0 +1,159 @@
+// The engine: requests in, step batches out, sampled tokens back in.
+//
+// Usage (one step):
+//   const StepBatch& batch = engine.schedule();
+//   ... the runner performs the batch's swaps/copies, runs the model and
+//       samples one token per entry of batch.sample_indices ...
+//   const StepResult& result = engine.update(sampled, batch.num_samples);
+//
+// The engine never touches tensors and the runner never decides who runs.
+// Every call is single-threaded; the engine is not thread-safe. Calls that
+// throw leave the engine exactly as it was before the call.
+//
+// A C++ host includes this header and links pagedcore::core
+// (find_package(pagedcore)).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "pagedcore/config.h"
+#include "pagedcore/kv_cache_manager.h"
+#include "pagedcore/scheduler.h"
+#include "pagedcore/sequence.h"
+#include "pagedcore/step_batch.h"
+
+namespace pagedcore {
+
+struct EngineStats {
+  int32_t num_blocks = 0;          // usable GPU blocks
+  int32_t num_free_blocks = 0;     // incl. cached blocks that can be evicted
+  int32_t num_cached_blocks = 0;   // free blocks that still hold reusable content
+  int32_t num_used_blocks = 0;     // owned by at least one sequence
+  int32_t num_cpu_blocks = 0;
+  int32_t num_free_cpu_blocks = 0;
+  int32_t num_requests = 0;        // unfinished requests
+  int32_t num_running_seqs = 0;    // running sequences (a parent awaiting its fork counts once)
+  int32_t num_waiting_seqs = 0;    // waiting, swapped ones included
+  int32_t num_swapped_seqs = 0;
+  int64_t num_steps = 0;
+  int64_t num_preemptions = 0;
+  int64_t num_recompute_preemptions = 0;
+  int64_t num_swap_preemptions = 0;
+  int64_t prefix_cache_queries = 0;  // prompt tokens looked up
+  int64_t prefix_cache_hits = 0;     // prompt tokens found cached
+  double prefix_cache_hit_rate = 0;  // hits / queries, 0 before any query
+  int64_t num_prompt_tokens = 0;     // prompt tokens of requests that sampled their first token
+  int64_t num_generation_tokens = 0; // tokens appended by update()
+};
+
+class Engine {
+ public:
+  // Throws InvalidArgument when config.validate() does.
+  explicit Engine(const EngineConfig& config);
+  ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  const EngineConfig& config() const { return config_; }
+  // Rows the KV-cache tensors need: usable blocks + the null block (row 0).
+  int32_t num_physical_blocks() const { return config_.num_blocks + 1; }
+  int32_t num_physical_cpu_blocks() const { return config_.num_cpu_blocks + 1; }
+
+  // Queues a request. Returns the id of its first sequence; its n sequences
+  // get ids first .. first + n - 1. Throws InvalidArgument for an empty or
+  // too long prompt, a bad token id, n < 1 or > max_num_seqs, max_tokens < 1,
+  // min_tokens outside [0, max_tokens], a priority under FCFS, or a request
+  // that could not fit in the whole cache even alone; InvalidArgument also for
+  // a request_id already in use.
+  SeqId add_request(const std::string& request_id, const TokenId* prompt, int32_t prompt_len,
+                    const RequestParams& params);
+  SeqId add_request(const std::string& request_id, const std::vector<TokenId>& prompt,
+                    const RequestParams& params) {
+    return add_request(request_id, prompt.data(), static_cast<int32_t>(prompt.size()), params);
+  }
+
+  // Drops a request in any state and frees its blocks. Throws NotFound for an
+  // unknown (or already finished) id. Call only when no step is pending.
+  void abort(const std::string& request_id);
+
+  // Plans the next step. Call only when no step is pending; then call update().
+  const StepBatch& schedule();
+
+  // Appends sampled[k] to the sequence of sample k of the pending step (forking
+  // n-sample parents first), applies EOS / stop-token / min_tokens / max_tokens
+  // / max_model_len stops and frees finished sequences.
+  // Throws InvalidArgument (state unchanged) when num_sampled differs from the
+  // batch's num_samples or a token id is out of range.
+  const StepResult& update(const TokenId* sampled, int32_t num_sampled);
+
+  // Finishes a sequence for a reason decided by the caller (a stop string):
+  // reason kStop, or kAbort. Returns true when this finished its request (the
+  // engine then forgets the request). Throws NotFound for an unknown or
+  // finished sequence. Call only when no step is pending.
+  bool finish(SeqId seq_id, FinishReason reason = FinishReason::kStop);
+
+  // Creates a sequence of the same request sharing every block (and token)
+  // of seq_id, which must be running, not awaiting its fork, with its last
+  // token not computed yet (true of every running sequence between steps).
+  // Returns the new id. Throws NotFound for an unknown sequence,
+  // InvalidArgument when max_num_seqs seats are taken or seq_id is not running.
+  // Call only when no step is pending.
+  SeqId fork(SeqId seq_id);
+
+  EngineStats stats() const;
+  bool has_pending_step() const { return step_pending_; }
+  int32_t num_unfinished_requests() const { return static_cast<int32_t>(requests_.size()); }
+  bool has_unfinished_requests() const { return !requests_.empty(); }
+  // Tokens (prompt + outputs) of a live sequence. Throws NotFound.
+  const std::vector<TokenId>& seq_token_ids(SeqId seq_id) const;
+  // GPU block table of a live sequence. Throws NotFound.
+  const std::vector<BlockId>& seq_block_table(SeqId seq_id) const;
+
+  // Checks every invariant across the allocator, the block tables and the
+  // queues; throws InternalError on the first that fails. O(blocks + tokens).
+  // Built with PAGEDCORE_DEBUG_CHECKS, the engine runs it after every call
+  // that changes state.
+  void check_invariants() const;
+
+  // Internals, for tests and benchmarks.
+  const KVCacheManager& kv() const { return kv_; }
+  const Scheduler& scheduler() const { return scheduler_; }
+
+ private:
+  void validate_request(const std::string& request_id, const TokenId* prompt, int32_t prompt_len,
+                        const RequestParams& params) const;
+  Sequence* find_seq(SeqId seq_id) const;
+  void fill_batch();
+  Sequence* fork_child(Sequence* parent, SeqId child_id, int32_t index);
+  // Sets the finish state, frees the blocks, counts it off its request.
+  void finish_seq(Sequence* seq, FinishReason reason, int32_t stop_reason);
+  void forget_request(Request* request);
+  void require_no_pending_step(const char* call) const;
+  void debug_check() const;
+
+  const EngineConfig config_;
+  KVCacheManager kv_;
+  Scheduler scheduler_;
+  StepBuffers buffers_;
+
+  std::unordered_map<std::string, std::unique_ptr<Request>> requests_;
+  std::unordered_map<SeqId, Sequence*> seqs_;  // live (unfinished) sequences
+  SeqId next_seq_id_ = 0;
+  uint64_t next_arrival_ = 0;
+  int64_t step_ = 0;
+  bool step_pending_ = false;
+  int64_t num_prompt_tokens_ = 0;
+  int64_t num_generation_tokens_ = 0;
+
+  // Per sample of the pending step: the sequence that was scheduled and which
+  // of its n samples this is (non-zero only for a parent awaiting its fork).
+  std::vector<Sequence*> sample_seq_;
+  std::vector<int32_t> sample_fork_index_;
+  std::vector<Request*> finished_requests_;  // scratch of update()
+};
+
+}  // namespace pagedcore

@@ -1,0 +1,86 @@
+// What one engine step hands to the model runner, and what update() hands back.
+//
+// Both are views into buffers the engine allocates once, sized for the worst
+// case of its configuration. They stay valid until the next schedule() (for
+// StepBatch) or update() (for StepResult) call on the same engine.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "pagedcore/config.h"
+#include "pagedcore/types.h"
+
+namespace pagedcore {
+
+// The inputs of one forward pass over a batch of sequences, flattened.
+// Rows (sequences) with exactly one new token come first ("decode rows"), the
+// rest (prompt chunks) after them; tokens are laid out row after row.
+//
+// The runner must, in this order: copy swap_out pairs (GPU -> CPU), swap_in
+// pairs (CPU -> GPU), block_copies (GPU -> GPU, every layer), then run the
+// forward pass, writing the KV of token i to slot_mapping[i], and sample the
+// logits of rows sample_indices.
+struct StepBatch {
+  int32_t num_tokens = 0;
+  int32_t num_seqs = 0;
+  int32_t num_decode_seqs = 0;    // leading rows with one new token
+  int32_t num_samples = 0;
+  int32_t num_block_copies = 0;
+  int32_t num_swap_out = 0;
+  int32_t num_swap_in = 0;
+  int32_t block_size = 0;
+  int32_t max_blocks_per_seq = 0;  // row stride of block_tables
+
+  const int32_t* input_ids = nullptr;         // [num_tokens]
+  const int32_t* positions = nullptr;         // [num_tokens] position within the sequence
+  const int32_t* slot_mapping = nullptr;      // [num_tokens] block * block_size + offset
+  const int64_t* seq_ids = nullptr;           // [num_seqs]
+  const int32_t* query_start_loc = nullptr;   // [num_seqs + 1] first token of each row
+  const int32_t* num_computed_tokens = nullptr;  // [num_seqs] tokens cached before this step
+  const int32_t* seq_lens = nullptr;          // [num_seqs] tokens cached after this step
+  // [num_seqs, max_blocks_per_seq]; row r is valid for its first
+  // ceil(seq_lens[r] / block_size) entries (kNullBlock for blocks released by the
+  // sliding window); the rest of the row is unspecified.
+  const int32_t* block_tables = nullptr;
+  const int32_t* sample_indices = nullptr;    // [num_samples] token index whose logits to sample
+  const int64_t* sample_seq_ids = nullptr;    // [num_samples] sequence that gets the sample
+  const int32_t* block_copies = nullptr;      // [num_block_copies, 2] (src, dst) GPU blocks
+  const int32_t* swap_out = nullptr;          // [num_swap_out, 2] (GPU src, CPU dst)
+  const int32_t* swap_in = nullptr;           // [num_swap_in, 2] (CPU src, GPU dst)
+};
+
+// What update() did with each sample, in sample order.
+struct StepResult {
+  int32_t num_outputs = 0;
+  const int64_t* seq_ids = nullptr;         // [num_outputs]
+  const int32_t* token_ids = nullptr;       // [num_outputs] the appended token
+  const uint8_t* finish_reasons = nullptr;  // [num_outputs] FinishReason values
+  const int32_t* stop_reasons = nullptr;    // [num_outputs] stop token id, or -1
+  // Requests whose every sequence has finished in this update; the engine has
+  // forgotten them.
+  std::vector<std::string> finished_request_ids;
+};
+
+// The engine's preallocated storage behind StepBatch and StepResult.
+class StepBuffers {
+ public:
+  explicit StepBuffers(const EngineConfig& config);
+
+  StepBatch batch;
+  StepResult result;
+
+  std::vector<int32_t> input_ids, positions, slot_mapping, query_start_loc, num_computed_tokens,
+      seq_lens, block_tables, sample_indices, block_copies, swap_out, swap_in;
+  std::vector<int64_t> seq_ids, sample_seq_ids;
+
+  std::vector<int64_t> out_seq_ids;
+  std::vector<int32_t> out_token_ids, out_stop_reasons;
+  std::vector<uint8_t> out_finish_reasons;
+
+  // Points batch/result at the buffers (after construction or a move).
+  void bind();
+};
+
+}  // namespace pagedcore

@@ -1,0 +1,507 @@
+#include "pagedcore/engine.h"
+
+#include <algorithm>
+
+#include "check.h"
+
+namespace pagedcore {
+
+namespace {
+
+const EngineConfig& validated(const EngineConfig& config) {
+  config.validate();
+  return config;
+}
+
+bool contains(const std::vector<TokenId>& ids, TokenId token) {
+  return std::find(ids.begin(), ids.end(), token) != ids.end();
+}
+
+int32_t ceil_div(int64_t a, int64_t b) { return static_cast<int32_t>((a + b - 1) / b); }
+
+}  // namespace
+
+Engine::Engine(const EngineConfig& config)
+    : config_(validated(config)),
+      kv_(config.num_blocks, config.num_cpu_blocks, config.block_size,
+          config.enable_prefix_caching, config.sliding_window, config.prefix_hash_bits),
+      scheduler_(config_, kv_),
+      buffers_(config_) {
+  sample_seq_.resize(config.max_num_seqs);
+  sample_fork_index_.resize(config.max_num_seqs);
+  finished_requests_.reserve(config.max_num_seqs);
+  buffers_.result.finished_request_ids.reserve(config.max_num_seqs);
+}
+
+Engine::~Engine() = default;
+
+void Engine::require_no_pending_step(const char* call) const {
+  if (step_pending_) {
+    throw InvalidState(detail::concat(call,
+                                      "() called while a step is pending: call update() first"));
+  }
+}
+
+void Engine::debug_check() const {
+  if constexpr (detail::kDebugChecks) check_invariants();
+}
+
+Sequence* Engine::find_seq(SeqId seq_id) const {
+  auto it = seqs_.find(seq_id);
+  if (it == seqs_.end()) {
+    throw NotFound(detail::concat("seq_id ", seq_id, " is not a live sequence"));
+  }
+  return it->second;
+}
+
+void Engine::validate_request(const std::string& request_id, const TokenId* prompt,
+                              int32_t prompt_len, const RequestParams& params) const {
+  using detail::concat;
+  if (request_id.empty()) throw InvalidArgument("request_id must not be empty");
+  if (requests_.count(request_id)) {
+    throw InvalidArgument(concat("request_id '", request_id, "' is already in use"));
+  }
+  if (prompt_len < 1) throw InvalidArgument("prompt_token_ids must not be empty");
+  if (prompt_len > config_.max_model_len) {
+    throw InvalidArgument(concat("prompt_token_ids has ", prompt_len,
+                                 " tokens, more than max_model_len (", config_.max_model_len, ")"));
+  }
+  auto check_token = [this](const char* field, size_t i, TokenId t) {
+    if (t < 0 || (config_.vocab_size > 0 && t >= config_.vocab_size)) {
+      throw InvalidArgument(concat(field, "[", i, "] = ", t, " is not a token id",
+                                   config_.vocab_size > 0 ? concat(" in [0, ", config_.vocab_size, ")")
+                                                          : std::string(" (negative)")));
+    }
+  };
+  for (int32_t i = 0; i < prompt_len; ++i) check_token("prompt_token_ids", i, prompt[i]);
+  for (size_t i = 0; i < params.eos_token_ids.size(); ++i) {
+    check_token("eos_token_ids", i, params.eos_token_ids[i]);
+  }
+  for (size_t i = 0; i < params.stop_token_ids.size(); ++i) {
+    check_token("stop_token_ids", i, params.stop_token_ids[i]);
+  }
+  if (params.n < 1) throw InvalidArgument(concat("n must be >= 1, got ", params.n));
+  if (params.n > config_.max_num_seqs) {
+    throw InvalidArgument(concat("n must be <= max_num_seqs (", config_.max_num_seqs, "), got ",
+                                 params.n));
+  }
+  if (params.max_tokens < 1) {
+    throw InvalidArgument(concat("max_tokens must be >= 1, got ", params.max_tokens));
+  }
+  if (params.min_tokens < 0 || params.min_tokens > params.max_tokens) {
+    throw InvalidArgument(concat("min_tokens must be in [0, max_tokens=", params.max_tokens,
+                                 "], got ", params.min_tokens));
+  }
+  if (params.priority != 0 && config_.scheduling_policy == SchedulingPolicy::kFcfs) {
+    throw InvalidArgument(concat("priority must be 0 when scheduling_policy is 'fcfs', got ",
+                                 params.priority));
+  }
+  // The most blocks one sequence of this request can hold at once. With a
+  // sliding window that is the window plus one step's chunk, not the length.
+  const int64_t max_len = std::min<int64_t>(int64_t{prompt_len} + params.max_tokens,
+                                            config_.max_model_len);
+  int32_t needed = ceil_div(max_len, config_.block_size);
+  if (config_.sliding_window > 0) {
+    const int64_t live = config_.sliding_window - 1 +
+                         std::min<int64_t>(config_.max_num_batched_tokens, max_len);
+    needed = std::min(needed, ceil_div(live, config_.block_size) + 1);
+  }
+  if (needed > config_.num_blocks) {
+    throw InvalidArgument(concat("request '", request_id, "' needs up to ", needed,
+                                 " KV blocks (", prompt_len, " prompt + ", params.max_tokens,
+                                 " max_tokens, block_size ", config_.block_size,
+                                 ") but num_blocks is ", config_.num_blocks,
+                                 ": it could never run"));
+  }
+}
+
+SeqId Engine::add_request(const std::string& request_id, const TokenId* prompt,
+                          int32_t prompt_len, const RequestParams& params) {
+  validate_request(request_id, prompt, prompt_len, params);
+  auto request = std::make_unique<Request>();
+  request->request_id = request_id;
+  request->params = params;
+  request->first_seq_id = next_seq_id_;
+  request->awaiting_fork = params.n > 1;
+  request->num_unfinished = params.n;
+
+  auto seq = std::make_unique<Sequence>();
+  seq->seq_id = next_seq_id_;
+  seq->request = request.get();
+  seq->index = 0;
+  // Room for every token the sequence can reach, so that update() never
+  // reallocates it.
+  seq->tokens.reserve(std::min<int64_t>(int64_t{prompt_len} + params.max_tokens,
+                                        int64_t{config_.max_model_len} + 1));
+  seq->tokens.assign(prompt, prompt + prompt_len);
+  seq->prompt_len = prompt_len;
+  seq->weight = params.n;
+  seq->priority = params.priority;
+  seq->arrival = next_arrival_;
+  seq->blocks.reserve(config_.max_blocks_per_seq());
+
+  Sequence* raw = seq.get();
+  request->seqs.push_back(std::move(seq));
+  seqs_.emplace(raw->seq_id, raw);
+  requests_.emplace(request_id, std::move(request));
+  scheduler_.add_waiting(raw);
+  next_seq_id_ += params.n;
+  ++next_arrival_;
+  debug_check();
+  return raw->seq_id;
+}
+
+void Engine::finish_seq(Sequence* seq, FinishReason reason, int32_t stop_reason) {
+  kv_.free(seq->blocks);
+  seq->status = SeqStatus::kFinished;
+  seq->finish_reason = reason;
+  seq->stop_reason = stop_reason;
+  seqs_.erase(seq->seq_id);
+  Request* request = seq->request;
+  request->num_unfinished -= seq->weight;
+  if (request->num_unfinished == 0) finished_requests_.push_back(request);
+}
+
+void Engine::forget_request(Request* request) {
+  for (const auto& seq : request->seqs) seqs_.erase(seq->seq_id);
+  requests_.erase(request->request_id);  // destroys the request and its sequences
+}
+
+void Engine::abort(const std::string& request_id) {
+  require_no_pending_step("abort");
+  auto it = requests_.find(request_id);
+  if (it == requests_.end()) {
+    throw NotFound(detail::concat("request_id '", request_id, "' is not a live request"));
+  }
+  Request* request = it->second.get();
+  for (const auto& seq : request->seqs) {
+    if (seq->status == SeqStatus::kFinished) continue;
+    scheduler_.remove(seq.get());
+    kv_.free(seq->blocks);
+    seq->status = SeqStatus::kFinished;
+    seq->finish_reason = FinishReason::kAbort;
+  }
+  forget_request(request);
+  debug_check();
+}
+
+const StepBatch& Engine::schedule() {
+  require_no_pending_step("schedule");
+  ++step_;
+  scheduler_.schedule(step_);
+  fill_batch();
+  step_pending_ = true;
+  debug_check();
+  return buffers_.batch;
+}
+
+void Engine::fill_batch() {
+  StepBuffers& b = buffers_;
+  const int32_t bs = config_.block_size;
+  const size_t row_stride = static_cast<size_t>(config_.max_blocks_per_seq());
+  int32_t tok = 0;
+  int32_t row = 0;
+  int32_t sample = 0;
+  auto emit = [&](const ScheduledSeq& s) {
+    const Sequence& seq = *s.seq;
+    const std::vector<BlockId>& table = seq.blocks.block_table;
+    b.seq_ids[row] = seq.seq_id;
+    b.query_start_loc[row] = tok;
+    b.num_computed_tokens[row] = s.num_computed_before;
+    b.seq_lens[row] = s.num_computed_before + s.num_new;
+    std::copy(table.begin(), table.end(), b.block_tables.begin() + row * row_stride);
+    for (int32_t p = s.num_computed_before; p < s.num_computed_before + s.num_new; ++p, ++tok) {
+      b.input_ids[tok] = seq.tokens[p];
+      b.positions[tok] = p;
+      b.slot_mapping[tok] = table[p / bs] * bs + p % bs;
+    }
+    for (int32_t k = 0; k < s.num_samples; ++k, ++sample) {
+      b.sample_indices[sample] = tok - 1;
+      // Samples 1..n-1 of a parent go to the children its fork will create.
+      b.sample_seq_ids[sample] = k == 0 ? seq.seq_id : seq.request->first_seq_id + k;
+      sample_seq_[sample] = s.seq;
+      sample_fork_index_[sample] = k;
+    }
+    ++row;
+  };
+  const auto& scheduled = scheduler_.scheduled();
+  for (const ScheduledSeq& s : scheduled) {
+    if (s.num_new == 1) emit(s);
+  }
+  const int32_t num_decode = row;
+  for (const ScheduledSeq& s : scheduled) {
+    if (s.num_new != 1) emit(s);
+  }
+  b.query_start_loc[row] = tok;
+
+  auto put_pairs = [](const std::vector<BlockPair>& pairs, std::vector<int32_t>& out) {
+    for (size_t i = 0; i < pairs.size(); ++i) {
+      out[2 * i] = pairs[i].src;
+      out[2 * i + 1] = pairs[i].dst;
+    }
+    return static_cast<int32_t>(pairs.size());
+  };
+  StepBatch& batch = b.batch;
+  batch.num_block_copies = put_pairs(scheduler_.copies(), b.block_copies);
+  batch.num_swap_out = put_pairs(scheduler_.swap_out(), b.swap_out);
+  batch.num_swap_in = put_pairs(scheduler_.swap_in(), b.swap_in);
+  batch.num_tokens = tok;
+  batch.num_seqs = row;
+  batch.num_decode_seqs = num_decode;
+  batch.num_samples = sample;
+  PAGEDCORE_CHECK(tok == scheduler_.num_scheduled_tokens(), "batch has ", tok, " tokens, ",
+                  scheduler_.num_scheduled_tokens(), " scheduled");
+}
+
+Sequence* Engine::fork_child(Sequence* parent, SeqId child_id, int32_t index) {
+  auto child = std::make_unique<Sequence>();
+  child->seq_id = child_id;
+  child->request = parent->request;
+  child->index = index;
+  child->tokens.reserve(parent->tokens.capacity());
+  child->tokens.assign(parent->tokens.begin(), parent->tokens.end());
+  child->prompt_len = parent->prompt_len;
+  child->num_computed = parent->num_computed;
+  child->status = SeqStatus::kRunning;
+  child->priority = parent->priority;
+  child->arrival = parent->arrival;
+  child->last_scheduled_step = parent->last_scheduled_step;
+  child->blocks.reserve(config_.max_blocks_per_seq());
+  kv_.fork(parent->blocks, child->blocks);
+  Sequence* raw = child.get();
+  parent->request->seqs.push_back(std::move(child));
+  seqs_.emplace(child_id, raw);
+  scheduler_.add_running(raw);
+  return raw;
+}
+
+const StepResult& Engine::update(const TokenId* sampled, int32_t num_sampled) {
+  using detail::concat;
+  if (!step_pending_) throw InvalidState("update() called without a pending schedule()");
+  const StepBatch& batch = buffers_.batch;
+  if (num_sampled != batch.num_samples) {
+    throw InvalidArgument(concat("sampled_token_ids has ", num_sampled,
+                                 " entries but the step has ", batch.num_samples, " samples"));
+  }
+  for (int32_t k = 0; k < num_sampled; ++k) {
+    const TokenId t = sampled[k];
+    if (t < 0 || (config_.vocab_size > 0 && t >= config_.vocab_size)) {
+      throw InvalidArgument(concat("sampled_token_ids[", k, "] = ", t, " is not a token id"));
+    }
+  }
+  StepBuffers& b = buffers_;
+  finished_requests_.clear();
+  b.result.finished_request_ids.clear();
+  for (int32_t k = 0; k < num_sampled; ++k) {
+    Sequence* seq = sample_seq_[k];
+    Request* request = seq->request;
+    const int32_t fork_index = sample_fork_index_[k];
+    if (fork_index == 0 && request->awaiting_fork) {
+      // The prompt is computed: the parent becomes n sequences sharing its
+      // blocks, before any of them appends a token.
+      scheduler_.set_weight(seq, 1);
+      for (int32_t j = 1; j < request->params.n; ++j) {
+        fork_child(seq, request->first_seq_id + j, j);
+      }
+      request->awaiting_fork = false;
+    }
+    Sequence* target = fork_index == 0 ? seq : request->seqs[fork_index].get();
+    const TokenId token = sampled[k];
+    target->tokens.push_back(token);
+    ++num_generation_tokens_;
+    if (target->index == 0 && target->num_outputs() == 1) num_prompt_tokens_ += target->prompt_len;
+
+    const RequestParams& params = request->params;
+    FinishReason reason = FinishReason::kNone;
+    int32_t stop_reason = -1;
+    if (target->num_outputs() >= params.min_tokens) {
+      if (!params.ignore_eos && contains(params.eos_token_ids, token)) {
+        reason = FinishReason::kStop;
+      } else if (contains(params.stop_token_ids, token)) {
+        reason = FinishReason::kStop;
+        stop_reason = token;
+      }
+    }
+    if (reason == FinishReason::kNone && (target->num_outputs() >= params.max_tokens ||
+                                          target->num_tokens() >= config_.max_model_len)) {
+      reason = FinishReason::kLength;
+    }
+    b.out_seq_ids[k] = target->seq_id;
+    b.out_token_ids[k] = token;
+    b.out_finish_reasons[k] = static_cast<uint8_t>(reason);
+    b.out_stop_reasons[k] = stop_reason;
+    if (reason != FinishReason::kNone) finish_seq(target, reason, stop_reason);
+  }
+  b.result.num_outputs = num_sampled;
+  scheduler_.drop_finished();
+  for (Request* request : finished_requests_) {
+    b.result.finished_request_ids.push_back(request->request_id);
+    forget_request(request);
+  }
+  step_pending_ = false;
+  debug_check();
+  return b.result;
+}
+
+bool Engine::finish(SeqId seq_id, FinishReason reason) {
+  require_no_pending_step("finish");
+  if (reason != FinishReason::kStop && reason != FinishReason::kAbort) {
+    throw InvalidArgument(detail::concat("finish reason must be 'stop' or 'abort', got '",
+                                         to_string(reason), "'"));
+  }
+  Sequence* seq = find_seq(seq_id);
+  scheduler_.remove(seq);
+  finished_requests_.clear();
+  finish_seq(seq, reason, -1);
+  const bool request_done = !finished_requests_.empty();
+  if (request_done) forget_request(seq->request);
+  finished_requests_.clear();
+  debug_check();
+  return request_done;
+}
+
+SeqId Engine::fork(SeqId seq_id) {
+  using detail::concat;
+  require_no_pending_step("fork");
+  Sequence* seq = find_seq(seq_id);
+  if (seq->status != SeqStatus::kRunning) {
+    throw InvalidArgument(concat("seq_id ", seq_id, " is not running (waiting or swapped)"));
+  }
+  if (seq->request->awaiting_fork) {
+    throw InvalidArgument(concat("seq_id ", seq_id, " has not forked its n=",
+                                 seq->request->params.n, " samples yet"));
+  }
+  if (scheduler_.num_running_seats() + 1 > config_.max_num_seqs) {
+    throw InvalidArgument(concat("fork of seq_id ", seq_id, " needs a seat but max_num_seqs (",
+                                 config_.max_num_seqs, ") are taken"));
+  }
+  const SeqId child_id = next_seq_id_++;
+  Request* request = seq->request;
+  fork_child(seq, child_id, static_cast<int32_t>(request->seqs.size()));
+  ++request->num_unfinished;
+  debug_check();
+  return child_id;
+}
+
+const std::vector<TokenId>& Engine::seq_token_ids(SeqId seq_id) const {
+  return find_seq(seq_id)->tokens;
+}
+
+const std::vector<BlockId>& Engine::seq_block_table(SeqId seq_id) const {
+  return find_seq(seq_id)->blocks.block_table;
+}
+
+EngineStats Engine::stats() const {
+  EngineStats s;
+  const BlockAllocator& gpu = kv_.gpu();
+  s.num_blocks = gpu.num_blocks();
+  s.num_free_blocks = gpu.num_free_blocks();
+  s.num_cached_blocks = gpu.num_cached_free_blocks();
+  s.num_used_blocks = gpu.num_blocks() - gpu.num_free_blocks();
+  s.num_cpu_blocks = kv_.cpu().num_blocks();
+  s.num_free_cpu_blocks = kv_.cpu().num_free_blocks();
+  s.num_requests = static_cast<int32_t>(requests_.size());
+  s.num_running_seqs = static_cast<int32_t>(scheduler_.running().size());
+  s.num_waiting_seqs = scheduler_.waiting().size();
+  s.num_swapped_seqs = scheduler_.num_swapped();
+  s.num_steps = step_;
+  const SchedulerStats& ss = scheduler_.stats();
+  s.num_preemptions = ss.num_preemptions;
+  s.num_recompute_preemptions = ss.num_recompute_preemptions;
+  s.num_swap_preemptions = ss.num_swap_preemptions;
+  s.prefix_cache_queries = ss.prefix_cache_queries;
+  s.prefix_cache_hits = ss.prefix_cache_hits;
+  s.prefix_cache_hit_rate = ss.prefix_cache_queries > 0
+                                ? static_cast<double>(ss.prefix_cache_hits) / ss.prefix_cache_queries
+                                : 0.0;
+  s.num_prompt_tokens = num_prompt_tokens_;
+  s.num_generation_tokens = num_generation_tokens_;
+  return s;
+}
+
+void Engine::check_invariants() const {
+  using detail::concat;
+  kv_.gpu().check_consistency();
+  kv_.cpu().check_consistency();
+  scheduler_.check_consistency();
+  const int32_t bs = config_.block_size;
+  std::vector<int32_t> gpu_refs(num_physical_blocks(), 0);
+  std::vector<int32_t> cpu_refs(num_physical_cpu_blocks(), 0);
+  size_t live = 0;
+  for (const auto& [id, request] : requests_) {
+    int32_t unfinished = 0;
+    for (const auto& seq_ptr : request->seqs) {
+      const Sequence& seq = *seq_ptr;
+      if (seq.status == SeqStatus::kFinished) {
+        PAGEDCORE_CHECK(seqs_.count(seq.seq_id) == 0, "finished seq ", seq.seq_id, " still live");
+        PAGEDCORE_CHECK(seq.blocks.block_table.empty() && seq.blocks.cpu_block_table.empty(),
+                        "finished seq ", seq.seq_id, " holds blocks");
+        continue;
+      }
+      ++live;
+      unfinished += seq.weight;
+      PAGEDCORE_CHECK(seqs_.count(seq.seq_id) == 1 && seqs_.at(seq.seq_id) == &seq, "seq ",
+                      seq.seq_id, " missing from the id map");
+      PAGEDCORE_CHECK(seq.num_computed >= 0 && seq.num_computed <= seq.num_tokens(), "seq ",
+                      seq.seq_id, " computed ", seq.num_computed, " of ", seq.num_tokens());
+      PAGEDCORE_CHECK(seq.num_computed <= config_.max_model_len, "seq ", seq.seq_id,
+                      " computed past max_model_len");
+      const SeqBlocks& blocks = seq.blocks;
+      const int32_t expected_blocks = (seq.num_computed + bs - 1) / bs;
+      switch (seq.status) {
+        case SeqStatus::kRunning:
+          PAGEDCORE_CHECK(!blocks.swapped && blocks.cpu_block_table.empty(), "running seq ",
+                          seq.seq_id, " is swapped");
+          PAGEDCORE_CHECK(static_cast<int32_t>(blocks.block_table.size()) == expected_blocks,
+                          "running seq ", seq.seq_id, " has ", blocks.block_table.size(),
+                          " blocks for ", seq.num_computed, " computed tokens");
+          PAGEDCORE_CHECK(step_pending_ || seq.num_computed < seq.num_tokens(), "running seq ",
+                          seq.seq_id, " has no token to compute between steps");
+          break;
+        case SeqStatus::kWaiting:
+          PAGEDCORE_CHECK(blocks.block_table.empty() && !blocks.swapped && seq.num_computed == 0,
+                          "waiting seq ", seq.seq_id, " holds KV");
+          break;
+        case SeqStatus::kSwapped:
+          PAGEDCORE_CHECK(blocks.block_table.empty() && blocks.swapped &&
+                              static_cast<int32_t>(blocks.cpu_block_table.size()) ==
+                                  expected_blocks,
+                          "swapped seq ", seq.seq_id, " has inconsistent tables");
+          break;
+        case SeqStatus::kFinished:
+          break;
+      }
+      for (size_t i = 0; i < blocks.block_table.size(); ++i) {
+        const BlockId blk = blocks.block_table[i];
+        const bool released = static_cast<int32_t>(i) < blocks.num_released;
+        PAGEDCORE_CHECK(released == (blk == kNullBlock), "seq ", seq.seq_id, " block ", i,
+                        " is ", blk, " with ", blocks.num_released, " released");
+        PAGEDCORE_CHECK(blk >= 0 && blk < num_physical_blocks(), "block id ", blk, " out of range");
+        ++gpu_refs[blk];
+      }
+      for (BlockId blk : blocks.cpu_block_table) {
+        PAGEDCORE_CHECK(blk >= 0 && blk < num_physical_cpu_blocks(), "cpu block ", blk,
+                        " out of range");
+        ++cpu_refs[blk];
+      }
+    }
+    PAGEDCORE_CHECK(unfinished == request->num_unfinished, "request '", id, "' counts ",
+                    request->num_unfinished, " unfinished, sequences say ", unfinished);
+    PAGEDCORE_CHECK(unfinished > 0, "request '", id, "' is finished but not forgotten");
+  }
+  PAGEDCORE_CHECK(live == seqs_.size(), seqs_.size(), " live ids for ", live, " live sequences");
+  PAGEDCORE_CHECK(live == scheduler_.running().size() + scheduler_.waiting().size(), "queues hold ",
+                  scheduler_.running().size() + scheduler_.waiting().size(), " of ", live,
+                  " live sequences");
+  for (BlockId blk = 1; blk < num_physical_blocks(); ++blk) {
+    PAGEDCORE_CHECK(kv_.gpu().ref_count(blk) == gpu_refs[blk], "block ", blk, " has ref count ",
+                    kv_.gpu().ref_count(blk), " but ", gpu_refs[blk], " block-table references");
+  }
+  for (BlockId blk = 1; blk < num_physical_cpu_blocks(); ++blk) {
+    PAGEDCORE_CHECK(kv_.cpu().ref_count(blk) == cpu_refs[blk], "cpu block ", blk,
+                    " has ref count ", kv_.cpu().ref_count(blk), " but ", cpu_refs[blk],
+                    " references");
+  }
+}
+
+}  // namespace pagedcore

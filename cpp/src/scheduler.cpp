@@ -1,0 +1,217 @@
+#include "pagedcore/scheduler.h"
+
+#include <algorithm>
+
+#include "check.h"
+#include "pagedcore/log.h"
+
+namespace pagedcore {
+
+Scheduler::Scheduler(const EngineConfig& config, KVCacheManager& kv) : config_(config), kv_(kv) {
+  running_.reserve(config.max_num_seqs);
+  scheduled_.reserve(config.max_num_seqs);
+  copies_.reserve(config.max_num_seqs);
+  swap_out_.reserve(config.num_cpu_blocks);
+  swap_in_.reserve(config.num_cpu_blocks);
+}
+
+void Scheduler::add_waiting(Sequence* seq) {
+  PAGEDCORE_CHECK(seq->status == SeqStatus::kWaiting || seq->status == SeqStatus::kSwapped,
+                  "add_waiting of sequence ", seq->seq_id, " in state ",
+                  static_cast<int>(seq->status));
+  if (seq->status == SeqStatus::kSwapped) ++num_swapped_;
+  waiting_.push(seq);
+}
+
+void Scheduler::add_running(Sequence* seq) {
+  PAGEDCORE_CHECK(seq->status == SeqStatus::kRunning, "add_running of a sequence not running");
+  auto pos = std::upper_bound(running_.begin(), running_.end(), seq,
+                              [](const Sequence* a, const Sequence* b) { return runs_before(*a, *b); });
+  running_.insert(pos, seq);
+  running_seats_ += seq->weight;
+}
+
+void Scheduler::remove(Sequence* seq) {
+  if (seq->heap_index >= 0) {
+    waiting_.remove(seq);
+    if (seq->status == SeqStatus::kSwapped) --num_swapped_;
+    return;
+  }
+  auto it = std::find(running_.begin(), running_.end(), seq);
+  PAGEDCORE_CHECK(it != running_.end(), "sequence ", seq->seq_id, " is in no queue");
+  running_.erase(it);
+  running_seats_ -= seq->weight;
+}
+
+void Scheduler::set_weight(Sequence* seq, int32_t weight) {
+  PAGEDCORE_CHECK(seq->status == SeqStatus::kRunning, "set_weight of a sequence not running");
+  running_seats_ += weight - seq->weight;
+  seq->weight = weight;
+}
+
+void Scheduler::drop_finished() {
+  auto end = std::remove_if(running_.begin(), running_.end(), [this](Sequence* s) {
+    if (s->status != SeqStatus::kFinished) return false;
+    running_seats_ -= s->weight;
+    return true;
+  });
+  running_.erase(end, running_.end());
+}
+
+void Scheduler::preempt_last_running(int64_t step) {
+  Sequence* victim = running_.back();
+  PAGEDCORE_CHECK(victim->last_scheduled_step != step, "preempting sequence ", victim->seq_id,
+                  " that is already scheduled in this step");
+  running_.pop_back();
+  running_seats_ -= victim->weight;
+  ++victim->num_preemptions;
+  ++stats_.num_preemptions;
+  const bool swap = config_.preemption_mode == PreemptionMode::kSwap;
+  const char* how;
+  if (swap && kv_.can_swap_out(victim->blocks)) {
+    kv_.swap_out(victim->blocks, swap_out_);
+    victim->status = SeqStatus::kSwapped;
+    ++stats_.num_swap_preemptions;
+    how = "swap";
+  } else {
+    // NOTE: the victim's tokens are all kept; it resumes by recomputing them
+    // (from the prefix cache where its blocks survive) and then samples on.
+    kv_.free(victim->blocks);
+    victim->num_computed = 0;
+    victim->status = SeqStatus::kWaiting;
+    ++stats_.num_recompute_preemptions;
+    how = swap ? "recompute (CPU swap space full)" : "recompute";
+  }
+  add_waiting(victim);
+  log_message(LogLevel::kWarning,
+              detail::concat("sequence ", victim->seq_id, " of request '",
+                             victim->request->request_id, "' preempted by ", how,
+                             ": not enough KV cache blocks (", kv_.gpu().num_free_blocks(),
+                             " free of ", kv_.gpu().num_blocks(),
+                             "); total preemptions: ", stats_.num_preemptions,
+                             ". More blocks (num_blocks / gpu_memory_utilization) or a lower "
+                             "max_num_seqs avoid this."));
+}
+
+void Scheduler::record(Sequence* seq, int32_t num_new, int64_t step) {
+  const int32_t before = seq->num_computed;
+  seq->num_computed += num_new;
+  seq->last_scheduled_step = step;
+  const int32_t samples = seq->num_computed == seq->num_tokens() ? seq->weight : 0;
+  scheduled_.push_back({seq, before, num_new, samples});
+  num_scheduled_tokens_ += num_new;
+  kv_.register_full_blocks(seq->blocks, seq->tokens.data(), seq->num_computed,
+                           seq->request->params.cache_salt);
+}
+
+bool Scheduler::try_admit(Sequence* seq, int32_t* budget) {
+  SeqBlocks& blocks = seq->blocks;
+  int32_t num_new;
+  if (seq->status == SeqStatus::kSwapped) {
+    num_new = std::min(seq->num_uncomputed(), *budget);
+    if (kv_.num_blocks_to_swap_in(blocks, seq->num_computed, num_new) >
+        kv_.gpu().num_free_blocks()) {
+      return false;
+    }
+    waiting_.remove(seq);
+    --num_swapped_;
+    kv_.swap_in(blocks, swap_in_);
+  } else {
+    PAGEDCORE_CHECK(seq->num_computed == 0 && blocks.block_table.empty(),
+                    "waiting sequence ", seq->seq_id, " holds KV");
+    int32_t num_revived = 0;
+    const int32_t hits = kv_.lookup_prefix(blocks, seq->tokens.data(), seq->num_tokens(),
+                                           seq->request->params.cache_salt, &num_revived);
+    const int32_t hit_tokens = hits * kv_.block_size();
+    num_new = std::min(seq->num_tokens() - hit_tokens, *budget);
+    const int32_t bs = kv_.block_size();
+    const int32_t fresh = (hit_tokens + num_new + bs - 1) / bs - hits;
+    if (fresh + num_revived > kv_.gpu().num_free_blocks()) return false;
+    waiting_.remove(seq);
+    kv_.commit_prefix(blocks, hits);
+    seq->num_computed = hit_tokens;
+    if (seq->num_preemptions == 0) {
+      stats_.prefix_cache_queries += seq->num_tokens();
+      stats_.prefix_cache_hits += hit_tokens;
+    }
+  }
+  kv_.release_out_of_window(blocks, seq->num_computed);
+  kv_.allocate_slots(blocks, seq->num_computed, num_new, copies_);
+  seq->status = SeqStatus::kRunning;
+  add_running(seq);
+  *budget -= num_new;
+  return true;
+}
+
+void Scheduler::schedule(int64_t step) {
+  scheduled_.clear();
+  copies_.clear();
+  swap_out_.clear();
+  swap_in_.clear();
+  num_scheduled_tokens_ = 0;
+  int32_t budget = config_.max_num_batched_tokens;
+  bool preempted = false;
+
+  // Running sequences, in order. Victims are taken from the back, so a victim
+  // is never one already scheduled in this step (unless it is `seq` itself).
+  for (size_t i = 0; i < running_.size() && budget > 0; ++i) {
+    Sequence* seq = running_[i];
+    const int32_t num_new = std::min(seq->num_uncomputed(), budget);
+    PAGEDCORE_CHECK(num_new > 0, "running sequence ", seq->seq_id, " has nothing to compute");
+    kv_.release_out_of_window(seq->blocks, seq->num_computed);
+    bool self_preempted = false;
+    while (!kv_.can_allocate(seq->blocks, seq->num_computed, num_new)) {
+      const bool last = running_.back() == seq;
+      preempt_last_running(step);
+      preempted = true;
+      if (last) {
+        self_preempted = true;
+        break;
+      }
+    }
+    if (self_preempted) break;
+    kv_.allocate_slots(seq->blocks, seq->num_computed, num_new, copies_);
+    budget -= num_new;
+    record(seq, num_new, step);
+  }
+
+  // NOTE: no admission in a step that preempted: the freed blocks would go to
+  // newcomers while the victims wait, and swap-in pairs would mix with the
+  // swap-out pairs of the same step.
+  if (!preempted) {
+    while (budget > 0 && !waiting_.empty()) {
+      Sequence* seq = waiting_.top();
+      if (running_seats_ + seq->weight > config_.max_num_seqs) break;
+      const int32_t budget_before = budget;
+      if (!try_admit(seq, &budget)) break;
+      record(seq, budget_before - budget, step);
+    }
+  }
+}
+
+void Scheduler::check_consistency() const {
+  waiting_.check_consistency();
+  int32_t seats = 0;
+  for (size_t i = 0; i < running_.size(); ++i) {
+    const Sequence* s = running_[i];
+    PAGEDCORE_CHECK(s->status == SeqStatus::kRunning, "sequence ", s->seq_id,
+                    " in the running list has state ", static_cast<int>(s->status));
+    PAGEDCORE_CHECK(s->heap_index == -1, "running sequence ", s->seq_id, " is also waiting");
+    if (i > 0) {
+      PAGEDCORE_CHECK(runs_before(*running_[i - 1], *s), "running list out of order at ", i);
+    }
+    seats += s->weight;
+  }
+  PAGEDCORE_CHECK(seats == running_seats_, "running seats ", running_seats_, " but ", seats,
+                  " counted");
+  PAGEDCORE_CHECK(seats <= config_.max_num_seqs, seats, " seats over max_num_seqs");
+  int32_t swapped = 0;
+  for (const Sequence* s : waiting_.items()) {
+    PAGEDCORE_CHECK(s->status == SeqStatus::kWaiting || s->status == SeqStatus::kSwapped,
+                    "waiting sequence ", s->seq_id, " has state ", static_cast<int>(s->status));
+    if (s->status == SeqStatus::kSwapped) ++swapped;
+  }
+  PAGEDCORE_CHECK(swapped == num_swapped_, "swapped count ", num_swapped_, " but ", swapped);
+}
+
+}  // namespace pagedcore
