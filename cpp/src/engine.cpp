@@ -131,14 +131,18 @@ SeqId Engine::add_request(const std::string& request_id, const TokenId* prompt,
   seq->index = 0;
   // Room for every token the sequence can reach, so that update() never
   // reallocates it.
-  seq->tokens.reserve(std::min<int64_t>(int64_t{prompt_len} + params.max_tokens,
-                                        int64_t{config_.max_model_len} + 1));
+  const int64_t max_tokens_total = std::min<int64_t>(int64_t{prompt_len} + params.max_tokens,
+                                                      int64_t{config_.max_model_len} + 1);
+  seq->tokens.reserve(max_tokens_total);
   seq->tokens.assign(prompt, prompt + prompt_len);
   seq->prompt_len = prompt_len;
   seq->weight = params.n;
   seq->priority = params.priority;
   seq->arrival = next_arrival_;
-  seq->blocks.reserve(config_.max_blocks_per_seq());
+  // At most max_model_len tokens are ever computed (the last sampled one never is).
+  request->max_seq_blocks = ceil_div(std::min<int64_t>(max_tokens_total, config_.max_model_len),
+                                     config_.block_size);
+  seq->blocks.reserve(request->max_seq_blocks);
 
   Sequence* raw = seq.get();
   request->seqs.push_back(std::move(seq));
@@ -266,7 +270,7 @@ Sequence* Engine::fork_child(Sequence* parent, SeqId child_id, int32_t index) {
   child->priority = parent->priority;
   child->arrival = parent->arrival;
   child->last_scheduled_step = parent->last_scheduled_step;
-  child->blocks.reserve(config_.max_blocks_per_seq());
+  child->blocks.reserve(parent->request->max_seq_blocks);
   kv_.fork(parent->blocks, child->blocks);
   Sequence* raw = child.get();
   parent->request->seqs.push_back(std::move(child));

@@ -8,7 +8,6 @@ namespace pagedcore {
 
 void SeqBlocks::reserve(int32_t max_blocks) {
   block_table.reserve(max_blocks);
-  cpu_block_table.reserve(max_blocks);
   block_hashes.reserve(max_blocks);
   block_epochs.reserve(max_blocks);
 }
@@ -40,7 +39,9 @@ void KVCacheManager::allocate_slots(SeqBlocks& seq, int32_t num_computed, int32_
   PAGEDCORE_CHECK(static_cast<int32_t>(seq.block_table.size()) == blocks_for(num_computed),
                   "block table has ", seq.block_table.size(), " entries for ", num_computed,
                   " computed tokens");
-  PAGEDCORE_CHECK(can_allocate(seq, num_computed, num_new), "allocate_slots without room");
+  // NOTE: a debug check only: the caller has just asked can_allocate(), and
+  // allocate() itself refuses (always-on) to hand out a block it does not have.
+  PAGEDCORE_DCHECK(can_allocate(seq, num_computed, num_new), "allocate_slots without room");
   if (num_new > 0 && num_computed % block_size_ != 0) {
     // NOTE: a partially filled block shared with another sequence (after a
     // fork) must not be written in place: the other sequence's next tokens go

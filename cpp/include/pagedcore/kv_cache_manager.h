@@ -22,6 +22,9 @@ namespace pagedcore {
 struct BlockPair {
   BlockId src;
   BlockId dst;
+  friend bool operator==(const BlockPair& a, const BlockPair& b) {
+    return a.src == b.src && a.dst == b.dst;
+  }
 };
 
 // Per-sequence state the manager works on. Owned by the sequence.
@@ -41,8 +44,9 @@ struct SeqBlocks {
   // Leading full blocks whose epoch has been set by a lookup or a registration.
   int32_t num_chained = 0;
 
-  // Reserves room for max_blocks entries everywhere, so that nothing the
-  // manager does to this sequence allocates afterwards.
+  // Reserves room for max_blocks entries, so that allocating slots and
+  // registering blocks never reallocate. (The CPU table is sized at swap-out:
+  // preemption is not the steady state.)
   void reserve(int32_t max_blocks);
 };
 
