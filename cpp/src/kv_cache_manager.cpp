@@ -107,23 +107,34 @@ int32_t KVCacheManager::lookup_prefix(SeqBlocks& seq, const TokenId* tokens, int
         gpu_.lookup(seq.block_hashes[i], tokens + i * block_size_, extra_key, parent_epoch);
     if (b == kNoBlock) break;
     hits_.push_back(b);
-    if (gpu_.ref_count(b) == 0) ++*num_revived;
     parent_epoch = gpu_.epoch(b);
   }
-  return static_cast<int32_t>(hits_.size());
+  const int32_t num_hits = static_cast<int32_t>(hits_.size());
+  // NOTE: hits that commit_prefix drops (before the window) must not count,
+  // or a long cached prefix could look bigger than the whole pool and the
+  // request would never be admitted.
+  for (int32_t i = std::min(num_dead_blocks(num_hits * block_size_), num_hits); i < num_hits; ++i) {
+    if (gpu_.ref_count(hits_[i]) == 0) ++*num_revived;
+  }
+  return num_hits;
 }
 
 void KVCacheManager::commit_prefix(SeqBlocks& seq, int32_t num_hits) {
   PAGEDCORE_CHECK(num_hits >= 0 && num_hits <= static_cast<int32_t>(hits_.size()),
                   "commit of ", num_hits, " hits, lookup found ", hits_.size());
   PAGEDCORE_CHECK(seq.block_table.empty(), "commit_prefix on a sequence with blocks");
+  const int32_t dead = std::min(num_dead_blocks(num_hits * block_size_), num_hits);
   for (int32_t i = 0; i < num_hits; ++i) {
-    gpu_.incref(hits_[i]);
-    seq.block_table.push_back(hits_[i]);
     seq.block_epochs[i] = gpu_.epoch(hits_[i]);
+    if (i < dead) {
+      seq.block_table.push_back(kNullBlock);
+    } else {
+      gpu_.incref(hits_[i]);
+      seq.block_table.push_back(hits_[i]);
+    }
   }
   seq.num_chained = num_hits;
-  seq.num_released = 0;
+  seq.num_released = dead;
 }
 
 void KVCacheManager::register_full_blocks(SeqBlocks& seq, const TokenId* tokens,
@@ -149,14 +160,17 @@ void KVCacheManager::register_full_blocks(SeqBlocks& seq, const TokenId* tokens,
   seq.num_chained = num_full;
 }
 
-int32_t KVCacheManager::release_out_of_window(SeqBlocks& seq, int32_t num_computed) {
+int32_t KVCacheManager::num_dead_blocks(int32_t num_computed) const {
   if (sliding_window_ <= 0) return 0;
-  // The earliest query of the step sits at position num_computed and sees keys
-  // from num_computed - sliding_window + 1 on; blocks wholly before are dead.
+  // The earliest query still to come sits at position num_computed and sees
+  // keys from num_computed - sliding_window + 1 on; blocks wholly before are dead.
   const int32_t first_visible = num_computed - sliding_window_ + 1;
-  if (first_visible <= 0) return 0;
-  const int32_t first_kept =
-      std::min<int32_t>(first_visible / block_size_, static_cast<int32_t>(seq.block_table.size()));
+  return first_visible <= 0 ? 0 : first_visible / block_size_;
+}
+
+int32_t KVCacheManager::release_out_of_window(SeqBlocks& seq, int32_t num_computed) {
+  const int32_t first_kept = std::min<int32_t>(num_dead_blocks(num_computed),
+                                               static_cast<int32_t>(seq.block_table.size()));
   int32_t released = 0;
   for (int32_t i = seq.num_released; i < first_kept; ++i) {
     gpu_.decref(seq.block_table[i]);

@@ -274,6 +274,36 @@ TEST(Engine, SlidingWindowBlockTablesHoldNullBlocks) {
   EXPECT_EQ(f.stats().num_free_blocks, 4);
 }
 
+TEST(Engine, SlidingWindowTakesOnlyTheVisiblePartOfACachedPrefix) {
+  // A cached prefix longer than the pool must not keep a request waiting: the
+  // hits before the window are not taken (null entries), only the visible ones.
+  EngineConfig c = config(8);
+  c.sliding_window = 16;
+  c.max_num_batched_tokens = 32;
+  c.max_model_len = 128;
+  Engine e(c);
+  const std::vector<TokenId> b = iota_tokens(80);
+  const std::vector<TokenId> a(b.begin(), b.begin() + 40);
+  Transcript t;
+  e.add_request("a", a, params_max_tokens(1));
+  drain(e, t);
+  EXPECT_EQ(e.stats().num_cached_blocks, 5);
+  e.add_request("b", b, params_max_tokens(1));
+  const StepBatch& first = e.schedule();
+  ASSERT_EQ(first.num_seqs, 1);
+  EXPECT_EQ(first.num_computed_tokens[0], 40);  // 5 blocks hit
+  EXPECT_EQ(first.num_tokens, 32);
+  // Position 40 sees 25..40: blocks 0-2 are dead and stay null.
+  for (int i = 0; i < 3; ++i) EXPECT_EQ(first.block_tables[i], kNullBlock) << i;
+  EXPECT_NE(first.block_tables[3], kNullBlock);
+  EXPECT_EQ(e.stats().prefix_cache_hits, 40);
+  const std::vector<TokenId> s = fake_sample(e, first);
+  record(e.update(s.data(), static_cast<int32_t>(s.size())), t);
+  EXPECT_LE(drain(e, t), 2);
+  EXPECT_EQ(t.finished_requests, (std::vector<std::string>{"a", "b"}));
+  EXPECT_EQ(e.stats().num_free_blocks, 8);
+}
+
 TEST(Engine, BadInputThrowsAndChangesNothing) {
   EngineConfig c = config(4);
   c.vocab_size = 1000;

@@ -247,6 +247,29 @@ TEST(KVCacheManager, SlidingWindowReleasesWholeBlocksBeforeTheWindow) {
   kv.gpu().check_consistency();
 }
 
+TEST(KVCacheManager, SlidingWindowPrefixHitsBeforeTheWindowStayNull) {
+  KVCacheManager kv(16, 0, 4, true, /*sliding_window=*/6);
+  const std::vector<TokenId> prompt = tokens_upto(21);
+  SeqBlocks first;
+  std::vector<BlockPair> copies;
+  kv.allocate_slots(first, 0, 20, copies);
+  kv.register_full_blocks(first, prompt.data(), 20, 0);
+  kv.free(first);
+  EXPECT_EQ(kv.gpu().num_cached_free_blocks(), 5);
+  SeqBlocks second;
+  int32_t revived = -1;
+  // Hits cover 0..19; a query at 20 sees 15..20: blocks 0-2 are dead.
+  EXPECT_EQ(kv.lookup_prefix(second, prompt.data(), 21, 0, &revived), 5);
+  EXPECT_EQ(revived, 2);
+  kv.commit_prefix(second, 5);
+  EXPECT_EQ(second.block_table, (std::vector<BlockId>{kNullBlock, kNullBlock, kNullBlock, 4, 5}));
+  EXPECT_EQ(second.num_released, 3);
+  EXPECT_EQ(kv.gpu().num_cached_free_blocks(), 3);
+  EXPECT_EQ(kv.release_out_of_window(second, 20), 0);
+  kv.free(second);
+  kv.gpu().check_consistency();
+}
+
 TEST(KVCacheManager, SwapOutAndBackIn) {
   KVCacheManager kv(8, 4, 4, false, 0);
   SeqBlocks a, b;

@@ -91,11 +91,15 @@ class KVCacheManager {
   // the last token (it is always computed, to produce logits). Hits are left in
   // hits() for commit_prefix(). Also fills seq's hash chain for the prompt.
   // Returns the number of hit blocks; *num_revived gets how many of them are
-  // free (cached, ref 0), i.e. would leave the free pool when committed.
+  // free (cached, ref 0) and would leave the free pool when committed: with a
+  // sliding window, hits wholly before the window of the first computed token
+  // are not taken (commit_prefix leaves them as null blocks), so they do not
+  // count.
   // Precondition: seq has no blocks.
   int32_t lookup_prefix(SeqBlocks& seq, const TokenId* tokens, int32_t num_tokens,
                         uint64_t extra_key, int32_t* num_revived);
-  // Takes the first num_hits blocks of the last lookup into seq's table.
+  // Takes the first num_hits blocks of the last lookup into seq's table (those
+  // before the sliding window as kNullBlock, without a reference).
   void commit_prefix(SeqBlocks& seq, int32_t num_hits);
   const std::vector<BlockId>& hits() const { return hits_; }
 
@@ -125,6 +129,8 @@ class KVCacheManager {
   void swap_in(SeqBlocks& seq, std::vector<BlockPair>& pairs);
 
  private:
+  // Leading blocks that no query at position >= num_computed can see.
+  int32_t num_dead_blocks(int32_t num_computed) const;
   int32_t blocks_for(int32_t num_tokens) const {
     return (num_tokens + block_size_ - 1) / block_size_;
   }
