@@ -65,15 +65,16 @@ EngineConfig make_config(int32_t num_blocks, int32_t block_size, int32_t max_num
 }
 
 RequestParams make_params(int32_t n, int32_t max_tokens, int32_t min_tokens, bool ignore_eos,
-                          std::vector<TokenId> eos_token_ids, std::vector<TokenId> stop_token_ids,
-                          int32_t priority, uint64_t cache_salt) {
+                          const std::vector<int64_t>& eos_token_ids,
+                          const std::vector<int64_t>& stop_token_ids, int32_t priority,
+                          uint64_t cache_salt) {
   RequestParams p;
   p.n = n;
   p.max_tokens = max_tokens;
   p.min_tokens = min_tokens;
   p.ignore_eos = ignore_eos;
-  p.eos_token_ids = std::move(eos_token_ids);
-  p.stop_token_ids = std::move(stop_token_ids);
+  p.eos_token_ids = to_token_ids(eos_token_ids.data(), eos_token_ids.size(), "eos_token_ids");
+  p.stop_token_ids = to_token_ids(stop_token_ids.data(), stop_token_ids.size(), "stop_token_ids");
   p.priority = priority;
   p.cache_salt = cache_salt;
   return p;
@@ -153,7 +154,7 @@ PYBIND11_MODULE(_C, m) {
   py::class_<RequestParams>(m, "RequestParams")
       .def(py::init(&make_params), py::kw_only(), "n"_a = 1, "max_tokens"_a = 16,
            "min_tokens"_a = 0, "ignore_eos"_a = false,
-           "eos_token_ids"_a = std::vector<TokenId>{}, "stop_token_ids"_a = std::vector<TokenId>{},
+           "eos_token_ids"_a = std::vector<int64_t>{}, "stop_token_ids"_a = std::vector<int64_t>{},
            "priority"_a = 0, "cache_salt"_a = 0)
       .def_readonly("n", &RequestParams::n)
       .def_readonly("max_tokens", &RequestParams::max_tokens)
@@ -251,15 +252,26 @@ PYBIND11_MODULE(_C, m) {
       .def("has_unfinished_requests", &Engine::has_unfinished_requests)
       .def(
           "add_request",
-          [](Engine& e, const std::string& request_id, const std::vector<TokenId>& prompt,
-             const RequestParams& params) { return e.add_request(request_id, prompt, params); },
+          [](Engine& e, const std::string& request_id, const std::vector<int64_t>& prompt,
+             const RequestParams& params) {
+            return e.add_request(request_id,
+                                 to_token_ids(prompt.data(), prompt.size(), "prompt_token_ids"),
+                                 params);
+          },
           "request_id"_a, "prompt_token_ids"_a, "params"_a = RequestParams())
       .def("abort", &Engine::abort, "request_id"_a)
       .def("schedule", &Engine::schedule, py::return_value_policy::reference_internal)
+      // int32 arrays go through without a copy; int64 arrays and lists are
+      // range-checked by the core. No unsafe cast: floats are a TypeError.
       .def(
           "update",
-          [](Engine& e, py::array_t<TokenId, py::array::c_style | py::array::forcecast> sampled)
-              -> const StepResult& {
+          [](Engine& e, py::array_t<TokenId, py::array::c_style> sampled) -> const StepResult& {
+            return e.update(sampled.data(), static_cast<int32_t>(sampled.size()));
+          },
+          "sampled_token_ids"_a, py::return_value_policy::reference_internal)
+      .def(
+          "update",
+          [](Engine& e, py::array_t<int64_t, py::array::c_style> sampled) -> const StepResult& {
             return e.update(sampled.data(), static_cast<int32_t>(sampled.size()));
           },
           "sampled_token_ids"_a, py::return_value_policy::reference_internal)

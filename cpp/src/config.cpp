@@ -25,6 +25,17 @@ void require(bool ok, const char* field, int64_t value, const char* rule) {
 
 }  // namespace
 
+std::vector<TokenId> to_token_ids(const int64_t* ids, size_t n, const char* field) {
+  std::vector<TokenId> out(n);
+  for (size_t i = 0; i < n; ++i) {
+    if (ids[i] < 0 || ids[i] > INT32_MAX) {
+      throw InvalidArgument(detail::concat(field, "[", i, "] = ", ids[i], " is not a token id"));
+    }
+    out[i] = static_cast<TokenId>(ids[i]);
+  }
+  return out;
+}
+
 const char* to_string(FinishReason reason) {
   switch (reason) {
     case FinishReason::kNone: return "none";

@@ -19,6 +19,15 @@ bool contains(const std::vector<TokenId>& ids, TokenId token) {
 
 int32_t ceil_div(int64_t a, int64_t b) { return static_cast<int32_t>((a + b - 1) / b); }
 
+// The most tokens a sequence of this request ever has in the KV cache. The
+// last sampled token is never computed: the sequence finishes when it is
+// appended (max_tokens, or max_model_len reached).
+int64_t max_computed_tokens(int32_t prompt_len, const RequestParams& params,
+                            int32_t max_model_len) {
+  return std::min<int64_t>(int64_t{prompt_len} + params.max_tokens - 1,
+                           std::max(prompt_len, max_model_len - 1));
+}
+
 }  // namespace
 
 Engine::Engine(const EngineConfig& config)
@@ -30,6 +39,7 @@ Engine::Engine(const EngineConfig& config)
   sample_seq_.resize(config.max_num_seqs);
   sample_fork_index_.resize(config.max_num_seqs);
   finished_requests_.reserve(config.max_num_seqs);
+  narrowed_.resize(config.max_num_seqs);
   buffers_.result.finished_request_ids.reserve(config.max_num_seqs);
 }
 
@@ -98,8 +108,7 @@ void Engine::validate_request(const std::string& request_id, const TokenId* prom
   }
   // The most blocks one sequence of this request can hold at once. With a
   // sliding window that is the window plus one step's chunk, not the length.
-  const int64_t max_len = std::min<int64_t>(int64_t{prompt_len} + params.max_tokens,
-                                            config_.max_model_len);
+  const int64_t max_len = max_computed_tokens(prompt_len, params, config_.max_model_len);
   int32_t needed = ceil_div(max_len, config_.block_size);
   if (config_.sliding_window > 0) {
     const int64_t live = config_.sliding_window - 1 +
@@ -139,9 +148,8 @@ SeqId Engine::add_request(const std::string& request_id, const TokenId* prompt,
   seq->weight = params.n;
   seq->priority = params.priority;
   seq->arrival = next_arrival_;
-  // At most max_model_len tokens are ever computed (the last sampled one never is).
-  request->max_seq_blocks = ceil_div(std::min<int64_t>(max_tokens_total, config_.max_model_len),
-                                     config_.block_size);
+  request->max_seq_blocks = ceil_div(
+      max_computed_tokens(prompt_len, params, config_.max_model_len), config_.block_size);
   seq->blocks.reserve(request->max_seq_blocks);
 
   Sequence* raw = seq.get();
@@ -345,6 +353,21 @@ const StepResult& Engine::update(const TokenId* sampled, int32_t num_sampled) {
   step_pending_ = false;
   debug_check();
   return b.result;
+}
+
+const StepResult& Engine::update(const int64_t* sampled, int32_t num_sampled) {
+  if (step_pending_ && num_sampled == buffers_.batch.num_samples) {
+    for (int32_t k = 0; k < num_sampled; ++k) {
+      if (sampled[k] < 0 || sampled[k] > INT32_MAX) {
+        throw InvalidArgument(
+            detail::concat("sampled_token_ids[", k, "] = ", sampled[k], " is not a token id"));
+      }
+      narrowed_[k] = static_cast<TokenId>(sampled[k]);
+    }
+    return update(narrowed_.data(), num_sampled);
+  }
+  // Wrong time or wrong size: the int32 path raises the error.
+  return update(static_cast<const TokenId*>(nullptr), num_sampled);
 }
 
 bool Engine::finish(SeqId seq_id, FinishReason reason) {

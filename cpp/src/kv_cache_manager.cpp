@@ -206,17 +206,20 @@ void KVCacheManager::swap_out(SeqBlocks& seq, std::vector<BlockPair>& pairs) {
 
 int32_t KVCacheManager::num_blocks_to_swap_in(const SeqBlocks& seq, int32_t num_computed,
                                               int32_t num_new) const {
-  const int32_t owned = static_cast<int32_t>(
-      std::count_if(seq.cpu_block_table.begin(), seq.cpu_block_table.end(),
-                    [](BlockId b) { return b != kNullBlock; }));
   const int32_t have = static_cast<int32_t>(seq.cpu_block_table.size());
-  return owned + std::max(0, blocks_for(num_computed + num_new) - have);
+  int32_t needed = std::max(0, blocks_for(num_computed + num_new) - have);
+  for (int32_t i = std::min(num_dead_blocks(num_computed), have); i < have; ++i) {
+    if (seq.cpu_block_table[i] != kNullBlock) ++needed;
+  }
+  return needed;
 }
 
-void KVCacheManager::swap_in(SeqBlocks& seq, std::vector<BlockPair>& pairs) {
+void KVCacheManager::swap_in(SeqBlocks& seq, int32_t num_computed, std::vector<BlockPair>& pairs) {
   PAGEDCORE_CHECK(seq.swapped && seq.block_table.empty(), "swap_in of a sequence not swapped out");
-  for (BlockId c : seq.cpu_block_table) {
-    if (c == kNullBlock) {
+  const int32_t dead = num_dead_blocks(num_computed);
+  for (size_t i = 0; i < seq.cpu_block_table.size(); ++i) {
+    const BlockId c = seq.cpu_block_table[i];
+    if (c == kNullBlock || static_cast<int32_t>(i) < dead) {
       seq.block_table.push_back(kNullBlock);
     } else {
       const BlockId g = gpu_.allocate();
@@ -224,6 +227,8 @@ void KVCacheManager::swap_in(SeqBlocks& seq, std::vector<BlockPair>& pairs) {
       seq.block_table.push_back(g);
     }
   }
+  seq.num_released = std::max(seq.num_released,
+                              std::min(dead, static_cast<int32_t>(seq.block_table.size())));
   cpu_.free_chain(seq.cpu_block_table.data(), static_cast<int32_t>(seq.cpu_block_table.size()));
   seq.cpu_block_table.clear();
   seq.swapped = false;

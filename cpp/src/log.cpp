@@ -1,6 +1,7 @@
 #include "pagedcore/log.h"
 
 #include <cstdio>
+#include <exception>
 
 namespace pagedcore {
 
@@ -27,10 +28,21 @@ void set_log_sink(LogSink new_sink) { sink() = std::move(new_sink); }
 
 void log_message(LogLevel level, const std::string& message) {
   if (sink()) {
-    sink()(level, message);
-  } else if (level >= LogLevel::kWarning) {
-    std::fprintf(stderr, "pagedcore %s: %s\n", level_name(level), message.c_str());
+    // NOTE: messages are logged from inside engine calls (a preemption in the
+    // middle of schedule()); a sink that throws must not leave the engine
+    // half-way through a change, so its exception stops here.
+    try {
+      sink()(level, message);
+      return;
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "pagedcore: the log sink failed (%s); message follows\n", e.what());
+    } catch (...) {
+      std::fprintf(stderr, "pagedcore: the log sink failed; message follows\n");
+    }
+  } else if (level < LogLevel::kWarning) {
+    return;
   }
+  std::fprintf(stderr, "pagedcore %s: %s\n", level_name(level), message.c_str());
 }
 
 }  // namespace pagedcore

@@ -67,6 +67,8 @@ void Scheduler::preempt_last_running(int64_t step) {
   ++victim->num_preemptions;
   ++stats_.num_preemptions;
   const bool swap = config_.preemption_mode == PreemptionMode::kSwap;
+  // Blocks that fell out of the window are not worth copying to the CPU.
+  kv_.release_out_of_window(victim->blocks, victim->num_computed);
   const char* how;
   if (swap && kv_.can_swap_out(victim->blocks)) {
     kv_.swap_out(victim->blocks, swap_out_);
@@ -115,7 +117,7 @@ bool Scheduler::try_admit(Sequence* seq, int32_t* budget) {
     }
     waiting_.remove(seq);
     --num_swapped_;
-    kv_.swap_in(blocks, swap_in_);
+    kv_.swap_in(blocks, seq->num_computed, swap_in_);
   } else {
     PAGEDCORE_CHECK(seq->num_computed == 0 && blocks.block_table.empty(),
                     "waiting sequence ", seq->seq_id, " holds KV");

@@ -369,6 +369,30 @@ TEST(Engine, BadInputThrowsAndChangesNothing) {
   EXPECT_EQ(e.stats().num_free_blocks, 4);
 }
 
+TEST(Engine, NeverFitsCheckCountsOnlyComputedTokens) {
+  // The last sampled token is never computed: 8 prompt + 1 output fit one
+  // block of 8; a second output needs a second block.
+  Engine e(config(1));
+  EXPECT_NO_THROW(e.add_request("fits", iota_tokens(8), params_max_tokens(1)));
+  EXPECT_THROW(e.add_request("too_big", iota_tokens(8), params_max_tokens(2)), InvalidArgument);
+  Transcript t;
+  drain(e, t);
+  EXPECT_EQ(t.outputs[0].size(), 1u);
+}
+
+TEST(Engine, SixtyFourBitIdsAreRangeChecked) {
+  Engine e(config());
+  e.add_request("r", iota_tokens(3), params_max_tokens(2));
+  e.schedule();
+  const std::vector<int64_t> wide = {int64_t{1} << 32};
+  EXPECT_THROW(e.update(wide.data(), 1), InvalidArgument);
+  EXPECT_TRUE(e.has_pending_step());
+  const std::vector<int64_t> fine = {7};
+  EXPECT_EQ(e.update(fine.data(), 1).token_ids[0], 7);
+  const std::vector<int64_t> ids = {1, -2};
+  EXPECT_THROW(to_token_ids(ids.data(), 2, "prompt_token_ids"), InvalidArgument);
+}
+
 TEST(Engine, ConfigIsValidated) {
   auto rejects = [](auto mutate, const char* needle) {
     EngineConfig c;

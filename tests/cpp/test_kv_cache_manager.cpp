@@ -294,7 +294,7 @@ TEST(KVCacheManager, SwapOutAndBackIn) {
   // Back in, with one more token: 3 blocks for the KV + 0 new (10 -> 11 fits block 3).
   EXPECT_EQ(kv.num_blocks_to_swap_in(a, 10, 1), 3);
   EXPECT_EQ(kv.num_blocks_to_swap_in(a, 10, 3), 4);
-  kv.swap_in(a, in);
+  kv.swap_in(a, 10, in);
   ASSERT_EQ(in.size(), 3u);
   EXPECT_EQ(in[0], (BlockPair{1, 4}));
   EXPECT_EQ(in[1], (BlockPair{2, 5}));

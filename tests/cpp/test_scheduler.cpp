@@ -392,6 +392,30 @@ TEST(Scheduler, EachPreemptionIsLogged) {
   EXPECT_NE(warnings[0].find("total preemptions: 1"), std::string::npos) << warnings[0];
 }
 
+TEST(Scheduler, AThrowingLogSinkLeavesTheEngineIntact) {
+  // The preemption warning is logged from inside schedule(); a sink that
+  // throws (a Python logging filter, a KeyboardInterrupt) must not cut the
+  // step in half.
+  int calls = 0;
+  set_log_sink([&](LogLevel, const std::string&) {
+    ++calls;
+    throw std::runtime_error("sink down");
+  });
+  EngineConfig c = small_config();
+  c.num_blocks = 3;
+  Engine e(c);
+  e.add_request("r0", iota_tokens(7, 1), params_max_tokens(9));
+  e.add_request("r1", iota_tokens(7, 11), params_max_tokens(9));
+  Transcript t;
+  EXPECT_NO_THROW(drain(e, t));
+  set_log_sink(nullptr);
+  EXPECT_GT(e.stats().num_preemptions, 0);
+  EXPECT_EQ(calls, e.stats().num_preemptions);
+  EXPECT_EQ(t.outputs[0].size(), 9u);
+  EXPECT_EQ(t.outputs[1].size(), 9u);
+  e.check_invariants();
+}
+
 // Aborts one request at a given stage while another keeps running.
 enum Stage { kWaiting, kMidPrefill, kDecoding, kSwappedOut, kPreemptedRecompute, kAwaitingFork, kForked };
 
@@ -490,7 +514,7 @@ INSTANTIATE_TEST_SUITE_P(Stages, AbortAtStage, ::testing::Range(0, 7));
 TEST(Scheduler, CallsOutOfOrderAreRejected) {
   Engine e(small_config());
   e.add_request("r", iota_tokens(3), params_max_tokens(2));
-  EXPECT_THROW(e.update(nullptr, 0), InvalidState);
+  EXPECT_THROW(e.update(static_cast<const TokenId*>(nullptr), 0), InvalidState);
   const StepBatch& b = e.schedule();
   EXPECT_THROW(e.schedule(), InvalidState);
   EXPECT_THROW(e.abort("r"), InvalidState);

@@ -59,6 +59,10 @@ struct RequestParams {
   uint64_t cache_salt = 0;
 };
 
+// Token ids given as 64-bit integers (Python ints, numpy int64), checked to be
+// in [0, 2^31); InvalidArgument names `field`, the index and the value.
+std::vector<TokenId> to_token_ids(const int64_t* ids, size_t n, const char* field);
+
 const char* to_string(PreemptionMode mode);
 const char* to_string(SchedulingPolicy policy);
 // Parse "recompute"/"swap" and "fcfs"/"priority"; InvalidArgument otherwise.

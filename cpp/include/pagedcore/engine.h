@@ -89,6 +89,8 @@ class Engine {
   // Throws InvalidArgument (state unchanged) when num_sampled differs from the
   // batch's num_samples or a token id is out of range.
   const StepResult& update(const TokenId* sampled, int32_t num_sampled);
+  // The same for 64-bit ids (checked to fit a TokenId before anything changes).
+  const StepResult& update(const int64_t* sampled, int32_t num_sampled);
 
   // Finishes a sequence for a reason decided by the caller (a stop string):
   // reason kStop, or kAbort. Returns true when this finished its request (the
@@ -154,6 +156,7 @@ class Engine {
   std::vector<Sequence*> sample_seq_;
   std::vector<int32_t> sample_fork_index_;
   std::vector<Request*> finished_requests_;  // scratch of update()
+  std::vector<TokenId> narrowed_;            // scratch of update(const int64_t*, ...)
 };
 
 }  // namespace pagedcore

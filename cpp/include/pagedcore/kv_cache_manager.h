@@ -121,12 +121,14 @@ class KVCacheManager {
   // Moves every GPU block of seq to a fresh CPU block; (gpu, cpu) pairs go to
   // `pairs`. The GPU blocks are released. Precondition: can_swap_out(seq).
   void swap_out(SeqBlocks& seq, std::vector<BlockPair>& pairs);
-  // GPU blocks a swap-in of seq followed by allocate_slots(num_new) needs.
+  // GPU blocks a swap-in of seq followed by allocate_slots(num_new) needs
+  // (blocks that fell out of the sliding window are not brought back).
   int32_t num_blocks_to_swap_in(const SeqBlocks& seq, int32_t num_computed,
                                 int32_t num_new) const;
-  // Moves seq back to fresh GPU blocks; (cpu, gpu) pairs go to `pairs`.
-  // Precondition: seq.swapped and enough free GPU blocks.
-  void swap_in(SeqBlocks& seq, std::vector<BlockPair>& pairs);
+  // Moves seq back to fresh GPU blocks; (cpu, gpu) pairs go to `pairs`. CPU
+  // blocks wholly before the window of a query at num_computed are released
+  // instead. Precondition: seq.swapped and enough free GPU blocks.
+  void swap_in(SeqBlocks& seq, int32_t num_computed, std::vector<BlockPair>& pairs);
 
  private:
   // Leading blocks that no query at position >= num_computed can see.

@@ -12,7 +12,8 @@ enum class LogLevel : int { kDebug = 10, kInfo = 20, kWarning = 30, kError = 40 
 using LogSink = std::function<void(LogLevel level, const std::string& message)>;
 
 // Replaces the sink; an empty function restores the default (stderr, warnings
-// and errors only). Not thread-safe: set it before engines run.
+// and errors only). Not thread-safe: set it before engines run. An exception
+// thrown by the sink is caught (the message then goes to stderr).
 void set_log_sink(LogSink sink);
 
 void log_message(LogLevel level, const std::string& message);
