@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# The GPU machine's one command: build pagedcore with its CUDA kernels, run every
+# Python test (the `cuda`-marked ones included), run the CUDA code under
+# compute-sanitizer, and print a summary table last. Logs go to $OUT (or
+# /tmp/pagedcore-gpu) so that they come back from the device.
+#
+#   bench/run_gpu.sh
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+out="${OUT:-/tmp/pagedcore-gpu}"
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+
+# NOTE: the device image's default compiler (/opt/gcc) links libstdc++
+# statically into extension modules; a C++ exception crossing a module that
+# numpy also loaded then crashes. Build with the system compiler.
+if [[ -x /usr/bin/g++ ]]; then
+  export CC=/usr/bin/gcc CXX=/usr/bin/g++ CUDAHOSTCXX=/usr/bin/g++
+fi
+
+declare -A result
+step() {  # step NAME COMMAND...: runs it, logs to $out/NAME.log, records pass/fail
+  local name=$1
+  shift
+  echo "== $name"
+  if "$@" >"$out/$name.log" 2>&1; then result[$name]=pass; else result[$name]="FAIL (see $name.log)"; fi
+  tail -n 5 "$out/$name.log"
+}
+
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
+python3 -m venv --system-site-packages /tmp/pagedcore-venv
+py=/tmp/pagedcore-venv/bin/python
+step build env PAGEDCORE_CUDA=ON "$py" -m pip install -v --no-build-isolation --no-deps .
+step cuda_info "$py" -c "import pagedcore, json; print(json.dumps(pagedcore.cuda_info()))"
+step pytest "$py" -m pytest -q -p no:cacheprovider tests/python
+step pytest_cuda "$py" -m pytest -q -p no:cacheprovider -m cuda tests/python
+step memcheck compute-sanitizer --tool memcheck --error-exitcode 1 \
+  "$py" -c "import pagedcore; pagedcore.cuda_smoke_test(); print('smoke test ok')"
+
+echo
+echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')  $(cat "$out/gpu.txt")"
+printf '%-14s %s\n' "check" "result"
+status=0
+for name in build cuda_info pytest pytest_cuda memcheck; do
+  printf '%-14s %s\n' "$name" "${result[$name]:-not run}"
+  [[ "${result[$name]:-}" == pass ]] || status=1
+done
+exit $status
