@@ -28,9 +28,10 @@ step() {  # step NAME COMMAND...: runs it, logs to $out/NAME.log, records pass/f
 }
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
-python3 -m venv --system-site-packages /tmp/pagedcore-venv
-py=/tmp/pagedcore-venv/bin/python
-step build env PAGEDCORE_CUDA=ON "$py" -m pip install -v --no-build-isolation --no-deps .
+py="${PYTHON:-python3}"
+# The device's Python already has torch, pybind11, scikit-build-core and pytest.
+step build env PAGEDCORE_CUDA=ON "$py" -m pip install -v --no-build-isolation --no-deps \
+  --break-system-packages .
 step cuda_info "$py" -c "import pagedcore, json; print(json.dumps(pagedcore.cuda_info()))"
 step pytest "$py" -m pytest -q -p no:cacheprovider tests/python
 step pytest_cuda "$py" -m pytest -q -p no:cacheprovider -m cuda tests/python
@@ -38,7 +39,7 @@ step memcheck compute-sanitizer --tool memcheck --error-exitcode 1 \
   "$py" -c "import pagedcore; pagedcore.cuda_smoke_test(); print('smoke test ok')"
 
 echo
-echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')  $(cat "$out/gpu.txt")"
+echo "commit ${PAGEDCORE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo '?')}  $(cat "$out/gpu.txt")"
 printf '%-14s %s\n' "check" "result"
 status=0
 for name in build cuda_info pytest pytest_cuda memcheck; do
