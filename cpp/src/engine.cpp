@@ -287,14 +287,18 @@ Sequence* Engine::fork_child(Sequence* parent, SeqId child_id, int32_t index) {
   return raw;
 }
 
+void Engine::require_update_call(int32_t num_sampled) const {
+  if (!step_pending_) throw InvalidState("update() called without a pending schedule()");
+  if (num_sampled != buffers_.batch.num_samples) {
+    throw InvalidArgument(detail::concat("sampled_token_ids has ", num_sampled,
+                                         " entries but the step has ",
+                                         buffers_.batch.num_samples, " samples"));
+  }
+}
+
 const StepResult& Engine::update(const TokenId* sampled, int32_t num_sampled) {
   using detail::concat;
-  if (!step_pending_) throw InvalidState("update() called without a pending schedule()");
-  const StepBatch& batch = buffers_.batch;
-  if (num_sampled != batch.num_samples) {
-    throw InvalidArgument(concat("sampled_token_ids has ", num_sampled,
-                                 " entries but the step has ", batch.num_samples, " samples"));
-  }
+  require_update_call(num_sampled);
   for (int32_t k = 0; k < num_sampled; ++k) {
     const TokenId t = sampled[k];
     if (t < 0 || (config_.vocab_size > 0 && t >= config_.vocab_size)) {
@@ -356,18 +360,15 @@ const StepResult& Engine::update(const TokenId* sampled, int32_t num_sampled) {
 }
 
 const StepResult& Engine::update(const int64_t* sampled, int32_t num_sampled) {
-  if (step_pending_ && num_sampled == buffers_.batch.num_samples) {
-    for (int32_t k = 0; k < num_sampled; ++k) {
-      if (sampled[k] < 0 || sampled[k] > INT32_MAX) {
-        throw InvalidArgument(
-            detail::concat("sampled_token_ids[", k, "] = ", sampled[k], " is not a token id"));
-      }
-      narrowed_[k] = static_cast<TokenId>(sampled[k]);
+  require_update_call(num_sampled);
+  for (int32_t k = 0; k < num_sampled; ++k) {
+    if (sampled[k] < 0 || sampled[k] > INT32_MAX) {
+      throw InvalidArgument(
+          detail::concat("sampled_token_ids[", k, "] = ", sampled[k], " is not a token id"));
     }
-    return update(narrowed_.data(), num_sampled);
+    narrowed_[k] = static_cast<TokenId>(sampled[k]);
   }
-  // Wrong time or wrong size: the int32 path raises the error.
-  return update(static_cast<const TokenId*>(nullptr), num_sampled);
+  return update(narrowed_.data(), num_sampled);
 }
 
 bool Engine::finish(SeqId seq_id, FinishReason reason) {

@@ -135,6 +135,8 @@ class Engine {
   void finish_seq(Sequence* seq, FinishReason reason, int32_t stop_reason);
   void forget_request(Request* request);
   void require_no_pending_step(const char* call) const;
+  // Throws unless a step is pending and num_sampled matches its samples.
+  void require_update_call(int32_t num_sampled) const;
   void debug_check() const;
 
   const EngineConfig config_;

@@ -79,7 +79,7 @@ class StepBuffers {
   std::vector<int32_t> out_token_ids, out_stop_reasons;
   std::vector<uint8_t> out_finish_reasons;
 
-  // Points batch/result at the buffers (after construction or a move).
+  // Points batch/result at the buffers; called once by the constructor.
   void bind();
 };
 
