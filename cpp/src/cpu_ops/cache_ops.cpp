@@ -1,0 +1,1 @@
+// Placeholder: the CPU cache_ops implementation lands here.

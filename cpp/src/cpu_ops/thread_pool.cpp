@@ -1,0 +1,1 @@
+// Placeholder: the CPU thread_pool implementation lands here.
