@@ -202,6 +202,11 @@ PYBIND11_MODULE(_C, m) {
                              &field_view<&StepBatch::sample_indices, &StepBatch::num_samples>)
       .def_property_readonly("sample_seq_ids",
                              &field_view<&StepBatch::sample_seq_ids, &StepBatch::num_samples>)
+      .def_property_readonly("sample_slots",
+                             &field_view<&StepBatch::sample_slots, &StepBatch::num_samples>)
+      .def_property_readonly(
+          "sample_num_outputs",
+          &field_view<&StepBatch::sample_num_outputs, &StepBatch::num_samples>)
       .def_property_readonly(
           "block_copies", &field_view<&StepBatch::block_copies, &StepBatch::num_block_copies, 2>)
       .def_property_readonly("swap_out",
@@ -278,6 +283,9 @@ PYBIND11_MODULE(_C, m) {
           "sampled_token_ids"_a, py::return_value_policy::reference_internal)
       .def("finish", &Engine::finish, "seq_id"_a, "reason"_a = FinishReason::kStop)
       .def("fork", &Engine::fork, "seq_id"_a)
+      .def("set_last_token", &Engine::set_last_token, "seq_id"_a, "token"_a)
+      .def("request_slot", &Engine::request_slot, "request_id"_a)
+      .def_property_readonly("max_request_slots", &Engine::max_request_slots)
       .def("stats", &Engine::stats)
       .def("seq_token_ids", &Engine::seq_token_ids, "seq_id"_a)
       .def("seq_block_table", &Engine::seq_block_table, "seq_id"_a)

@@ -1,6 +1,7 @@
 #include "pagedcore/engine.h"
 
 #include <algorithm>
+#include <functional>
 
 #include "check.h"
 
@@ -133,6 +134,17 @@ SeqId Engine::add_request(const std::string& request_id, const TokenId* prompt,
   request->first_seq_id = next_seq_id_;
   request->awaiting_fork = params.n > 1;
   request->num_unfinished = params.n;
+  // NOTE: the smallest free slot first keeps slots dense for the runner's
+  // per-request arrays.
+  if (free_slots_.empty()) {
+    request->slot = static_cast<int32_t>(slot_owner_.size());
+    slot_owner_.push_back(true);
+  } else {
+    std::pop_heap(free_slots_.begin(), free_slots_.end(), std::greater<int32_t>());
+    request->slot = free_slots_.back();
+    free_slots_.pop_back();
+    slot_owner_[request->slot] = true;
+  }
 
   auto seq = std::make_unique<Sequence>();
   seq->seq_id = next_seq_id_;
@@ -176,6 +188,9 @@ void Engine::finish_seq(Sequence* seq, FinishReason reason, int32_t stop_reason)
 
 void Engine::forget_request(Request* request) {
   for (const auto& seq : request->seqs) seqs_.erase(seq->seq_id);
+  slot_owner_[request->slot] = false;
+  free_slots_.push_back(request->slot);
+  std::push_heap(free_slots_.begin(), free_slots_.end(), std::greater<int32_t>());
   requests_.erase(request->request_id);  // destroys the request and its sequences
 }
 
@@ -231,6 +246,8 @@ void Engine::fill_batch() {
       b.sample_indices[sample] = tok - 1;
       // Samples 1..n-1 of a parent go to the children its fork will create.
       b.sample_seq_ids[sample] = k == 0 ? seq.seq_id : seq.request->first_seq_id + k;
+      b.sample_slots[sample] = seq.request->slot;
+      b.sample_num_outputs[sample] = seq.num_outputs();
       sample_seq_[sample] = s.seq;
       sample_fork_index_[sample] = k;
     }
@@ -411,6 +428,29 @@ SeqId Engine::fork(SeqId seq_id) {
   return child_id;
 }
 
+void Engine::set_last_token(SeqId seq_id, TokenId token) {
+  using detail::concat;
+  require_no_pending_step("set_last_token");
+  Sequence* seq = find_seq(seq_id);
+  if (seq->num_outputs() < 1 || seq->num_computed >= seq->num_tokens()) {
+    throw InvalidArgument(concat("seq_id ", seq_id,
+                                 " has no uncomputed output token to replace"));
+  }
+  if (token < 0 || (config_.vocab_size > 0 && token >= config_.vocab_size)) {
+    throw InvalidArgument(concat("token ", token, " is not a token id"));
+  }
+  seq->tokens.back() = token;
+  debug_check();
+}
+
+int32_t Engine::request_slot(const std::string& request_id) const {
+  auto it = requests_.find(request_id);
+  if (it == requests_.end()) {
+    throw NotFound(detail::concat("request_id '", request_id, "' is not a live request"));
+  }
+  return it->second->slot;
+}
+
 const std::vector<TokenId>& Engine::seq_token_ids(SeqId seq_id) const {
   return find_seq(seq_id)->tokens;
 }
@@ -518,6 +558,19 @@ void Engine::check_invariants() const {
     PAGEDCORE_CHECK(unfinished > 0, "request '", id, "' is finished but not forgotten");
   }
   PAGEDCORE_CHECK(live == seqs_.size(), seqs_.size(), " live ids for ", live, " live sequences");
+  std::vector<int32_t> slot_users(slot_owner_.size(), 0);
+  for (const auto& [id, request] : requests_) {
+    PAGEDCORE_CHECK(request->slot >= 0 && request->slot < max_request_slots() &&
+                        slot_owner_[request->slot],
+                    "request '", id, "' has slot ", request->slot, " not marked taken");
+    PAGEDCORE_CHECK(++slot_users[request->slot] == 1, "slot ", request->slot, " shared");
+  }
+  for (int32_t s : free_slots_) {
+    PAGEDCORE_CHECK(!slot_owner_[s] && slot_users[s] == 0, "free slot ", s, " is taken");
+  }
+  PAGEDCORE_CHECK(requests_.size() + free_slots_.size() == slot_owner_.size(), "slots: ",
+                  requests_.size(), " taken + ", free_slots_.size(), " free != ",
+                  slot_owner_.size());
   PAGEDCORE_CHECK(live == scheduler_.running().size() + scheduler_.waiting().size(), "queues hold ",
                   scheduler_.running().size() + scheduler_.waiting().size(), " of ", live,
                   " live sequences");

@@ -18,6 +18,8 @@ StepBuffers::StepBuffers(const EngineConfig& config) {
   // A step samples at most one token per seat.
   sample_indices.resize(seqs);
   sample_seq_ids.resize(seqs);
+  sample_slots.resize(seqs);
+  sample_num_outputs.resize(seqs);
   // At most one copy-on-write per scheduled sequence and step.
   block_copies.resize(2 * seqs);
   // NOTE: never empty, so data() is a real pointer even with no CPU pool
@@ -44,6 +46,8 @@ void StepBuffers::bind() {
   batch.block_tables = block_tables.data();
   batch.sample_indices = sample_indices.data();
   batch.sample_seq_ids = sample_seq_ids.data();
+  batch.sample_slots = sample_slots.data();
+  batch.sample_num_outputs = sample_num_outputs.data();
   batch.block_copies = block_copies.data();
   batch.swap_out = swap_out.data();
   batch.swap_in = swap_in.data();

@@ -393,6 +393,57 @@ TEST(Engine, SixtyFourBitIdsAreRangeChecked) {
   EXPECT_THROW(to_token_ids(ids.data(), 2, "prompt_token_ids"), InvalidArgument);
 }
 
+TEST(Engine, RequestSlotsAreSmallAndReused) {
+  Engine e(config());
+  e.add_request("a", iota_tokens(3), params_max_tokens(1));
+  e.add_request("b", iota_tokens(3), params_max_tokens(5, 2));
+  e.add_request("c", iota_tokens(3), params_max_tokens(5));
+  EXPECT_EQ(e.request_slot("a"), 0);
+  EXPECT_EQ(e.request_slot("b"), 1);
+  EXPECT_EQ(e.request_slot("c"), 2);
+  const StepBatch& b = e.schedule();
+  EXPECT_EQ(std::vector<int32_t>(b.sample_slots, b.sample_slots + 4),
+            (std::vector<int32_t>{0, 1, 1, 2}));
+  EXPECT_EQ(std::vector<int32_t>(b.sample_num_outputs, b.sample_num_outputs + 4),
+            (std::vector<int32_t>{0, 0, 0, 0}));
+  Transcript t;
+  const std::vector<TokenId> s = fake_sample(e, b);
+  record(e.update(s.data(), 4), t);  // a finishes: slot 0 is free again
+  EXPECT_THROW(e.request_slot("a"), NotFound);
+  e.add_request("d", iota_tokens(3), params_max_tokens(1));
+  e.add_request("e", iota_tokens(3), params_max_tokens(1));
+  EXPECT_EQ(e.request_slot("d"), 0);
+  EXPECT_EQ(e.request_slot("e"), 3);
+  EXPECT_EQ(e.max_request_slots(), 4);
+  const StepBatch& b2 = e.schedule();
+  EXPECT_EQ(b2.num_samples, 5);
+  EXPECT_EQ(b2.sample_num_outputs[0], 1);  // b's samples decode now
+  const std::vector<TokenId> s2 = fake_sample(e, b2);
+  record(e.update(s2.data(), 5), t);
+  drain(e, t);
+}
+
+TEST(Engine, SetLastTokenRewritesOnlyTheUncomputedOutput) {
+  Engine e(config());
+  e.add_request("beam", iota_tokens(5), params_max_tokens(10));
+  EXPECT_THROW(e.set_last_token(0, 9), InvalidArgument);  // nothing generated yet
+  Transcript t;
+  fake_step(e, t);
+  const SeqId child = e.fork(0);
+  e.set_last_token(child, 42);
+  e.set_last_token(0, 41);
+  EXPECT_EQ(e.seq_token_ids(0).back(), 41);
+  EXPECT_EQ(e.seq_token_ids(child).back(), 42);
+  EXPECT_THROW(e.set_last_token(0, -1), InvalidArgument);
+  EXPECT_THROW(e.set_last_token(77, 1), NotFound);
+  const StepBatch& b = e.schedule();
+  EXPECT_EQ(std::vector<int32_t>(b.input_ids, b.input_ids + 2), (std::vector<int32_t>{41, 42}));
+  EXPECT_THROW(e.set_last_token(0, 1), InvalidState);
+  const std::vector<TokenId> s = fake_sample(e, b);
+  e.update(s.data(), 2);
+  drain(e, t);
+}
+
 TEST(Engine, ConfigIsValidated) {
   auto rejects = [](auto mutate, const char* needle) {
     EngineConfig c;

@@ -106,6 +106,19 @@ class Engine {
   // Call only when no step is pending.
   SeqId fork(SeqId seq_id);
 
+  // Rewrites the last token of a live sequence, which must be an output token
+  // not computed yet (true of every running sequence between steps). Beam
+  // search uses it after fork(): each beam continues with its chosen token.
+  // Throws NotFound, or InvalidArgument (not an uncomputed output token, or a
+  // bad token id). Call only when no step is pending.
+  void set_last_token(SeqId seq_id, TokenId token);
+
+  // The slot of a live request: the smallest integer >= 0 not used by another
+  // live request, fixed for the request's life (StepBatch::sample_slots
+  // refers to it). Slots stay below max_request_slots(). Throws NotFound.
+  int32_t request_slot(const std::string& request_id) const;
+  int32_t max_request_slots() const { return static_cast<int32_t>(slot_owner_.size()); }
+
   EngineStats stats() const;
   bool has_pending_step() const { return step_pending_; }
   int32_t num_unfinished_requests() const { return static_cast<int32_t>(requests_.size()); }
@@ -146,6 +159,8 @@ class Engine {
 
   std::unordered_map<std::string, std::unique_ptr<Request>> requests_;
   std::unordered_map<SeqId, Sequence*> seqs_;  // live (unfinished) sequences
+  std::vector<bool> slot_owner_;               // slot -> taken by a live request
+  std::vector<int32_t> free_slots_;            // freed slots, taken before new ones
   SeqId next_seq_id_ = 0;
   uint64_t next_arrival_ = 0;
   int64_t step_ = 0;

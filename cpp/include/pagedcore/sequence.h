@@ -64,6 +64,7 @@ struct Request {
   RequestParams params;
   SeqId first_seq_id = 0;  // ids first_seq_id .. first_seq_id + n - 1 belong to it
   int32_t max_seq_blocks = 0;  // most blocks one of its sequences can hold
+  int32_t slot = -1;           // Engine::request_slot
   std::vector<std::unique_ptr<Sequence>> seqs;  // seqs[0] is the parent
   bool awaiting_fork = false;  // n > 1 and the prompt is not computed yet
   int32_t num_unfinished = 0;

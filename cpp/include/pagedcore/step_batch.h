@@ -46,6 +46,11 @@ struct StepBatch {
   const int32_t* block_tables = nullptr;
   const int32_t* sample_indices = nullptr;    // [num_samples] token index whose logits to sample
   const int64_t* sample_seq_ids = nullptr;    // [num_samples] sequence that gets the sample
+  // [num_samples] slot of the sample's request (Engine::request_slot): a small
+  // integer, stable while the request lives, for per-request parameter arrays.
+  const int32_t* sample_slots = nullptr;
+  // [num_samples] outputs the sequence has before this sample (min_tokens, ...).
+  const int32_t* sample_num_outputs = nullptr;
   const int32_t* block_copies = nullptr;      // [num_block_copies, 2] (src, dst) GPU blocks
   const int32_t* swap_out = nullptr;          // [num_swap_out, 2] (GPU src, CPU dst)
   const int32_t* swap_in = nullptr;           // [num_swap_in, 2] (CPU src, GPU dst)
@@ -72,7 +77,8 @@ class StepBuffers {
   StepResult result;
 
   std::vector<int32_t> input_ids, positions, slot_mapping, query_start_loc, num_computed_tokens,
-      seq_lens, block_tables, sample_indices, block_copies, swap_out, swap_in;
+      seq_lens, block_tables, sample_indices, sample_slots, sample_num_outputs, block_copies,
+      swap_out, swap_in;
   std::vector<int64_t> seq_ids, sample_seq_ids;
 
   std::vector<int64_t> out_seq_ids;
