@@ -1,7 +1,48 @@
+// Registration of the CPU kernels (pagedcore/cpu_ops.h). pagedcore/ops.py checks the
+// tensors and calls these with their data_ptr(), sizes and strides.
 #include "ops.h"
+
+#include <pybind11/stl.h>
+
+#include "pagedcore/cpu_ops.h"
+
+namespace py = pybind11;
+using namespace pybind11::literals;
 
 namespace pagedcore::bindings {
 
-void register_ops(pybind11::module_& m) { (void)m; }
+void register_ops(pybind11::module_& m) {
+  using cpu::DType;
+  using cpu::IndexType;
+  using release_gil = py::call_guard<py::gil_scoped_release>;
+
+  py::enum_<DType>(m, "CpuDType")
+      .value("FLOAT32", DType::kFloat32)
+      .value("BFLOAT16", DType::kBFloat16)
+      .value("FLOAT16", DType::kFloat16);
+  py::enum_<IndexType>(m, "CpuIndexType")
+      .value("INT32", IndexType::kInt32)
+      .value("INT64", IndexType::kInt64);
+
+  m.def("cpu_reshape_and_cache", &cpu::reshape_and_cache_at, release_gil(), "key"_a, "value"_a,
+        "key_cache"_a, "value_cache"_a, "slot_mapping"_a, "slot_mapping_type"_a, "dtype"_a,
+        "num_tokens"_a, "num_kv_heads"_a, "head_dim"_a, "num_blocks"_a, "block_size"_a,
+        "key_stride"_a, "value_stride"_a);
+  m.def("cpu_paged_attention", &cpu::paged_attention_at, release_gil(), "out"_a, "query"_a,
+        "key_cache"_a, "value_cache"_a, "block_tables"_a, "seq_lens"_a, "query_start_loc"_a,
+        "dtype"_a, "num_tokens"_a, "num_heads"_a, "num_kv_heads"_a, "head_dim"_a, "num_blocks"_a,
+        "block_size"_a, "num_seqs"_a, "max_blocks_per_seq"_a, "query_stride"_a,
+        "block_tables_stride"_a, "scale"_a, "sliding_window"_a, "softcap"_a);
+  m.def("cpu_copy_blocks", &cpu::copy_blocks_at, release_gil(), "key_caches"_a,
+        "value_caches"_a, "block_mapping"_a, "block_mapping_type"_a, "dtype"_a, "num_pairs"_a,
+        "num_blocks"_a, "block_numel"_a);
+  m.def("cpu_swap_blocks", &cpu::swap_blocks_at, release_gil(), "src"_a, "dst"_a,
+        "block_mapping"_a, "block_mapping_type"_a, "dtype"_a, "num_pairs"_a, "num_src_blocks"_a,
+        "num_dst_blocks"_a, "block_numel"_a);
+  m.def("cpu_set_num_threads", &cpu::set_num_threads, release_gil(), "n"_a);
+  m.def("cpu_get_num_threads", &cpu::get_num_threads);
+  m.def("cpu_isa", &cpu::cpu_isa);
+  m.def("cpu_set_isa", &cpu::set_cpu_isa, "isa"_a);
+}
 
 }  // namespace pagedcore::bindings

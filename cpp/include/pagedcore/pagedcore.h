@@ -3,6 +3,7 @@
 
 #include "pagedcore/block_allocator.h"
 #include "pagedcore/config.h"
+#include "pagedcore/cpu_ops.h"
 #include "pagedcore/engine.h"
 #include "pagedcore/errors.h"
 #include "pagedcore/free_block_queue.h"
