@@ -28,7 +28,37 @@ from .engine import Engine, stats_dict
 
 __version__ = _C.__version__
 
+# The model layer needs torch and transformers; it is imported on first use so
+# that `import pagedcore` (the engine alone) needs neither.
+_LAZY = {
+    "LLM": ".llm",
+    "SamplingParams": ".sampling_params",
+    "BeamSearchParams": ".sampling_params",
+    "RequestOutput": ".outputs",
+    "CompletionOutput": ".outputs",
+    "BeamSearchOutput": ".beam_search",
+    "default_model_path": ".default_model",
+}
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'pagedcore' has no attribute '{name}'")
+    import importlib
+
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
 __all__ = [
+    "LLM",
+    "BeamSearchOutput",
+    "BeamSearchParams",
+    "CompletionOutput",
+    "RequestOutput",
+    "SamplingParams",
+    "default_model_path",
     "Engine",
     "EngineConfig",
     "EngineStats",

@@ -1,0 +1,256 @@
+"""The offline API: ``LLM(...).generate(prompts, SamplingParams(...))``, as in vLLM."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from .beam_search import BeamSearchOutput, run_beam_search
+from .llm_engine import EngineArgs, LLMEngine
+from .outputs import RequestOutput
+from .sampling_params import BeamSearchParams, SamplingParams
+
+logger = logging.getLogger("pagedcore")
+
+PromptType = str | dict[str, Any]
+
+
+def _configure_default_logging() -> None:
+    # Like vLLM, show INFO start-up lines (# KV cache blocks ...) by default,
+    # unless the application set up logging itself or
+    # PAGEDCORE_CONFIGURE_LOGGING=0.
+    if os.environ.get("PAGEDCORE_CONFIGURE_LOGGING", "1") == "0":
+        return
+    if logging.getLogger().handlers or logger.handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s %(name)s: %(message)s", "%H:%M:%S"))
+    logger.addHandler(handler)
+    if logger.level == logging.NOTSET:
+        logger.setLevel(logging.INFO)
+
+
+class LLM:
+    """A model loaded for generation over a paged KV cache.
+
+    Parameters
+    ----------
+    model : str, optional
+        A Hugging Face model directory (config.json + safetensors). ``None``:
+        the default model, SmolLM2-135M-Instruct (:func:`pagedcore.default_model_path`).
+    tokenizer : str, optional
+        Tokenizer directory; defaults to ``model``.
+    dtype : str or torch.dtype
+        ``"auto"`` (float32 on the CPU), ``"float32"``, ``"bfloat16"``, ``"float16"``.
+    device : str
+        ``"auto"``, ``"cpu"`` or ``"cuda"``.
+    block_size : int
+        Tokens per KV-cache block: 8, 16, 32, 64 or 128.
+    gpu_memory_utilization : float
+        Fraction of GPU memory for weights, activations and KV cache (GPU only).
+    num_kv_blocks : int, optional
+        The number of KV blocks, overriding what memory would give (any device).
+    kv_cache_memory_bytes : int, optional
+        KV-cache budget on the CPU; default ``$PAGEDCORE_KV_CACHE_BYTES`` or 1 GiB.
+    max_model_len : int, optional
+        Context length; default: the model's, capped by what the cache holds.
+    max_num_seqs, max_num_batched_tokens : int
+        Sequences per step, tokens per step (default ``max(2048, max_num_seqs)``).
+    enable_prefix_caching : bool
+        Reuse the KV of common prompt prefixes.
+    preemption_mode : {"recompute", "swap"}
+        What happens to a sequence preempted when blocks run out.
+    swap_space : float
+        GiB of CPU memory for swapped-out blocks (``preemption_mode="swap"``).
+    kv_cache_dtype : str
+        ``"auto"``: the model's dtype.
+    seed : int
+        Seeds torch's global RNG (requests without their own seed).
+
+    Examples
+    --------
+    >>> from pagedcore import LLM, SamplingParams
+    >>> llm = LLM(block_size=16, gpu_memory_utilization=0.9)             # doctest: +SKIP
+    >>> outputs = llm.generate(["Hello"], SamplingParams(temperature=0.8, n=3, max_tokens=32))
+    """
+
+    def __init__(
+        self,
+        model: str | None = None,
+        tokenizer: str | None = None,
+        dtype: Any = "auto",
+        device: str = "auto",
+        block_size: int = 16,
+        gpu_memory_utilization: float = 0.9,
+        num_kv_blocks: int | None = None,
+        max_model_len: int | None = None,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int | None = None,
+        enable_prefix_caching: bool = True,
+        preemption_mode: str = "recompute",
+        swap_space: float = 4,
+        kv_cache_dtype: str = "auto",
+        seed: int = 0,
+        kv_cache_memory_bytes: int | None = None,
+    ) -> None:
+        _configure_default_logging()
+        if model is None:
+            from .default_model import default_model_path
+
+            model = default_model_path()
+        self.llm_engine = LLMEngine(
+            EngineArgs(
+                model=model, tokenizer=tokenizer, dtype=dtype, device=device, block_size=block_size,
+                gpu_memory_utilization=gpu_memory_utilization, num_kv_blocks=num_kv_blocks,
+                kv_cache_memory_bytes=kv_cache_memory_bytes, max_model_len=max_model_len,
+                max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                enable_prefix_caching=enable_prefix_caching, preemption_mode=preemption_mode,
+                swap_space=swap_space, kv_cache_dtype=kv_cache_dtype, seed=seed,
+            )
+        )
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def stats(self) -> dict[str, Any]:
+        """Engine counters: ``num_blocks``, ``num_free_blocks`` (cached blocks count
+        as free), ``num_preemptions``, ``prefix_cache_hit_rate``, and more."""
+        return self.llm_engine.stats()
+
+    # ---- generation -----------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generates completions for every prompt, batched continuously.
+
+        Parameters
+        ----------
+        prompts
+            A string, a ``{"prompt_token_ids": [...]}`` dict (optionally with
+            ``"prompt"``), or a list mixing both.
+        sampling_params
+            One for all prompts, or one per prompt; default ``SamplingParams()``.
+        use_tqdm
+            Show a progress bar.
+
+        Returns
+        -------
+        list[RequestOutput]
+            In the order of ``prompts``.
+        """
+        items = self._normalize_prompts(prompts)
+        params = self._normalize_params(sampling_params, len(items))
+        return self._run(items, params, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """Generates replies to one conversation or a list of them, through the
+        tokenizer's chat template."""
+        if not messages:
+            raise ValueError("messages must not be empty")
+        conversations = [messages] if isinstance(messages[0], dict) else messages
+        tokenizer = self.get_tokenizer()
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise ValueError("the tokenizer has no chat template")
+        items = []
+        for conversation in conversations:
+            text = tokenizer.apply_chat_template(
+                conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
+                **(chat_template_kwargs or {}),
+            )
+            # NOTE: the template already holds the special tokens (BOS...).
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            items.append((text, ids))
+        params = self._normalize_params(sampling_params, len(items))
+        return self._run(items, params, use_tqdm)
+
+    def beam_search(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        params: BeamSearchParams,
+    ) -> list[BeamSearchOutput]:
+        """Beam search over the engine (beams share blocks copy-on-write); the
+        result matches transformers' ``num_beams`` search with ``do_sample=False``."""
+        items = self._normalize_prompts(prompts)
+        token_lists = [ids if ids is not None else self.get_tokenizer().encode(text) for text, ids in items]
+        return run_beam_search(self.llm_engine, token_lists, params)
+
+    # ---- helpers ------------------------------------------------------------------
+
+    @staticmethod
+    def _normalize_prompts(prompts: Any) -> list[tuple[str | None, list[int] | None]]:
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        items = []
+        for i, p in enumerate(prompts):
+            if isinstance(p, str):
+                items.append((p, None))
+            elif isinstance(p, dict) and "prompt_token_ids" in p:
+                items.append((p.get("prompt"), list(p["prompt_token_ids"])))
+            elif isinstance(p, dict) and "prompt" in p:
+                items.append((p["prompt"], None))
+            else:
+                raise ValueError(
+                    f"prompts[{i}] must be a string or a dict with 'prompt_token_ids' or 'prompt', got {type(p).__name__}"
+                )
+        return items
+
+    @staticmethod
+    def _normalize_params(params: Any, n: int) -> list[SamplingParams]:
+        if params is None:
+            return [SamplingParams()] * n
+        if isinstance(params, SamplingParams):
+            return [params] * n
+        params = list(params)
+        if len(params) != n:
+            raise ValueError(f"sampling_params has {len(params)} entries for {n} prompts")
+        for i, p in enumerate(params):
+            if not isinstance(p, SamplingParams):
+                raise ValueError(f"sampling_params[{i}] must be a SamplingParams, got {type(p).__name__}")
+        return params
+
+    def _run(self, items, params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        ids = []
+        try:
+            for (text, token_ids), p in zip(items, params):
+                request_id = engine.new_request_id()
+                engine.add_request(request_id, text, token_ids, p)
+                ids.append(request_id)
+        except Exception:
+            for request_id in ids:  # leave nothing half-admitted
+                engine.abort(request_id)
+            raise
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
+        results: dict[str, RequestOutput] = {}
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    results[out.request_id] = out
+                    if bar is not None:
+                        bar.update(1)
+        except BaseException:
+            for request_id in ids:
+                if request_id not in results:
+                    engine.abort(request_id)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [results[i] for i in ids]

@@ -1,0 +1,570 @@
+"""The generation loop: requests in, engine steps, model, sampler, outputs out.
+
+:class:`LLMEngine` ties the C++ :class:`pagedcore.Engine` (who runs, which
+blocks) to the :class:`ModelRunner` (tensors), the :class:`Sampler` and the
+detokenizers. ``LLM`` (offline) and the server drive it with ``add_request``
+and ``step``.
+
+Per-request sampling parameters live in arrays indexed by the engine's request
+slot, so building a step's sampling metadata is a few numpy gathers, not a
+loop over sequences.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import _C
+from .detokenizer import IncrementalDetokenizer
+from .model_loader import iter_safetensors, load_model_config, resolve_dtype
+from .model_runner import ModelRunner, kv_bytes_per_block, kv_cache_size_line
+from .models import CausalLM, ModelSpec, model_spec_from_config
+from .outputs import CompletionOutput, Logprob, RequestOutput
+from .sampler import Sampler, SamplerOutput, SamplingMetadata
+from .sampling_params import SamplingParams
+
+logger = logging.getLogger("pagedcore")
+
+DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
+KV_CACHE_BYTES_ENV = "PAGEDCORE_KV_CACHE_BYTES"
+_FINISH = {1: "stop", 2: "length", 3: "abort"}
+
+
+@dataclass
+class EngineArgs:
+    """Everything ``LLM(...)`` and ``pagedcore serve`` accept, with vLLM's names."""
+
+    model: str
+    tokenizer: str | None = None
+    dtype: str | torch.dtype = "auto"
+    device: str = "auto"
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    num_kv_blocks: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    enable_prefix_caching: bool = True
+    preemption_mode: str = "recompute"
+    swap_space: float = 4
+    kv_cache_dtype: str = "auto"
+    seed: int = 0
+
+    def validate(self) -> None:
+        def positive(name: str, value: Any, allow_none: bool = False) -> None:
+            if value is None and allow_none:
+                return
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+        positive("block_size", self.block_size)
+        positive("num_kv_blocks", self.num_kv_blocks, allow_none=True)
+        positive("kv_cache_memory_bytes", self.kv_cache_memory_bytes, allow_none=True)
+        positive("max_model_len", self.max_model_len, allow_none=True)
+        positive("max_num_seqs", self.max_num_seqs)
+        positive("max_num_batched_tokens", self.max_num_batched_tokens, allow_none=True)
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        if self.swap_space < 0:
+            raise ValueError(f"swap_space must be >= 0 (GiB), got {self.swap_space!r}")
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
+        if self.kv_cache_dtype not in ("auto",):
+            raise ValueError(
+                f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported on this device; "
+                "'auto' (the model's dtype) is"
+            )
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
+
+
+@dataclass
+class _Completion:
+    index: int
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float = 0.0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    detokenizer: IncrementalDetokenizer | None = None
+    text: str = ""
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    first_seq_id: int
+    slot: int
+    completions: list[_Completion]
+    num_finished: int = 0
+
+    @property
+    def seq_ids(self) -> range:
+        return range(self.first_seq_id, self.first_seq_id + len(self.completions))
+
+
+class _SlotArrays:
+    """Per-request sampling parameters, indexed by the engine's request slot."""
+
+    def __init__(self) -> None:
+        self.size = 0
+        self._grow(64)
+
+    def _grow(self, size: int) -> None:
+        def resized(name: str, dtype: Any, fill: Any) -> np.ndarray:
+            out = np.full(size, fill, dtype=dtype)
+            old = getattr(self, name, None)
+            if old is not None:
+                out[: old.shape[0]] = old
+            return out
+
+        self.temperature = resized("temperature", np.float32, 1.0)
+        self.top_k = resized("top_k", np.int32, 0)
+        self.top_p = resized("top_p", np.float32, 1.0)
+        self.min_p = resized("min_p", np.float32, 0.0)
+        self.num_logprobs = resized("num_logprobs", np.int32, 0)
+        self.seeded = resized("seeded", np.bool_, False)
+        self.seed = resized("seed", np.int64, 0)
+        self.min_tokens = resized("min_tokens", np.int32, 0)
+        self.penalized = resized("penalized", np.bool_, False)
+        self.size = size
+
+    def set(self, slot: int, p: SamplingParams) -> None:
+        if slot >= self.size:
+            self._grow(max(2 * self.size, slot + 1))
+        self.temperature[slot] = p.temperature
+        self.top_k[slot] = p.top_k
+        self.top_p[slot] = p.top_p
+        self.min_p[slot] = p.min_p
+        self.num_logprobs[slot] = p.logprobs or 0
+        self.seeded[slot] = p.seed is not None
+        self.seed[slot] = p.seed or 0
+        self.min_tokens[slot] = p.min_tokens
+        self.penalized[slot] = (
+            p.presence_penalty != 0 or p.frequency_penalty != 0 or p.repetition_penalty != 1
+        )
+
+
+class LLMEngine:
+    """Generation over a paged KV cache; see :class:`pagedcore.LLM` for the arguments."""
+
+    def __init__(self, args: EngineArgs) -> None:
+        args.validate()
+        self.args = args
+        self.device = self._pick_device(args.device)
+        hf_config = load_model_config(args.model)
+        self.spec: ModelSpec = model_spec_from_config(hf_config)
+        self.dtype = resolve_dtype(args.dtype, hf_config, device=self.device.type)
+        from transformers import AutoTokenizer, GenerationConfig
+
+        self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model)
+        self.eos_token_ids = self._eos_token_ids(args.model, GenerationConfig)
+        torch.manual_seed(args.seed)
+
+        model = CausalLM(self.spec)
+        model.load_weights(iter_safetensors(args.model, dtype=self.dtype))
+        self.model = model.to(device=self.device, dtype=self.dtype)
+        self.model.inv_freq.data = self.spec.inv_freq().to(self.device)  # kept in float32
+
+        engine_config = self._engine_config()
+        self.engine = _C.Engine(engine_config)
+        self.runner = ModelRunner(self.model, engine_config, self.device, self.dtype)
+        self.sampler = Sampler()
+        self._slots = _SlotArrays()
+        self._requests: dict[str, _Request] = {}
+        self._seq_owner: dict[int, tuple[_Request, int]] = {}
+        self._prompt_masks: dict[str, torch.Tensor] = {}
+        self._generators: dict[int, torch.Generator] = {}
+        self._next_id = 0
+
+    # ---- set-up -------------------------------------------------------------
+
+    @staticmethod
+    def _pick_device(device: str) -> torch.device:
+        if device == "auto":
+            return torch.device("cpu")  # the CUDA path arrives with the CUDA kernels
+        if device == "cuda":
+            raise ValueError("device='cuda' is not supported yet: the CUDA kernels land in step 3")
+        return torch.device(device)
+
+    def _eos_token_ids(self, path: str, generation_config_cls: Any) -> list[int]:
+        ids = set(self.spec.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(int(self.tokenizer.eos_token_id))
+        try:
+            gen = generation_config_cls.from_pretrained(path)
+            eos = gen.eos_token_id
+            ids.update([eos] if isinstance(eos, int) else (eos or []))
+        except OSError:
+            pass  # no generation_config.json
+        return sorted(ids)
+
+    def _engine_config(self) -> _C.EngineConfig:
+        a, spec = self.args, self.spec
+        per_block = kv_bytes_per_block(spec, a.block_size, self.dtype)
+        if a.num_kv_blocks is not None:
+            num_blocks = a.num_kv_blocks
+        else:
+            budget = a.kv_cache_memory_bytes
+            if budget is None:
+                budget = int(os.environ.get(KV_CACHE_BYTES_ENV, DEFAULT_CPU_KV_CACHE_BYTES))
+            num_blocks = budget // per_block
+            if num_blocks < 1:
+                raise ValueError(
+                    f"kv_cache_memory_bytes {budget} holds no block of {per_block} bytes"
+                )
+        max_model_len = a.max_model_len or spec.max_position_embeddings
+        if max_model_len > spec.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len {max_model_len} is larger than the model's "
+                f"max_position_embeddings ({spec.max_position_embeddings})"
+            )
+        capacity = num_blocks * a.block_size
+        if a.max_model_len is None and capacity < max_model_len:
+            logger.info("max_model_len %d (the model's) capped to %d, what the KV cache holds",
+                        max_model_len, capacity)
+            max_model_len = capacity
+        if capacity < max_model_len:
+            raise ValueError(
+                f"max_model_len {max_model_len} needs more KV cache than {num_blocks} blocks "
+                f"x {a.block_size} tokens ({capacity}); raise num_kv_blocks / "
+                f"kv_cache_memory_bytes or lower max_model_len"
+            )
+        num_cpu_blocks = 0
+        if a.preemption_mode == "swap":
+            num_cpu_blocks = max(1, int(a.swap_space * 2**30) // per_block)
+        logger.info("# KV cache blocks: %d", num_blocks)
+        logger.info(kv_cache_size_line(spec, num_blocks, a.block_size, self.dtype))
+        return _C.EngineConfig(
+            num_blocks=num_blocks,
+            block_size=a.block_size,
+            max_num_seqs=a.max_num_seqs,
+            max_num_batched_tokens=a.max_num_batched_tokens or max(2048, a.max_num_seqs),
+            max_model_len=max_model_len,
+            enable_prefix_caching=a.enable_prefix_caching,
+            preemption_mode=a.preemption_mode,
+            num_cpu_blocks=num_cpu_blocks,
+            sliding_window=spec.sliding_window or None,
+            vocab_size=spec.vocab_size,
+        )
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.config.max_model_len
+
+    # ---- requests -------------------------------------------------------------
+
+    def new_request_id(self) -> str:
+        self._next_id += 1
+        return str(self._next_id - 1)
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: Sequence[int] | None,
+        params: SamplingParams,
+    ) -> None:
+        """Tokenizes (if needed), validates and queues one request.
+
+        Raises ValueError (nothing is queued) for an empty or too long prompt,
+        a max_tokens that does not fit the context, or a bad token id.
+        """
+        if prompt_token_ids is None:
+            if prompt is None:
+                raise ValueError("a prompt needs either text or prompt_token_ids")
+            prompt_token_ids = self.tokenizer.encode(prompt)
+        ids = [int(t) for t in prompt_token_ids]
+        if not ids:
+            raise ValueError("the prompt is empty (0 tokens)")
+        if len(ids) > self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(ids)} tokens, more than max_model_len ({self.max_model_len})"
+            )
+        bad = next((t for t in ids if not 0 <= t < self.spec.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"prompt_token_ids contains {bad}, outside [0, {self.spec.vocab_size})")
+        room = self.max_model_len - len(ids)
+        max_tokens = params.max_tokens if params.max_tokens is not None else max(room, 1)
+        if params.max_tokens is not None and params.max_tokens > max(room, 1):
+            raise ValueError(
+                f"max_tokens {params.max_tokens} is larger than what max_model_len "
+                f"({self.max_model_len}) leaves after the {len(ids)}-token prompt ({room})"
+            )
+        stop_ids = list(params.stop_token_ids or [])
+        engine_params = _C.RequestParams(
+            n=params.n,
+            max_tokens=max_tokens,
+            min_tokens=min(params.min_tokens, max_tokens),
+            ignore_eos=params.ignore_eos,
+            eos_token_ids=self.eos_token_ids,
+            stop_token_ids=stop_ids,
+        )
+        first = self.engine.add_request(request_id, ids, engine_params)
+        slot = self.engine.request_slot(request_id)
+        self._slots.set(slot, params)
+        logprobs = params.logprobs is not None
+        request = _Request(
+            request_id=request_id,
+            prompt=prompt,
+            prompt_token_ids=ids,
+            params=params,
+            first_seq_id=first,
+            slot=slot,
+            completions=[
+                _Completion(index=i, logprobs=[] if logprobs else None) for i in range(params.n)
+            ],
+        )
+        if params.stop:
+            for c in request.completions:
+                c.detokenizer = IncrementalDetokenizer(
+                    self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens,
+                    stop=list(params.stop), include_stop_str_in_output=params.include_stop_str_in_output,
+                )
+        self._requests[request_id] = request
+        for i in range(params.n):
+            self._seq_owner[first + i] = (request, i)
+        if self._slots.penalized[slot]:
+            mask = torch.zeros(self.spec.vocab_size, dtype=torch.bool)
+            mask[torch.tensor(ids)] = True
+            self._prompt_masks[request_id] = mask
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Drops a request; returns its output (finish_reason 'abort') if it was live."""
+        request = self._requests.get(request_id)
+        if request is None:
+            return None
+        self.engine.abort(request_id)
+        for c in request.completions:
+            if c.finish_reason is None:
+                c.finish_reason = "abort"
+        return self._finish_request(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    def stats(self) -> dict[str, Any]:
+        return _C_stats(self.engine)
+
+    # ---- one step ---------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Runs one engine step; returns the requests that finished in it."""
+        batch = self.engine.schedule()
+        try:
+            logits = self.runner.execute(batch)
+            sampled: SamplerOutput | None = None
+            if batch.num_samples:
+                sampled = self.sampler(logits, self._sampling_metadata(batch))
+                token_ids = sampled.sampled_token_ids.to(torch.int32).cpu().numpy()
+                if (token_ids < 0).any():  # the sampler's mark of NaN / all -inf logits
+                    raise RuntimeError("the model produced logits with nothing to sample (NaN?)")
+            else:
+                token_ids = np.empty(0, dtype=np.int32)
+        except BaseException:
+            # NOTE: the engine waits for this step's tokens; give it placeholders
+            # and drop every request, whose outputs can no longer be trusted.
+            self.engine.update(np.zeros(batch.num_samples, dtype=np.int32))
+            for request_id in list(self._requests):
+                self.abort(request_id)
+            raise
+        result = self.engine.update(token_ids)
+        return self._process(result, sampled)
+
+    def _sampling_metadata(self, batch: _C.StepBatch) -> SamplingMetadata:
+        slots = batch.sample_slots
+        s = self._slots
+        device = self.device
+
+        def col(values: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(values[slots]).to(device)
+
+        temperature = s.temperature[slots]
+        top_k, top_p, min_p = s.top_k[slots], s.top_p[slots], s.min_p[slots]
+        md = SamplingMetadata(
+            temperature=torch.from_numpy(temperature).to(device),
+            top_k=col(s.top_k),
+            top_p=col(s.top_p),
+            min_p=col(s.min_p),
+            all_greedy=bool((temperature == 0).all()),
+            all_random=bool((temperature != 0).all()),
+            no_top_k=bool((top_k == 0).all()),
+            no_top_p=bool((top_p >= 1).all()),
+            no_min_p=bool((min_p == 0).all()),
+            generators=self._row_generators(batch, slots),
+            num_logprobs=int(s.num_logprobs[slots].max()),
+        )
+        self._add_min_tokens(md, batch, slots)
+        self._add_penalties(md, batch, slots)
+        return md
+
+    def _row_generators(self, batch: _C.StepBatch, slots: np.ndarray) -> dict[int, torch.Generator]:
+        seeded = np.nonzero(self._slots.seeded[slots])[0]
+        if seeded.size == 0:
+            return {}
+        generators = {}
+        seq_ids = batch.sample_seq_ids
+        for row in seeded.tolist():
+            seq_id = int(seq_ids[row])
+            gen = self._generators.get(seq_id)
+            if gen is None:
+                request, index = self._seq_owner[seq_id]
+                # Sample i of a request draws from seed + i: the n samples differ,
+                # and each depends only on its own seed, not on the batch.
+                gen = torch.Generator(device=self.device)
+                gen.manual_seed(int(self._slots.seed[slots[row]]) + index)
+                self._generators[seq_id] = gen
+            generators[row] = gen
+        return generators
+
+    def _add_min_tokens(self, md: SamplingMetadata, batch: _C.StepBatch, slots: np.ndarray) -> None:
+        rows = np.nonzero(batch.sample_num_outputs < self._slots.min_tokens[slots])[0]
+        if rows.size == 0:
+            return
+        blocked_rows, blocked_tokens = [], []
+        for row in rows.tolist():
+            request, _ = self._seq_owner[int(batch.sample_seq_ids[row])]
+            stops = list(request.params.stop_token_ids or [])
+            if not request.params.ignore_eos:
+                stops += self.eos_token_ids
+            blocked_rows += [row] * len(stops)
+            blocked_tokens += stops
+        md.blocked_rows = torch.tensor(blocked_rows, dtype=torch.int64, device=self.device)
+        md.blocked_tokens = torch.tensor(blocked_tokens, dtype=torch.int64, device=self.device)
+
+    def _add_penalties(self, md: SamplingMetadata, batch: _C.StepBatch, slots: np.ndarray) -> None:
+        rows = np.nonzero(self._slots.penalized[slots])[0]
+        if rows.size == 0:
+            return
+        vocab = self.spec.vocab_size
+        counts = torch.zeros((rows.size, vocab), dtype=torch.float32)
+        prompt_mask = torch.zeros((rows.size, vocab), dtype=torch.bool)
+        presence, frequency, repetition = [], [], []
+        for i, row in enumerate(rows.tolist()):
+            seq_id = int(batch.sample_seq_ids[row])
+            request, index = self._seq_owner[seq_id]
+            outputs = request.completions[index].token_ids
+            if outputs:
+                counts[i].index_add_(0, torch.tensor(outputs), torch.ones(len(outputs)))
+            prompt_mask[i] = self._prompt_masks[request.request_id]
+            p = request.params
+            presence.append(p.presence_penalty)
+            frequency.append(p.frequency_penalty)
+            repetition.append(p.repetition_penalty)
+        md.penalty_rows = torch.from_numpy(rows.astype(np.int64)).to(self.device)
+        md.presence_penalty = torch.tensor(presence, dtype=torch.float32, device=self.device)
+        md.frequency_penalty = torch.tensor(frequency, dtype=torch.float32, device=self.device)
+        md.repetition_penalty = torch.tensor(repetition, dtype=torch.float32, device=self.device)
+        md.output_token_counts = counts.to(self.device)
+        md.prompt_token_mask = prompt_mask.to(self.device)
+
+    # ---- outputs ----------------------------------------------------------------
+
+    def _process(self, result: _C.StepResult, sampled: SamplerOutput | None) -> list[RequestOutput]:
+        finished: list[RequestOutput] = []
+        n = result.num_outputs
+        if n == 0:
+            return finished
+        seq_ids = result.seq_ids.tolist()
+        tokens = result.token_ids.tolist()
+        reasons = result.finish_reasons.tolist()
+        stop_tokens = result.stop_reasons.tolist()
+        sampled_lp = sampled.sampled_logprobs.tolist()
+        top = None
+        if sampled.logprobs is not None:
+            top = (sampled.logprob_token_ids.tolist(), sampled.logprobs.tolist(), sampled.sampled_rank.tolist())
+        for k in range(n):
+            request, index = self._seq_owner[seq_ids[k]]
+            c = request.completions[index]
+            token = tokens[k]
+            c.token_ids.append(token)
+            c.cumulative_logprob += sampled_lp[k]
+            if c.logprobs is not None:
+                c.logprobs.append(self._logprob_entry(request, k, token, sampled_lp[k], top))
+            reason = _FINISH.get(reasons[k])
+            stop_str = None
+            if c.detokenizer is not None:
+                # NOTE: a token that ended the sequence by EOS/stop token is not text.
+                stop_terminated = reason == "stop"
+                if not stop_terminated:
+                    _, stop_str = c.detokenizer.append([token])
+            if stop_str is not None:
+                if reason is None:
+                    self.engine.finish(seq_ids[k])
+                reason, c.stop_reason = "stop", stop_str
+            elif reason is not None and stop_tokens[k] >= 0:
+                c.stop_reason = stop_tokens[k]
+            if reason is not None:
+                c.finish_reason = reason
+                request.num_finished += 1
+                self._generators.pop(seq_ids[k], None)
+                if request.num_finished == len(request.completions):
+                    finished.append(self._finish_request(request))
+        return finished
+
+    def _logprob_entry(self, request: _Request, k: int, token: int, logprob: float, top: Any) -> dict[int, Logprob]:
+        entry = {}
+        num = request.params.logprobs or 0
+        if top is not None and num > 0:
+            ids, values, ranks = top
+            for rank, (tid, value) in enumerate(zip(ids[k][:num], values[k][:num]), start=1):
+                entry[tid] = Logprob(value, rank, self.tokenizer.decode([tid]))
+            rank_of_sampled = ranks[k]
+        else:
+            rank_of_sampled = None
+        if token not in entry:
+            entry[token] = Logprob(logprob, rank_of_sampled, self.tokenizer.decode([token]))
+        return entry
+
+    def _finish_request(self, request: _Request) -> RequestOutput:
+        del self._requests[request.request_id]
+        self._prompt_masks.pop(request.request_id, None)
+        for seq_id in request.seq_ids:
+            self._seq_owner.pop(seq_id, None)
+            self._generators.pop(seq_id, None)
+        outputs = []
+        skip = request.params.skip_special_tokens
+        for c in request.completions:
+            if c.detokenizer is not None:
+                c.detokenizer.flush()  # releases text held back for a possible stop string
+                text = c.detokenizer.text
+            else:
+                ids = c.token_ids
+                if c.finish_reason == "stop":
+                    ids = ids[:-1]  # the EOS or stop token that ended it is not text
+                text = self.tokenizer.decode(ids, skip_special_tokens=skip)
+            outputs.append(
+                CompletionOutput(
+                    index=c.index,
+                    text=text,
+                    token_ids=list(c.token_ids),
+                    cumulative_logprob=c.cumulative_logprob if request.params.logprobs is not None else None,
+                    logprobs=c.logprobs,
+                    finish_reason=c.finish_reason,
+                    stop_reason=c.stop_reason,
+                )
+            )
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            outputs=outputs,
+            finished=True,
+        )
+
+
+def _C_stats(engine: _C.Engine) -> dict[str, Any]:
+    from .engine import stats_dict
+
+    return stats_dict(engine.stats())

@@ -1,0 +1,159 @@
+"""Runs one engine step through the model: KV-cache tensors, step inputs, forward.
+
+The runner owns every tensor (weights, KV caches, staging buffers) and never
+decides who runs: it takes a :class:`pagedcore.StepBatch` and returns the
+logits of the rows to sample. The step's arrays are copied once into
+preallocated buffers (no per-sequence Python work).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from . import _C, ops
+from .models import AttentionMetadata, CausalLM, ModelSpec
+
+logger = logging.getLogger("pagedcore")
+
+
+def kv_bytes_per_block(spec: ModelSpec, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of K and V of one block over all layers."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return 2 * spec.num_layers * block_size * spec.num_kv_heads * spec.head_dim * itemsize
+
+
+def kv_cache_size_line(spec: ModelSpec, num_blocks: int, block_size: int, dtype: torch.dtype) -> str:
+    """The start-up log line with the arithmetic, as vLLM prints it."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    total = num_blocks * kv_bytes_per_block(spec, block_size, dtype)
+    return (
+        f"KV cache size: {num_blocks} blocks x {block_size} tokens x {spec.num_layers} layers x "
+        f"{spec.num_kv_heads} kv heads x {spec.head_dim} head dim x 2 (K, V) x {itemsize} bytes "
+        f"= {total / 2**30:.2f} GiB"
+    )
+
+
+@dataclass
+class _Staging:
+    """Host buffers the step's numpy views are copied into (one copy each)."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    seq_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+    block_tables: torch.Tensor
+    sample_indices: torch.Tensor
+
+    @classmethod
+    def allocate(cls, config: _C.EngineConfig, pin: bool) -> _Staging:
+        def buf(*shape: int) -> torch.Tensor:
+            return torch.zeros(shape, dtype=torch.int32, pin_memory=pin)
+
+        tokens, seqs = config.max_num_batched_tokens, config.max_num_seqs
+        return cls(
+            input_ids=buf(tokens),
+            positions=buf(tokens),
+            slot_mapping=buf(tokens),
+            seq_lens=buf(seqs),
+            query_start_loc=buf(seqs + 1),
+            block_tables=buf(seqs, config.max_blocks_per_seq),
+            sample_indices=buf(seqs),
+        )
+
+
+def _put(dst: torch.Tensor, src: np.ndarray) -> torch.Tensor:
+    """Copies a 1-D view into the head of a staging buffer; returns that head."""
+    n = src.shape[0]
+    np.copyto(dst.numpy()[:n], src)
+    return dst[:n]
+
+
+class ModelRunner:
+    """Executes step batches of a :class:`pagedcore.Engine` on one device.
+
+    Parameters
+    ----------
+    model : CausalLM
+        Loaded weights, already on ``device``.
+    engine_config : EngineConfig
+        Sizes the KV caches (``num_blocks + 1`` rows, row 0 the null block)
+        and the staging buffers.
+    kv_dtype : torch.dtype
+        Element type of the KV cache.
+    """
+
+    def __init__(
+        self,
+        model: CausalLM,
+        engine_config: _C.EngineConfig,
+        device: torch.device,
+        kv_dtype: torch.dtype,
+    ) -> None:
+        self.model = model
+        self.spec = model.spec
+        self.device = device
+        self.block_size = engine_config.block_size
+        shape = (engine_config.num_blocks + 1, self.block_size, self.spec.num_kv_heads, self.spec.head_dim)
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=kv_dtype, device=device), torch.zeros(shape, dtype=kv_dtype, device=device))
+            for _ in range(self.spec.num_layers)
+        ]
+        self.cpu_kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        if engine_config.num_cpu_blocks > 0:
+            cpu_shape = (engine_config.num_cpu_blocks + 1,) + shape[1:]
+            pin = device.type == "cuda"
+            self.cpu_kv_caches = [
+                (
+                    torch.zeros(cpu_shape, dtype=kv_dtype, pin_memory=pin),
+                    torch.zeros(cpu_shape, dtype=kv_dtype, pin_memory=pin),
+                )
+                for _ in range(self.spec.num_layers)
+            ]
+        self.staging = _Staging.allocate(engine_config, pin=device.type == "cuda")
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        return t if self.device.type == "cpu" else t.to(self.device, non_blocking=True)
+
+    def _move_blocks(self, batch: _C.StepBatch) -> None:
+        # NOTE: the order is part of the engine's contract: a block freed by a
+        # swap-out may be the destination of a swap-in or a copy of the same step.
+        if batch.num_swap_out:
+            pairs = torch.from_numpy(np.array(batch.swap_out))
+            for (k, v), (ck, cv) in zip(self.kv_caches, self.cpu_kv_caches):
+                ops.swap_blocks(k, ck, pairs)
+                ops.swap_blocks(v, cv, pairs)
+        if batch.num_swap_in:
+            pairs = torch.from_numpy(np.array(batch.swap_in))
+            for (k, v), (ck, cv) in zip(self.kv_caches, self.cpu_kv_caches):
+                ops.swap_blocks(ck, k, pairs)
+                ops.swap_blocks(cv, v, pairs)
+        if batch.num_block_copies:
+            pairs = self._to_device(torch.from_numpy(np.array(batch.block_copies)))
+            ops.copy_blocks([k for k, _ in self.kv_caches], [v for _, v in self.kv_caches], pairs)
+
+    def execute(self, batch: _C.StepBatch) -> torch.Tensor:
+        """Runs the step; returns float32 logits ``[batch.num_samples, vocab]``."""
+        self._move_blocks(batch)
+        if batch.num_tokens == 0:
+            return torch.empty((0, self.spec.vocab_size), dtype=torch.float32, device=self.device)
+        s = self.staging
+        num_seqs = batch.num_seqs
+        seq_lens_np = batch.seq_lens
+        width = (int(seq_lens_np.max()) + self.block_size - 1) // self.block_size
+        np.copyto(s.block_tables.numpy()[:num_seqs, :width], batch.block_tables[:, :width])
+        md = AttentionMetadata(
+            slot_mapping=self._to_device(_put(s.slot_mapping, batch.slot_mapping)),
+            block_tables=self._to_device(s.block_tables[:num_seqs, :width]),
+            seq_lens=self._to_device(_put(s.seq_lens, seq_lens_np)),
+            query_start_loc=self._to_device(_put(s.query_start_loc, batch.query_start_loc)),
+        )
+        input_ids = self._to_device(_put(s.input_ids, batch.input_ids))
+        positions = self._to_device(_put(s.positions, batch.positions))
+        sample_indices = self._to_device(_put(s.sample_indices, batch.sample_indices))
+        hidden = self.model(input_ids, positions, md, self.kv_caches)
+        return self.model.compute_logits(hidden[sample_indices.long()])

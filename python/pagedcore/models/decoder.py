@@ -1,0 +1,229 @@
+"""The decoder-only transformer of the Llama family over the paged KV cache.
+
+Llama 2/3 (and SmolLM2), Mistral, Qwen2/2.5 and Qwen3 differ only in details
+that :class:`~pagedcore.models.spec.ModelSpec` names (q/k/v biases, q/k norms,
+rotary scaling, sliding window), so one implementation serves them all.
+
+Inputs are flat: the tokens of every sequence of the step one after another
+(no batch dimension, no padding). Attention reads and writes the paged cache
+through :mod:`pagedcore.ops`. The arithmetic follows Hugging Face's modules
+operation for operation (RMSNorm in float32, rotate-half rotary, the same
+residual order), so that float32 results agree with transformers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import ops
+from .spec import ModelSpec
+
+
+@dataclass
+class AttentionMetadata:
+    """Where this step's tokens go in the paged cache and what they attend to.
+
+    Shapes: ``slot_mapping [num_tokens]``, ``block_tables [num_seqs,
+    max_blocks]``, ``seq_lens [num_seqs]`` (tokens cached after this step),
+    ``query_start_loc [num_seqs + 1]``; all int32 on the model's device.
+    """
+
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.to(torch.float32)
+        variance = x32.pow(2).mean(-1, keepdim=True)
+        return self.weight * (x32 * torch.rsqrt(variance + self.eps)).to(dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x [T, heads, head_dim]; cos/sin [T, 1, head_dim]; rotate-half convention.
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        h, d = spec.hidden_size, spec.head_dim
+        self.spec = spec
+        self.input_layernorm = RMSNorm(h, spec.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(h, spec.rms_norm_eps)
+        # q, k and v projections fused into one matrix: one GEMM instead of three.
+        self.qkv_proj = nn.Linear(h, spec.q_size + 2 * spec.kv_size, bias=spec.qkv_bias)
+        self.o_proj = nn.Linear(spec.q_size, h, bias=spec.o_bias)
+        self.gate_up_proj = nn.Linear(h, 2 * spec.intermediate_size, bias=spec.mlp_bias)
+        self.down_proj = nn.Linear(spec.intermediate_size, h, bias=spec.mlp_bias)
+        if spec.qk_norm:
+            self.q_norm = RMSNorm(d, spec.rms_norm_eps)
+            self.k_norm = RMSNorm(d, spec.rms_norm_eps)
+        self.scale = d**-0.5
+        for p in self.parameters():
+            p.requires_grad_(False)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        md: AttentionMetadata,
+    ) -> torch.Tensor:
+        spec = self.spec
+        t = hidden.shape[0]
+        residual = hidden
+        x = self.input_layernorm(hidden)
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([spec.q_size, spec.kv_size, spec.kv_size], dim=-1)
+        q = q.view(t, spec.num_heads, spec.head_dim)
+        k = k.view(t, spec.num_kv_heads, spec.head_dim)
+        v = v.view(t, spec.num_kv_heads, spec.head_dim)
+        if spec.qk_norm:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q = _rotate(q, cos, sin)
+        k = _rotate(k, cos, sin)
+        ops.reshape_and_cache(k, v, key_cache, value_cache, md.slot_mapping)
+        attn = ops.paged_attention(
+            q, key_cache, value_cache, md.block_tables, md.seq_lens, md.query_start_loc,
+            scale=self.scale, sliding_window=spec.sliding_window,
+        )
+        hidden = residual + self.o_proj(attn.view(t, spec.q_size))
+        residual = hidden
+        x = self.post_attention_layernorm(hidden)
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return residual + self.down_proj(F.silu(gate) * up)
+
+
+class CausalLM(nn.Module):
+    """A Llama-family causal LM over the paged KV cache.
+
+    Examples
+    --------
+    >>> model = CausalLM(spec)                       # doctest: +SKIP
+    >>> model.load_weights(iter_safetensors(path))   # doctest: +SKIP
+    >>> hidden = model(input_ids, positions, md, kv_caches)
+    >>> logits = model.compute_logits(hidden[sample_indices])
+    """
+
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.spec = spec
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(spec) for _ in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        if not spec.tie_word_embeddings:
+            self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.register_buffer("inv_freq", spec.inv_freq(), persistent=False)
+        for p in self.parameters():
+            p.requires_grad_(False)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.spec.tie_word_embeddings else self.lm_head.weight
+
+    def rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin ``[num_tokens, 1, head_dim]`` for the given positions."""
+        freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        md: AttentionMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor:
+        """Final hidden states ``[num_tokens, hidden_size]`` of the step's tokens.
+
+        ``input_ids`` and ``positions`` are ``[num_tokens]``; ``kv_caches`` holds
+        one ``(key_cache, value_cache)`` pair per layer, each ``[num_blocks,
+        block_size, num_kv_heads, head_dim]``.
+        """
+        hidden = self.embed_tokens(input_ids)
+        cos, sin = self.rotary(positions, hidden.dtype)
+        for layer, (key_cache, value_cache) in zip(self.layers, kv_caches):
+            hidden = layer(hidden, cos, sin, key_cache, value_cache, md)
+        return self.norm(hidden)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits ``[rows, vocab_size]`` of the given hidden rows."""
+        return F.linear(hidden, self.lm_head_weight).float()
+
+    # ---- weights ------------------------------------------------------------
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copies Hugging Face-named tensors into the (fused) parameters.
+
+        Raises
+        ------
+        ValueError
+            For an unexpected tensor name or shape, or when a parameter
+            received no weight.
+        """
+        spec = self.spec
+        fused = {  # HF projection -> (fused parameter, row offset, rows)
+            "self_attn.q_proj": ("qkv_proj", 0, spec.q_size),
+            "self_attn.k_proj": ("qkv_proj", spec.q_size, spec.kv_size),
+            "self_attn.v_proj": ("qkv_proj", spec.q_size + spec.kv_size, spec.kv_size),
+            "mlp.gate_proj": ("gate_up_proj", 0, spec.intermediate_size),
+            "mlp.up_proj": ("gate_up_proj", spec.intermediate_size, spec.intermediate_size),
+        }
+        renamed = {
+            "self_attn.o_proj": "o_proj",
+            "mlp.down_proj": "down_proj",
+            "self_attn.q_norm": "q_norm",
+            "self_attn.k_norm": "k_norm",
+        }
+        params = dict(self.named_parameters())
+        filled: dict[str, int] = {name: 0 for name in params}
+        for name, tensor in weights:
+            if name.startswith("model."):
+                name = name[len("model.") :]
+            if name == "lm_head.weight" and spec.tie_word_embeddings:
+                continue  # tied: the embedding serves as the head
+            if "rotary_emb" in name:
+                continue
+            target, offset, rows = name, None, None
+            if name.startswith("layers."):
+                _, index, rest = name.split(".", 2)
+                module, _, kind = rest.rpartition(".")
+                if module in fused:
+                    fused_name, offset, rows = fused[module]
+                    target = f"layers.{index}.{fused_name}.{kind}"
+                elif module in renamed:
+                    target = f"layers.{index}.{renamed[module]}.{kind}"
+            if target not in params:
+                raise ValueError(f"unexpected weight '{name}' in the checkpoint")
+            param = params[target]
+            dest = param.data if offset is None else param.data.narrow(0, offset, rows)
+            if dest.shape != tensor.shape:
+                raise ValueError(
+                    f"weight '{name}' has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}"
+                )
+            dest.copy_(tensor)
+            filled[target] += dest.numel()
+        missing = [n for n, p in params.items() if filled[n] != p.numel()]
+        if missing:
+            raise ValueError(f"the checkpoint has no (or partial) weights for {missing[:5]}")
