@@ -141,3 +141,18 @@ def test_unsupported_architecture_names_the_supported_ones(tmp_path) -> None:
     transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"):
         LLM(model=str(tmp_path), num_kv_blocks=16)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_runs_close_to_float32(dtype, tokenizer_dir, tmp_path) -> None:
+    path = make_checkpoint("qwen3", tmp_path)
+    ps = prompts()
+    params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=5)
+    ref = LLM(model=str(path), tokenizer=tokenizer_dir, num_kv_blocks=64, max_model_len=256)
+    half = LLM(model=str(path), tokenizer=tokenizer_dir, num_kv_blocks=64, max_model_len=256, dtype=dtype)
+    assert half.llm_engine.runner.kv_caches[0][0].dtype == getattr(torch, dtype)
+    for a, b in zip(run(ref, ps, params), run(half, ps, params)):
+        lp_a, lp_b = a.outputs[0].logprobs[0], b.outputs[0].logprobs[0]
+        best = a.outputs[0].token_ids[0]
+        assert best in lp_b  # the float32 choice is in the half-precision top 5
+        assert abs(lp_a[best].logprob - lp_b[best].logprob) < 0.1
