@@ -30,19 +30,22 @@ step() {  # step NAME COMMAND...: runs it, logs to $out/NAME.log, records pass/f
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
 py="${PYTHON:-python3}"
 # The device's Python already has torch, pybind11, scikit-build-core and pytest.
-step build env PAGEDCORE_CUDA=ON "$py" -m pip install -v --no-build-isolation --no-deps \
-  --break-system-packages .
+# sm_90 only here: the device is an H200 (CI builds the full list).
+step build env PAGEDCORE_CUDA=ON CMAKE_BUILD_PARALLEL_LEVEL=16 "$py" -m pip install -v --no-build-isolation \
+  --no-deps --break-system-packages -C cmake.define.PAGEDCORE_CUDA_ARCHITECTURES=90 .
 step cuda_info "$py" -c "import pagedcore, json; print(json.dumps(pagedcore.cuda_info()))"
-step pytest "$py" -m pytest -q -p no:cacheprovider tests/python
 step pytest_cuda "$py" -m pytest -q -p no:cacheprovider -m cuda tests/python
 step memcheck compute-sanitizer --tool memcheck --error-exitcode 1 \
-  "$py" -c "import pagedcore; pagedcore.cuda_smoke_test(); print('smoke test ok')"
+  "$py" -m pytest -q -p no:cacheprovider -x tests/python/test_ops_cuda.py -k "grid and bf16 and 128 or splits or swap or copy or reshape"
+step bench "$py" bench/bench_kernels_gpu.py
 
+echo
+tail -n 16 "$out/bench.log"
 echo
 echo "commit ${PAGEDCORE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo '?')}  $(cat "$out/gpu.txt")"
 printf '%-14s %s\n' "check" "result"
 status=0
-for name in build cuda_info pytest pytest_cuda memcheck; do
+for name in build cuda_info pytest_cuda memcheck bench; do
   printf '%-14s %s\n' "$name" "${result[$name]:-not run}"
   [[ "${result[$name]:-}" == pass ]] || status=1
 done

@@ -5,6 +5,9 @@
 #include <pybind11/stl.h>
 
 #include "pagedcore/cpu_ops.h"
+#ifdef PAGEDCORE_WITH_CUDA
+#include "pagedcore/cuda/kernels.h"
+#endif
 
 namespace py = pybind11;
 using namespace pybind11::literals;
@@ -43,6 +46,30 @@ void register_ops(pybind11::module_& m) {
   m.def("cpu_get_num_threads", &cpu::get_num_threads);
   m.def("cpu_isa", &cpu::cpu_isa);
   m.def("cpu_set_isa", &cpu::set_cpu_isa, "isa"_a);
+
+#ifdef PAGEDCORE_WITH_CUDA
+  // Launches are asynchronous on the given stream: the GIL is not worth releasing.
+  py::enum_<cuda::DType>(m, "CudaDType")
+      .value("FLOAT32", cuda::DType::kFloat32)
+      .value("BFLOAT16", cuda::DType::kBFloat16)
+      .value("FLOAT16", cuda::DType::kFloat16);
+  m.attr("cuda_attention_tile_vectors") = cuda::kAttentionTileVectors;
+  m.def("cuda_reshape_and_cache", &cuda::reshape_and_cache_at, "key"_a, "value"_a, "key_cache"_a,
+        "value_cache"_a, "slot_mapping"_a, "slot_mapping_int64"_a, "dtype"_a, "num_tokens"_a,
+        "num_kv_heads"_a, "head_dim"_a, "num_blocks"_a, "block_size"_a, "key_stride"_a,
+        "value_stride"_a, "stream"_a);
+  m.def("cuda_copy_blocks", &cuda::copy_blocks_at, "cache_ptrs"_a, "block_mapping"_a,
+        "num_caches"_a, "num_pairs"_a, "num_blocks"_a, "block_bytes"_a, "stream"_a);
+  m.def("cuda_gather_blocks", &cuda::gather_blocks_at, "cache_ptrs"_a, "blocks"_a, "staging"_a,
+        "num_caches"_a, "num_blocks_moved"_a, "num_blocks"_a, "block_bytes"_a, "to_staging"_a,
+        "stream"_a);
+  m.def("cuda_paged_attention", &cuda::paged_attention_at, "out"_a, "query"_a, "key_cache"_a,
+        "value_cache"_a, "block_tables"_a, "seq_lens"_a, "query_start_loc"_a, "work_seq"_a,
+        "work_q_start"_a, "partial_out"_a, "partial_lse"_a, "num_work"_a, "num_splits"_a,
+        "tile_tokens"_a, "num_heads"_a, "num_kv_heads"_a, "head_dim"_a, "block_size"_a,
+        "num_blocks"_a, "query_stride"_a, "block_tables_stride"_a, "scale"_a, "softcap"_a,
+        "sliding_window"_a, "dtype"_a, "stream"_a);
+#endif
 }
 
 }  // namespace pagedcore::bindings

@@ -24,7 +24,7 @@ import torch
 from . import _C
 from .detokenizer import IncrementalDetokenizer
 from .model_loader import iter_safetensors, load_model_config, resolve_dtype
-from .model_runner import ModelRunner, kv_bytes_per_block, kv_cache_size_line
+from .model_runner import ModelRunner, kv_bytes_per_block, kv_cache_size_line, profile_peak_memory
 from .models import CausalLM, ModelSpec, model_spec_from_config
 from .outputs import CompletionOutput, Logprob, RequestOutput
 from .sampler import Sampler, SamplerOutput, SamplingMetadata
@@ -192,10 +192,16 @@ class LLMEngine:
 
     @staticmethod
     def _pick_device(device: str) -> torch.device:
+        cuda_ok = torch.cuda.is_available() and _C.cuda_info()["compiled"]
         if device == "auto":
-            return torch.device("cpu")  # the CUDA path arrives with the CUDA kernels
+            return torch.device("cuda", torch.cuda.current_device()) if cuda_ok else torch.device("cpu")
         if device == "cuda":
-            raise ValueError("device='cuda' is not supported yet: the CUDA kernels land in step 3")
+            if not cuda_ok:
+                raise ValueError(
+                    "device='cuda' needs a GPU and pagedcore built with its CUDA kernels "
+                    f"(torch sees {torch.cuda.device_count()} GPUs; cuda_info: {_C.cuda_info()})"
+                )
+            return torch.device("cuda", torch.cuda.current_device())
         return torch.device(device)
 
     def _eos_token_ids(self, path: str, generation_config_cls: Any) -> list[int]:
@@ -213,8 +219,11 @@ class LLMEngine:
     def _engine_config(self) -> _C.EngineConfig:
         a, spec = self.args, self.spec
         per_block = kv_bytes_per_block(spec, a.block_size, self.dtype)
+        max_batched = a.max_num_batched_tokens or max(8192 if self.device.type == "cuda" else 2048, a.max_num_seqs)
         if a.num_kv_blocks is not None:
             num_blocks = a.num_kv_blocks
+        elif self.device.type == "cuda":
+            num_blocks = self._gpu_blocks(per_block, max_batched)
         else:
             budget = a.kv_cache_memory_bytes
             if budget is None:
@@ -250,7 +259,7 @@ class LLMEngine:
             num_blocks=num_blocks,
             block_size=a.block_size,
             max_num_seqs=a.max_num_seqs,
-            max_num_batched_tokens=a.max_num_batched_tokens or max(2048, a.max_num_seqs),
+            max_num_batched_tokens=max_batched,
             max_model_len=max_model_len,
             enable_prefix_caching=a.enable_prefix_caching,
             preemption_mode=a.preemption_mode,
@@ -258,6 +267,31 @@ class LLMEngine:
             sliding_window=spec.sliding_window or None,
             vocab_size=spec.vocab_size,
         )
+
+    def _gpu_blocks(self, per_block: int, max_batched: int) -> int:
+        """Blocks that fit in gpu_memory_utilization of the GPU once the weights and
+        the peak activations of the largest step (measured by a profiling pass) and
+        the memory other users hold are set aside."""
+        a = self.args
+        device = self.device
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(device)
+        others = total - free - torch.cuda.memory_reserved(device)
+        peak = profile_peak_memory(self.model, max_batched, a.max_num_seqs, a.block_size, self.dtype)
+        # The sampler's work on [max_num_seqs, vocab] float32 (softmax, sort).
+        sampler = 4 * a.max_num_seqs * self.spec.vocab_size * 4
+        budget = int(total * a.gpu_memory_utilization) - others - peak - sampler
+        logger.info(
+            "GPU memory: %.2f GiB total, x %.2f utilization; weights + peak activations %.2f GiB, "
+            "other processes %.2f GiB; KV cache gets %.2f GiB",
+            total / 2**30, a.gpu_memory_utilization, peak / 2**30, others / 2**30, max(budget, 0) / 2**30,
+        )
+        if budget < per_block:
+            raise ValueError(
+                f"gpu_memory_utilization {a.gpu_memory_utilization} leaves no room for the KV cache "
+                f"({budget / 2**30:.2f} GiB after weights and activations)"
+            )
+        return budget // per_block
 
     @property
     def max_model_len(self) -> int:

@@ -98,6 +98,8 @@ class ModelRunner:
         self.spec = model.spec
         self.device = device
         self.block_size = engine_config.block_size
+        if device.type == "cuda":
+            ops.set_index_checks(False)  # the engine's indices are valid by construction
         shape = (engine_config.num_blocks + 1, self.block_size, self.spec.num_kv_heads, self.spec.head_dim)
         self.kv_caches = [
             (torch.zeros(shape, dtype=kv_dtype, device=device), torch.zeros(shape, dtype=kv_dtype, device=device))
@@ -122,16 +124,22 @@ class ModelRunner:
     def _move_blocks(self, batch: _C.StepBatch) -> None:
         # NOTE: the order is part of the engine's contract: a block freed by a
         # swap-out may be the destination of a swap-in or a copy of the same step.
+        gpu = [t for pair in self.kv_caches for t in pair]
+        cpu = [t for pair in self.cpu_kv_caches for t in pair]
         if batch.num_swap_out:
             pairs = torch.from_numpy(np.array(batch.swap_out))
-            for (k, v), (ck, cv) in zip(self.kv_caches, self.cpu_kv_caches):
-                ops.swap_blocks(k, ck, pairs)
-                ops.swap_blocks(v, cv, pairs)
+            if self.device.type == "cuda":
+                ops.swap_out(gpu, cpu, pairs)
+            else:
+                for g, c in zip(gpu, cpu):
+                    ops.swap_blocks(g, c, pairs)
         if batch.num_swap_in:
             pairs = torch.from_numpy(np.array(batch.swap_in))
-            for (k, v), (ck, cv) in zip(self.kv_caches, self.cpu_kv_caches):
-                ops.swap_blocks(ck, k, pairs)
-                ops.swap_blocks(cv, v, pairs)
+            if self.device.type == "cuda":
+                ops.swap_in(cpu, gpu, pairs)
+            else:
+                for g, c in zip(gpu, cpu):
+                    ops.swap_blocks(c, g, pairs)
         if batch.num_block_copies:
             pairs = self._to_device(torch.from_numpy(np.array(batch.block_copies)))
             ops.copy_blocks([k for k, _ in self.kv_caches], [v for _, v in self.kv_caches], pairs)
@@ -152,8 +160,51 @@ class ModelRunner:
             seq_lens=self._to_device(_put(s.seq_lens, seq_lens_np)),
             query_start_loc=self._to_device(_put(s.query_start_loc, batch.query_start_loc)),
         )
+        if self.device.type == "cuda":
+            md.plan = ops.plan_attention(
+                batch.query_start_loc, seq_lens_np, self.spec.num_heads, self.spec.num_kv_heads, self.device
+            )
         input_ids = self._to_device(_put(s.input_ids, batch.input_ids))
         positions = self._to_device(_put(s.positions, batch.positions))
         sample_indices = self._to_device(_put(s.sample_indices, batch.sample_indices))
         hidden = self.model(input_ids, positions, md, self.kv_caches)
         return self.model.compute_logits(hidden[sample_indices.long()])
+
+
+@torch.inference_mode()
+def profile_peak_memory(model: CausalLM, num_tokens: int, num_samples: int, block_size: int,
+                        kv_dtype: torch.dtype) -> int:
+    """Peak CUDA memory (bytes, weights included) of one forward pass over
+    ``num_tokens`` tokens and the logits of ``num_samples`` rows, with a KV cache
+    just large enough for them, which is not counted."""
+    spec, device = model.spec, next(model.parameters()).device
+    seqs = max(1, min(num_samples, num_tokens))
+    per_seq = -(-num_tokens // seqs)
+    blocks_per_seq = -(-per_seq // block_size)
+    shape = (1 + seqs * blocks_per_seq, block_size, spec.num_kv_heads, spec.head_dim)
+    caches = [(torch.zeros(shape, dtype=kv_dtype, device=device), torch.zeros(shape, dtype=kv_dtype, device=device))
+              for _ in range(spec.num_layers)]
+    cache_bytes = sum(k.numel() * k.element_size() * 2 for k, _ in caches)
+    lens = [per_seq] * (seqs - 1) + [num_tokens - per_seq * (seqs - 1)]
+    qsl = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    positions = np.concatenate([np.arange(n) for n in lens]).astype(np.int32)
+    tables = (1 + np.arange(seqs * blocks_per_seq, dtype=np.int32)).reshape(seqs, blocks_per_seq)
+    rows = np.repeat(np.arange(seqs), lens)
+    slots = tables[rows, positions // block_size] * block_size + positions % block_size
+    md = AttentionMetadata(
+        slot_mapping=torch.from_numpy(slots.astype(np.int32)).to(device),
+        block_tables=torch.from_numpy(tables).to(device),
+        seq_lens=torch.tensor(lens, dtype=torch.int32, device=device),
+        query_start_loc=torch.from_numpy(qsl).to(device),
+    )
+    md.plan = ops.plan_attention(qsl, np.array(lens), spec.num_heads, spec.num_kv_heads, device)
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    ids = torch.zeros(num_tokens, dtype=torch.int32, device=device)
+    hidden = model(ids, torch.from_numpy(positions).to(device), md, caches)
+    model.compute_logits(hidden[:num_samples])
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    del caches, hidden
+    torch.cuda.empty_cache()
+    return peak - cache_bytes

@@ -11,9 +11,12 @@ index (slot ids, block ids, sequence lengths) run in C++ and raise
 :class:`pagedcore.InvalidArgumentError` (a ``ValueError``) naming the field and
 value; a call that raises has written nothing.
 
-CPU only for now: a CUDA tensor raises ``NotImplementedError`` (the CUDA kernels
-land in step 3). The CPU kernels use a pool of threads owned by the core, sized
-by :func:`set_num_threads`.
+CPU tensors run the C++ kernels of the core, on a pool of threads it owns
+(:func:`set_num_threads`); CUDA tensors run the CUDA kernels (``cuda/``) on the
+current stream, asynchronously. Index ranges of CUDA inputs are checked only
+while :func:`set_index_checks` is on (the default; each check costs a device
+synchronisation): the model runner turns it off, its indices come from the
+engine. The kernels never dereference an index out of range either way.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import numbers
 import operator
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from . import _C
@@ -33,7 +37,11 @@ __all__ = [
     "cpu_isa",
     "get_num_threads",
     "paged_attention",
+    "plan_attention",
     "reshape_and_cache",
+    "set_index_checks",
+    "swap_in",
+    "swap_out",
     "set_cpu_isa",
     "set_num_threads",
     "swap_blocks",
@@ -53,17 +61,68 @@ _INDEX_TYPES = {torch.int32: _C.CpuIndexType.INT32, torch.int64: _C.CpuIndexType
 # ---- checks -------------------------------------------------------------------------------
 
 
+_CUDA_DTYPES = (
+    {
+        torch.float32: _C.CudaDType.FLOAT32,
+        torch.bfloat16: _C.CudaDType.BFLOAT16,
+        torch.float16: _C.CudaDType.FLOAT16,
+    }
+    if hasattr(_C, "CudaDType")
+    else {}
+)
+_index_checks = True
+
+
+def set_index_checks(enabled: bool) -> None:
+    """Check index ranges of CUDA inputs before launching (costs a synchronisation)."""
+    global _index_checks
+    _index_checks = bool(enabled)
+
+
 def _tensor(op: str, name: str, t: object) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.device.type != "cpu":
-        if t.device.type == "cuda":
+    if t.device.type == "cuda":
+        if not _CUDA_DTYPES:
             raise NotImplementedError(
-                f"{op}: {name} is on {t.device}; the CUDA kernels land in step 3, "
-                "only CPU tensors are supported for now"
+                f"{op}: {name} is on {t.device} but pagedcore was built without CUDA kernels"
             )
-        raise ValueError(f"{op}: {name} must be a CPU tensor, got device {t.device}")
+    elif t.device.type != "cpu":
+        raise ValueError(f"{op}: {name} must be a CPU or CUDA tensor, got device {t.device}")
     return t
+
+
+def _same_device(op: str, **tensors: torch.Tensor) -> torch.device:
+    devices = {name: t.device for name, t in tensors.items()}
+    first = next(iter(devices.values()))
+    for name, device in devices.items():
+        if device != first:
+            raise ValueError(f"{op}: all tensors must be on one device; {name} is on {device}, "
+                             f"{next(iter(devices))} on {first}")
+    return first
+
+
+def _stream(device: torch.device) -> int:
+    return torch.cuda.current_stream(device).cuda_stream
+
+
+def _check_range(op: str, name: str, t: torch.Tensor, low: int, high: int, allow_negative: bool = False) -> None:
+    # CUDA inputs only (the C++ CPU kernels check their own): one synchronisation.
+    if not _index_checks or t.numel() == 0:
+        return
+    values = t[t >= 0] if allow_negative else t
+    if values.numel() == 0:
+        return
+    lo, hi = int(values.min()), int(values.max())
+    if lo < low or hi >= high:
+        bad = lo if lo < low else hi
+        raise ValueError(f"{op}: {name} holds {bad}, outside [{low}, {high})")
+
+
+def _aligned(op: str, name: str, t: torch.Tensor, stride_elements: int) -> None:
+    if t.data_ptr() % 16 or (stride_elements * t.element_size()) % 16:
+        raise ValueError(f"{op}: {name} must start on 16 bytes with a token stride of a multiple "
+                         f"of 16 bytes for the CUDA kernels")
 
 
 def _dim(op: str, name: str, t: torch.Tensor, ndim: int, layout: str) -> None:
@@ -207,6 +266,21 @@ def reshape_and_cache(
     _contiguous(op, "slot_mapping", slot_mapping)
     key_stride = _token_stride(op, "key", key)
     value_stride = _token_stride(op, "value", value)
+    device = _same_device(op, key=key, value=value, key_cache=key_cache, value_cache=value_cache,
+                          slot_mapping=slot_mapping)
+    if device.type == "cuda":
+        _aligned(op, "key", key, key_stride)
+        _aligned(op, "value", value, value_stride)
+        _check_range(op, "slot_mapping", slot_mapping, 0, num_blocks * block_size, allow_negative=True)
+        _C.cuda_reshape_and_cache(
+            key=key.data_ptr(), value=value.data_ptr(), key_cache=key_cache.data_ptr(),
+            value_cache=value_cache.data_ptr(), slot_mapping=slot_mapping.data_ptr(),
+            slot_mapping_int64=slot_mapping.dtype == torch.int64, dtype=_CUDA_DTYPES[key.dtype],
+            num_tokens=key.shape[0], num_kv_heads=num_kv_heads, head_dim=head_dim,
+            num_blocks=num_blocks, block_size=block_size, key_stride=key_stride,
+            value_stride=value_stride, stream=_stream(device),
+        )
+        return
     _C.cpu_reshape_and_cache(
         key=key.data_ptr(),
         value=value.data_ptr(),
@@ -237,6 +311,7 @@ def paged_attention(
     sliding_window: int = 0,
     softcap: float = 0.0,
     out: torch.Tensor | None = None,
+    plan: AttentionPlan | None = None,
 ) -> torch.Tensor:
     """Causal attention of a batch of rows over their paged KV cache.
 
@@ -279,6 +354,10 @@ def paged_attention(
     out : torch.Tensor, optional
         ``[num_tokens, num_heads, head_dim]``, contiguous, query's dtype. Rows after
         ``query_start_loc[-1]`` are left untouched.
+    plan : AttentionPlan, optional
+        CUDA only: the work split of this step from :func:`plan_attention`, made once
+        per step and shared by every layer. Without it the plan is made here (which
+        reads ``query_start_loc`` and ``seq_lens`` back to the host).
 
     Returns
     -------
@@ -364,8 +443,10 @@ def paged_attention(
     if not (math.isfinite(softcap) and softcap >= 0):
         raise ValueError(f"{op}: softcap must be finite and >= 0 (0 = off), got {softcap}")
 
+    device = _same_device(op, query=query, key_cache=key_cache, value_cache=value_cache,
+                          block_tables=block_tables, seq_lens=seq_lens, query_start_loc=query_start_loc)
     if out is None:
-        out = torch.empty((num_tokens, num_heads, head_dim), dtype=query.dtype)
+        out = torch.empty((num_tokens, num_heads, head_dim), dtype=query.dtype, device=device)
     else:
         _tensor(op, "out", out)
         if out.shape != query.shape:
@@ -374,6 +455,27 @@ def paged_attention(
             )
         _same_dtype(op, "out", out, "query", query)
         _contiguous(op, "out", out)
+        _same_device(op, query=query, out=out)
+
+    if device.type == "cuda":
+        if plan is None:
+            _check_range(op, "block_tables", block_tables, 0, num_blocks)
+            plan = plan_attention(query_start_loc.cpu().numpy(), seq_lens.cpu().numpy(),
+                                  num_heads, num_kv_heads, device)
+        _C.cuda_paged_attention(
+            out=out.data_ptr(), query=query.data_ptr(), key_cache=key_cache.data_ptr(),
+            value_cache=value_cache.data_ptr(), block_tables=block_tables.data_ptr(),
+            seq_lens=seq_lens.data_ptr(), query_start_loc=query_start_loc.data_ptr(),
+            work_seq=plan.work_seq.data_ptr(), work_q_start=plan.work_q_start.data_ptr(),
+            partial_out=plan.partial_out_ptr(num_kv_heads, head_dim),
+            partial_lse=plan.partial_lse_ptr(num_kv_heads), num_work=plan.num_work,
+            num_splits=plan.num_splits, tile_tokens=plan.tile_tokens, num_heads=num_heads,
+            num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size,
+            num_blocks=num_blocks, query_stride=query_stride, block_tables_stride=table_stride,
+            scale=float(scale), softcap=float(softcap), sliding_window=sliding_window,
+            dtype=_CUDA_DTYPES[query.dtype], stream=_stream(device),
+        )
+        return out
 
     _C.cpu_paged_attention(
         out=out.data_ptr(),
@@ -451,6 +553,20 @@ def copy_blocks(
             )
     ref = key_caches[0]
     dtype = _float_dtype(op, "key_caches[0]", ref)
+    device = _same_device(op, block_mapping=block_mapping,
+                          **{f"cache{i}": t for i, t in enumerate(key_caches + value_caches)})
+    if device.type == "cuda":
+        if block_mapping.shape[0] == 0:
+            return
+        _check_range(op, "block_mapping", block_mapping, 0, ref.shape[0])
+        caches = _pointer_table(key_caches + value_caches, device)
+        mapping = block_mapping.to(torch.int64)
+        _C.cuda_copy_blocks(
+            cache_ptrs=caches.data_ptr(), block_mapping=mapping.data_ptr(),
+            num_caches=caches.shape[0], num_pairs=mapping.shape[0], num_blocks=ref.shape[0],
+            block_bytes=ref[0].numel() * ref.element_size(), stream=_stream(device),
+        )
+        return
     _C.cpu_copy_blocks(
         key_caches=[t.data_ptr() for t in key_caches],
         value_caches=[t.data_ptr() for t in value_caches],
@@ -505,6 +621,17 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tenso
     _contiguous(op, "src", src)
     _contiguous(op, "dst", dst)
     _block_mapping(op, block_mapping)
+    if src.is_cuda or dst.is_cuda:
+        # One gather and one copy per call (not one per block); the runner moves
+        # every layer at once with swap_out / swap_in instead.
+        if block_mapping.shape[0] == 0:
+            return
+        _check_range(op, "block_mapping[:, 0]", block_mapping[:, 0], 0, src.shape[0])
+        _check_range(op, "block_mapping[:, 1]", block_mapping[:, 1], 0, dst.shape[0])
+        index_src = block_mapping[:, 0].to(device=src.device, dtype=torch.int64)
+        index_dst = block_mapping[:, 1].to(device=dst.device, dtype=torch.int64)
+        dst.index_copy_(0, index_dst, src.index_select(0, index_src).to(dst.device))
+        return
     _C.cpu_swap_blocks(
         src=src.data_ptr(),
         dst=dst.data_ptr(),
@@ -590,3 +717,137 @@ def set_cpu_isa(isa: str) -> None:
     >>> ops.set_cpu_isa(best)
     """
     _C.cpu_set_isa(isa)
+
+
+# ---- CUDA helpers --------------------------------------------------------------------------
+
+_SM_COUNTS: dict[int, int] = {}
+
+
+def _pointer_table(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64).to(device, non_blocking=True)
+
+
+class AttentionPlan:
+    """How :func:`paged_attention` splits one step's rows over CUDA thread blocks.
+
+    Work items are tiles of consecutive query tokens of one row (as many as fill
+    ``cuda_attention_tile_vectors`` query vectors with the heads of one kv head);
+    with few items and long contexts, each item's keys are also split
+    (``num_splits``) and merged by a second kernel. Made once per step on the host
+    (:func:`plan_attention`) and reused by every layer.
+    """
+
+    def __init__(self, work_seq, work_q_start, tile_tokens, num_splits, device) -> None:
+        self.num_work = int(work_seq.shape[0])
+        self.tile_tokens = tile_tokens
+        self.num_splits = num_splits
+        self.device = device
+        self.work_seq = torch.from_numpy(work_seq).to(device, non_blocking=True)
+        self.work_q_start = torch.from_numpy(work_q_start).to(device, non_blocking=True)
+        self._partial_out: torch.Tensor | None = None
+        self._partial_lse: torch.Tensor | None = None
+
+    def partial_out_ptr(self, num_kv_heads: int, head_dim: int) -> int:
+        if self.num_splits == 1:
+            return 0
+        size = self.num_work * num_kv_heads * self.num_splits * _C.cuda_attention_tile_vectors * head_dim
+        if self._partial_out is None or self._partial_out.numel() < size:
+            self._partial_out = torch.empty(size, dtype=torch.float32, device=self.device)
+        return self._partial_out.data_ptr()
+
+    def partial_lse_ptr(self, num_kv_heads: int) -> int:
+        if self.num_splits == 1:
+            return 0
+        size = self.num_work * num_kv_heads * self.num_splits * _C.cuda_attention_tile_vectors * 2
+        if self._partial_lse is None or self._partial_lse.numel() < size:
+            self._partial_lse = torch.empty(size, dtype=torch.float32, device=self.device)
+        return self._partial_lse.data_ptr()
+
+
+def plan_attention(
+    query_start_loc: np.ndarray,
+    seq_lens: np.ndarray,
+    num_heads: int,
+    num_kv_heads: int,
+    device: torch.device,
+) -> AttentionPlan:
+    """Plans :func:`paged_attention` on CUDA for one step (host arrays in, no sync).
+
+    Parameters
+    ----------
+    query_start_loc : np.ndarray
+        ``[num_seqs + 1]`` the step's row starts (host copy).
+    seq_lens : np.ndarray
+        ``[num_seqs]`` tokens cached per row after the step (host copy).
+    """
+    group = num_heads // num_kv_heads
+    vectors = _C.cuda_attention_tile_vectors
+    if group > vectors:
+        raise ValueError(f"plan_attention: {group} query heads per kv head; at most {vectors} supported")
+    tile = max(1, vectors // group)
+    q_lens = np.diff(np.asarray(query_start_loc, dtype=np.int64))
+    tiles = (q_lens + tile - 1) // tile
+    total = int(tiles.sum())
+    work_seq = np.repeat(np.arange(q_lens.shape[0], dtype=np.int32), tiles)
+    first_of_row = np.repeat(np.cumsum(tiles) - tiles, tiles)
+    work_q_start = ((np.arange(total) - first_of_row) * tile).astype(np.int32)
+    # Split keys when the work items alone leave most multiprocessors idle.
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    sms = _SM_COUNTS.get(index)
+    if sms is None:
+        sms = _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    ctas = max(1, total * num_kv_heads)
+    longest = int(np.max(seq_lens)) if len(seq_lens) else 0
+    splits = 1
+    if ctas < sms and longest >= 512:
+        splits = int(min(-(-2 * sms // ctas), longest // 256, 64))
+    return AttentionPlan(work_seq, work_q_start, tile, max(1, splits), device)
+
+
+def swap_out(gpu_caches: Sequence[torch.Tensor], cpu_caches: Sequence[torch.Tensor], block_mapping: torch.Tensor) -> None:
+    """Moves blocks of every layer from the GPU caches to the CPU caches at once.
+
+    ``cpu_caches[c][dst] = gpu_caches[c][src]`` for every cache ``c`` and pair
+    ``(src, dst)``: one gather kernel into a staging buffer, one device-to-host
+    copy, then a host-side scatter (this synchronises the stream: swapping is
+    the rare, preempted path).
+    """
+    caches = list(gpu_caches)
+    if not caches or block_mapping.shape[0] == 0:
+        return
+    device = caches[0].device
+    mapping = block_mapping.to("cpu", torch.int64)
+    blocks = mapping[:, 0].to(device, non_blocking=True)
+    block_bytes = caches[0][0].numel() * caches[0].element_size()
+    staging = torch.empty((mapping.shape[0], len(caches), block_bytes), dtype=torch.uint8, device=device)
+    table = _pointer_table(caches, device)
+    _C.cuda_gather_blocks(
+        cache_ptrs=table.data_ptr(), blocks=blocks.data_ptr(), staging=staging.data_ptr(),
+        num_caches=len(caches), num_blocks_moved=mapping.shape[0], num_blocks=caches[0].shape[0],
+        block_bytes=block_bytes, to_staging=True, stream=_stream(device),
+    )
+    host = staging.to("cpu")  # the one copy (it waits for the gather)
+    for c, cpu_cache in enumerate(cpu_caches):
+        cpu_cache.view(cpu_cache.shape[0], -1).view(torch.uint8)[mapping[:, 1]] = host[:, c]
+
+
+def swap_in(cpu_caches: Sequence[torch.Tensor], gpu_caches: Sequence[torch.Tensor], block_mapping: torch.Tensor) -> None:
+    """Moves blocks of every layer from the CPU caches back to the GPU caches:
+    a host-side gather, one host-to-device copy, one scatter kernel."""
+    caches = list(gpu_caches)
+    if not caches or block_mapping.shape[0] == 0:
+        return
+    device = caches[0].device
+    mapping = block_mapping.to("cpu", torch.int64)
+    host = torch.stack(
+        [cpu.view(cpu.shape[0], -1).view(torch.uint8)[mapping[:, 0]] for cpu in cpu_caches], dim=1
+    ).pin_memory()
+    staging = host.to(device, non_blocking=True)
+    blocks = mapping[:, 1].to(device, non_blocking=True)
+    table = _pointer_table(caches, device)
+    _C.cuda_gather_blocks(
+        cache_ptrs=table.data_ptr(), blocks=blocks.data_ptr(), staging=staging.data_ptr(),
+        num_caches=len(caches), num_blocks_moved=mapping.shape[0], num_blocks=caches[0].shape[0],
+        block_bytes=host.shape[2], to_staging=False, stream=_stream(device),
+    )

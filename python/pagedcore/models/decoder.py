@@ -37,6 +37,7 @@ class AttentionMetadata:
     block_tables: torch.Tensor
     seq_lens: torch.Tensor
     query_start_loc: torch.Tensor
+    plan: ops.AttentionPlan | None = None  # CUDA: the step's work split, shared by all layers
 
 
 class RMSNorm(nn.Module):
@@ -104,7 +105,7 @@ class DecoderLayer(nn.Module):
         ops.reshape_and_cache(k, v, key_cache, value_cache, md.slot_mapping)
         attn = ops.paged_attention(
             q, key_cache, value_cache, md.block_tables, md.seq_lens, md.query_start_loc,
-            scale=self.scale, sliding_window=spec.sliding_window,
+            scale=self.scale, sliding_window=spec.sliding_window, plan=md.plan,
         )
         hidden = residual + self.o_proj(attn.view(t, spec.q_size))
         residual = hidden

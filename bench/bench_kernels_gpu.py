@@ -1,0 +1,168 @@
+#!/usr/bin/env python3
+"""GPU kernels of pagedcore.ops against the peers on the same data, on one GPU.
+
+Decode attention over a paged bf16 cache vs torch SDPA on the same keys laid out
+contiguously (the memory-bandwidth bound the issue compares with); prefill; cache
+write, block copy and swap bandwidth. Each case: warm-up, then CUDA-graph replays
+timed with events, median of repeats; achieved GB/s against the copy bandwidth
+measured in the same run. Prints a table last.
+
+Usage: python3 bench/bench_kernels_gpu.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from pagedcore import ops
+
+
+def time_graph(fn, iters: int = 20, repeats: int = 7) -> float:
+    """Median microseconds of one call, replaying a CUDA graph of `iters` calls."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(iters):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000 / iters)
+    return statistics.median(times)
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy, bytes read + written per second (GB/s)."""
+    a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    us = time_graph(lambda: b.copy_(a), iters=5)
+    return 2 * a.numel() / us / 1e3
+
+
+def decode_case(batch: int, ctx: int, heads: int, kv_heads: int, head_dim: int, block_size: int):
+    dtype = torch.bfloat16
+    g = torch.Generator(device="cuda").manual_seed(0)
+    blocks_per_seq = -(-ctx // block_size)
+    num_blocks = batch * blocks_per_seq + 1
+    kc = torch.randn((num_blocks, block_size, kv_heads, head_dim), generator=g, device="cuda", dtype=dtype)
+    vc = torch.randn_like(kc)
+    perm = torch.randperm(num_blocks - 1, generator=g, device="cuda").to(torch.int32) + 1
+    tables = perm[: batch * blocks_per_seq].view(batch, blocks_per_seq).contiguous()
+    q = torch.randn((batch, heads, head_dim), generator=g, device="cuda", dtype=dtype)
+    seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+    qsl_np = np.arange(batch + 1, dtype=np.int32)
+    qsl = torch.from_numpy(qsl_np).cuda()
+    plan = ops.plan_attention(qsl_np, np.full(batch, ctx), heads, kv_heads, torch.device("cuda"))
+    out = torch.empty_like(q)
+    scale = head_dim**-0.5
+    ours = time_graph(lambda: ops.paged_attention(q, kc, vc, tables, seq_lens, qsl, scale=scale, out=out, plan=plan))
+    # Peer: SDPA over the same keys gathered contiguously (GQA expanded by enable_gqa).
+    idx = tables.long()
+    k = kc[idx].view(batch, blocks_per_seq * block_size, kv_heads, head_dim)[:, :ctx].transpose(1, 2).contiguous()
+    v = vc[idx].view(batch, blocks_per_seq * block_size, kv_heads, head_dim)[:, :ctx].transpose(1, 2).contiguous()
+    qq = q.view(batch, heads, 1, head_dim)
+    ref = F.scaled_dot_product_attention(qq, k, v, enable_gqa=True, scale=scale)
+    err = (out.float().view_as(ref) - ref.float()).norm() / ref.float().norm()
+    theirs = time_graph(lambda: F.scaled_dot_product_attention(qq, k, v, enable_gqa=True, scale=scale))
+    kv_bytes = 2 * batch * ctx * kv_heads * head_dim * 2
+    return ours, theirs, kv_bytes, float(err)
+
+
+def prefill_case(tokens: int, heads: int, kv_heads: int, head_dim: int, block_size: int = 16):
+    dtype = torch.bfloat16
+    g = torch.Generator(device="cuda").manual_seed(1)
+    nb = -(-tokens // block_size) + 1
+    kc = torch.randn((nb, block_size, kv_heads, head_dim), generator=g, device="cuda", dtype=dtype)
+    vc = torch.randn_like(kc)
+    tables = torch.arange(1, nb, dtype=torch.int32, device="cuda").view(1, -1)
+    q = torch.randn((tokens, heads, head_dim), generator=g, device="cuda", dtype=dtype)
+    qsl_np = np.array([0, tokens], dtype=np.int32)
+    plan = ops.plan_attention(qsl_np, np.array([tokens]), heads, kv_heads, torch.device("cuda"))
+    seq_lens = torch.tensor([tokens], dtype=torch.int32, device="cuda")
+    qsl = torch.from_numpy(qsl_np).cuda()
+    out = torch.empty_like(q)
+    ours = time_graph(lambda: ops.paged_attention(q, kc, vc, tables, seq_lens, qsl, scale=head_dim**-0.5, out=out, plan=plan), iters=3, repeats=5)
+    k = kc[1:].reshape(-1, kv_heads, head_dim)[:tokens].transpose(0, 1).unsqueeze(0)
+    v = vc[1:].reshape(-1, kv_heads, head_dim)[:tokens].transpose(0, 1).unsqueeze(0)
+    qq = q.transpose(0, 1).unsqueeze(0)
+    theirs = time_graph(lambda: F.scaled_dot_product_attention(qq, k, v, is_causal=True, enable_gqa=True), iters=3, repeats=5)
+    return ours, theirs
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    ops.set_index_checks(False)  # checks synchronise; graphs cannot capture that
+    bw = copy_bandwidth()
+    rows = []
+    cases = [(1, 4096), (1, 32768), (64, 1024), (64, 4096)]
+    if args.quick:
+        cases = [(1, 4096), (64, 4096)]
+    for block_size in (16, 128):
+        for batch, ctx in cases:
+            ours, theirs, nbytes, err = decode_case(batch, ctx, 32, 8, 128, block_size)
+            rows.append((f"decode B={batch} L={ctx} bs={block_size} (32/8, d128)", ours, theirs, nbytes / ours / 1e3, err))
+    ours, theirs, nbytes, err = decode_case(64, 1024, 9, 3, 64, 16)
+    rows.append(("decode SmolLM2 B=64 L=1k (9/3, d64)", ours, theirs, nbytes / ours / 1e3, err))
+
+    # Cache write of 16k tokens, block copy, swap.
+    kv, hd = 8, 128
+    kc = torch.zeros((2048, 16, kv, hd), dtype=torch.bfloat16, device="cuda")
+    vc = torch.zeros_like(kc)
+    key = torch.randn((16384, kv, hd), dtype=torch.bfloat16, device="cuda")
+    val = torch.randn_like(key)
+    slots = torch.randperm(2048 * 16, device="cuda")[:16384].to(torch.int32)
+    us = time_graph(lambda: ops.reshape_and_cache(key, val, kc, vc, slots))
+    write_bytes = 2 * 2 * key.numel() * 2
+    rows.append(("cache write 16k tokens (8 kv heads, d128)", us, None, write_bytes / us / 1e3, 0.0))
+    layers = [torch.randn((4096, 16, kv, hd), dtype=torch.bfloat16, device="cuda") for _ in range(8)]
+    pairs = torch.stack([torch.arange(0, 1024), torch.arange(2048, 3072)], dim=1).cuda()
+    us = time_graph(lambda: ops.copy_blocks(layers[:4], layers[4:], pairs), iters=5)
+    copy_bytes = 2 * 8 * 1024 * layers[0][0].numel() * 2
+    rows.append(("block copy 1024 pairs x 8 caches", us, None, copy_bytes / us / 1e3, 0.0))
+    cpu = [torch.zeros((1100, 16, kv, hd), dtype=torch.bfloat16).pin_memory() for _ in range(8)]
+    out_pairs = torch.stack([torch.arange(1024), torch.arange(1024)], dim=1)
+    ops.swap_out(layers, cpu, out_pairs)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(5):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        ops.swap_in(cpu, layers, out_pairs)
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t) * 1e6)
+    swap_bytes = 8 * 1024 * layers[0][0].numel() * 2
+    us = statistics.median(times)
+    rows.append(("swap-in 1024 blocks x 8 caches (H2D)", us, None, swap_bytes / us / 1e3, 0.0))
+
+    prefill_ours, prefill_sdpa = prefill_case(8192 if not args.quick else 2048, 32, 8, 128)
+
+    print(f"\ncopy bandwidth (read+write): {bw:.0f} GB/s; {torch.cuda.get_device_name()}")
+    print(f"{'case':<48}{'pagedcore us':>14}{'peer us':>10}{'peer/ours':>11}{'GB/s':>9}{'rel err':>10}")
+    for name, ours, theirs, gbs, err in rows:
+        peer = f"{theirs:10.1f}{theirs / ours:10.2f}x" if theirs is not None else f"{'-':>10}{'-':>11}"
+        print(f"{name:<48}{ours:14.1f}{peer}{gbs:9.0f}{err:10.1e}")
+    print(f"{'prefill 8k causal (32/8, d128) vs SDPA':<48}{prefill_ours:14.1f}{prefill_sdpa:10.1f}{prefill_sdpa / prefill_ours:10.2f}x")
+
+
+if __name__ == "__main__":
+    main()

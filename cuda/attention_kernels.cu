@@ -1,0 +1,323 @@
+// Paged attention over the KV cache, for decode rows, prompt chunks with a
+// cached prefix and whole prompts in one launch.
+//
+// A work item (planned on the host, once per step) is a tile of up to
+// kAttentionTileVectors query vectors: consecutive query tokens of one row
+// times the query heads that share one kv head (GQA), so each K/V row is read
+// once for all of them. A CTA takes (work item, kv head, key split): it walks
+// its key range in chunks staged in shared memory (converted to float32),
+// with an online softmax; with several splits, a second kernel merges the
+// partial results by their log-sum-exp.
+//
+// This first version computes on CUDA cores in float32; tensor-core tiles
+// come next (see bench/RESULTS.md for where it stands against SDPA).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cfloat>
+#include <cstdint>
+
+#include "pagedcore/cuda/kernels.h"
+
+namespace pagedcore::cuda {
+
+namespace {
+
+constexpr int kThreads = 128;
+constexpr int kVectors = kAttentionTileVectors;          // query vectors per CTA
+constexpr int kThreadsPerVector = kThreads / kVectors;   // 8
+
+template <int HD>
+__host__ __device__ constexpr int keys_per_chunk() {
+  return HD <= 32 ? 128 : (HD <= 64 ? 64 : (HD <= 128 ? 32 : 16));
+}
+
+template <int HD>
+__host__ __device__ constexpr int smem_floats() {
+  constexpr int kt = keys_per_chunk<HD>();
+  return kVectors * HD + kt * (HD + 1) + kt * HD + kVectors * (kt + 1);
+}
+
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+
+template <typename T>
+__device__ __forceinline__ T from_float(float x);
+template <>
+__device__ __forceinline__ float from_float<float>(float x) { return x; }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16(x); }
+template <>
+__device__ __forceinline__ __half from_float<__half>(float x) { return __float2half(x); }
+
+// 16 bytes of T as floats.
+template <typename T>
+__device__ __forceinline__ void load16(const T* src, float* dst) {
+  constexpr int n = 16 / sizeof(T);
+  union {
+    uint4 raw;
+    T v[n];
+  } u;
+  u.raw = *reinterpret_cast<const uint4*>(src);
+#pragma unroll
+  for (int i = 0; i < n; ++i) dst[i] = to_float(u.v[i]);
+}
+
+__device__ __forceinline__ float group_max(float x) {
+#pragma unroll
+  for (int o = kThreadsPerVector / 2; o > 0; o /= 2) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+  return x;
+}
+
+__device__ __forceinline__ float group_sum(float x) {
+#pragma unroll
+  for (int o = kThreadsPerVector / 2; o > 0; o /= 2) x += __shfl_xor_sync(0xffffffffu, x, o);
+  return x;
+}
+
+template <typename T, int HD>
+__global__ void __launch_bounds__(kThreads) paged_attention_kernel(PagedAttentionParams p) {
+  constexpr int KT = keys_per_chunk<HD>();
+  constexpr int EPV = 16 / sizeof(T);      // elements per 16-byte vector
+  constexpr int VPR = HD / EPV;            // vectors per K/V row
+  constexpr int DPT = HD / kThreadsPerVector;  // output dims per thread
+  extern __shared__ float smem[];
+  float* qs = smem;                        // [kVectors][HD], pre-scaled queries
+  float* ks = qs + kVectors * HD;          // [KT][HD + 1] (padded: no bank conflicts)
+  float* vs = ks + KT * (HD + 1);          // [KT][HD]
+  float* ss = vs + KT * HD;                // [kVectors][KT + 1] scores, then probabilities
+
+  const int work = blockIdx.x;
+  const int kv_head = blockIdx.y;
+  const int split = blockIdx.z;
+  const int row = p.work_seq[work];
+  const int q_begin = p.query_start_loc[row];
+  const int q_len = p.query_start_loc[row + 1] - q_begin;
+  const int ctx = p.seq_lens[row];
+  const int t0 = p.work_q_start[work];
+  const int group = p.num_heads / p.num_kv_heads;
+  const int tile_tokens = min(p.tile_tokens, q_len - t0);
+  const int num_vectors = tile_tokens * group;
+  const int first_pos = ctx - q_len + t0;
+  const int last_pos = first_pos + tile_tokens - 1;
+  // Keys any query of the tile sees, then this split's share of them.
+  const int k_lo = p.sliding_window > 0 ? max(0, first_pos - p.sliding_window + 1) : 0;
+  const int k_hi = last_pos + 1;
+  const int per_split = (k_hi - k_lo + p.num_splits - 1) / p.num_splits;
+  const int s_lo = k_lo + split * per_split;
+  const int s_hi = min(k_hi, s_lo + per_split);
+
+  const T* query = static_cast<const T*>(p.query);
+  for (int i = threadIdx.x; i < kVectors * HD; i += kThreads) {
+    const int v = i / HD;
+    const int d = i % HD;
+    float x = 0.f;
+    if (v < num_vectors) {
+      const int64_t tok = q_begin + t0 + v / group;
+      const int head = kv_head * group + v % group;
+      x = to_float(query[tok * p.query_stride + static_cast<int64_t>(head) * HD + d]) * p.scale;
+    }
+    qs[i] = x;
+  }
+
+  const int my_v = threadIdx.x / kThreadsPerVector;
+  const int lane = threadIdx.x % kThreadsPerVector;
+  float acc[DPT];
+#pragma unroll
+  for (int i = 0; i < DPT; ++i) acc[i] = 0.f;
+  float m = -FLT_MAX;  // running max (of finite scores)
+  float l = 0.f;       // running sum of exp(score - m)
+
+  const T* key_cache = static_cast<const T*>(p.key_cache);
+  const T* value_cache = static_cast<const T*>(p.value_cache);
+  const int32_t* table = p.block_tables + static_cast<int64_t>(row) * p.block_tables_stride;
+  const int64_t head_offset = static_cast<int64_t>(kv_head) * HD;
+
+  for (int c0 = s_lo; c0 < s_hi; c0 += KT) {
+    const int n = min(KT, s_hi - c0);
+    __syncthreads();  // the previous chunk is consumed (and qs is written)
+    for (int i = threadIdx.x; i < KT * VPR; i += kThreads) {
+      const int j = i / VPR;
+      const int e0 = (i % VPR) * EPV;
+      float kf[EPV], vf[EPV];
+      if (j < n) {
+        const int tok = c0 + j;
+        const int64_t block = table[tok / p.block_size];
+        const int64_t base =
+            ((block * p.block_size + tok % p.block_size) * p.num_kv_heads) * HD + head_offset + e0;
+        load16(key_cache + base, kf);
+        load16(value_cache + base, vf);
+      } else {
+#pragma unroll
+        for (int e = 0; e < EPV; ++e) kf[e] = vf[e] = 0.f;
+      }
+#pragma unroll
+      for (int e = 0; e < EPV; ++e) {
+        ks[j * (HD + 1) + e0 + e] = kf[e];
+        vs[j * HD + e0 + e] = vf[e];
+      }
+    }
+    __syncthreads();
+    for (int pi = threadIdx.x; pi < kVectors * KT; pi += kThreads) {
+      const int v = pi / KT;
+      const int j = pi % KT;
+      float s = -INFINITY;
+      const int key = c0 + j;
+      const int pos = first_pos + v / group;
+      if (v < num_vectors && j < n && key <= pos &&
+          (p.sliding_window == 0 || key > pos - p.sliding_window)) {
+        float dot = 0.f;
+#pragma unroll 16
+        for (int d = 0; d < HD; ++d) dot += qs[v * HD + d] * ks[j * (HD + 1) + d];
+        s = p.softcap > 0.f ? p.softcap * tanhf(dot / p.softcap) : dot;
+      }
+      ss[v * (KT + 1) + j] = s;
+    }
+    __syncthreads();
+    // Online softmax of this chunk for my vector (its 8 threads share a warp).
+    float chunk_max = -INFINITY;
+    for (int j = lane; j < KT; j += kThreadsPerVector) chunk_max = fmaxf(chunk_max, ss[my_v * (KT + 1) + j]);
+    chunk_max = group_max(chunk_max);
+    const float new_m = fmaxf(m, chunk_max);
+    const float corr = __expf(m - new_m);
+    float psum = 0.f;
+    for (int j = lane; j < KT; j += kThreadsPerVector) {
+      const float s = ss[my_v * (KT + 1) + j];
+      const float e = s == -INFINITY ? 0.f : __expf(s - new_m);
+      ss[my_v * (KT + 1) + j] = e;
+      psum += e;
+    }
+    psum = group_sum(psum);
+    l = l * corr + psum;
+    m = new_m;
+#pragma unroll
+    for (int i = 0; i < DPT; ++i) acc[i] *= corr;
+    __syncwarp();
+    for (int j = 0; j < n; ++j) {
+      const float pj = ss[my_v * (KT + 1) + j];
+#pragma unroll
+      for (int i = 0; i < DPT; ++i) acc[i] += pj * vs[j * HD + lane + kThreadsPerVector * i];
+    }
+  }
+
+  if (my_v >= num_vectors) return;
+  const float inv = l > 0.f ? 1.f / l : 0.f;
+  if (p.num_splits == 1) {
+    T* out = static_cast<T*>(p.out);
+    const int64_t tok = q_begin + t0 + my_v / group;
+    const int head = kv_head * group + my_v % group;
+    T* dst = out + (tok * p.num_heads + head) * HD;
+#pragma unroll
+    for (int i = 0; i < DPT; ++i) dst[lane + kThreadsPerVector * i] = from_float<T>(acc[i] * inv);
+  } else {
+    const int64_t slot = ((static_cast<int64_t>(work) * p.num_kv_heads + kv_head) * p.num_splits + split) * kVectors + my_v;
+    float* dst = p.partial_out + slot * HD;
+#pragma unroll
+    for (int i = 0; i < DPT; ++i) dst[lane + kThreadsPerVector * i] = acc[i] * inv;
+    if (lane == 0) {
+      p.partial_lse[2 * slot] = m;
+      p.partial_lse[2 * slot + 1] = l;
+    }
+  }
+}
+
+// Merges the splits of each (work item, kv head, vector) by log-sum-exp.
+template <typename T, int HD>
+__global__ void __launch_bounds__(kThreads) merge_splits_kernel(PagedAttentionParams p) {
+  constexpr int DPT = HD / kThreadsPerVector;
+  const int work = blockIdx.x;
+  const int kv_head = blockIdx.y;
+  const int row = p.work_seq[work];
+  const int q_begin = p.query_start_loc[row];
+  const int q_len = p.query_start_loc[row + 1] - q_begin;
+  const int t0 = p.work_q_start[work];
+  const int group = p.num_heads / p.num_kv_heads;
+  const int num_vectors = min(p.tile_tokens, q_len - t0) * group;
+  const int v = threadIdx.x / kThreadsPerVector;
+  const int lane = threadIdx.x % kThreadsPerVector;
+  if (v >= num_vectors) return;
+  const int64_t first = ((static_cast<int64_t>(work) * p.num_kv_heads + kv_head) * p.num_splits) * kVectors + v;
+  float gmax = -FLT_MAX;
+  for (int s = 0; s < p.num_splits; ++s) {
+    const int64_t slot = first + static_cast<int64_t>(s) * kVectors;
+    if (p.partial_lse[2 * slot + 1] > 0.f) gmax = fmaxf(gmax, p.partial_lse[2 * slot]);
+  }
+  float acc[DPT];
+#pragma unroll
+  for (int i = 0; i < DPT; ++i) acc[i] = 0.f;
+  float total = 0.f;
+  for (int s = 0; s < p.num_splits; ++s) {
+    const int64_t slot = first + static_cast<int64_t>(s) * kVectors;
+    const float sum = p.partial_lse[2 * slot + 1];
+    if (sum <= 0.f) continue;
+    const float w = sum * __expf(p.partial_lse[2 * slot] - gmax);
+    total += w;
+    const float* src = p.partial_out + slot * HD;
+#pragma unroll
+    for (int i = 0; i < DPT; ++i) acc[i] += w * src[lane + kThreadsPerVector * i];
+  }
+  const float inv = total > 0.f ? 1.f / total : 0.f;
+  T* out = static_cast<T*>(p.out);
+  const int64_t tok = q_begin + t0 + v / group;
+  const int head = kv_head * group + v % group;
+  T* dst = out + (tok * p.num_heads + head) * HD;
+#pragma unroll
+  for (int i = 0; i < DPT; ++i) dst[lane + kThreadsPerVector * i] = from_float<T>(acc[i] * inv);
+}
+
+template <typename T, int HD>
+int launch(const PagedAttentionParams& p, cudaStream_t stream) {
+  constexpr size_t smem = smem_floats<HD>() * sizeof(float);
+  static bool configured = false;  // NOTE: per instantiation; raising the limit is idempotent
+  if (!configured) {
+    const cudaError_t e = cudaFuncSetAttribute(paged_attention_kernel<T, HD>,
+                                               cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+    if (e != cudaSuccess) return e;
+    configured = true;
+  }
+  const dim3 grid(p.num_work, p.num_kv_heads, p.num_splits);
+  paged_attention_kernel<T, HD><<<grid, kThreads, smem, stream>>>(p);
+  cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess || p.num_splits == 1) return e;
+  merge_splits_kernel<T, HD><<<dim3(p.num_work, p.num_kv_heads), kThreads, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+template <typename T>
+int dispatch_head_dim(const PagedAttentionParams& p, cudaStream_t s) {
+  switch (p.head_dim) {
+    case 32: return launch<T, 32>(p, s);
+    case 64: return launch<T, 64>(p, s);
+    case 80: return launch<T, 80>(p, s);
+    case 96: return launch<T, 96>(p, s);
+    case 128: return launch<T, 128>(p, s);
+    case 256: return launch<T, 256>(p, s);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+}  // namespace
+
+bool head_dim_supported(int32_t head_dim) {
+  return head_dim == 32 || head_dim == 64 || head_dim == 80 || head_dim == 96 || head_dim == 128 ||
+         head_dim == 256;
+}
+
+int paged_attention(const PagedAttentionParams& p, void* stream) {
+  if (p.num_work == 0) return cudaSuccess;
+  if (p.num_heads % p.num_kv_heads != 0 || p.num_heads / p.num_kv_heads > kVectors ||
+      p.tile_tokens * (p.num_heads / p.num_kv_heads) > kVectors || p.num_splits < 1) {
+    return cudaErrorInvalidValue;
+  }
+  const auto s = static_cast<cudaStream_t>(stream);
+  switch (p.dtype) {
+    case DType::kFloat32: return dispatch_head_dim<float>(p, s);
+    case DType::kBFloat16: return dispatch_head_dim<__nv_bfloat16>(p, s);
+    case DType::kFloat16: return dispatch_head_dim<__half>(p, s);
+  }
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace pagedcore::cuda

@@ -1,0 +1,128 @@
+// CUDA kernels over the paged KV cache: framework-free launchers.
+//
+// Each launcher takes a plain struct of device pointers, sizes and strides and
+// the caller's stream (a cudaStream_t as void*), enqueues its work and returns
+// the cudaError_t of the launch as an int (0 = success). Nothing here needs a
+// CUDA header, torch, or a synchronisation. Indices produced by the engine are
+// trusted; out-of-range slots and blocks are skipped, never dereferenced.
+//
+// KV cache layout (one tensor per layer for K, one for V):
+//   [num_blocks, block_size, num_kv_heads, head_dim]
+#pragma once
+
+#include <cstdint>
+
+namespace pagedcore::cuda {
+
+enum class DType : int32_t { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
+
+// Head sizes the attention kernel is compiled for.
+bool head_dim_supported(int32_t head_dim);
+
+struct ReshapeAndCacheParams {
+  const void* key;          // [num_tokens, num_kv_heads, head_dim], token stride key_stride
+  const void* value;        // [num_tokens, num_kv_heads, head_dim], token stride value_stride
+  void* key_cache;          // [num_blocks, block_size, num_kv_heads, head_dim]
+  void* value_cache;        // [num_blocks, block_size, num_kv_heads, head_dim]
+  const void* slot_mapping;     // [num_tokens] int32 or int64; < 0 or >= num_blocks * block_size: skipped
+  bool slot_mapping_int64;
+  int32_t num_tokens;
+  int32_t num_kv_heads;
+  int32_t head_dim;
+  int32_t num_blocks;
+  int32_t block_size;
+  int64_t key_stride;       // elements between tokens
+  int64_t value_stride;
+  DType dtype;
+};
+int reshape_and_cache(const ReshapeAndCacheParams& p, void* stream);
+
+struct CopyBlocksParams {
+  const int64_t* cache_ptrs;    // [num_caches] device addresses of every layer's K and V cache
+  const int64_t* block_mapping; // [num_pairs, 2] (src, dst)
+  int32_t num_caches;
+  int32_t num_pairs;
+  int32_t num_blocks;
+  int64_t block_bytes;          // bytes of one block (a multiple of 16)
+};
+// Copies every pair in every cache: one launch for all layers (copy-on-write).
+int copy_blocks(const CopyBlocksParams& p, void* stream);
+
+struct GatherBlocksParams {
+  const int64_t* cache_ptrs;  // [num_caches] device caches
+  const int64_t* blocks;      // [num_blocks_moved] block ids, in order
+  void* staging;              // [num_blocks_moved, num_caches, block_bytes] contiguous
+  int32_t num_caches;
+  int32_t num_blocks_moved;
+  int32_t num_blocks;
+  int64_t block_bytes;
+};
+// staging[i][c] = cache c, block blocks[i] (swap-out: one gather, then one DMA).
+int gather_blocks(const GatherBlocksParams& p, void* stream);
+// cache c, block blocks[i] = staging[i][c] (swap-in: one DMA, then one scatter).
+int scatter_blocks(const GatherBlocksParams& p, void* stream);
+
+// Work plan of one attention call, computed on the host once per step and
+// reused by every layer (see plan_attention in pagedcore.ops).
+struct PagedAttentionParams {
+  void* out;                      // [num_tokens, num_heads, head_dim], contiguous
+  const void* query;              // [num_tokens, num_heads, head_dim], token stride query_stride
+  const void* key_cache;          // [num_blocks, block_size, num_kv_heads, head_dim]
+  const void* value_cache;        // same
+  const int32_t* block_tables;    // [num_seqs, *], row stride block_tables_stride
+  const int32_t* seq_lens;        // [num_seqs] tokens in the cache after this step
+  const int32_t* query_start_loc; // [num_seqs + 1]
+  const int32_t* work_seq;        // [num_work] row of each work item
+  const int32_t* work_q_start;    // [num_work] first query (within the row) of the item
+  float* partial_out;             // [num_work, num_kv_heads, num_splits, kAttentionTileVectors, head_dim]
+  float* partial_lse;             // [num_work, num_kv_heads, num_splits, kAttentionTileVectors, 2] (max, sum)
+  int32_t num_work;
+  int32_t num_splits;             // key ranges per work item, merged by a second kernel
+  int32_t tile_tokens;            // queries per work item
+  int32_t num_heads;
+  int32_t num_kv_heads;
+  int32_t head_dim;
+  int32_t block_size;
+  int32_t num_blocks;
+  int64_t query_stride;
+  int64_t block_tables_stride;
+  float scale;
+  float softcap;                  // 0: off
+  int32_t sliding_window;         // 0: off
+  DType dtype;
+};
+// Query vectors (query tokens x heads of one kv head) a work item holds.
+constexpr int32_t kAttentionTileVectors = 16;
+int paged_attention(const PagedAttentionParams& p, void* stream);
+
+}  // namespace pagedcore::cuda
+
+// ---- entry points on integer addresses, for bindings ---------------------------------------
+// The same launchers with every pointer (and the stream) passed as an integer;
+// they throw std::runtime_error naming the CUDA error instead of returning it.
+namespace pagedcore::cuda {
+
+void reshape_and_cache_at(std::uintptr_t key, std::uintptr_t value, std::uintptr_t key_cache,
+                          std::uintptr_t value_cache, std::uintptr_t slot_mapping,
+                          bool slot_mapping_int64, DType dtype, int32_t num_tokens,
+                          int32_t num_kv_heads, int32_t head_dim, int32_t num_blocks,
+                          int32_t block_size, int64_t key_stride, int64_t value_stride,
+                          std::uintptr_t stream);
+void copy_blocks_at(std::uintptr_t cache_ptrs, std::uintptr_t block_mapping, int32_t num_caches,
+                    int32_t num_pairs, int32_t num_blocks, int64_t block_bytes,
+                    std::uintptr_t stream);
+void gather_blocks_at(std::uintptr_t cache_ptrs, std::uintptr_t blocks, std::uintptr_t staging,
+                      int32_t num_caches, int32_t num_blocks_moved, int32_t num_blocks,
+                      int64_t block_bytes, bool to_staging, std::uintptr_t stream);
+void paged_attention_at(std::uintptr_t out, std::uintptr_t query, std::uintptr_t key_cache,
+                        std::uintptr_t value_cache, std::uintptr_t block_tables,
+                        std::uintptr_t seq_lens, std::uintptr_t query_start_loc,
+                        std::uintptr_t work_seq, std::uintptr_t work_q_start,
+                        std::uintptr_t partial_out, std::uintptr_t partial_lse, int32_t num_work,
+                        int32_t num_splits, int32_t tile_tokens, int32_t num_heads,
+                        int32_t num_kv_heads, int32_t head_dim, int32_t block_size,
+                        int32_t num_blocks, int64_t query_stride, int64_t block_tables_stride,
+                        float scale, float softcap, int32_t sliding_window, DType dtype,
+                        std::uintptr_t stream);
+
+}  // namespace pagedcore::cuda

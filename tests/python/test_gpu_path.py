@@ -1,0 +1,141 @@
+"""LLM on the GPU against Hugging Face transformers on the GPU, same weights:
+greedy tokens in float32 for a tiny Llama and for the SmolLM2 shape (random
+weights), bfloat16 close to float32, and paging (copy-on-write, preemption in
+both modes, prefix caching) that never changes greedy outputs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.cuda
+
+transformers = pytest.importorskip("transformers")
+
+from pagedcore import LLM, SamplingParams  # noqa: E402
+from test_models_hf import make_checkpoint, prompts  # noqa: E402
+
+
+def add_toy_tokenizer(path: Path, vocab_size: int) -> None:
+    """A word-level tokenizer over ids 0..vocab_size-1 (outputs only need decoding)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {f"t{i}": i for i in range(vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="t2", bos_token="t1", pad_token="t0")
+    fast.save_pretrained(path)
+
+
+def smollm2_shape_checkpoint(root: Path) -> Path:
+    config = transformers.LlamaConfig(
+        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+        num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=2048,
+        rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True, initializer_range=0.1,
+        bos_token_id=1, eos_token_id=2, pad_token_id=2,
+    )
+    torch.manual_seed(99)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    path = root / "smollm2-shape"
+    model.save_pretrained(path)
+    return path
+
+
+def hf_greedy_gpu(path: Path, ps: list[list[int]], n: int) -> list[list[int]]:
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda()
+    model.generation_config.eos_token_id = None
+    outs = []
+    for p in ps:
+        x = torch.tensor([p], device="cuda")
+        y = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=n, pad_token_id=0)
+        outs.append(y[0, len(p):].tolist())
+    del model
+    torch.cuda.empty_cache()
+    return outs
+
+
+def generate(llm: LLM, ps, n: int, **kw) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, **kw)
+    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in ps], params, use_tqdm=False)]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    path = make_checkpoint("llama", tmp_path_factory.mktemp("gpu"))
+    add_toy_tokenizer(path, 384)
+    return path
+
+
+def test_tiny_llama_greedy_equals_transformers_on_gpu(tiny) -> None:
+    ps = prompts()
+    llm = LLM(model=str(tiny), device="cuda", dtype="float32", num_kv_blocks=256, max_model_len=256)
+    assert llm.llm_engine.device.type == "cuda"
+    assert generate(llm, ps, 32) == hf_greedy_gpu(tiny, ps, 32)
+
+
+def test_smollm2_shape_greedy_equals_transformers_on_gpu(tmp_path) -> None:
+    path = smollm2_shape_checkpoint(tmp_path)
+    add_toy_tokenizer(path, 49152)
+    g = torch.Generator().manual_seed(11)
+    ps = [torch.randint(3, 49152, (n,), generator=g).tolist() for n in (7, 64, 200, 333)]
+    llm = LLM(model=str(path), device="cuda", dtype="float32", num_kv_blocks=512, max_model_len=1024)
+    assert generate(llm, ps, 32) == hf_greedy_gpu(path, ps, 32)
+
+
+def test_bfloat16_is_close_to_float32(tiny) -> None:
+    ps = prompts()
+    params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=5)
+    ref = LLM(model=str(tiny), device="cuda", dtype="float32", num_kv_blocks=64, max_model_len=256)
+    half = LLM(model=str(tiny), device="cuda", dtype="bfloat16", num_kv_blocks=64, max_model_len=256)
+    for a, b in zip(ref.generate([{"prompt_token_ids": p} for p in ps], params, use_tqdm=False),
+                    half.generate([{"prompt_token_ids": p} for p in ps], params, use_tqdm=False)):
+        best = a.outputs[0].token_ids[0]
+        assert best in b.outputs[0].logprobs[0]
+        assert abs(a.outputs[0].logprobs[0][best].logprob - b.outputs[0].logprobs[0][best].logprob) < 0.1
+
+
+@pytest.mark.parametrize("variant", ["no-prefix-cache", "preempt-recompute", "preempt-swap"])
+def test_paging_never_changes_greedy_outputs_on_gpu(variant, tmp_path) -> None:
+    path = make_checkpoint("mistral", tmp_path)
+    add_toy_tokenizer(path, 384)
+    ps = prompts() + prompts()[:2]
+    base = dict(model=str(path), device="cuda", dtype="float32", max_model_len=256, num_kv_blocks=256)
+    expected = generate(LLM(**base), ps, 32)
+    kwargs = dict(base)
+    if variant == "no-prefix-cache":
+        kwargs["enable_prefix_caching"] = False
+    else:
+        kwargs.update(num_kv_blocks=14, max_model_len=128, preemption_mode=variant.split("-")[1], swap_space=0.01)
+    llm = LLM(**kwargs)
+    assert generate(llm, ps, 32) == expected
+    stats = llm.stats()
+    if variant != "no-prefix-cache":
+        assert stats["num_preemptions"] > 0
+    if variant == "preempt-swap":
+        assert stats["num_swap_preemptions"] > 0
+    assert stats["num_free_blocks"] == stats["num_blocks"]
+
+
+def test_beam_search_copy_on_write_equals_transformers_on_gpu(tiny) -> None:
+    from pagedcore import BeamSearchParams
+
+    llm = LLM(model=str(tiny), device="cuda", dtype="float32", num_kv_blocks=256, max_model_len=256)
+    ps = prompts()[:2]
+    outs = llm.beam_search([{"prompt_token_ids": p} for p in ps], BeamSearchParams(beam_width=3, max_tokens=10, ignore_eos=True))
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32).cuda()
+    model.generation_config.eos_token_id = None
+    for p, out in zip(ps, outs):
+        x = torch.tensor([p], device="cuda")
+        ref = model.generate(x, attention_mask=torch.ones_like(x), num_beams=3, num_return_sequences=3,
+                             do_sample=False, max_new_tokens=10, early_stopping=False, pad_token_id=0)
+        assert [s.tokens for s in out.sequences] == ref.tolist()
+    assert llm.stats()["num_free_blocks"] == llm.stats()["num_blocks"]
+
+
+def test_default_sizing_uses_gpu_memory_utilization(tiny) -> None:
+    llm = LLM(model=str(tiny), device="cuda", dtype="bfloat16", gpu_memory_utilization=0.3, max_model_len=256)
+    free, total = torch.cuda.mem_get_info()
+    used_by_cache = sum(k.numel() * k.element_size() * 2 for k, _ in llm.llm_engine.runner.kv_caches)
+    assert 0.15 * total < used_by_cache < 0.3 * total

@@ -1,0 +1,142 @@
+"""pagedcore.ops on CUDA against the same float64 references as the CPU tests:
+fresh random inputs, outputs poisoned with NaN, NaN in every cache slot a kernel
+must not read, over block sizes, head dims, GQA ratios, dtypes, mixed rows
+(decode, cached prefix + chunk, whole prompts), sliding window, softcap, and
+key splits for few long rows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedcore import ops
+
+pytestmark = pytest.mark.cuda
+
+from test_ops_cpu import DTYPES, NAN, make_batch, mixed_rows, reference  # noqa: E402
+
+# __expf and float32 accumulation on the GPU.
+TOLERANCE = {
+    torch.float32: (1e-4, 1e-4),
+    torch.bfloat16: (1.6e-2, 1e-2),
+    torch.float16: (2e-3, 2e-3),
+}
+
+
+def run_cuda(rows, *, block_size, head_dim, group, dtype, window=0, softcap=0.0, num_kv_heads=2, seed=0):
+    query, kc, vc, bt, seq_lens, qsl = make_batch(
+        rows, block_size=block_size, head_dim=head_dim, num_kv_heads=num_kv_heads, group=group,
+        dtype=dtype, window=window, seed=seed,
+    )
+    # Garbage table entries past a row's blocks must not be read; on the GPU keep
+    # them in range so that a stray read shows as NaN rather than a fault.
+    bt = bt.clamp(0, kc.shape[0] - 1)
+    scale = head_dim**-0.5
+    expected = reference(query, kc, vc, bt, seq_lens, qsl, scale=scale, window=window, softcap=softcap)
+    dev = [t.cuda() for t in (query, kc, vc, bt, seq_lens, qsl)]
+    out = torch.full(query.shape, NAN, dtype=dtype, device="cuda")
+    ops.paged_attention(*dev, scale=scale, sliding_window=window, softcap=softcap, out=out)
+    torch.cuda.synchronize()
+    out = out.cpu()
+    n = int(qsl[-1])
+    assert torch.isnan(out[n:]).all(), "padding tokens after query_start_loc[-1] were written"
+    assert not torch.isnan(out[:n]).any(), "a row was left unwritten or read a NaN slot"
+    atol, rtol = TOLERANCE[dtype]
+    torch.testing.assert_close(out[:n].double(), expected[:n], atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 32, 128])
+@pytest.mark.parametrize("group", [1, 3, 4, 8])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16", "fp16"])
+def test_attention_grid(dtype, head_dim, group, block_size):
+    run_cuda(mixed_rows(block_size), block_size=block_size, head_dim=head_dim, group=group, dtype=dtype)
+
+
+@pytest.mark.parametrize("head_dim", [32, 80, 96, 256])
+def test_attention_other_head_dims(head_dim):
+    run_cuda(mixed_rows(16), block_size=16, head_dim=head_dim, group=2, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("window,softcap", [(13, 0.0), (0, 2.0), (40, 3.5)])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16", "fp16"])
+def test_attention_window_softcap(dtype, window, softcap):
+    run_cuda(mixed_rows(16), block_size=16, head_dim=128, group=4, dtype=dtype, window=window, softcap=softcap)
+
+
+@pytest.mark.parametrize("rows", [[(1, 3000), (1, 700)], [(1, 5000)], [(1, 1), (1, 2049)], [(3, 4000)]])
+@pytest.mark.parametrize("group", [1, 4])
+def test_attention_splits_keys_of_few_long_rows(rows, group):
+    qsl = [0]
+    for q, _ in rows:
+        qsl.append(qsl[-1] + q)
+    plan = ops.plan_attention(qsl, [s for _, s in rows], 2 * group, 2, torch.device("cuda"))
+    assert plan.num_splits > 1
+    run_cuda(rows, block_size=16, head_dim=128, group=group, dtype=torch.float32)
+
+
+def test_attention_large_prefill_and_many_decodes():
+    rows = [(1, 100 + 37 * i) for i in range(100)] + [(600, 600), (300, 1000)]
+    run_cuda(rows, block_size=16, head_dim=128, group=4, dtype=torch.bfloat16, num_kv_heads=4)
+
+
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16", "fp16"])
+def test_reshape_and_cache(dtype, index_dtype):
+    g = torch.Generator().manual_seed(3)
+    kc = torch.full((6, 16, 2, 64), NAN, dtype=dtype)
+    vc = kc.clone()
+    qkv = torch.randn(19, 8 * 64, generator=g).to(dtype)  # fused: token stride 512
+    k = qkv[:, 4 * 64:6 * 64].view(19, 2, 64)
+    v = qkv[:, 6 * 64:].view(19, 2, 64)
+    slots = torch.randperm(6 * 16, generator=g)[:19].to(index_dtype)
+    slots[5] = -1  # padding
+    kc_d, vc_d = kc.cuda(), vc.cuda()
+    ops.reshape_and_cache(k.cuda(), v.cuda(), kc_d, vc_d, slots.cuda())
+    expect_k, expect_v = kc.clone().view(-1, 2, 64), vc.clone().view(-1, 2, 64)
+    keep = slots >= 0
+    expect_k[slots[keep].long()] = k[keep]
+    expect_v[slots[keep].long()] = v[keep]
+    assert torch.equal(kc_d.cpu().view(-1, 2, 64).nan_to_num(7), expect_k.nan_to_num(7))
+    assert torch.equal(vc_d.cpu().view(-1, 2, 64).nan_to_num(7), expect_v.nan_to_num(7))
+
+
+def test_copy_blocks_every_layer_in_one_call():
+    g = torch.Generator().manual_seed(4)
+    ks = [torch.randn(10, 16, 2, 64, generator=g).cuda() for _ in range(3)]
+    vs = [torch.randn(10, 16, 2, 64, generator=g).cuda() for _ in range(3)]
+    before_k, before_v = [k.clone() for k in ks], [v.clone() for v in vs]
+    pairs = torch.tensor([[1, 7], [2, 8], [1, 9]], dtype=torch.int32, device="cuda")
+    ops.copy_blocks(ks, vs, pairs)
+    for layer in range(3):
+        ek, ev = before_k[layer].clone(), before_v[layer].clone()
+        for s, d in pairs.tolist():
+            ek[d], ev[d] = before_k[layer][s], before_v[layer][s]
+        assert torch.equal(ks[layer], ek) and torch.equal(vs[layer], ev)
+
+
+def test_swap_out_and_in_move_every_layer():
+    g = torch.Generator().manual_seed(5)
+    gpu = [torch.randn(12, 16, 2, 64, generator=g).to(torch.bfloat16).cuda() for _ in range(4)]
+    cpu = [torch.zeros(6, 16, 2, 64, dtype=torch.bfloat16).pin_memory() for _ in range(4)]
+    out_pairs = torch.tensor([[3, 1], [7, 4], [11, 0]])
+    ops.swap_out(gpu, cpu, out_pairs)
+    for g_cache, c_cache in zip(gpu, cpu):
+        for s, d in out_pairs.tolist():
+            assert torch.equal(c_cache[d], g_cache[s].cpu())
+    originals = [c.clone() for c in cpu]
+    in_pairs = torch.tensor([[1, 9], [4, 2], [0, 5]])
+    ops.swap_in(cpu, gpu, in_pairs)
+    torch.cuda.synchronize()
+    for g_cache, c_cache in zip(gpu, originals):
+        for s, d in in_pairs.tolist():
+            assert torch.equal(g_cache[d].cpu(), c_cache[s])
+
+
+def test_index_checks_name_the_field():
+    kc = torch.zeros(2, 16, 2, 64, device="cuda")
+    k = torch.zeros(1, 2, 64, device="cuda")
+    with pytest.raises(ValueError, match="slot_mapping holds 40, outside"):
+        ops.reshape_and_cache(k, k, kc, kc.clone(), torch.tensor([40], device="cuda"))
+    with pytest.raises(ValueError, match="all tensors must be on one device"):
+        ops.reshape_and_cache(k, k, kc, kc.clone(), torch.tensor([1]))
