@@ -127,7 +127,11 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
     torch.manual_seed(0)
-    ops.set_index_checks(False)  # checks synchronise; graphs cannot capture that
+    with ops.unchecked_indices():  # checks synchronise; graphs cannot capture that
+        run(args)
+
+
+def run(args) -> None:
     bw = copy_bandwidth()
     rows = []
     cases = [(1, 4096), (1, 32768), (64, 1024), (64, 4096)]

@@ -98,8 +98,6 @@ class ModelRunner:
         self.spec = model.spec
         self.device = device
         self.block_size = engine_config.block_size
-        if device.type == "cuda":
-            ops.set_index_checks(False)  # the engine's indices are valid by construction
         shape = (engine_config.num_blocks + 1, self.block_size, self.spec.num_kv_heads, self.spec.head_dim)
         self.kv_caches = [
             (torch.zeros(shape, dtype=kv_dtype, device=device), torch.zeros(shape, dtype=kv_dtype, device=device))
@@ -146,6 +144,12 @@ class ModelRunner:
 
     def execute(self, batch: _C.StepBatch) -> torch.Tensor:
         """Runs the step; returns float32 logits ``[batch.num_samples, vocab]``."""
+        # NOTE: the engine's slots and block ids are valid by construction; on the
+        # GPU, checking them again would synchronise every layer.
+        with ops.unchecked_indices():
+            return self._execute(batch)
+
+    def _execute(self, batch: _C.StepBatch) -> torch.Tensor:
         self._move_blocks(batch)
         if batch.num_tokens == 0:
             return torch.empty((0, self.spec.vocab_size), dtype=torch.float32, device=self.device)

@@ -13,16 +13,18 @@ value; a call that raises has written nothing.
 
 CPU tensors run the C++ kernels of the core, on a pool of threads it owns
 (:func:`set_num_threads`); CUDA tensors run the CUDA kernels (``cuda/``) on the
-current stream, asynchronously. Index ranges of CUDA inputs are checked only
-while :func:`set_index_checks` is on (the default; each check costs a device
-synchronisation): the model runner turns it off, its indices come from the
-engine. The kernels never dereference an index out of range either way.
+current stream, asynchronously. Index ranges of CUDA inputs are checked (each
+check costs a device synchronisation) except inside :func:`unchecked_indices`,
+which the model runner uses: its indices come from the engine. The kernels
+never dereference an index out of range either way.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
+import threading
 import operator
 from collections.abc import Sequence
 
@@ -39,7 +41,7 @@ __all__ = [
     "paged_attention",
     "plan_attention",
     "reshape_and_cache",
-    "set_index_checks",
+    "unchecked_indices",
     "swap_in",
     "swap_out",
     "set_cpu_isa",
@@ -70,13 +72,20 @@ _CUDA_DTYPES = (
     if hasattr(_C, "CudaDType")
     else {}
 )
-_index_checks = True
+_local = threading.local()
 
 
-def set_index_checks(enabled: bool) -> None:
-    """Check index ranges of CUDA inputs before launching (costs a synchronisation)."""
-    global _index_checks
-    _index_checks = bool(enabled)
+@contextlib.contextmanager
+def unchecked_indices():
+    """Within this block (on this thread), CUDA calls skip their index-range checks,
+    which synchronise with the device: for callers whose indices are valid by
+    construction (the model runner) and for CUDA-graph capture."""
+    previous = getattr(_local, "unchecked", False)
+    _local.unchecked = True
+    try:
+        yield
+    finally:
+        _local.unchecked = previous
 
 
 def _tensor(op: str, name: str, t: object) -> torch.Tensor:
@@ -108,7 +117,7 @@ def _stream(device: torch.device) -> int:
 
 def _check_range(op: str, name: str, t: torch.Tensor, low: int, high: int, allow_negative: bool = False) -> None:
     # CUDA inputs only (the C++ CPU kernels check their own): one synchronisation.
-    if not _index_checks or t.numel() == 0:
+    if getattr(_local, "unchecked", False) or t.numel() == 0:
         return
     values = t[t >= 0] if allow_negative else t
     if values.numel() == 0:
