@@ -1,5 +1,5 @@
-// KV-cache kernels: cache write, block copy (copy-on-write), block transfer
-// between GPU and pinned host caches (swapping). All move 16-byte vectors.
+// KV-cache kernels: cache write, block copy (copy-on-write), block gather /
+// scatter for swapping. All move 16-byte vectors.
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -47,15 +47,17 @@ __global__ void copy_blocks_kernel(const int64_t* __restrict__ cache_ptrs,
   for (int64_t i = threadIdx.x; i < block_bytes / 16; i += blockDim.x) to[i] = from[i];
 }
 
-__global__ void transfer_blocks_kernel(const int64_t* __restrict__ src_ptrs,
-                                       const int64_t* __restrict__ dst_ptrs,
-                                       const int64_t* __restrict__ mapping, int32_t num_src_blocks,
-                                       int32_t num_dst_blocks, int64_t block_bytes) {
-  const int64_t src = mapping[2 * blockIdx.x];
-  const int64_t dst = mapping[2 * blockIdx.x + 1];
-  if (src < 0 || src >= num_src_blocks || dst < 0 || dst >= num_dst_blocks) return;
-  const uint4* from = reinterpret_cast<const uint4*>(reinterpret_cast<const char*>(src_ptrs[blockIdx.y]) + src * block_bytes);
-  uint4* to = reinterpret_cast<uint4*>(reinterpret_cast<char*>(dst_ptrs[blockIdx.y]) + dst * block_bytes);
+// grid (moved blocks, caches). to_staging: cache -> staging, else staging -> cache.
+template <bool to_staging>
+__global__ void move_blocks_kernel(const int64_t* __restrict__ cache_ptrs,
+                                   const int64_t* __restrict__ blocks, char* __restrict__ staging,
+                                   int32_t num_caches, int32_t num_blocks, int64_t block_bytes) {
+  const int64_t block = blocks[blockIdx.x];
+  if (block < 0 || block >= num_blocks) return;
+  char* cache = reinterpret_cast<char*>(cache_ptrs[blockIdx.y]) + block * block_bytes;
+  char* stage = staging + (static_cast<int64_t>(blockIdx.x) * num_caches + blockIdx.y) * block_bytes;
+  const uint4* from = reinterpret_cast<const uint4*>(to_staging ? cache : stage);
+  uint4* to = reinterpret_cast<uint4*>(to_staging ? stage : cache);
   for (int64_t i = threadIdx.x; i < block_bytes / 16; i += blockDim.x) to[i] = from[i];
 }
 
@@ -96,12 +98,21 @@ int copy_blocks(const CopyBlocksParams& p, void* stream) {
   return cudaGetLastError();
 }
 
-int transfer_blocks(const TransferBlocksParams& p, void* stream) {
-  if (p.num_pairs == 0 || p.num_caches == 0) return cudaSuccess;
+int gather_blocks(const GatherBlocksParams& p, void* stream) {
+  if (p.num_blocks_moved == 0 || p.num_caches == 0) return cudaSuccess;
   if (p.block_bytes % 16 != 0 || p.num_caches > 65535) return cudaErrorInvalidValue;
-  const dim3 grid(p.num_pairs, p.num_caches);
-  transfer_blocks_kernel<<<grid, threads_for(p.block_bytes / 16), 0, static_cast<cudaStream_t>(stream)>>>(
-      p.src_ptrs, p.dst_ptrs, p.block_mapping, p.num_src_blocks, p.num_dst_blocks, p.block_bytes);
+  const dim3 grid(p.num_blocks_moved, p.num_caches);
+  move_blocks_kernel<true><<<grid, threads_for(p.block_bytes / 16), 0, static_cast<cudaStream_t>(stream)>>>(
+      p.cache_ptrs, p.blocks, static_cast<char*>(p.staging), p.num_caches, p.num_blocks, p.block_bytes);
+  return cudaGetLastError();
+}
+
+int scatter_blocks(const GatherBlocksParams& p, void* stream) {
+  if (p.num_blocks_moved == 0 || p.num_caches == 0) return cudaSuccess;
+  if (p.block_bytes % 16 != 0 || p.num_caches > 65535) return cudaErrorInvalidValue;
+  const dim3 grid(p.num_blocks_moved, p.num_caches);
+  move_blocks_kernel<false><<<grid, threads_for(p.block_bytes / 16), 0, static_cast<cudaStream_t>(stream)>>>(
+      p.cache_ptrs, p.blocks, static_cast<char*>(p.staging), p.num_caches, p.num_blocks, p.block_bytes);
   return cudaGetLastError();
 }
 

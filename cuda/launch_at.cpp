@@ -41,13 +41,13 @@ void copy_blocks_at(std::uintptr_t cache_ptrs, std::uintptr_t block_mapping, int
   check(copy_blocks(p, ptr<void>(stream)), "copy_blocks");
 }
 
-void transfer_blocks_at(std::uintptr_t src_ptrs, std::uintptr_t dst_ptrs, std::uintptr_t block_mapping,
-                        int32_t num_caches, int32_t num_pairs, int32_t num_src_blocks,
-                        int32_t num_dst_blocks, int64_t block_bytes, std::uintptr_t stream) {
-  TransferBlocksParams p{ptr<const int64_t>(src_ptrs), ptr<const int64_t>(dst_ptrs),
-                         ptr<const int64_t>(block_mapping), num_caches, num_pairs, num_src_blocks,
-                         num_dst_blocks, block_bytes};
-  check(transfer_blocks(p, ptr<void>(stream)), "transfer_blocks");
+void gather_blocks_at(std::uintptr_t cache_ptrs, std::uintptr_t blocks, std::uintptr_t staging,
+                      int32_t num_caches, int32_t num_blocks_moved, int32_t num_blocks,
+                      int64_t block_bytes, bool to_staging, std::uintptr_t stream) {
+  GatherBlocksParams p{ptr<const int64_t>(cache_ptrs), ptr<const int64_t>(blocks), ptr<void>(staging),
+                       num_caches, num_blocks_moved, num_blocks, block_bytes};
+  check(to_staging ? gather_blocks(p, ptr<void>(stream)) : scatter_blocks(p, ptr<void>(stream)),
+        to_staging ? "gather_blocks" : "scatter_blocks");
 }
 
 void paged_attention_at(std::uintptr_t out, std::uintptr_t query, std::uintptr_t key_cache,

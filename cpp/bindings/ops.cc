@@ -60,9 +60,9 @@ void register_ops(pybind11::module_& m) {
         "value_stride"_a, "stream"_a);
   m.def("cuda_copy_blocks", &cuda::copy_blocks_at, "cache_ptrs"_a, "block_mapping"_a,
         "num_caches"_a, "num_pairs"_a, "num_blocks"_a, "block_bytes"_a, "stream"_a);
-  m.def("cuda_transfer_blocks", &cuda::transfer_blocks_at, "src_ptrs"_a, "dst_ptrs"_a,
-        "block_mapping"_a, "num_caches"_a, "num_pairs"_a, "num_src_blocks"_a, "num_dst_blocks"_a,
-        "block_bytes"_a, "stream"_a);
+  m.def("cuda_gather_blocks", &cuda::gather_blocks_at, "cache_ptrs"_a, "blocks"_a, "staging"_a,
+        "num_caches"_a, "num_blocks_moved"_a, "num_blocks"_a, "block_bytes"_a, "to_staging"_a,
+        "stream"_a);
   m.def("cuda_paged_attention", &cuda::paged_attention_at, "out"_a, "query"_a, "key_cache"_a,
         "value_cache"_a, "block_tables"_a, "seq_lens"_a, "query_start_loc"_a, "work_seq"_a,
         "work_q_start"_a, "partial_out"_a, "partial_lse"_a, "num_work"_a, "num_splits"_a,

@@ -814,45 +814,49 @@ def plan_attention(
     return AttentionPlan(work_seq, work_q_start, tile, max(1, splits), device)
 
 
-def _transfer(src: list[torch.Tensor], dst: list[torch.Tensor], block_mapping: torch.Tensor, device: torch.device) -> None:
-    mapping = block_mapping.to(device=device, dtype=torch.int64, non_blocking=True)
-    _C.cuda_transfer_blocks(
-        src_ptrs=_pointer_table(src, device).data_ptr(), dst_ptrs=_pointer_table(dst, device).data_ptr(),
-        block_mapping=mapping.data_ptr(), num_caches=len(src), num_pairs=mapping.shape[0],
-        num_src_blocks=src[0].shape[0], num_dst_blocks=dst[0].shape[0],
-        block_bytes=src[0][0].numel() * src[0].element_size(), stream=_stream(device),
-    )
-
-
-def _check_swap(op: str, gpu: list[torch.Tensor], cpu: list[torch.Tensor]) -> None:
-    if len(gpu) != len(cpu):
-        raise ValueError(f"{op}: {len(gpu)} GPU caches but {len(cpu)} CPU caches")
-    for i, (g, c) in enumerate(zip(gpu, cpu)):
-        if not g.is_cuda or c.device.type != "cpu" or not c.is_pinned():
-            raise ValueError(f"{op}: cache {i} must be a CUDA tensor and a pinned CPU tensor")
-        if g.shape[1:] != c.shape[1:] or g.dtype != c.dtype or not g.is_contiguous() or not c.is_contiguous():
-            raise ValueError(f"{op}: cache {i}: GPU {tuple(g.shape)} {g.dtype} and CPU "
-                             f"{tuple(c.shape)} {c.dtype} blocks differ or are not contiguous")
-
-
 def swap_out(gpu_caches: Sequence[torch.Tensor], cpu_caches: Sequence[torch.Tensor], block_mapping: torch.Tensor) -> None:
-    """Moves blocks of every layer from the GPU caches to pinned CPU caches in one launch.
+    """Moves blocks of every layer from the GPU caches to the CPU caches at once.
 
     ``cpu_caches[c][dst] = gpu_caches[c][src]`` for every cache ``c`` and pair
-    ``(src, dst)`` of ``block_mapping`` ``[num_pairs, 2]``. The kernel writes the
-    pinned host memory directly (unified addressing): no copy per block, no
-    staging pass. Asynchronous on the current stream.
+    ``(src, dst)``: one gather kernel into a staging buffer, one device-to-host
+    copy, then a host-side scatter (this synchronises the stream: swapping is
+    the rare, preempted path).
     """
-    gpu, cpu = list(gpu_caches), list(cpu_caches)
-    _check_swap("swap_out", gpu, cpu)
-    if gpu and block_mapping.shape[0]:
-        _transfer(gpu, cpu, block_mapping, gpu[0].device)
+    caches = list(gpu_caches)
+    if not caches or block_mapping.shape[0] == 0:
+        return
+    device = caches[0].device
+    mapping = block_mapping.to("cpu", torch.int64)
+    blocks = mapping[:, 0].to(device, non_blocking=True)
+    block_bytes = caches[0][0].numel() * caches[0].element_size()
+    staging = torch.empty((mapping.shape[0], len(caches), block_bytes), dtype=torch.uint8, device=device)
+    table = _pointer_table(caches, device)
+    _C.cuda_gather_blocks(
+        cache_ptrs=table.data_ptr(), blocks=blocks.data_ptr(), staging=staging.data_ptr(),
+        num_caches=len(caches), num_blocks_moved=mapping.shape[0], num_blocks=caches[0].shape[0],
+        block_bytes=block_bytes, to_staging=True, stream=_stream(device),
+    )
+    host = staging.to("cpu")  # the one copy (it waits for the gather)
+    for c, cpu_cache in enumerate(cpu_caches):
+        cpu_cache.view(cpu_cache.shape[0], -1).view(torch.uint8)[mapping[:, 1]] = host[:, c]
 
 
 def swap_in(cpu_caches: Sequence[torch.Tensor], gpu_caches: Sequence[torch.Tensor], block_mapping: torch.Tensor) -> None:
-    """Moves blocks of every layer from pinned CPU caches back to the GPU caches in
-    one launch (``gpu_caches[c][dst] = cpu_caches[c][src]``); see :func:`swap_out`."""
-    gpu, cpu = list(gpu_caches), list(cpu_caches)
-    _check_swap("swap_in", gpu, cpu)
-    if gpu and block_mapping.shape[0]:
-        _transfer(cpu, gpu, block_mapping, gpu[0].device)
+    """Moves blocks of every layer from the CPU caches back to the GPU caches:
+    a host-side gather, one host-to-device copy, one scatter kernel."""
+    caches = list(gpu_caches)
+    if not caches or block_mapping.shape[0] == 0:
+        return
+    device = caches[0].device
+    mapping = block_mapping.to("cpu", torch.int64)
+    host = torch.stack(
+        [cpu.view(cpu.shape[0], -1).view(torch.uint8)[mapping[:, 0]] for cpu in cpu_caches], dim=1
+    ).pin_memory()
+    staging = host.to(device, non_blocking=True)
+    blocks = mapping[:, 1].to(device, non_blocking=True)
+    table = _pointer_table(caches, device)
+    _C.cuda_gather_blocks(
+        cache_ptrs=table.data_ptr(), blocks=blocks.data_ptr(), staging=staging.data_ptr(),
+        num_caches=len(caches), num_blocks_moved=mapping.shape[0], num_blocks=caches[0].shape[0],
+        block_bytes=host.shape[2], to_staging=False, stream=_stream(device),
+    )

@@ -48,21 +48,19 @@ struct CopyBlocksParams {
 // Copies every pair in every cache: one launch for all layers (copy-on-write).
 int copy_blocks(const CopyBlocksParams& p, void* stream);
 
-struct TransferBlocksParams {
-  const int64_t* src_ptrs;       // [num_caches] addresses of the source caches
-  const int64_t* dst_ptrs;       // [num_caches] addresses of the destination caches
-  const int64_t* block_mapping;  // [num_pairs, 2] (src block, dst block)
+struct GatherBlocksParams {
+  const int64_t* cache_ptrs;  // [num_caches] device caches
+  const int64_t* blocks;      // [num_blocks_moved] block ids, in order
+  void* staging;              // [num_blocks_moved, num_caches, block_bytes] contiguous
   int32_t num_caches;
-  int32_t num_pairs;
-  int32_t num_src_blocks;
-  int32_t num_dst_blocks;
+  int32_t num_blocks_moved;
+  int32_t num_blocks;
   int64_t block_bytes;
 };
-// dst cache c, block mapping[i][1] = src cache c, block mapping[i][0], for every
-// cache and pair in one launch. Either side may be pinned host memory (read or
-// written over the bus through unified addressing): swapping without a copy
-// per block and without a staging pass.
-int transfer_blocks(const TransferBlocksParams& p, void* stream);
+// staging[i][c] = cache c, block blocks[i] (swap-out: one gather, then one DMA).
+int gather_blocks(const GatherBlocksParams& p, void* stream);
+// cache c, block blocks[i] = staging[i][c] (swap-in: one DMA, then one scatter).
+int scatter_blocks(const GatherBlocksParams& p, void* stream);
 
 // Work plan of one attention call, computed on the host once per step and
 // reused by every layer (see plan_attention in pagedcore.ops).
@@ -113,9 +111,9 @@ void reshape_and_cache_at(std::uintptr_t key, std::uintptr_t value, std::uintptr
 void copy_blocks_at(std::uintptr_t cache_ptrs, std::uintptr_t block_mapping, int32_t num_caches,
                     int32_t num_pairs, int32_t num_blocks, int64_t block_bytes,
                     std::uintptr_t stream);
-void transfer_blocks_at(std::uintptr_t src_ptrs, std::uintptr_t dst_ptrs, std::uintptr_t block_mapping,
-                        int32_t num_caches, int32_t num_pairs, int32_t num_src_blocks,
-                        int32_t num_dst_blocks, int64_t block_bytes, std::uintptr_t stream);
+void gather_blocks_at(std::uintptr_t cache_ptrs, std::uintptr_t blocks, std::uintptr_t staging,
+                      int32_t num_caches, int32_t num_blocks_moved, int32_t num_blocks,
+                      int64_t block_bytes, bool to_staging, std::uintptr_t stream);
 void paged_attention_at(std::uintptr_t out, std::uintptr_t query, std::uintptr_t key_cache,
                         std::uintptr_t value_cache, std::uintptr_t block_tables,
                         std::uintptr_t seq_lens, std::uintptr_t query_start_loc,
