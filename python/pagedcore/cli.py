@@ -21,6 +21,42 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from .llm_engine import EngineArgs, LLMEngine
+    from .server.app import build_app
+    from .server.async_engine import AsyncEngine
+
+    model = args.model
+    if model is None:
+        from .default_model import default_model_path
+
+        model = default_model_path()
+    engine = LLMEngine(EngineArgs(
+        model=model, tokenizer=args.tokenizer, dtype=args.dtype, device=args.device,
+        block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
+        num_kv_blocks=args.num_kv_blocks, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=args.enable_prefix_caching,
+        preemption_mode=args.preemption_mode, swap_space=args.swap_space, kv_cache_dtype=args.kv_cache_dtype,
+        seed=args.seed,
+    ))
+    async_engine = AsyncEngine(engine, max_queue_len=args.max_queue_len)
+    name = args.served_model_name or model
+    app = build_app(async_engine, name, api_key=args.api_key)
+
+    @app.on_event("shutdown")
+    def _stop() -> None:
+        async_engine.shutdown()
+
+    logging.getLogger("pagedcore").info(
+        "serving %s on http://%s:%d (OpenAI API under /v1)", name, args.host, args.port)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
+                timeout_graceful_shutdown=args.shutdown_timeout, access_log=False)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pagedcore", description="pagedcore: LLM inference over a paged KV cache")
     parser.add_argument("--log-level", default="WARNING", help="logging level (default WARNING)")
@@ -34,9 +70,37 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--max-model-len", type=int, default=None)
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    srv = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    srv.add_argument("--model", default=None, help="Hugging Face model directory (default: SmolLM2-135M-Instruct)")
+    srv.add_argument("--tokenizer", default=None)
+    srv.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    srv.add_argument("--block-size", type=int, default=16)
+    srv.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    srv.add_argument("--num-kv-blocks", type=int, default=None)
+    srv.add_argument("--kv-cache-memory-bytes", type=int, default=None, help="CPU KV-cache budget")
+    srv.add_argument("--max-model-len", type=int, default=None)
+    srv.add_argument("--max-num-seqs", type=int, default=256)
+    srv.add_argument("--max-num-batched-tokens", type=int, default=None)
+    srv.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    srv.add_argument("--preemption-mode", choices=["recompute", "swap"], default="recompute")
+    srv.add_argument("--swap-space", type=float, default=4)
+    srv.add_argument("--kv-cache-dtype", default="auto")
+    srv.add_argument("--dtype", default="auto")
+    srv.add_argument("--device", default="auto")
+    srv.add_argument("--seed", type=int, default=0)
+    srv.add_argument("--max-queue-len", type=int, default=None, help="waiting requests before 429")
+    srv.add_argument("--shutdown-timeout", type=float, default=30.0,
+                     help="seconds SIGTERM waits for in-flight requests")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    if args.command == "serve":
+        logging.getLogger("pagedcore").setLevel(min(logging.INFO, logging.getLogger().level))
     try:
+        if args.command == "serve":
+            return _serve(args)
         return _generate(args)
     except ValueError as e:
         print(f"pagedcore: error: {e}", file=sys.stderr)

@@ -95,7 +95,10 @@ class _Completion:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     detokenizer: IncrementalDetokenizer | None = None
-    text: str = ""
+    # Streaming: how much of text / tokens / logprobs went out in earlier deltas.
+    sent_text: int = 0
+    sent_tokens: int = 0
+    sent_done: bool = False
 
 
 @dataclass
@@ -108,6 +111,7 @@ class _Request:
     slot: int
     completions: list[_Completion]
     num_finished: int = 0
+    stream: bool = False  # outputs are deltas, emitted every step
 
     @property
     def seq_ids(self) -> range:
@@ -309,8 +313,14 @@ class LLMEngine:
         prompt: str | None,
         prompt_token_ids: Sequence[int] | None,
         params: SamplingParams,
+        stream: bool = False,
+        add_special_tokens: bool = True,
     ) -> None:
         """Tokenizes (if needed), validates and queues one request.
+
+        With ``stream``, :meth:`step` returns this request's new text and tokens
+        every step (``RequestOutput`` with ``finished=False`` and delta
+        completions), not only the full result at the end.
 
         Raises ValueError (nothing is queued) for an empty or too long prompt,
         a max_tokens that does not fit the context, or a bad token id.
@@ -318,7 +328,8 @@ class LLMEngine:
         if prompt_token_ids is None:
             if prompt is None:
                 raise ValueError("a prompt needs either text or prompt_token_ids")
-            prompt_token_ids = self.tokenizer.encode(prompt)
+            # NOTE: a chat-templated prompt holds its special tokens already.
+            prompt_token_ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         ids = [int(t) for t in prompt_token_ids]
         if not ids:
             raise ValueError("the prompt is empty (0 tokens)")
@@ -359,8 +370,9 @@ class LLMEngine:
             completions=[
                 _Completion(index=i, logprobs=[] if logprobs else None) for i in range(params.n)
             ],
+            stream=stream,
         )
-        if params.stop:
+        if params.stop or stream:
             for c in request.completions:
                 c.detokenizer = IncrementalDetokenizer(
                     self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens,
@@ -518,8 +530,11 @@ class LLMEngine:
         top = None
         if sampled.logprobs is not None:
             top = (sampled.logprob_token_ids.tolist(), sampled.logprobs.tolist(), sampled.sampled_rank.tolist())
+        streamed: dict[str, _Request] = {}
         for k in range(n):
             request, index = self._seq_owner[seq_ids[k]]
+            if request.stream:
+                streamed[request.request_id] = request
             c = request.completions[index]
             token = tokens[k]
             c.token_ids.append(token)
@@ -545,7 +560,35 @@ class LLMEngine:
                 self._generators.pop(seq_ids[k], None)
                 if request.num_finished == len(request.completions):
                     finished.append(self._finish_request(request))
+                    streamed.pop(request.request_id, None)
+        for request in streamed.values():
+            deltas = [d for d in (self._delta(request, c) for c in request.completions) if d is not None]
+            if deltas:
+                finished.append(RequestOutput(request.request_id, request.prompt, request.prompt_token_ids,
+                                              deltas, finished=False))
         return finished
+
+    def _delta(self, request: _Request, c: _Completion) -> CompletionOutput | None:
+        """What a streamed completion produced since its last delta (None if nothing)."""
+        if c.sent_done:
+            return None
+        done = c.finish_reason is not None
+        if done:
+            c.detokenizer.flush()
+        text = c.detokenizer.text
+        if not done and len(text) == c.sent_text and len(c.token_ids) == c.sent_tokens:
+            return None
+        out = CompletionOutput(
+            index=c.index,
+            text=text[c.sent_text:],
+            token_ids=c.token_ids[c.sent_tokens:],
+            cumulative_logprob=c.cumulative_logprob if request.params.logprobs is not None else None,
+            logprobs=c.logprobs[c.sent_tokens:] if c.logprobs is not None else None,
+            finish_reason=c.finish_reason,
+            stop_reason=c.stop_reason,
+        )
+        c.sent_text, c.sent_tokens, c.sent_done = len(text), len(c.token_ids), done
+        return out
 
     def _logprob_entry(self, request: _Request, k: int, token: int, logprob: float, top: Any) -> dict[int, Logprob]:
         entry = {}
@@ -567,6 +610,10 @@ class LLMEngine:
         for seq_id in request.seq_ids:
             self._seq_owner.pop(seq_id, None)
             self._generators.pop(seq_id, None)
+        if request.stream:
+            deltas = [d for d in (self._delta(request, c) for c in request.completions) if d is not None]
+            return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, deltas,
+                                 finished=True)
         outputs = []
         skip = request.params.skip_special_tokens
         for c in request.completions:

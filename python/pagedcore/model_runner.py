@@ -125,19 +125,9 @@ class ModelRunner:
         gpu = [t for pair in self.kv_caches for t in pair]
         cpu = [t for pair in self.cpu_kv_caches for t in pair]
         if batch.num_swap_out:
-            pairs = torch.from_numpy(np.array(batch.swap_out))
-            if self.device.type == "cuda":
-                ops.swap_out(gpu, cpu, pairs)
-            else:
-                for g, c in zip(gpu, cpu):
-                    ops.swap_blocks(g, c, pairs)
+            ops.swap_out(gpu, cpu, torch.from_numpy(np.array(batch.swap_out)))
         if batch.num_swap_in:
-            pairs = torch.from_numpy(np.array(batch.swap_in))
-            if self.device.type == "cuda":
-                ops.swap_in(cpu, gpu, pairs)
-            else:
-                for g, c in zip(gpu, cpu):
-                    ops.swap_blocks(c, g, pairs)
+            ops.swap_in(cpu, gpu, torch.from_numpy(np.array(batch.swap_in)))
         if batch.num_block_copies:
             pairs = self._to_device(torch.from_numpy(np.array(batch.block_copies)))
             ops.copy_blocks([k for k, _ in self.kv_caches], [v for _, v in self.kv_caches], pairs)

@@ -825,6 +825,10 @@ def swap_out(gpu_caches: Sequence[torch.Tensor], cpu_caches: Sequence[torch.Tens
     caches = list(gpu_caches)
     if not caches or block_mapping.shape[0] == 0:
         return
+    if caches[0].device.type == "cpu":  # a CPU engine: both pools are host memory
+        for g, c in zip(caches, cpu_caches, strict=True):
+            swap_blocks(g, c, block_mapping)
+        return
     device = caches[0].device
     mapping = block_mapping.to("cpu", torch.int64)
     blocks = mapping[:, 0].to(device, non_blocking=True)
@@ -846,6 +850,10 @@ def swap_in(cpu_caches: Sequence[torch.Tensor], gpu_caches: Sequence[torch.Tenso
     a host-side gather, one host-to-device copy, one scatter kernel."""
     caches = list(gpu_caches)
     if not caches or block_mapping.shape[0] == 0:
+        return
+    if caches[0].device.type == "cpu":
+        for g, c in zip(caches, cpu_caches, strict=True):
+            swap_blocks(c, g, block_mapping)
         return
     device = caches[0].device
     mapping = block_mapping.to("cpu", torch.int64)

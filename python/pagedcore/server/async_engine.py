@@ -1,0 +1,167 @@
+"""The engine loop of the server: one thread steps the engine; asyncio handlers
+talk to it through queues.
+
+The engine (C++ core, model runner, tokenizer) is used by that thread alone.
+Handlers enqueue commands (add, abort); the thread applies them between steps
+and hands each request's outputs to that request's asyncio queue. A handler
+that goes away (client disconnect) aborts its request, which frees its blocks
+at the next step boundary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..llm_engine import LLMEngine
+from ..outputs import RequestOutput
+from ..sampling_params import SamplingParams
+
+logger = logging.getLogger("pagedcore.server")
+
+
+class QueueFullError(RuntimeError):
+    """The server holds max_queue_len waiting requests already."""
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    arrival: float = field(default_factory=time.monotonic)
+
+
+_ACCEPTED = object()  # first item of a stream: the request passed validation
+
+
+class AsyncEngine:
+    """Runs an :class:`LLMEngine` in a background thread for asyncio callers."""
+
+    def __init__(self, engine: LLMEngine, max_queue_len: int | None = None) -> None:
+        self.engine = engine
+        self.max_queue_len = max_queue_len
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._pending = 0  # adds enqueued but not applied yet
+        self._lock = threading.Lock()
+        self.stats: dict[str, Any] = engine.stats()
+        self.errors = 0
+        self._thread = threading.Thread(target=self._run, name="pagedcore-engine", daemon=True)
+        self._thread.start()
+
+    # ---- asyncio side ---------------------------------------------------------
+
+    def num_waiting(self) -> int:
+        return self.stats.get("num_waiting_seqs", 0) + self._pending
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int] | None,
+        params: SamplingParams,
+        add_special_tokens: bool = True,
+    ) -> AsyncIterator[RequestOutput]:
+        """Adds a streaming request and yields its delta outputs until it finishes.
+
+        Raises ValueError (bad request), QueueFullError (no room) before the
+        first output; closing the iterator early aborts the request.
+        """
+        if self.max_queue_len is not None and self.num_waiting() >= self.max_queue_len:
+            raise QueueFullError(f"the server has {self.num_waiting()} requests waiting (max_queue_len {self.max_queue_len})")
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        with self._lock:
+            self._pending += 1
+        self._commands.put(("add", request_id, prompt, prompt_token_ids, params, add_special_tokens, stream))
+        self._wake.set()
+        first = await stream.queue.get()
+        if isinstance(first, BaseException):
+            raise first
+        assert first is _ACCEPTED
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id))
+        self._wake.set()
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout)
+
+    # ---- engine thread -----------------------------------------------------------
+
+    def _deliver(self, stream: _Stream, item: Any) -> None:
+        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+
+    def _apply_commands(self) -> None:
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if command[0] == "add":
+                _, request_id, prompt, ids, params, special, stream = command
+                with self._lock:
+                    self._pending -= 1
+                try:
+                    self.engine.add_request(request_id, prompt, ids, params, stream=True, add_special_tokens=special)
+                except Exception as e:  # bad input: nothing was queued
+                    self._deliver(stream, e)
+                    continue
+                self._streams[request_id] = stream
+                self._deliver(stream, _ACCEPTED)
+            else:
+                request_id = command[1]
+                if self._streams.pop(request_id, None) is not None:
+                    self.engine.abort(request_id)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._apply_commands()
+            if not self.engine.has_unfinished_requests():
+                self.stats = self.engine.stats()
+                self._wake.wait(0.1)
+                self._wake.clear()
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as e:  # the engine aborted every request; tell them
+                logger.exception("engine step failed")
+                self.errors += 1
+                for stream in self._streams.values():
+                    self._deliver(stream, RuntimeError(f"engine step failed: {e}"))
+                self._streams.clear()
+                continue
+            for out in outputs:
+                stream = self._streams.get(out.request_id)
+                if stream is None:
+                    continue
+                if out.finished:
+                    del self._streams[out.request_id]
+                self._deliver(stream, out)
+            self.stats = self.engine.stats()
+        # Shutting down: whatever is still running is aborted.
+        for request_id in list(self._streams):
+            self.engine.abort(request_id)
+            self._deliver(self._streams.pop(request_id), RuntimeError("server shutting down"))
