@@ -356,34 +356,37 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids,
             stop_token_ids=stop_ids,
         )
+        # Everything that can fail is built before the engine takes the request,
+        # so that a failure leaves nothing half-admitted.
+        detokenizers = [None] * params.n
+        if params.stop or stream:
+            detokenizers = [
+                IncrementalDetokenizer(
+                    self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens,
+                    stop=list(params.stop or []), include_stop_str_in_output=params.include_stop_str_in_output,
+                )
+                for _ in range(params.n)
+            ]
+        mask = None
+        if params.presence_penalty != 0 or params.frequency_penalty != 0 or params.repetition_penalty != 1:
+            mask = torch.zeros(self.spec.vocab_size, dtype=torch.bool)
+            mask[torch.tensor(ids)] = True
+        logprobs = params.logprobs is not None
+        completions = [
+            _Completion(index=i, logprobs=[] if logprobs else None, detokenizer=detokenizers[i])
+            for i in range(params.n)
+        ]
         first = self.engine.add_request(request_id, ids, engine_params)
         slot = self.engine.request_slot(request_id)
         self._slots.set(slot, params)
-        logprobs = params.logprobs is not None
         request = _Request(
-            request_id=request_id,
-            prompt=prompt,
-            prompt_token_ids=ids,
-            params=params,
-            first_seq_id=first,
-            slot=slot,
-            completions=[
-                _Completion(index=i, logprobs=[] if logprobs else None) for i in range(params.n)
-            ],
-            stream=stream,
+            request_id=request_id, prompt=prompt, prompt_token_ids=ids, params=params,
+            first_seq_id=first, slot=slot, completions=completions, stream=stream,
         )
-        if params.stop or stream:
-            for c in request.completions:
-                c.detokenizer = IncrementalDetokenizer(
-                    self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens,
-                    stop=list(params.stop), include_stop_str_in_output=params.include_stop_str_in_output,
-                )
         self._requests[request_id] = request
         for i in range(params.n):
             self._seq_owner[first + i] = (request, i)
-        if self._slots.penalized[slot]:
-            mask = torch.zeros(self.spec.vocab_size, dtype=torch.bool)
-            mask[torch.tensor(ids)] = True
+        if mask is not None:
             self._prompt_masks[request_id] = mask
 
     def abort(self, request_id: str) -> RequestOutput | None:
