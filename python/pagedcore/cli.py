@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 
 
@@ -52,6 +53,10 @@ def _serve(args: argparse.Namespace) -> int:
 
     logging.getLogger("pagedcore").info(
         "serving %s on http://%s:%d (OpenAI API under /v1)", name, args.host, args.port)
+    # NOTE: once it has drained, uvicorn restores the previous handler and raises
+    # the signal that stopped it again; with the default SIGTERM action the process
+    # would then die with 143 after a clean shutdown. This handler makes that no-op.
+    signal.signal(signal.SIGTERM, lambda signum, frame: None)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
                 timeout_graceful_shutdown=args.shutdown_timeout, access_log=False)
     return 0

@@ -377,8 +377,12 @@ class LLMEngine:
             for i in range(params.n)
         ]
         first = self.engine.add_request(request_id, ids, engine_params)
-        slot = self.engine.request_slot(request_id)
-        self._slots.set(slot, params)
+        try:
+            slot = self.engine.request_slot(request_id)
+            self._slots.set(slot, params)
+        except BaseException:
+            self.engine.abort(request_id)  # e.g. a value numpy cannot hold
+            raise
         request = _Request(
             request_id=request_id, prompt=prompt, prompt_token_ids=ids, params=params,
             first_seq_id=first, slot=slot, completions=completions, stream=stream,
@@ -429,7 +433,12 @@ class LLMEngine:
                 self.abort(request_id)
             raise
         result = self.engine.update(token_ids)
-        return self._process(result, sampled)
+        try:
+            return self._process(result, sampled)
+        except BaseException:
+            for request_id in list(self._requests):  # their state can no longer be trusted
+                self.abort(request_id)
+            raise
 
     def _sampling_metadata(self, batch: _C.StepBatch) -> SamplingMetadata:
         slots = batch.sample_slots

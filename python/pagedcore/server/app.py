@@ -13,11 +13,13 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
 
 from ..outputs import CompletionOutput, RequestOutput
 from .async_engine import AsyncEngine, QueueFullError
 from .metrics import Metrics
 from .protocol import (
+    MAX_BODY_BYTES,
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
@@ -38,6 +40,12 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
     async def _api_error(_: Request, e: APIError) -> JSONResponse:
         return JSONResponse(e.body(), status_code=e.status)
 
+    @app.exception_handler(HTTPException)
+    async def _http_error(_: Request, e: HTTPException) -> JSONResponse:
+        # Routing errors (unknown path 404, wrong method 405) in OpenAI's shape too.
+        return JSONResponse(APIError(e.status_code, str(e.detail)).body(), status_code=e.status_code,
+                            headers=e.headers)
+
     @app.exception_handler(Exception)
     async def _internal(_: Request, e: Exception) -> JSONResponse:
         return JSONResponse(APIError(500, f"internal error: {e}", "internal_error").body(), status_code=500)
@@ -56,12 +64,39 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
 
     async def body_of(request: Request, cls):
         length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > (8 << 20):
-            raise APIError(413, f"request body of {length} bytes is over the {8 << 20}-byte limit")
-        return parse_body(await request.body(), cls)
+        if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
+            raise APIError(413, f"request body of {length} bytes is over the {MAX_BODY_BYTES}-byte limit")
+        # NOTE: read in chunks and stop at the limit: a chunked body has no
+        # content-length, and request.body() would hold all of it first.
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > MAX_BODY_BYTES:
+                raise APIError(413, f"request body is over the {MAX_BODY_BYTES}-byte limit")
+            chunks.append(chunk)
+        return parse_body(b"".join(chunks), cls)
+
+    async def until_disconnect(request: Request, work) -> Response:
+        """Awaits ``work`` (the coroutine that makes the response) unless the client
+        goes away first; then cancels it, which aborts its engine requests and frees
+        their blocks at once. A streamed response, once returned, is watched by
+        StreamingResponse itself."""
+        task = asyncio.ensure_future(work)
+        watcher = asyncio.ensure_future(_disconnected(request))
+        try:
+            done, _ = await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watcher.cancel()
+            if not task.done():
+                task.cancel()
+        if task in done:
+            return task.result()
+        return Response(status_code=499)  # nobody is there to read it
 
     @app.get("/health")
     async def health() -> Response:
+        if not engine.alive():
+            raise APIError(503, "the engine loop has stopped", "service_unavailable")
         return Response(status_code=200)
 
     @app.get("/metrics")
@@ -79,32 +114,28 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
     # ---- shared machinery ----------------------------------------------------------
 
     async def run(prompts: list[tuple[str | None, list[int] | None]], params, special: bool, prompt_field: str,
-                  request_id: str) -> AsyncIterator[tuple[int, RequestOutput]]:
+                  request_id: str, body) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Starts one engine request per prompt (all validated before any output)
         and yields (prompt index, delta output) as they come."""
+        # Every prompt is admitted (validated) before any output is awaited.
         gens = []
         try:
             for i, (text, ids) in enumerate(prompts):
-                gen = engine.generate(f"{request_id}-{i}", text, ids, params, add_special_tokens=special)
                 try:
-                    first = await gen.__anext__()
-                except StopAsyncIteration:
-                    first = None
+                    gen = await engine.add(f"{request_id}-{i}", text, ids, params, add_special_tokens=special)
                 except QueueFullError as e:
                     raise APIError(429, str(e), "rate_limit_error", code="queue_full") from None
                 except ValueError as e:
-                    raise engine_error(e, prompt_field) from None
-                gens.append((i, gen, first))
+                    raise engine_error(e, prompt_field, body) from None
+                gens.append((i, gen))
         except BaseException:
-            for _, gen, _ in gens:
-                await gen.aclose()
+            for i, _ in gens:
+                engine.abort(f"{request_id}-{i}")
             raise
         return_queue: asyncio.Queue = asyncio.Queue()
 
-        async def pump(i: int, gen, first) -> None:
+        async def pump(i: int, gen) -> None:
             try:
-                if first is not None:
-                    await return_queue.put((i, first))
                 async for out in gen:
                     await return_queue.put((i, out))
             except BaseException as e:  # noqa: BLE001 - handed to the consumer
@@ -112,7 +143,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
             finally:
                 await return_queue.put((i, None))
 
-        tasks = [asyncio.create_task(pump(i, gen, first)) for i, gen, first in gens]
+        tasks = [asyncio.create_task(pump(i, gen)) for i, gen in gens]
         try:
             remaining = len(tasks)
             while remaining:
@@ -126,8 +157,12 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
         finally:
             for task in tasks:
                 task.cancel()
-            for _, gen, _ in gens:
-                await gen.aclose()
+            # NOTE: no gen.aclose() here: a pump task may be inside its generator
+            # right now ("aclose(): asynchronous generator is already running"),
+            # and on a client disconnect this runs in a cancelled scope. Abort by
+            # id (no await; a no-op for requests that finished).
+            for i, _ in gens:
+                engine.abort(f"{request_id}-{i}")
 
     def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
@@ -169,6 +204,9 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
     async def completions(request: Request) -> Response:
         check_auth(request)
         body: CompletionRequest = await body_of(request, CompletionRequest)
+        return await until_disconnect(request, _completions(body))
+
+    async def _completions(body: CompletionRequest) -> Response:
         check_model(body.model)
         prompt = body.prompt
         if isinstance(prompt, str):
@@ -185,7 +223,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
         request_id = f"cmpl-{uuid.uuid4().hex}"
         n = params.n
         arrival = time.monotonic()
-        stream = run(prompts, params, True, "prompt", request_id)
+        stream = run(prompts, params, True, "prompt", request_id, body)
         first = await _first(stream)
         timer = metrics.request_timer(arrival)
 
@@ -236,6 +274,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
             prompt_tokens: dict[int, int] = {}
             completion_tokens = 0
             echoed: set[int] = set()
+            offsets: dict[int, int] = {}  # choice -> characters sent so far (logprobs' text_offset)
             async for i, out in _chain(first, stream):
                 timer.observe(out)
                 prompt_tokens[i] = len(out.prompt_token_ids)
@@ -245,10 +284,13 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
                     if body.echo and (i, c.index) not in echoed:
                         echoed.add((i, c.index))
                         text = prompt_text(i, out) + text
+                    index = i * n + c.index
+                    offset = offsets.get(index, 0) + len(text) - len(c.text)
+                    offsets[index] = offset + len(c.text)
                     yield sse({"id": request_id, "object": "text_completion", "created": int(time.time()),
                                "model": served_model_name, "choices": [{
-                                   "index": i * n + c.index, "text": text,
-                                   "logprobs": completion_logprobs(c, 0, body.logprobs or 0)
+                                   "index": index, "text": text,
+                                   "logprobs": completion_logprobs(c, offset, body.logprobs or 0)
                                    if c.logprobs is not None else None,
                                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]})
             timer.done()
@@ -258,7 +300,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
                            "usage": usage(sum(prompt_tokens.values()), completion_tokens)})
             yield "data: [DONE]\n\n"
 
-        return StreamingResponse(events(), media_type="text/event-stream")
+        return StreamingResponse(_guarded(events()), media_type="text/event-stream")
 
     # ---- /v1/chat/completions -----------------------------------------------------------
 
@@ -266,6 +308,9 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
     async def chat(request: Request) -> Response:
         check_auth(request)
         body: ChatCompletionRequest = await body_of(request, ChatCompletionRequest)
+        return await until_disconnect(request, _chat(body))
+
+    async def _chat(body: ChatCompletionRequest) -> Response:
         check_model(body.model)
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
@@ -289,7 +334,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
         params = sampling_params(body, top if body.logprobs else None, max_tokens)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         arrival = time.monotonic()
-        stream = run([(prompt, None)], params, False, "messages", request_id)
+        stream = run([(prompt, None)], params, False, "messages", request_id, body)
         first = await _first(stream)
         timer = metrics.request_timer(arrival)
 
@@ -352,9 +397,27 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
                            "usage": usage(prompt_tokens, completion_tokens)})
             yield "data: [DONE]\n\n"
 
-        return StreamingResponse(events(), media_type="text/event-stream")
+        return StreamingResponse(_guarded(events()), media_type="text/event-stream")
 
     return app
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client has gone (call only once the body has been read)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _guarded(events):
+    """Server-sent events that end with an error event and [DONE] if generation
+    fails half-way, rather than a stream cut short."""
+    try:
+        async for chunk in events:
+            yield chunk
+    except Exception as e:  # noqa: BLE001 - reported to the client in OpenAI's shape
+        body = APIError(500, f"generation failed: {e}", "internal_error").body()
+        yield f"data: {json.dumps(body)}\n\n"
+        yield "data: [DONE]\n\n"
 
 
 async def _first(stream):

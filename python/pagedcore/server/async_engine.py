@@ -62,7 +62,7 @@ class AsyncEngine:
     def num_waiting(self) -> int:
         return self.stats.get("num_waiting_seqs", 0) + self._pending
 
-    async def generate(
+    async def add(
         self,
         request_id: str,
         prompt: str | None,
@@ -70,10 +70,11 @@ class AsyncEngine:
         params: SamplingParams,
         add_special_tokens: bool = True,
     ) -> AsyncIterator[RequestOutput]:
-        """Adds a streaming request and yields its delta outputs until it finishes.
+        """Queues a request and returns, once the engine has accepted it, an async
+        iterator of its delta outputs (closing it early aborts the request).
 
-        Raises ValueError (bad request), QueueFullError (no room) before the
-        first output; closing the iterator early aborts the request.
+        Raises ValueError (bad request) or QueueFullError (no room); a caller
+        that never iterates the result must :meth:`abort` the request itself.
         """
         if self.max_queue_len is not None and self.num_waiting() >= self.max_queue_len:
             raise QueueFullError(f"the server has {self.num_waiting()} requests waiting (max_queue_len {self.max_queue_len})")
@@ -82,10 +83,18 @@ class AsyncEngine:
             self._pending += 1
         self._commands.put(("add", request_id, prompt, prompt_token_ids, params, add_special_tokens, stream))
         self._wake.set()
-        first = await stream.queue.get()
-        if isinstance(first, BaseException):
-            raise first
-        assert first is _ACCEPTED
+        try:
+            verdict = await stream.queue.get()
+        except BaseException:
+            # NOTE: cancelled while waiting for the verdict: the abort command
+            # queues behind the add, so the request cannot survive us.
+            self.abort(request_id)
+            raise
+        if isinstance(verdict, BaseException):
+            raise verdict
+        return self._outputs(request_id, stream)
+
+    async def _outputs(self, request_id: str, stream: _Stream) -> AsyncIterator[RequestOutput]:
         finished = False
         try:
             while True:
@@ -99,6 +108,9 @@ class AsyncEngine:
         finally:
             if not finished:
                 self.abort(request_id)
+
+    def alive(self) -> bool:
+        return self._thread.is_alive()
 
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))

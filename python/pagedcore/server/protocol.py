@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
 from ..sampling_params import SamplingParams
 
@@ -58,7 +58,8 @@ class _SamplingFields(_Body):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    # NOTE: strict ints: in lax mode pydantic would take `[true]` as token id 1.
+    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
@@ -91,11 +92,20 @@ def parse_body(raw: bytes, model_cls: type[_Body]) -> Any:
         return model_cls.model_validate(data)
     except ValidationError as e:
         err = e.errors()[0]
-        param = ".".join(str(p) for p in err["loc"]) or None
-        raise APIError(400, f"{param}: {err['msg']}" if param else err["msg"], param=param) from None
+        where = ".".join(str(p) for p in err["loc"])
+        # The param is the request's field; the path inside it (messages.0.role,
+        # or a union member such as prompt.str) stays in the message.
+        param = str(err["loc"][0]) if err["loc"] else None
+        raise APIError(400, f"{where}: {err['msg']}" if where else err["msg"], param=param) from None
 
 
 _FIELD = re.compile(r"^(\w+)")
+
+# NOTE: the engine keeps these in int32 arrays (per-slot sampling arrays, the C++
+# RequestParams). A larger value would fail *after* the C++ engine accepted the
+# request, leaving it there unknown to the Python side, and every later step fails.
+_INT32_MAX = 2**31 - 1
+_INT32_FIELDS = ("n", "max_tokens", "top_k", "min_tokens")
 
 
 def sampling_params(body: _SamplingFields, logprobs: int | None, max_tokens: int | None) -> SamplingParams:
@@ -110,6 +120,13 @@ def sampling_params(body: _SamplingFields, logprobs: int | None, max_tokens: int
         value = getattr(body, name)
         if value is not None:
             kwargs[name] = value
+    for name in _INT32_FIELDS:
+        value = kwargs.get(name)
+        if isinstance(value, int) and value > _INT32_MAX:
+            raise APIError(400, f"{name} must be at most {_INT32_MAX}, got {value}", param=name)
+    for t in body.stop_token_ids or []:
+        if isinstance(t, int) and t > _INT32_MAX:
+            raise APIError(400, f"stop_token_ids must hold token ids, got {t}", param="stop_token_ids")
     try:
         return SamplingParams(**kwargs)
     except (ValueError, TypeError) as e:
@@ -120,9 +137,15 @@ def sampling_params(body: _SamplingFields, logprobs: int | None, max_tokens: int
         raise APIError(400, str(e), param=param) from None
 
 
-def engine_error(e: ValueError, prompt_field: str) -> APIError:
-    """An LLMEngine.add_request ValueError as a 400 naming the field."""
+def engine_error(e: ValueError, prompt_field: str, body: _SamplingFields) -> APIError:
+    """An LLMEngine.add_request ValueError as a 400 naming the field (the
+    message's first word when it is a field of the request, like "n must be
+    <= max_num_seqs" or "max_tokens 600 is larger ...", else the prompt)."""
     message = str(e)
-    if message.startswith("max_tokens"):
-        return APIError(400, message, param="max_tokens")
-    return APIError(400, message, param=prompt_field)
+    match = _FIELD.match(message)
+    param = match.group(1) if match else None
+    if param == "max_tokens" and getattr(body, "max_completion_tokens", None) is not None:
+        param = "max_completion_tokens"
+    if param not in type(body).model_fields or param in ("prompt", "messages"):
+        param = prompt_field
+    return APIError(400, message, param=param)
