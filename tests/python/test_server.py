@@ -574,3 +574,28 @@ def test_sigterm_drains_an_in_flight_stream(tmp_path) -> None:
         if srv.proc.poll() is None:
             srv.proc.kill()
             srv.proc.wait()
+
+
+def test_a_full_queue_is_429_and_the_server_keeps_serving() -> None:
+    # In process (the routes and the engine thread are the real ones): with
+    # max_queue_len 0 every admission finds the queue full.
+    from starlette.testclient import TestClient
+
+    from pagedcore.llm_engine import EngineArgs, LLMEngine
+    from pagedcore.server.app import build_app
+    from pagedcore.server.async_engine import AsyncEngine
+
+    engine = AsyncEngine(LLMEngine(EngineArgs(model=pagedcore.default_model_path(), num_kv_blocks=64)),
+                         max_queue_len=0)
+    try:
+        with TestClient(build_app(engine, "smol")) as client:
+            r = client.post("/v1/completions", json={"model": "smol", "prompt": "hi", "max_tokens": 2})
+            assert r.status_code == 429
+            assert r.json()["error"]["type"] == "rate_limit_error"
+            assert "max_queue_len 0" in r.json()["error"]["message"]
+            assert client.get("/health").status_code == 200
+            engine.max_queue_len = None
+            r = client.post("/v1/completions", json={"model": "smol", "prompt": "hi", "max_tokens": 2})
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+    finally:
+        engine.shutdown()
