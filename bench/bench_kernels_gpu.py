@@ -85,7 +85,7 @@ def decode_case(batch: int, ctx: int, heads: int, kv_heads: int, head_dim: int, 
     seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
     qsl_np = np.arange(batch + 1, dtype=np.int32)
     qsl = torch.from_numpy(qsl_np).cuda()
-    plan = ops.plan_attention(qsl_np, np.full(batch, ctx), heads, kv_heads, torch.device("cuda"))
+    plan = ops.plan_attention(qsl_np, np.full(batch, ctx), heads, kv_heads, torch.device("cuda"), head_dim, dtype)
     out = torch.empty_like(q)
     scale = head_dim**-0.5
     ours = time_graph(lambda: ops.paged_attention(q, kc, vc, tables, seq_lens, qsl, scale=scale, out=out, plan=plan))
@@ -110,7 +110,7 @@ def prefill_case(tokens: int, heads: int, kv_heads: int, head_dim: int, block_si
     tables = torch.arange(1, nb, dtype=torch.int32, device="cuda").view(1, -1)
     q = torch.randn((tokens, heads, head_dim), generator=g, device="cuda", dtype=dtype)
     qsl_np = np.array([0, tokens], dtype=np.int32)
-    plan = ops.plan_attention(qsl_np, np.array([tokens]), heads, kv_heads, torch.device("cuda"))
+    plan = ops.plan_attention(qsl_np, np.array([tokens]), heads, kv_heads, torch.device("cuda"), head_dim, dtype)
     seq_lens = torch.tensor([tokens], dtype=torch.int32, device="cuda")
     qsl = torch.from_numpy(qsl_np).cuda()
     out = torch.empty_like(q)

@@ -232,7 +232,7 @@ __global__ void __launch_bounds__(kThreads) merge_splits_kernel(PagedAttentionPa
   const int row = p.work_seq[work];
   const int q_begin = p.query_start_loc[row];
   const int q_len = p.query_start_loc[row + 1] - q_begin;
-  const int t0 = p.work_q_start[work];
+  const int t0 = p.work_q_start != nullptr ? p.work_q_start[work] : 0;
   const int group = p.num_heads / p.num_kv_heads;
   const int num_vectors = min(p.tile_tokens, q_len - t0) * group;
   const int v = threadIdx.x / kThreadsPerVector;
@@ -267,6 +267,186 @@ __global__ void __launch_bounds__(kThreads) merge_splits_kernel(PagedAttentionPa
   for (int i = 0; i < DPT; ++i) dst[lane + kThreadsPerVector * i] = from_float<T>(acc[i] * inv);
 }
 
+
+// ---- decode rows: stream K/V rows from memory -------------------------------------
+//
+// One CTA per (row, kv head, key split), 4 warps. A K/V row of one kv head is
+// LPK lanes x 16 bytes; a warp takes 32 / LPK keys at a time, each lane
+// loading 16 bytes of K and V (several keys in flight per warp), the dot
+// products of the G query heads reduced across the key's lanes by shuffles,
+// with a running softmax per lane group. The groups' partial results are
+// merged through shared memory at the end.
+template <typename T, int HD, int G>
+__global__ void __launch_bounds__(kThreads) decode_kernel(PagedAttentionParams p) {
+  constexpr int EPL = 16 / sizeof(T);  // elements per lane
+  constexpr int LPK = HD / EPL;        // lanes per key row
+  constexpr int KPW = 32 / LPK;        // keys per warp per pass
+  constexpr int WARPS = kThreads / 32;
+  constexpr int GROUPS = WARPS * KPW;  // independent lane groups in the CTA
+  constexpr int UNROLL = 2;            // keys per lane group per iteration
+  static_assert(LPK <= 32 && 32 % LPK == 0, "a key row must fit one warp");
+  __shared__ float s_acc[GROUPS][G][HD];
+  __shared__ float s_m[GROUPS][G];
+  __shared__ float s_l[GROUPS][G];
+
+  const int work = blockIdx.x;
+  const int kv_head = blockIdx.y;
+  const int split = blockIdx.z;
+  const int row = p.decode_seq[work];
+  const int q_token = p.query_start_loc[row];
+  const int ctx = p.seq_lens[row];
+  const int pos = ctx - 1;
+  const int group = p.num_heads / p.num_kv_heads;
+  const int k_lo = p.sliding_window > 0 ? max(0, pos - p.sliding_window + 1) : 0;
+  const int per_split = (ctx - k_lo + p.decode_splits - 1) / p.decode_splits;
+  const int s_lo = k_lo + split * per_split;
+  const int s_hi = min(ctx, s_lo + per_split);
+
+  const int lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / 32;
+  const int sub = lane / LPK;          // which key of the pass
+  const int chunk = lane % LPK;        // which 16 bytes of the row
+  const int grp = warp * KPW + sub;
+
+  const T* query = static_cast<const T*>(p.query);
+  float q[G][EPL];
+#pragma unroll
+  for (int h = 0; h < G; ++h) {
+    if (h < group) {
+      load16(query + static_cast<int64_t>(q_token) * p.query_stride +
+                 static_cast<int64_t>(kv_head * group + h) * HD + chunk * EPL,
+             q[h]);
+#pragma unroll
+      for (int e = 0; e < EPL; ++e) q[h][e] *= p.scale;
+    } else {
+#pragma unroll
+      for (int e = 0; e < EPL; ++e) q[h][e] = 0.f;
+    }
+  }
+  float m[G], l[G], acc[G][EPL];
+#pragma unroll
+  for (int h = 0; h < G; ++h) {
+    m[h] = -FLT_MAX;
+    l[h] = 0.f;
+#pragma unroll
+    for (int e = 0; e < EPL; ++e) acc[h][e] = 0.f;
+  }
+
+  const T* key_cache = static_cast<const T*>(p.key_cache);
+  const T* value_cache = static_cast<const T*>(p.value_cache);
+  const int32_t* table = p.block_tables + static_cast<int64_t>(row) * p.block_tables_stride;
+  const int64_t head_offset = static_cast<int64_t>(kv_head) * HD + chunk * EPL;
+  constexpr int STEP = GROUPS * UNROLL;
+
+  // NOTE: every lane runs the same number of iterations (keys past the range
+  // are masked), so the shuffles below always see the whole warp.
+  for (int base = s_lo; base < s_hi; base += STEP) {
+    float kf[UNROLL][EPL], vf[UNROLL][EPL];
+    bool valid[UNROLL];
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+      const int key = base + u * GROUPS + grp;
+      valid[u] = key < s_hi;
+      if (valid[u]) {
+        const int64_t block = table[key / p.block_size];
+        const int64_t off = ((block * p.block_size + key % p.block_size) * p.num_kv_heads) * HD + head_offset;
+        load16(key_cache + off, kf[u]);
+        load16(value_cache + off, vf[u]);
+      } else {
+#pragma unroll
+        for (int e = 0; e < EPL; ++e) kf[u][e] = vf[u][e] = 0.f;
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+#pragma unroll
+      for (int h = 0; h < G; ++h) {
+        float d = 0.f;
+#pragma unroll
+        for (int e = 0; e < EPL; ++e) d += q[h][e] * kf[u][e];
+#pragma unroll
+        for (int o = LPK / 2; o > 0; o /= 2) d += __shfl_xor_sync(0xffffffffu, d, o);
+        if (!valid[u] || h >= group) continue;
+        if (p.softcap > 0.f) d = p.softcap * tanhf(d / p.softcap);
+        const float new_m = fmaxf(m[h], d);
+        const float corr = __expf(m[h] - new_m);
+        const float w = __expf(d - new_m);
+        l[h] = l[h] * corr + w;
+#pragma unroll
+        for (int e = 0; e < EPL; ++e) acc[h][e] = acc[h][e] * corr + w * vf[u][e];
+        m[h] = new_m;
+      }
+    }
+  }
+
+#pragma unroll
+  for (int h = 0; h < G; ++h) {
+#pragma unroll
+    for (int e = 0; e < EPL; ++e) s_acc[grp][h][chunk * EPL + e] = acc[h][e];
+    if (chunk == 0) {
+      s_m[grp][h] = m[h];
+      s_l[grp][h] = l[h];
+    }
+  }
+  __syncthreads();
+  T* out = static_cast<T*>(p.out);
+  for (int i = threadIdx.x; i < group * HD; i += kThreads) {
+    const int h = i / HD;
+    const int d = i % HD;
+    float gmax = -FLT_MAX;
+    for (int g = 0; g < GROUPS; ++g) {
+      if (s_l[g][h] > 0.f) gmax = fmaxf(gmax, s_m[g][h]);
+    }
+    float num = 0.f, den = 0.f;
+    for (int g = 0; g < GROUPS; ++g) {
+      if (s_l[g][h] <= 0.f) continue;
+      const float w = __expf(s_m[g][h] - gmax);
+      num += w * s_acc[g][h][d];
+      den += w * s_l[g][h];
+    }
+    if (p.decode_splits == 1) {
+      out[(static_cast<int64_t>(q_token) * p.num_heads + kv_head * group + h) * HD + d] =
+          from_float<T>(den > 0.f ? num / den : 0.f);
+    } else {
+      const int64_t slot =
+          ((static_cast<int64_t>(work) * p.num_kv_heads + kv_head) * p.decode_splits + split) * kVectors + h;
+      p.decode_partial_out[slot * HD + d] = den > 0.f ? num / den : 0.f;
+      if (d == 0) {
+        p.decode_partial_lse[2 * slot] = gmax;
+        p.decode_partial_lse[2 * slot + 1] = den;
+      }
+    }
+  }
+}
+
+template <typename T, int HD, int G>
+int launch_decode(const PagedAttentionParams& p, cudaStream_t stream) {
+  const dim3 grid(p.num_decode, p.num_kv_heads, p.decode_splits);
+  decode_kernel<T, HD, G><<<grid, kThreads, 0, stream>>>(p);
+  cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess || p.decode_splits == 1) return e;
+  // The merge kernel of the tiles serves: one "work item" per decode row.
+  PagedAttentionParams q = p;
+  q.work_seq = p.decode_seq;
+  q.work_q_start = nullptr;
+  q.num_work = p.num_decode;
+  q.num_splits = p.decode_splits;
+  q.tile_tokens = 1;
+  q.partial_out = p.decode_partial_out;
+  q.partial_lse = p.decode_partial_lse;
+  merge_splits_kernel<T, HD><<<dim3(p.num_decode, p.num_kv_heads), kThreads, 0, stream>>>(q);
+  return cudaGetLastError();
+}
+
+template <typename T, int HD>
+int dispatch_decode(const PagedAttentionParams& p, cudaStream_t s) {
+  if constexpr (HD * sizeof(T) <= 512 && 32 % (HD * sizeof(T) / 16) == 0) {
+    return p.num_heads / p.num_kv_heads <= 4 ? launch_decode<T, HD, 4>(p, s) : launch_decode<T, HD, 8>(p, s);
+  } else {
+    return cudaErrorInvalidValue;
+  }
+}
+
 template <typename T, int HD>
 int launch(const PagedAttentionParams& p, cudaStream_t stream) {
   constexpr size_t smem = smem_floats<HD>() * sizeof(float);
@@ -277,6 +457,11 @@ int launch(const PagedAttentionParams& p, cudaStream_t stream) {
     if (e != cudaSuccess) return e;
     configured = true;
   }
+  if (p.num_decode > 0) {
+    const int e = dispatch_decode<T, HD>(p, stream);
+    if (e != cudaSuccess) return e;
+  }
+  if (p.num_work == 0) return cudaSuccess;
   const dim3 grid(p.num_work, p.num_kv_heads, p.num_splits);
   paged_attention_kernel<T, HD><<<grid, kThreads, smem, stream>>>(p);
   cudaError_t e = cudaGetLastError();
@@ -300,15 +485,24 @@ int dispatch_head_dim(const PagedAttentionParams& p, cudaStream_t s) {
 
 }  // namespace
 
+bool decode_supported(int32_t group, int32_t head_dim, int32_t element_bytes) {
+  const int row_bytes = head_dim * element_bytes;
+  // A row must be 1, 2, 4, ... or 32 lanes of 16 bytes.
+  return head_dim_supported(head_dim) && group <= 8 && row_bytes <= 512 && row_bytes % 16 == 0 &&
+         32 % (row_bytes / 16) == 0;
+}
+
 bool head_dim_supported(int32_t head_dim) {
   return head_dim == 32 || head_dim == 64 || head_dim == 80 || head_dim == 96 || head_dim == 128 ||
          head_dim == 256;
 }
 
 int paged_attention(const PagedAttentionParams& p, void* stream) {
-  if (p.num_work == 0) return cudaSuccess;
-  if (p.num_heads % p.num_kv_heads != 0 || p.num_heads / p.num_kv_heads > kVectors ||
-      p.tile_tokens * (p.num_heads / p.num_kv_heads) > kVectors || p.num_splits < 1) {
+  if (p.num_work == 0 && p.num_decode == 0) return cudaSuccess;
+  const int group = p.num_heads % p.num_kv_heads == 0 ? p.num_heads / p.num_kv_heads : 0;
+  const int element_bytes = p.dtype == DType::kFloat32 ? 4 : 2;
+  if (group == 0 || group > kVectors || p.tile_tokens * group > kVectors || p.num_splits < 1 ||
+      (p.num_decode > 0 && (p.decode_splits < 1 || !decode_supported(group, p.head_dim, element_bytes)))) {
     return cudaErrorInvalidValue;
   }
   const auto s = static_cast<cudaStream_t>(stream);

@@ -54,7 +54,10 @@ void paged_attention_at(std::uintptr_t out, std::uintptr_t query, std::uintptr_t
                         std::uintptr_t value_cache, std::uintptr_t block_tables,
                         std::uintptr_t seq_lens, std::uintptr_t query_start_loc,
                         std::uintptr_t work_seq, std::uintptr_t work_q_start,
-                        std::uintptr_t partial_out, std::uintptr_t partial_lse, int32_t num_work,
+                        std::uintptr_t partial_out, std::uintptr_t partial_lse,
+                        std::uintptr_t decode_seq, std::uintptr_t decode_partial_out,
+                        std::uintptr_t decode_partial_lse, int32_t num_decode,
+                        int32_t decode_splits, int32_t num_work,
                         int32_t num_splits, int32_t tile_tokens, int32_t num_heads,
                         int32_t num_kv_heads, int32_t head_dim, int32_t block_size,
                         int32_t num_blocks, int64_t query_stride, int64_t block_tables_stride,
@@ -75,6 +78,11 @@ void paged_attention_at(std::uintptr_t out, std::uintptr_t query, std::uintptr_t
   p.work_q_start = ptr<const int32_t>(work_q_start);
   p.partial_out = ptr<float>(partial_out);
   p.partial_lse = ptr<float>(partial_lse);
+  p.decode_seq = ptr<const int32_t>(decode_seq);
+  p.decode_partial_out = ptr<float>(decode_partial_out);
+  p.decode_partial_lse = ptr<float>(decode_partial_lse);
+  p.num_decode = num_decode;
+  p.decode_splits = decode_splits;
   p.num_work = num_work;
   p.num_splits = num_splits;
   p.tile_tokens = tile_tokens;

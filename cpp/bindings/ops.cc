@@ -54,6 +54,7 @@ void register_ops(pybind11::module_& m) {
       .value("BFLOAT16", cuda::DType::kBFloat16)
       .value("FLOAT16", cuda::DType::kFloat16);
   m.attr("cuda_attention_tile_vectors") = cuda::kAttentionTileVectors;
+  m.def("cuda_decode_supported", &cuda::decode_supported, "group"_a, "head_dim"_a, "element_bytes"_a);
   m.def("cuda_reshape_and_cache", &cuda::reshape_and_cache_at, "key"_a, "value"_a, "key_cache"_a,
         "value_cache"_a, "slot_mapping"_a, "slot_mapping_int64"_a, "dtype"_a, "num_tokens"_a,
         "num_kv_heads"_a, "head_dim"_a, "num_blocks"_a, "block_size"_a, "key_stride"_a,
@@ -65,7 +66,9 @@ void register_ops(pybind11::module_& m) {
         "stream"_a);
   m.def("cuda_paged_attention", &cuda::paged_attention_at, "out"_a, "query"_a, "key_cache"_a,
         "value_cache"_a, "block_tables"_a, "seq_lens"_a, "query_start_loc"_a, "work_seq"_a,
-        "work_q_start"_a, "partial_out"_a, "partial_lse"_a, "num_work"_a, "num_splits"_a,
+        "work_q_start"_a, "partial_out"_a, "partial_lse"_a, "decode_seq"_a,
+        "decode_partial_out"_a, "decode_partial_lse"_a, "num_decode"_a, "decode_splits"_a,
+        "num_work"_a, "num_splits"_a,
         "tile_tokens"_a, "num_heads"_a, "num_kv_heads"_a, "head_dim"_a, "block_size"_a,
         "num_blocks"_a, "query_stride"_a, "block_tables_stride"_a, "scale"_a, "softcap"_a,
         "sliding_window"_a, "dtype"_a, "stream"_a);

@@ -470,15 +470,15 @@ def paged_attention(
         if plan is None:
             _check_range(op, "block_tables", block_tables, 0, num_blocks)
             plan = plan_attention(query_start_loc.cpu().numpy(), seq_lens.cpu().numpy(),
-                                  num_heads, num_kv_heads, device)
+                                  num_heads, num_kv_heads, device, head_dim, query.dtype)
         _C.cuda_paged_attention(
             out=out.data_ptr(), query=query.data_ptr(), key_cache=key_cache.data_ptr(),
             value_cache=value_cache.data_ptr(), block_tables=block_tables.data_ptr(),
             seq_lens=seq_lens.data_ptr(), query_start_loc=query_start_loc.data_ptr(),
             work_seq=plan.work_seq.data_ptr(), work_q_start=plan.work_q_start.data_ptr(),
-            partial_out=plan.partial_out_ptr(num_kv_heads, head_dim),
-            partial_lse=plan.partial_lse_ptr(num_kv_heads), num_work=plan.num_work,
-            num_splits=plan.num_splits, tile_tokens=plan.tile_tokens, num_heads=num_heads,
+            decode_seq=plan.decode_seq.data_ptr(), num_decode=plan.num_decode,
+            decode_splits=plan.decode_splits, **plan.partial_ptrs(num_kv_heads, head_dim),
+            num_work=plan.num_work, num_splits=plan.num_splits, tile_tokens=plan.tile_tokens, num_heads=num_heads,
             num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size,
             num_blocks=num_blocks, query_stride=query_stride, block_tables_stride=table_stride,
             scale=float(scale), softcap=float(softcap), sliding_window=sliding_window,
@@ -740,38 +740,54 @@ def _pointer_table(tensors: Sequence[torch.Tensor], device: torch.device) -> tor
 class AttentionPlan:
     """How :func:`paged_attention` splits one step's rows over CUDA thread blocks.
 
-    Work items are tiles of consecutive query tokens of one row (as many as fill
-    ``cuda_attention_tile_vectors`` query vectors with the heads of one kv head);
-    with few items and long contexts, each item's keys are also split
-    (``num_splits``) and merged by a second kernel. Made once per step on the host
+    Rows with one query (decode) go to the decode kernel, one thread block per
+    (row, kv head) streaming the row's keys, when the shape allows
+    (``cuda_decode_supported``); other rows are cut into work items, tiles of
+    consecutive query tokens (as many as fill ``cuda_attention_tile_vectors``
+    query vectors with the heads of one kv head). With few blocks and long
+    contexts, keys are also split (``num_splits`` / ``decode_splits``) and
+    merged by a second kernel. Made once per step on the host
     (:func:`plan_attention`) and reused by every layer.
     """
 
-    def __init__(self, work_seq, work_q_start, tile_tokens, num_splits, device) -> None:
+    def __init__(self, work_seq, work_q_start, tile_tokens, num_splits, decode_seq, decode_splits, device) -> None:
         self.num_work = int(work_seq.shape[0])
+        self.num_decode = int(decode_seq.shape[0])
         self.tile_tokens = tile_tokens
         self.num_splits = num_splits
+        self.decode_splits = decode_splits
         self.device = device
         self.work_seq = torch.from_numpy(work_seq).to(device, non_blocking=True)
         self.work_q_start = torch.from_numpy(work_q_start).to(device, non_blocking=True)
-        self._partial_out: torch.Tensor | None = None
-        self._partial_lse: torch.Tensor | None = None
+        self.decode_seq = torch.from_numpy(decode_seq).to(device, non_blocking=True)
+        self._buffers: dict[str, torch.Tensor] = {}
 
-    def partial_out_ptr(self, num_kv_heads: int, head_dim: int) -> int:
-        if self.num_splits == 1:
-            return 0
-        size = self.num_work * num_kv_heads * self.num_splits * _C.cuda_attention_tile_vectors * head_dim
-        if self._partial_out is None or self._partial_out.numel() < size:
-            self._partial_out = torch.empty(size, dtype=torch.float32, device=self.device)
-        return self._partial_out.data_ptr()
+    def _buffer(self, name: str, size: int) -> int:
+        buf = self._buffers.get(name)
+        if buf is None or buf.numel() < size:
+            buf = self._buffers[name] = torch.empty(size, dtype=torch.float32, device=self.device)
+        return buf.data_ptr()
 
-    def partial_lse_ptr(self, num_kv_heads: int) -> int:
-        if self.num_splits == 1:
-            return 0
-        size = self.num_work * num_kv_heads * self.num_splits * _C.cuda_attention_tile_vectors * 2
-        if self._partial_lse is None or self._partial_lse.numel() < size:
-            self._partial_lse = torch.empty(size, dtype=torch.float32, device=self.device)
-        return self._partial_lse.data_ptr()
+    def partial_ptrs(self, num_kv_heads: int, head_dim: int) -> dict[str, int]:
+        """Scratch for split keys: the tiles' and the decode rows' partial outputs."""
+        v = _C.cuda_attention_tile_vectors
+        ptrs = {"partial_out": 0, "partial_lse": 0, "decode_partial_out": 0, "decode_partial_lse": 0}
+        if self.num_splits > 1 and self.num_work:
+            n = self.num_work * num_kv_heads * self.num_splits * v
+            ptrs["partial_out"] = self._buffer("partial_out", n * head_dim)
+            ptrs["partial_lse"] = self._buffer("partial_lse", n * 2)
+        if self.decode_splits > 1 and self.num_decode:
+            n = self.num_decode * num_kv_heads * self.decode_splits * v
+            ptrs["decode_partial_out"] = self._buffer("decode_partial_out", n * head_dim)
+            ptrs["decode_partial_lse"] = self._buffer("decode_partial_lse", n * 2)
+        return ptrs
+
+
+def _splits(blocks: int, longest: int, sms: int) -> int:
+    # Split keys when the blocks alone leave most multiprocessors idle.
+    if blocks >= sms or longest < 512:
+        return 1
+    return int(max(1, min(-(-2 * sms // blocks), longest // 256, 64)))
 
 
 def plan_attention(
@@ -780,6 +796,8 @@ def plan_attention(
     num_heads: int,
     num_kv_heads: int,
     device: torch.device,
+    head_dim: int | None = None,
+    dtype: torch.dtype | None = None,
 ) -> AttentionPlan:
     """Plans :func:`paged_attention` on CUDA for one step (host arrays in, no sync).
 
@@ -789,6 +807,9 @@ def plan_attention(
         ``[num_seqs + 1]`` the step's row starts (host copy).
     seq_lens : np.ndarray
         ``[num_seqs]`` tokens cached per row after the step (host copy).
+    head_dim, dtype : optional
+        The cache's; when given and the decode kernel supports them, rows with a
+        single query go to it.
     """
     group = num_heads // num_kv_heads
     vectors = _C.cuda_attention_tile_vectors
@@ -796,22 +817,29 @@ def plan_attention(
         raise ValueError(f"plan_attention: {group} query heads per kv head; at most {vectors} supported")
     tile = max(1, vectors // group)
     q_lens = np.diff(np.asarray(query_start_loc, dtype=np.int64))
-    tiles = (q_lens + tile - 1) // tile
+    seq_lens = np.asarray(seq_lens, dtype=np.int64)
+    rows = np.arange(q_lens.shape[0], dtype=np.int32)
+    fast = (
+        head_dim is not None and dtype is not None
+        and _C.cuda_decode_supported(group, head_dim, torch.empty((), dtype=dtype).element_size())
+    )
+    is_decode = (q_lens == 1) if fast else np.zeros(q_lens.shape[0], dtype=bool)
+    decode_seq = rows[is_decode]
+    tiles = np.where(is_decode, 0, (q_lens + tile - 1) // tile)
     total = int(tiles.sum())
-    work_seq = np.repeat(np.arange(q_lens.shape[0], dtype=np.int32), tiles)
+    work_seq = np.repeat(rows, tiles)
     first_of_row = np.repeat(np.cumsum(tiles) - tiles, tiles)
     work_q_start = ((np.arange(total) - first_of_row) * tile).astype(np.int32)
-    # Split keys when the work items alone leave most multiprocessors idle.
     index = device.index if device.index is not None else torch.cuda.current_device()
     sms = _SM_COUNTS.get(index)
     if sms is None:
         sms = _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    ctas = max(1, total * num_kv_heads)
-    longest = int(np.max(seq_lens)) if len(seq_lens) else 0
-    splits = 1
-    if ctas < sms and longest >= 512:
-        splits = int(min(-(-2 * sms // ctas), longest // 256, 64))
-    return AttentionPlan(work_seq, work_q_start, tile, max(1, splits), device)
+    longest_tile = int(seq_lens[~is_decode].max()) if total else 0
+    longest_decode = int(seq_lens[is_decode].max()) if decode_seq.size else 0
+    return AttentionPlan(
+        work_seq, work_q_start, tile, _splits(max(1, total * num_kv_heads), longest_tile, sms),
+        decode_seq, _splits(max(1, decode_seq.size * num_kv_heads), longest_decode, sms), device,
+    )
 
 
 def swap_out(gpu_caches: Sequence[torch.Tensor], cpu_caches: Sequence[torch.Tensor], block_mapping: torch.Tensor) -> None:
@@ -868,3 +896,4 @@ def swap_in(cpu_caches: Sequence[torch.Tensor], gpu_caches: Sequence[torch.Tenso
         num_caches=len(caches), num_blocks_moved=mapping.shape[0], num_blocks=caches[0].shape[0],
         block_bytes=host.shape[2], to_staging=False, stream=_stream(device),
     )
+

@@ -46,7 +46,7 @@ def run_cuda(rows, *, block_size, head_dim, group, dtype, window=0, softcap=0.0,
 
 
 @pytest.mark.parametrize("block_size", [8, 16, 32, 128])
-@pytest.mark.parametrize("group", [1, 3, 4, 8])
+@pytest.mark.parametrize("group", [1, 3, 4, 6, 8, 12])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16", "fp16"])
 def test_attention_grid(dtype, head_dim, group, block_size):
@@ -70,9 +70,14 @@ def test_attention_splits_keys_of_few_long_rows(rows, group):
     qsl = [0]
     for q, _ in rows:
         qsl.append(qsl[-1] + q)
-    plan = ops.plan_attention(qsl, [s for _, s in rows], 2 * group, 2, torch.device("cuda"))
-    assert plan.num_splits > 1
-    run_cuda(rows, block_size=16, head_dim=128, group=group, dtype=torch.float32)
+    device = torch.device("cuda")
+    plan = ops.plan_attention(qsl, [s for _, s in rows], 2 * group, 2, device)
+    assert plan.num_splits > 1 and plan.num_decode == 0
+    for dtype in (torch.float32, torch.bfloat16):
+        plan = ops.plan_attention(qsl, [s for _, s in rows], 2 * group, 2, device, 128, dtype)
+        if rows[0][0] == 1:  # decode rows: the decode kernel, keys split too
+            assert plan.num_decode == len(rows) and plan.decode_splits > 1
+        run_cuda(rows, block_size=16, head_dim=128, group=group, dtype=dtype)
 
 
 def test_attention_large_prefill_and_many_decodes():

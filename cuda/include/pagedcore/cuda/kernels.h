@@ -76,6 +76,13 @@ struct PagedAttentionParams {
   const int32_t* work_q_start;    // [num_work] first query (within the row) of the item
   float* partial_out;             // [num_work, num_kv_heads, num_splits, kAttentionTileVectors, head_dim]
   float* partial_lse;             // [num_work, num_kv_heads, num_splits, kAttentionTileVectors, 2] (max, sum)
+  // Rows with a single query (decode) may instead go to a kernel that streams
+  // K/V rows straight from memory (no tile, no staging): see decode_supported().
+  const int32_t* decode_seq;      // [num_decode] rows run by the decode kernel
+  float* decode_partial_out;      // [num_decode, num_kv_heads, decode_splits, kAttentionTileVectors, head_dim]
+  float* decode_partial_lse;      // [num_decode, num_kv_heads, decode_splits, kAttentionTileVectors, 2]
+  int32_t num_decode;
+  int32_t decode_splits;
   int32_t num_work;
   int32_t num_splits;             // key ranges per work item, merged by a second kernel
   int32_t tile_tokens;            // queries per work item
@@ -93,6 +100,10 @@ struct PagedAttentionParams {
 };
 // Query vectors (query tokens x heads of one kv head) a work item holds.
 constexpr int32_t kAttentionTileVectors = 16;
+// Whether the decode kernel serves this shape: at most 8 query heads per kv
+// head, and a K/V row of one kv head that 1, 2, 4, ... or 32 lanes of 16-byte
+// loads cover exactly.
+bool decode_supported(int32_t group, int32_t head_dim, int32_t element_bytes);
 int paged_attention(const PagedAttentionParams& p, void* stream);
 
 }  // namespace pagedcore::cuda
@@ -118,7 +129,10 @@ void paged_attention_at(std::uintptr_t out, std::uintptr_t query, std::uintptr_t
                         std::uintptr_t value_cache, std::uintptr_t block_tables,
                         std::uintptr_t seq_lens, std::uintptr_t query_start_loc,
                         std::uintptr_t work_seq, std::uintptr_t work_q_start,
-                        std::uintptr_t partial_out, std::uintptr_t partial_lse, int32_t num_work,
+                        std::uintptr_t partial_out, std::uintptr_t partial_lse,
+                        std::uintptr_t decode_seq, std::uintptr_t decode_partial_out,
+                        std::uintptr_t decode_partial_lse, int32_t num_decode,
+                        int32_t decode_splits, int32_t num_work,
                         int32_t num_splits, int32_t tile_tokens, int32_t num_heads,
                         int32_t num_kv_heads, int32_t head_dim, int32_t block_size,
                         int32_t num_blocks, int64_t query_stride, int64_t block_tables_stride,
