@@ -65,6 +65,19 @@ __device__ __forceinline__ void load16(const T* src, float* dst) {
   for (int i = 0; i < n; ++i) dst[i] = to_float(u.v[i]);
 }
 
+// 16 raw bytes of T as floats.
+template <typename T>
+__device__ __forceinline__ void unpack16(const uint4& raw, float* dst) {
+  constexpr int n = 16 / sizeof(T);
+  union {
+    uint4 raw;
+    T v[n];
+  } u;
+  u.raw = raw;
+#pragma unroll
+  for (int i = 0; i < n; ++i) dst[i] = to_float(u.v[i]);
+}
+
 __device__ __forceinline__ float group_max(float x) {
 #pragma unroll
   for (int o = kThreadsPerVector / 2; o > 0; o /= 2) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
@@ -283,11 +296,13 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(PagedAttentionParams p
   constexpr int KPW = 32 / LPK;        // keys per warp per pass
   constexpr int WARPS = kThreads / 32;
   constexpr int GROUPS = WARPS * KPW;  // independent lane groups in the CTA
-  constexpr int UNROLL = 2;            // keys per lane group per iteration
+  constexpr int UNROLL = 4;            // keys per lane group in flight
+  constexpr int CHUNK = 1024;          // keys whose block ids are staged at once
   static_assert(LPK <= 32 && 32 % LPK == 0, "a key row must fit one warp");
   __shared__ float s_acc[GROUPS][G][HD];
   __shared__ float s_m[GROUPS][G];
   __shared__ float s_l[GROUPS][G];
+  __shared__ int32_t s_table[CHUNK / 8 + 2];  // block_size >= 8
 
   const int work = blockIdx.x;
   const int kv_head = blockIdx.y;
@@ -338,32 +353,43 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(PagedAttentionParams p
   const int64_t head_offset = static_cast<int64_t>(kv_head) * HD + chunk * EPL;
   constexpr int STEP = GROUPS * UNROLL;
 
+  // NOTE: the block ids of a chunk of keys are staged in shared memory first,
+  // so that each K/V load depends on a shared-memory read, not on a second
+  // round trip to global memory.
+  for (int c0 = s_lo; c0 < s_hi; c0 += CHUNK) {
+  const int c1 = min(s_hi, c0 + CHUNK);
+  const int b0 = c0 / p.block_size;
+  __syncthreads();
+  for (int i = threadIdx.x; i <= (c1 - 1) / p.block_size - b0; i += kThreads) s_table[i] = table[b0 + i];
+  __syncthreads();
   // NOTE: every lane runs the same number of iterations (keys past the range
   // are masked), so the shuffles below always see the whole warp.
-  for (int base = s_lo; base < s_hi; base += STEP) {
-    float kf[UNROLL][EPL], vf[UNROLL][EPL];
+  for (int base = c0; base < c1; base += STEP) {
+    uint4 kraw[UNROLL], vraw[UNROLL];  // raw 16-byte loads, converted when used
     bool valid[UNROLL];
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
       const int key = base + u * GROUPS + grp;
-      valid[u] = key < s_hi;
+      valid[u] = key < c1;
       if (valid[u]) {
-        const int64_t block = table[key / p.block_size];
+        const int64_t block = s_table[key / p.block_size - b0];
         const int64_t off = ((block * p.block_size + key % p.block_size) * p.num_kv_heads) * HD + head_offset;
-        load16(key_cache + off, kf[u]);
-        load16(value_cache + off, vf[u]);
+        kraw[u] = *reinterpret_cast<const uint4*>(key_cache + off);
+        vraw[u] = *reinterpret_cast<const uint4*>(value_cache + off);
       } else {
-#pragma unroll
-        for (int e = 0; e < EPL; ++e) kf[u][e] = vf[u][e] = 0.f;
+        kraw[u] = vraw[u] = make_uint4(0, 0, 0, 0);
       }
     }
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
+      float kf[EPL], vf[EPL];
+      unpack16<T>(kraw[u], kf);
+      unpack16<T>(vraw[u], vf);
 #pragma unroll
       for (int h = 0; h < G; ++h) {
         float d = 0.f;
 #pragma unroll
-        for (int e = 0; e < EPL; ++e) d += q[h][e] * kf[u][e];
+        for (int e = 0; e < EPL; ++e) d += q[h][e] * kf[e];
 #pragma unroll
         for (int o = LPK / 2; o > 0; o /= 2) d += __shfl_xor_sync(0xffffffffu, d, o);
         if (!valid[u] || h >= group) continue;
@@ -373,10 +399,11 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(PagedAttentionParams p
         const float w = __expf(d - new_m);
         l[h] = l[h] * corr + w;
 #pragma unroll
-        for (int e = 0; e < EPL; ++e) acc[h][e] = acc[h][e] * corr + w * vf[u][e];
+        for (int e = 0; e < EPL; ++e) acc[h][e] = acc[h][e] * corr + w * vf[e];
         m[h] = new_m;
       }
     }
+  }
   }
 
 #pragma unroll
