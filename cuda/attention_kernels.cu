@@ -296,7 +296,7 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(PagedAttentionParams p
   constexpr int KPW = 32 / LPK;        // keys per warp per pass
   constexpr int WARPS = kThreads / 32;
   constexpr int GROUPS = WARPS * KPW;  // independent lane groups in the CTA
-  constexpr int UNROLL = 4;            // keys per lane group in flight
+  constexpr int UNROLL = 2;            // keys per lane group in flight (4 costs occupancy)
   constexpr int CHUNK = 1024;          // keys whose block ids are staged at once
   static_assert(LPK <= 32 && 32 % LPK == 0, "a key row must fit one warp");
   __shared__ float s_acc[GROUPS][G][HD];
