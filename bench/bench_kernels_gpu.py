@@ -72,13 +72,16 @@ def copy_bandwidth() -> float:
     return 2 * a.numel() / us / 1e3
 
 
-def decode_case(batch: int, ctx: int, heads: int, kv_heads: int, head_dim: int, block_size: int):
+def decode_case(batch: int, ctx: int, heads: int, kv_heads: int, head_dim: int, block_size: int,
+                fp8: bool = False):
     dtype = torch.bfloat16
     g = torch.Generator(device="cuda").manual_seed(0)
     blocks_per_seq = -(-ctx // block_size)
     num_blocks = batch * blocks_per_seq + 1
     kc = torch.randn((num_blocks, block_size, kv_heads, head_dim), generator=g, device="cuda", dtype=dtype)
     vc = torch.randn_like(kc)
+    if fp8:  # the cache in e4m3 (scale 1); the peer reads the same values in bf16
+        kc, vc = kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn)
     perm = torch.randperm(num_blocks - 1, generator=g, device="cuda").to(torch.int32) + 1
     tables = perm[: batch * blocks_per_seq].view(batch, blocks_per_seq).contiguous()
     q = torch.randn((batch, heads, head_dim), generator=g, device="cuda", dtype=dtype)
@@ -91,13 +94,13 @@ def decode_case(batch: int, ctx: int, heads: int, kv_heads: int, head_dim: int, 
     ours = time_graph(lambda: ops.paged_attention(q, kc, vc, tables, seq_lens, qsl, scale=scale, out=out, plan=plan))
     # Peer: SDPA over the same keys gathered contiguously (GQA expanded by enable_gqa).
     idx = tables.long()
-    k = kc[idx].view(batch, blocks_per_seq * block_size, kv_heads, head_dim)[:, :ctx].transpose(1, 2).contiguous()
-    v = vc[idx].view(batch, blocks_per_seq * block_size, kv_heads, head_dim)[:, :ctx].transpose(1, 2).contiguous()
+    k = kc[idx].view(batch, blocks_per_seq * block_size, kv_heads, head_dim)[:, :ctx].transpose(1, 2).to(dtype).contiguous()
+    v = vc[idx].view(batch, blocks_per_seq * block_size, kv_heads, head_dim)[:, :ctx].transpose(1, 2).to(dtype).contiguous()
     qq = q.view(batch, heads, 1, head_dim)
     ref = F.scaled_dot_product_attention(qq, k, v, enable_gqa=True, scale=scale)
     err = (out.float().view_as(ref) - ref.float()).norm() / ref.float().norm()
     theirs = time_graph(lambda: F.scaled_dot_product_attention(qq, k, v, enable_gqa=True, scale=scale))
-    kv_bytes = 2 * batch * ctx * kv_heads * head_dim * 2
+    kv_bytes = 2 * batch * ctx * kv_heads * head_dim * kc.element_size()
     return ours, theirs, kv_bytes, float(err)
 
 
@@ -115,11 +118,18 @@ def prefill_case(tokens: int, heads: int, kv_heads: int, head_dim: int, block_si
     qsl = torch.from_numpy(qsl_np).cuda()
     out = torch.empty_like(q)
     ours = time_graph(lambda: ops.paged_attention(q, kc, vc, tables, seq_lens, qsl, scale=head_dim**-0.5, out=out, plan=plan), iters=3, repeats=5)
-    k = kc[1:].reshape(-1, kv_heads, head_dim)[:tokens].transpose(0, 1).unsqueeze(0)
-    v = vc[1:].reshape(-1, kv_heads, head_dim)[:tokens].transpose(0, 1).unsqueeze(0)
-    qq = q.transpose(0, 1).unsqueeze(0)
-    theirs = time_graph(lambda: F.scaled_dot_product_attention(qq, k, v, is_causal=True, enable_gqa=True), iters=3, repeats=5)
-    return ours, theirs
+    # Peer: SDPA's flash backend on contiguous [1, heads, tokens, d] (kv heads expanded: flash has no GQA).
+    group = heads // kv_heads
+    k = kc[1:].reshape(-1, kv_heads, head_dim)[:tokens].repeat_interleave(group, 1).transpose(0, 1).unsqueeze(0).contiguous()
+    v = vc[1:].reshape(-1, kv_heads, head_dim)[:tokens].repeat_interleave(group, 1).transpose(0, 1).unsqueeze(0).contiguous()
+    qq = q.transpose(0, 1).unsqueeze(0).contiguous()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        ref = F.scaled_dot_product_attention(qq, k, v, is_causal=True)
+        theirs = time_graph(lambda: F.scaled_dot_product_attention(qq, k, v, is_causal=True), iters=3, repeats=5)
+    err = (out.float().transpose(0, 1).unsqueeze(0) - ref.float()).norm() / ref.float().norm()
+    return ours, theirs, float(err)
 
 
 def main() -> None:
@@ -143,6 +153,10 @@ def run(args) -> None:
             rows.append((f"decode B={batch} L={ctx} bs={block_size} (32/8, d128)", ours, theirs, nbytes / ours / 1e3, err))
     ours, theirs, nbytes, err = decode_case(64, 1024, 9, 3, 64, 16)
     rows.append(("decode SmolLM2 B=64 L=1k (9/3, d64)", ours, theirs, nbytes / ours / 1e3, err))
+    bf16_us = next(r[1] for r in rows if r[0].startswith("decode B=64 L=4096 bs=16"))
+    ours, theirs, nbytes, err = decode_case(64, 4096, 32, 8, 128, 16, fp8=True)
+    rows.append(("decode fp8 KV B=64 L=4096 bs=16 (32/8, d128)", ours, theirs, nbytes / ours / 1e3, err))
+    fp8_ratio = ours / bf16_us
 
     # Cache write of 16k tokens, block copy, swap.
     kv, hd = 8, 128
@@ -175,14 +189,17 @@ def run(args) -> None:
     us = statistics.median(times)
     rows.append(("swap-in 1024 blocks x 8 caches (H2D)", us, None, swap_bytes / us / 1e3, 0.0))
 
-    prefill_ours, prefill_sdpa = prefill_case(8192 if not args.quick else 2048, 32, 8, 128)
+    prefill_ours, prefill_sdpa, prefill_err = prefill_case(8192 if not args.quick else 2048, 32, 8, 128)
+    prefill_flops = 4 * 8192 * 8192 / 2 * 32 * 128 if not args.quick else 4 * 2048 * 2048 / 2 * 32 * 128
 
     print(f"\ncopy bandwidth (read+write): {bw:.0f} GB/s; {torch.cuda.get_device_name()}")
     print(f"{'case':<48}{'pagedcore us':>14}{'peer us':>10}{'peer/ours':>11}{'GB/s':>9}{'rel err':>10}")
     for name, ours, theirs, gbs, err in rows:
         peer = f"{theirs:10.1f}{theirs / ours:10.2f}x" if theirs is not None else f"{'-':>10}{'-':>11}"
         print(f"{name:<48}{ours:14.1f}{peer}{gbs:9.0f}{err:10.1e}")
-    print(f"{'prefill 8k causal (32/8, d128) vs SDPA':<48}{prefill_ours:14.1f}{prefill_sdpa:10.1f}{prefill_sdpa / prefill_ours:10.2f}x")
+    print(f"{'prefill 8k causal (32/8, d128) vs SDPA flash':<48}{prefill_ours:14.1f}{prefill_sdpa:10.1f}"
+          f"{prefill_sdpa / prefill_ours:10.2f}x{prefill_flops / prefill_ours / 1e6:7.0f} TFLOP/s{prefill_err:9.1e}")
+    print(f"fp8 KV / bf16 KV time at B=64 L=4k bs=16: {fp8_ratio:.2f}x")
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@
 #include <cfloat>
 #include <cstdint>
 
+#include "attention_mma.h"
 #include "pagedcore/cuda/kernels.h"
 
 namespace pagedcore::cuda {
@@ -25,7 +26,8 @@ namespace pagedcore::cuda {
 namespace {
 
 constexpr int kThreads = 128;
-constexpr int kVectors = kAttentionTileVectors;          // query vectors per CTA
+constexpr int kVectors = 16;                             // query vectors per CTA (float32 tiles)
+constexpr int kSlots = kAttentionPartialVectors;         // partial-buffer slots per split
 constexpr int kThreadsPerVector = kThreads / kVectors;   // 8
 
 template <int HD>
@@ -225,7 +227,7 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(PagedAttentio
 #pragma unroll
     for (int i = 0; i < DPT; ++i) dst[lane + kThreadsPerVector * i] = from_float<T>(acc[i] * inv);
   } else {
-    const int64_t slot = ((static_cast<int64_t>(work) * p.num_kv_heads + kv_head) * p.num_splits + split) * kVectors + my_v;
+    const int64_t slot = ((static_cast<int64_t>(work) * p.num_kv_heads + kv_head) * p.num_splits + split) * kSlots + my_v;
     float* dst = p.partial_out + slot * HD;
 #pragma unroll
     for (int i = 0; i < DPT; ++i) dst[lane + kThreadsPerVector * i] = acc[i] * inv;
@@ -236,50 +238,69 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(PagedAttentio
   }
 }
 
-// Merges the splits of each (work item, kv head, vector) by log-sum-exp.
-template <typename T, int HD>
+// Merges the key splits of each (work item or decode row, kv head, vector) by
+// their log-sum-exp; partial maxima are in natural-log units.
+template <typename T, int HD, bool DECODE>
 __global__ void __launch_bounds__(kThreads) merge_splits_kernel(PagedAttentionParams p) {
-  constexpr int DPT = HD / kThreadsPerVector;
   const int work = blockIdx.x;
   const int kv_head = blockIdx.y;
-  const int row = p.work_seq[work];
+  const int row = DECODE ? p.decode_seq[work] : p.work_seq[work];
   const int q_begin = p.query_start_loc[row];
   const int q_len = p.query_start_loc[row + 1] - q_begin;
-  const int t0 = p.work_q_start != nullptr ? p.work_q_start[work] : 0;
+  const int t0 = DECODE ? 0 : p.work_q_start[work];
+  const int splits = DECODE ? p.decode_splits : p.num_splits;
+  const float* partial_out = DECODE ? p.decode_partial_out : p.partial_out;
+  const float* partial_lse = DECODE ? p.decode_partial_lse : p.partial_lse;
   const int group = p.num_heads / p.num_kv_heads;
-  const int num_vectors = min(p.tile_tokens, q_len - t0) * group;
-  const int v = threadIdx.x / kThreadsPerVector;
-  const int lane = threadIdx.x % kThreadsPerVector;
-  if (v >= num_vectors) return;
-  const int64_t first = ((static_cast<int64_t>(work) * p.num_kv_heads + kv_head) * p.num_splits) * kVectors + v;
-  float gmax = -FLT_MAX;
-  for (int s = 0; s < p.num_splits; ++s) {
-    const int64_t slot = first + static_cast<int64_t>(s) * kVectors;
-    if (p.partial_lse[2 * slot + 1] > 0.f) gmax = fmaxf(gmax, p.partial_lse[2 * slot]);
-  }
-  float acc[DPT];
-#pragma unroll
-  for (int i = 0; i < DPT; ++i) acc[i] = 0.f;
-  float total = 0.f;
-  for (int s = 0; s < p.num_splits; ++s) {
-    const int64_t slot = first + static_cast<int64_t>(s) * kVectors;
-    const float sum = p.partial_lse[2 * slot + 1];
-    if (sum <= 0.f) continue;
-    const float w = sum * __expf(p.partial_lse[2 * slot] - gmax);
-    total += w;
-    const float* src = p.partial_out + slot * HD;
-#pragma unroll
-    for (int i = 0; i < DPT; ++i) acc[i] += w * src[lane + kThreadsPerVector * i];
-  }
-  const float inv = total > 0.f ? 1.f / total : 0.f;
+  const int num_vectors = (DECODE ? 1 : min(p.tile_tokens, q_len - t0)) * group;
+  const int64_t first = ((static_cast<int64_t>(work) * p.num_kv_heads + kv_head) * splits) * kSlots;
   T* out = static_cast<T*>(p.out);
-  const int64_t tok = q_begin + t0 + v / group;
-  const int head = kv_head * group + v % group;
-  T* dst = out + (tok * p.num_heads + head) * HD;
-#pragma unroll
-  for (int i = 0; i < DPT; ++i) dst[lane + kThreadsPerVector * i] = from_float<T>(acc[i] * inv);
+  for (int i = threadIdx.x; i < num_vectors * HD; i += kThreads) {
+    const int v = i / HD;
+    const int d = i % HD;
+    float gmax = -FLT_MAX;
+    for (int s = 0; s < splits; ++s) {
+      const int64_t slot = first + static_cast<int64_t>(s) * kSlots + v;
+      if (partial_lse[2 * slot + 1] > 0.f) gmax = fmaxf(gmax, partial_lse[2 * slot]);
+    }
+    float acc = 0.f, total = 0.f;
+    for (int s = 0; s < splits; ++s) {
+      const int64_t slot = first + static_cast<int64_t>(s) * kSlots + v;
+      const float sum = partial_lse[2 * slot + 1];
+      if (sum <= 0.f) continue;
+      const float w = sum * __expf(partial_lse[2 * slot] - gmax);
+      total += w;
+      acc += w * partial_out[slot * HD + d];
+    }
+    const int64_t tok = q_begin + t0 + v / group;
+    const int head = kv_head * group + v % group;
+    out[(tok * p.num_heads + head) * HD + d] = from_float<T>(total > 0.f ? acc / total : 0.f);
+  }
 }
 
+template <typename T, int HD>
+int launch_merge(const PagedAttentionParams& p, bool decode, cudaStream_t stream) {
+  const dim3 grid(decode ? p.num_decode : p.num_work, p.num_kv_heads);
+  if (decode) {
+    merge_splits_kernel<T, HD, true><<<grid, kThreads, 0, stream>>>(p);
+  } else {
+    merge_splits_kernel<T, HD, false><<<grid, kThreads, 0, stream>>>(p);
+  }
+  return cudaGetLastError();
+}
+
+template <typename T>
+int merge_head_dim(const PagedAttentionParams& p, bool decode, cudaStream_t s) {
+  switch (p.head_dim) {
+    case 32: return launch_merge<T, 32>(p, decode, s);
+    case 64: return launch_merge<T, 64>(p, decode, s);
+    case 80: return launch_merge<T, 80>(p, decode, s);
+    case 96: return launch_merge<T, 96>(p, decode, s);
+    case 128: return launch_merge<T, 128>(p, decode, s);
+    case 256: return launch_merge<T, 256>(p, decode, s);
+    default: return cudaErrorInvalidValue;
+  }
+}
 
 // ---- decode rows: stream K/V rows from memory -------------------------------------
 //
@@ -436,7 +457,7 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(PagedAttentionParams p
           from_float<T>(den > 0.f ? num / den : 0.f);
     } else {
       const int64_t slot =
-          ((static_cast<int64_t>(work) * p.num_kv_heads + kv_head) * p.decode_splits + split) * kVectors + h;
+          ((static_cast<int64_t>(work) * p.num_kv_heads + kv_head) * p.decode_splits + split) * kSlots + h;
       p.decode_partial_out[slot * HD + d] = den > 0.f ? num / den : 0.f;
       if (d == 0) {
         p.decode_partial_lse[2 * slot] = gmax;
@@ -452,17 +473,7 @@ int launch_decode(const PagedAttentionParams& p, cudaStream_t stream) {
   decode_kernel<T, HD, G><<<grid, kThreads, 0, stream>>>(p);
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess || p.decode_splits == 1) return e;
-  // The merge kernel of the tiles serves: one "work item" per decode row.
-  PagedAttentionParams q = p;
-  q.work_seq = p.decode_seq;
-  q.work_q_start = nullptr;
-  q.num_work = p.num_decode;
-  q.num_splits = p.decode_splits;
-  q.tile_tokens = 1;
-  q.partial_out = p.decode_partial_out;
-  q.partial_lse = p.decode_partial_lse;
-  merge_splits_kernel<T, HD><<<dim3(p.num_decode, p.num_kv_heads), kThreads, 0, stream>>>(q);
-  return cudaGetLastError();
+  return launch_merge<T, HD>(p, true, stream);
 }
 
 template <typename T, int HD>
@@ -493,8 +504,7 @@ int launch(const PagedAttentionParams& p, cudaStream_t stream) {
   paged_attention_kernel<T, HD><<<grid, kThreads, smem, stream>>>(p);
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess || p.num_splits == 1) return e;
-  merge_splits_kernel<T, HD><<<dim3(p.num_work, p.num_kv_heads), kThreads, 0, stream>>>(p);
-  return cudaGetLastError();
+  return launch_merge<T, HD>(p, false, stream);
 }
 
 template <typename T>
@@ -512,11 +522,23 @@ int dispatch_head_dim(const PagedAttentionParams& p, cudaStream_t s) {
 
 }  // namespace
 
+int merge_attention_splits(const PagedAttentionParams& p, bool decode, cudaStream_t stream) {
+  switch (p.dtype) {
+    case DType::kFloat32: return merge_head_dim<float>(p, decode, stream);
+    case DType::kBFloat16: return merge_head_dim<__nv_bfloat16>(p, decode, stream);
+    case DType::kFloat16: return merge_head_dim<__half>(p, decode, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+int32_t attention_tile_vectors(int32_t element_bytes) { return element_bytes == 2 ? 64 : kVectors; }
+
 bool decode_supported(int32_t group, int32_t head_dim, int32_t element_bytes) {
+  if (!head_dim_supported(head_dim)) return false;
+  if (element_bytes == 2) return group >= 1 && group <= 16;
   const int row_bytes = head_dim * element_bytes;
   // A row must be 1, 2, 4, ... or 32 lanes of 16 bytes.
-  return head_dim_supported(head_dim) && group <= 8 && row_bytes <= 512 && row_bytes % 16 == 0 &&
-         32 % (row_bytes / 16) == 0;
+  return group <= 8 && row_bytes <= 512 && row_bytes % 16 == 0 && 32 % (row_bytes / 16) == 0;
 }
 
 bool head_dim_supported(int32_t head_dim) {
@@ -528,17 +550,15 @@ int paged_attention(const PagedAttentionParams& p, void* stream) {
   if (p.num_work == 0 && p.num_decode == 0) return cudaSuccess;
   const int group = p.num_heads % p.num_kv_heads == 0 ? p.num_heads / p.num_kv_heads : 0;
   const int element_bytes = p.dtype == DType::kFloat32 ? 4 : 2;
-  if (group == 0 || group > kVectors || p.tile_tokens * group > kVectors || p.num_splits < 1 ||
+  if (group == 0 || p.dtype == DType::kFloat8E4M3 || group > attention_tile_vectors(element_bytes) ||
+      p.tile_tokens * group > attention_tile_vectors(element_bytes) || p.num_splits < 1 ||
       (p.num_decode > 0 && (p.decode_splits < 1 || !decode_supported(group, p.head_dim, element_bytes)))) {
     return cudaErrorInvalidValue;
   }
   const auto s = static_cast<cudaStream_t>(stream);
-  switch (p.dtype) {
-    case DType::kFloat32: return dispatch_head_dim<float>(p, s);
-    case DType::kBFloat16: return dispatch_head_dim<__nv_bfloat16>(p, s);
-    case DType::kFloat16: return dispatch_head_dim<__half>(p, s);
-  }
-  return cudaErrorInvalidValue;
+  if (element_bytes == 2) return paged_attention_mma(p, s);
+  if (p.kv_dtype != p.dtype) return cudaErrorInvalidValue;
+  return dispatch_head_dim<float>(p, s);
 }
 
 }  // namespace pagedcore::cuda

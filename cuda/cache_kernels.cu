@@ -1,5 +1,8 @@
 // KV-cache kernels: cache write, block copy (copy-on-write), block gather /
 // scatter for swapping. All move 16-byte vectors.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -31,6 +34,63 @@ __global__ void reshape_and_cache_kernel(const char* __restrict__ key, const cha
   for (int64_t i = threadIdx.x; i < vecs; i += blockDim.x) {
     kc[i] = k[i];
     vc[i] = v[i];
+  }
+}
+
+__device__ __forceinline__ float2 to_float2(__nv_bfloat162 v) { return __bfloat1622float2(v); }
+__device__ __forceinline__ float2 to_float2(__half2 v) { return __half22float2(v); }
+
+// 8 elements (16 bytes) -> 8 e4m3 bytes of x * inv_scale, saturated to +-448.
+template <typename Pair>
+__device__ __forceinline__ uint2 quantize8(const uint4& raw, float inv_scale) {
+  const Pair* v = reinterpret_cast<const Pair*>(&raw);
+  uint32_t w[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    float2 f = to_float2(v[i]);
+    f.x *= inv_scale;
+    f.y *= inv_scale;
+    w[i] = __nv_cvt_float2_to_fp8x2(f, __NV_SATFINITE, __NV_E4M3);
+  }
+  return make_uint2(w[0] | (w[1] << 16), w[2] | (w[3] << 16));
+}
+
+// Like reshape_and_cache_kernel, quantizing to fp8: row_elems per token.
+template <typename Pair, typename Index>
+__global__ void reshape_and_cache_fp8_kernel(const char* __restrict__ key, const char* __restrict__ value,
+                                             uint8_t* __restrict__ key_cache, uint8_t* __restrict__ value_cache,
+                                             const Index* __restrict__ slot_mapping, int64_t num_slots,
+                                             int64_t row_elems, int64_t key_stride_bytes,
+                                             int64_t value_stride_bytes, float k_inv, float v_inv) {
+  const int64_t token = blockIdx.x;
+  const int64_t slot = static_cast<int64_t>(slot_mapping[token]);
+  if (slot < 0 || slot >= num_slots) return;  // padding
+  const int64_t vecs = row_elems / 8;
+  const uint4* k = reinterpret_cast<const uint4*>(key + token * key_stride_bytes);
+  const uint4* v = reinterpret_cast<const uint4*>(value + token * value_stride_bytes);
+  uint2* kc = reinterpret_cast<uint2*>(key_cache + slot * row_elems);
+  uint2* vc = reinterpret_cast<uint2*>(value_cache + slot * row_elems);
+  for (int64_t i = threadIdx.x; i < vecs; i += blockDim.x) {
+    kc[i] = quantize8<Pair>(k[i], k_inv);
+    vc[i] = quantize8<Pair>(v[i], v_inv);
+  }
+}
+
+template <typename Pair>
+void launch_fp8_write(const ReshapeAndCacheParams& p, int64_t num_slots, int64_t row_elems, int threads,
+                      cudaStream_t s) {
+  const char* k = static_cast<const char*>(p.key);
+  const char* v = static_cast<const char*>(p.value);
+  auto* kc = static_cast<uint8_t*>(p.key_cache);
+  auto* vc = static_cast<uint8_t*>(p.value_cache);
+  if (p.slot_mapping_int64) {
+    reshape_and_cache_fp8_kernel<Pair, int64_t><<<p.num_tokens, threads, 0, s>>>(
+        k, v, kc, vc, static_cast<const int64_t*>(p.slot_mapping), num_slots, row_elems, p.key_stride * 2,
+        p.value_stride * 2, 1.f / p.k_scale, 1.f / p.v_scale);
+  } else {
+    reshape_and_cache_fp8_kernel<Pair, int32_t><<<p.num_tokens, threads, 0, s>>>(
+        k, v, kc, vc, static_cast<const int32_t*>(p.slot_mapping), num_slots, row_elems, p.key_stride * 2,
+        p.value_stride * 2, 1.f / p.k_scale, 1.f / p.v_scale);
   }
 }
 
@@ -72,6 +132,19 @@ int reshape_and_cache(const ReshapeAndCacheParams& p, void* stream) {
   if (row_bytes % 16 != 0) return cudaErrorInvalidValue;
   const int64_t num_slots = static_cast<int64_t>(p.num_blocks) * p.block_size;
   const auto s = static_cast<cudaStream_t>(stream);
+  if (p.cache_dtype == DType::kFloat8E4M3) {
+    if (!(p.k_scale > 0.f) || !(p.v_scale > 0.f)) return cudaErrorInvalidValue;
+    const int64_t row_elems = row_bytes / 2;
+    if (p.dtype == DType::kBFloat16) {
+      launch_fp8_write<__nv_bfloat162>(p, num_slots, row_elems, threads_for(row_elems / 8), s);
+    } else if (p.dtype == DType::kFloat16) {
+      launch_fp8_write<__half2>(p, num_slots, row_elems, threads_for(row_elems / 8), s);
+    } else {
+      return cudaErrorInvalidValue;
+    }
+    return cudaGetLastError();
+  }
+  if (p.cache_dtype != p.dtype) return cudaErrorInvalidValue;
   const int threads = threads_for(row_bytes / 16);
   const char* k = static_cast<const char*>(p.key);
   const char* v = static_cast<const char*>(p.value);

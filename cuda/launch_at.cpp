@@ -25,11 +25,11 @@ void reshape_and_cache_at(std::uintptr_t key, std::uintptr_t value, std::uintptr
                           bool slot_mapping_int64, DType dtype, int32_t num_tokens,
                           int32_t num_kv_heads, int32_t head_dim, int32_t num_blocks,
                           int32_t block_size, int64_t key_stride, int64_t value_stride,
-                          std::uintptr_t stream) {
+                          DType cache_dtype, float k_scale, float v_scale, std::uintptr_t stream) {
   ReshapeAndCacheParams p{ptr<const void>(key), ptr<const void>(value), ptr<void>(key_cache),
                           ptr<void>(value_cache), ptr<const void>(slot_mapping), slot_mapping_int64,
                           num_tokens, num_kv_heads, head_dim, num_blocks, block_size, key_stride,
-                          value_stride, dtype};
+                          value_stride, dtype, cache_dtype, k_scale, v_scale};
   check(reshape_and_cache(p, ptr<void>(stream)), "reshape_and_cache");
 }
 
@@ -62,7 +62,7 @@ void paged_attention_at(std::uintptr_t out, std::uintptr_t query, std::uintptr_t
                         int32_t num_kv_heads, int32_t head_dim, int32_t block_size,
                         int32_t num_blocks, int64_t query_stride, int64_t block_tables_stride,
                         float scale, float softcap, int32_t sliding_window, DType dtype,
-                        std::uintptr_t stream) {
+                        DType kv_dtype, float k_scale, float v_scale, std::uintptr_t stream) {
   if (!head_dim_supported(head_dim)) {
     throw std::invalid_argument("unsupported head_dim: " + std::to_string(head_dim));
   }
@@ -97,6 +97,9 @@ void paged_attention_at(std::uintptr_t out, std::uintptr_t query, std::uintptr_t
   p.softcap = softcap;
   p.sliding_window = sliding_window;
   p.dtype = dtype;
+  p.kv_dtype = kv_dtype;
+  p.k_scale = k_scale;
+  p.v_scale = v_scale;
   check(paged_attention(p, ptr<void>(stream)), "paged_attention");
 }
 

@@ -52,13 +52,15 @@ void register_ops(pybind11::module_& m) {
   py::enum_<cuda::DType>(m, "CudaDType")
       .value("FLOAT32", cuda::DType::kFloat32)
       .value("BFLOAT16", cuda::DType::kBFloat16)
-      .value("FLOAT16", cuda::DType::kFloat16);
-  m.attr("cuda_attention_tile_vectors") = cuda::kAttentionTileVectors;
+      .value("FLOAT16", cuda::DType::kFloat16)
+      .value("FLOAT8_E4M3", cuda::DType::kFloat8E4M3);
+  m.def("cuda_attention_tile_vectors", &cuda::attention_tile_vectors, "element_bytes"_a);
+  m.attr("cuda_attention_partial_vectors") = cuda::kAttentionPartialVectors;
   m.def("cuda_decode_supported", &cuda::decode_supported, "group"_a, "head_dim"_a, "element_bytes"_a);
   m.def("cuda_reshape_and_cache", &cuda::reshape_and_cache_at, "key"_a, "value"_a, "key_cache"_a,
         "value_cache"_a, "slot_mapping"_a, "slot_mapping_int64"_a, "dtype"_a, "num_tokens"_a,
         "num_kv_heads"_a, "head_dim"_a, "num_blocks"_a, "block_size"_a, "key_stride"_a,
-        "value_stride"_a, "stream"_a);
+        "value_stride"_a, "cache_dtype"_a, "k_scale"_a, "v_scale"_a, "stream"_a);
   m.def("cuda_copy_blocks", &cuda::copy_blocks_at, "cache_ptrs"_a, "block_mapping"_a,
         "num_caches"_a, "num_pairs"_a, "num_blocks"_a, "block_bytes"_a, "stream"_a);
   m.def("cuda_gather_blocks", &cuda::gather_blocks_at, "cache_ptrs"_a, "blocks"_a, "staging"_a,
@@ -71,7 +73,7 @@ void register_ops(pybind11::module_& m) {
         "num_work"_a, "num_splits"_a,
         "tile_tokens"_a, "num_heads"_a, "num_kv_heads"_a, "head_dim"_a, "block_size"_a,
         "num_blocks"_a, "query_stride"_a, "block_tables_stride"_a, "scale"_a, "softcap"_a,
-        "sliding_window"_a, "dtype"_a, "stream"_a);
+        "sliding_window"_a, "dtype"_a, "kv_dtype"_a, "k_scale"_a, "v_scale"_a, "stream"_a);
 #endif
 }
 

@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     srv.add_argument("--preemption-mode", choices=["recompute", "swap"], default="recompute")
     srv.add_argument("--swap-space", type=float, default=4)
-    srv.add_argument("--kv-cache-dtype", default="auto")
+    srv.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"])
     srv.add_argument("--dtype", default="auto")
     srv.add_argument("--device", default="auto")
     srv.add_argument("--seed", type=int, default=0)

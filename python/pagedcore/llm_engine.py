@@ -34,6 +34,11 @@ logger = logging.getLogger("pagedcore")
 
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 KV_CACHE_BYTES_ENV = "PAGEDCORE_KV_CACHE_BYTES"
+# kv_cache_dtype names (vLLM's) -> the cache's dtype (None: the model's).
+# fp8 stores K and V as e4m3 with scales of 1 (no calibration), on CUDA.
+KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {
+    "auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
+}
 _FINISH = {1: "stop", 2: "length", 3: "abort"}
 
 
@@ -77,10 +82,9 @@ class EngineArgs:
             raise ValueError(f"swap_space must be >= 0 (GiB), got {self.swap_space!r}")
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
-        if self.kv_cache_dtype not in ("auto",):
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(
-                f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported on this device; "
-                "'auto' (the model's dtype) is"
+                f"kv_cache_dtype must be one of {sorted(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}"
             )
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
@@ -170,6 +174,7 @@ class LLMEngine:
         hf_config = load_model_config(args.model)
         self.spec: ModelSpec = model_spec_from_config(hf_config)
         self.dtype = resolve_dtype(args.dtype, hf_config, device=self.device.type)
+        self.kv_dtype = self._kv_dtype(args.kv_cache_dtype)
         from transformers import AutoTokenizer, GenerationConfig
 
         self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model)
@@ -183,7 +188,7 @@ class LLMEngine:
 
         engine_config = self._engine_config()
         self.engine = _C.Engine(engine_config)
-        self.runner = ModelRunner(self.model, engine_config, self.device, self.dtype)
+        self.runner = ModelRunner(self.model, engine_config, self.device, self.kv_dtype)
         self.sampler = Sampler()
         self._slots = _SlotArrays()
         self._requests: dict[str, _Request] = {}
@@ -208,6 +213,16 @@ class LLMEngine:
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device(device)
 
+    def _kv_dtype(self, name: str) -> torch.dtype:
+        if KV_CACHE_DTYPES[name] is None:
+            return self.dtype
+        if self.device.type != "cuda" or self.dtype not in (torch.bfloat16, torch.float16):
+            raise ValueError(
+                f"kv_cache_dtype {name!r} needs device='cuda' and a bfloat16/float16 model, "
+                f"got device {self.device.type} and dtype {self.dtype}"
+            )
+        return KV_CACHE_DTYPES[name]
+
     def _eos_token_ids(self, path: str, generation_config_cls: Any) -> list[int]:
         ids = set(self.spec.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
@@ -222,7 +237,7 @@ class LLMEngine:
 
     def _engine_config(self) -> _C.EngineConfig:
         a, spec = self.args, self.spec
-        per_block = kv_bytes_per_block(spec, a.block_size, self.dtype)
+        per_block = kv_bytes_per_block(spec, a.block_size, self.kv_dtype)
         max_batched = a.max_num_batched_tokens or max(8192 if self.device.type == "cuda" else 2048, a.max_num_seqs)
         if a.num_kv_blocks is not None:
             num_blocks = a.num_kv_blocks
@@ -258,7 +273,7 @@ class LLMEngine:
         if a.preemption_mode == "swap":
             num_cpu_blocks = max(1, int(a.swap_space * 2**30) // per_block)
         logger.info("# KV cache blocks: %d", num_blocks)
-        logger.info(kv_cache_size_line(spec, num_blocks, a.block_size, self.dtype))
+        logger.info(kv_cache_size_line(spec, num_blocks, a.block_size, self.kv_dtype))
         return _C.EngineConfig(
             num_blocks=num_blocks,
             block_size=a.block_size,
@@ -281,7 +296,7 @@ class LLMEngine:
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(device)
         others = total - free - torch.cuda.memory_reserved(device)
-        peak = profile_peak_memory(self.model, max_batched, a.max_num_seqs, a.block_size, self.dtype)
+        peak = profile_peak_memory(self.model, max_batched, a.max_num_seqs, a.block_size, self.kv_dtype)
         # The sampler's work on [max_num_seqs, vocab] float32 (softmax, sort).
         sampler = 4 * a.max_num_seqs * self.spec.vocab_size * 4
         budget = int(total * a.gpu_memory_utilization) - others - peak - sampler

@@ -157,7 +157,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             md.plan = ops.plan_attention(
                 batch.query_start_loc, seq_lens_np, self.spec.num_heads, self.spec.num_kv_heads, self.device,
-                self.spec.head_dim, self.kv_caches[0][0].dtype,
+                self.spec.head_dim, self.model.dtype,
             )
         input_ids = self._to_device(_put(s.input_ids, batch.input_ids))
         positions = self._to_device(_put(s.positions, batch.positions))
@@ -192,7 +192,8 @@ def profile_peak_memory(model: CausalLM, num_tokens: int, num_samples: int, bloc
         seq_lens=torch.tensor(lens, dtype=torch.int32, device=device),
         query_start_loc=torch.from_numpy(qsl).to(device),
     )
-    md.plan = ops.plan_attention(qsl, np.array(lens), spec.num_heads, spec.num_kv_heads, device, spec.head_dim, kv_dtype)
+    md.plan = ops.plan_attention(qsl, np.array(lens), spec.num_heads, spec.num_kv_heads, device, spec.head_dim,
+                                 model.dtype)
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     ids = torch.zeros(num_tokens, dtype=torch.int32, device=device)

@@ -68,6 +68,7 @@ _CUDA_DTYPES = (
         torch.float32: _C.CudaDType.FLOAT32,
         torch.bfloat16: _C.CudaDType.BFLOAT16,
         torch.float16: _C.CudaDType.FLOAT16,
+        torch.float8_e4m3fn: _C.CudaDType.FLOAT8_E4M3,
     }
     if hasattr(_C, "CudaDType")
     else {}
@@ -196,6 +197,21 @@ def _cache_pair(op: str, key_cache: object, value_cache: object) -> None:
     _contiguous(op, "value_cache", value_cache)
 
 
+def _fp8_cache(op: str, key_cache: torch.Tensor, name: str, t: torch.Tensor, k_scale: object, v_scale: object) -> bool:
+    # The cache holds t's dtype, or fp8 e4m3 for bf16/fp16 t (with positive scales).
+    for sname, sv in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if isinstance(sv, bool) or not isinstance(sv, numbers.Real) or not (math.isfinite(sv) and sv > 0):
+            raise ValueError(f"{op}: {sname} must be a finite float > 0, got {sv!r}")
+    if key_cache.dtype != torch.float8_e4m3fn:
+        _same_dtype(op, "key_cache", key_cache, name, t)
+        return False
+    if t.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(
+            f"{op}: an fp8 (float8_e4m3fn) cache needs bfloat16 or float16 {name}, got {t.dtype}"
+        )
+    return True
+
+
 def _block_mapping(op: str, block_mapping: object) -> torch.Tensor:
     _tensor(op, "block_mapping", block_mapping)
     _index(op, "block_mapping", block_mapping, (torch.int32, torch.int64))
@@ -217,6 +233,9 @@ def reshape_and_cache(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    *,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Write the step's keys and values into the paged cache.
 
@@ -232,10 +251,14 @@ def reshape_and_cache(
         stride is free, so slices of a fused qkv projection are accepted.
     key_cache, value_cache : torch.Tensor
         ``[num_blocks, block_size, num_kv_heads, head_dim]``, contiguous, same dtype
-        as ``key``. Written in place.
+        as ``key``, or (CUDA, bfloat16/float16 keys) ``torch.float8_e4m3fn``: then
+        ``key / k_scale`` and ``value / v_scale`` are stored, saturated to +-448.
+        Written in place.
     slot_mapping : torch.Tensor
         ``[num_tokens]``, int32 or int64, contiguous. Slots ``>= 0`` must be distinct
         and ``< num_blocks * block_size`` (checked: ``InvalidArgumentError``).
+    k_scale, v_scale : float, optional
+        fp8 caches only: the per-tensor scales (positive).
 
     Examples
     --------
@@ -265,7 +288,7 @@ def reshape_and_cache(
         )
     dtype = _float_dtype(op, "key", key)
     _same_dtype(op, "value", value, "key", key)
-    _same_dtype(op, "key_cache", key_cache, "key", key)
+    fp8 = _fp8_cache(op, key_cache, "key", key, k_scale, v_scale)
     _index(op, "slot_mapping", slot_mapping, (torch.int32, torch.int64))
     if slot_mapping.dim() != 1 or slot_mapping.shape[0] != key.shape[0]:
         raise ValueError(
@@ -287,9 +310,12 @@ def reshape_and_cache(
             slot_mapping_int64=slot_mapping.dtype == torch.int64, dtype=_CUDA_DTYPES[key.dtype],
             num_tokens=key.shape[0], num_kv_heads=num_kv_heads, head_dim=head_dim,
             num_blocks=num_blocks, block_size=block_size, key_stride=key_stride,
-            value_stride=value_stride, stream=_stream(device),
+            value_stride=value_stride, cache_dtype=_CUDA_DTYPES[key_cache.dtype],
+            k_scale=float(k_scale), v_scale=float(v_scale), stream=_stream(device),
         )
         return
+    if fp8:
+        raise NotImplementedError(f"{op}: an fp8 (float8_e4m3fn) KV cache needs CUDA tensors, got {device}")
     _C.cpu_reshape_and_cache(
         key=key.data_ptr(),
         value=value.data_ptr(),
@@ -321,6 +347,8 @@ def paged_attention(
     softcap: float = 0.0,
     out: torch.Tensor | None = None,
     plan: AttentionPlan | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal attention of a batch of rows over their paged KV cache.
 
@@ -346,7 +374,9 @@ def paged_attention(
         ``head_dim`` must be one of :data:`SUPPORTED_HEAD_DIMS`.
     key_cache, value_cache : torch.Tensor
         ``[num_blocks, block_size, num_kv_heads, head_dim]``, contiguous, same dtype as
-        ``query``; ``num_heads % num_kv_heads == 0``.
+        ``query`` (or, on CUDA with bfloat16/float16 queries, ``torch.float8_e4m3fn``
+        holding ``key / k_scale`` and ``value / v_scale``);
+        ``num_heads % num_kv_heads == 0``.
     block_tables : torch.Tensor
         ``[num_seqs, max_blocks_per_seq]`` int32, ``stride(1) == 1`` (rows may be a
         slice of a wider table).
@@ -367,6 +397,8 @@ def paged_attention(
         CUDA only: the work split of this step from :func:`plan_attention`, made once
         per step and shared by every layer. Without it the plan is made here (which
         reads ``query_start_loc`` and ``seq_lens`` back to the host).
+    k_scale, v_scale : float, optional
+        fp8 caches only: the scales the cache was written with.
 
     Returns
     -------
@@ -412,7 +444,7 @@ def paged_attention(
             f"{op}: num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
         )
     dtype = _float_dtype(op, "query", query)
-    _same_dtype(op, "key_cache", key_cache, "query", query)
+    fp8 = _fp8_cache(op, key_cache, "query", query, k_scale, v_scale)
     query_stride = _token_stride(op, "query", query)
 
     _index(op, "block_tables", block_tables, (torch.int32,))
@@ -471,6 +503,12 @@ def paged_attention(
             _check_range(op, "block_tables", block_tables, 0, num_blocks)
             plan = plan_attention(query_start_loc.cpu().numpy(), seq_lens.cpu().numpy(),
                                   num_heads, num_kv_heads, device, head_dim, query.dtype)
+        vectors = _C.cuda_attention_tile_vectors(query.element_size())
+        if plan.tile_tokens * (num_heads // num_kv_heads) > vectors:
+            raise ValueError(
+                f"{op}: the plan's tiles hold {plan.tile_tokens} tokens x {num_heads // num_kv_heads} heads; "
+                f"{query.dtype} queries allow {vectors} vectors (plan with dtype={query.dtype})"
+            )
         _C.cuda_paged_attention(
             out=out.data_ptr(), query=query.data_ptr(), key_cache=key_cache.data_ptr(),
             value_cache=value_cache.data_ptr(), block_tables=block_tables.data_ptr(),
@@ -482,9 +520,12 @@ def paged_attention(
             num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size,
             num_blocks=num_blocks, query_stride=query_stride, block_tables_stride=table_stride,
             scale=float(scale), softcap=float(softcap), sliding_window=sliding_window,
-            dtype=_CUDA_DTYPES[query.dtype], stream=_stream(device),
+            dtype=_CUDA_DTYPES[query.dtype], kv_dtype=_CUDA_DTYPES[key_cache.dtype],
+            k_scale=float(k_scale), v_scale=float(v_scale), stream=_stream(device),
         )
         return out
+    if fp8:
+        raise NotImplementedError(f"{op}: an fp8 (float8_e4m3fn) KV cache needs CUDA tensors, got {device}")
 
     _C.cpu_paged_attention(
         out=out.data_ptr(),
@@ -561,10 +602,9 @@ def copy_blocks(
                 f"{tuple(key_caches[0].shape)} {key_caches[0].dtype}"
             )
     ref = key_caches[0]
-    dtype = _float_dtype(op, "key_caches[0]", ref)
     device = _same_device(op, block_mapping=block_mapping,
                           **{f"cache{i}": t for i, t in enumerate(key_caches + value_caches)})
-    if device.type == "cuda":
+    if device.type == "cuda":  # bytes are copied: any dtype, fp8 included
         if block_mapping.shape[0] == 0:
             return
         _check_range(op, "block_mapping", block_mapping, 0, ref.shape[0])
@@ -576,6 +616,7 @@ def copy_blocks(
             block_bytes=ref[0].numel() * ref.element_size(), stream=_stream(device),
         )
         return
+    dtype = _float_dtype(op, "key_caches[0]", ref)
     _C.cpu_copy_blocks(
         key_caches=[t.data_ptr() for t in key_caches],
         value_caches=[t.data_ptr() for t in value_caches],
@@ -770,7 +811,7 @@ class AttentionPlan:
 
     def partial_ptrs(self, num_kv_heads: int, head_dim: int) -> dict[str, int]:
         """Scratch for split keys: the tiles' and the decode rows' partial outputs."""
-        v = _C.cuda_attention_tile_vectors
+        v = _C.cuda_attention_partial_vectors
         ptrs = {"partial_out": 0, "partial_lse": 0, "decode_partial_out": 0, "decode_partial_lse": 0}
         if self.num_splits > 1 and self.num_work:
             n = self.num_work * num_kv_heads * self.num_splits * v
@@ -808,11 +849,13 @@ def plan_attention(
     seq_lens : np.ndarray
         ``[num_seqs]`` tokens cached per row after the step (host copy).
     head_dim, dtype : optional
-        The cache's; when given and the decode kernel supports them, rows with a
-        single query go to it.
+        The head size and the query's dtype; when given, tiles are sized for the
+        kernel that serves that dtype and rows with a single query go to the
+        decode kernel where it supports them.
     """
     group = num_heads // num_kv_heads
-    vectors = _C.cuda_attention_tile_vectors
+    element_size = torch.empty((), dtype=dtype).element_size() if dtype is not None else 4
+    vectors = _C.cuda_attention_tile_vectors(element_size)
     if group > vectors:
         raise ValueError(f"plan_attention: {group} query heads per kv head; at most {vectors} supported")
     tile = max(1, vectors // group)
@@ -821,7 +864,7 @@ def plan_attention(
     rows = np.arange(q_lens.shape[0], dtype=np.int32)
     fast = (
         head_dim is not None and dtype is not None
-        and _C.cuda_decode_supported(group, head_dim, torch.empty((), dtype=dtype).element_size())
+        and _C.cuda_decode_supported(group, head_dim, element_size)
     )
     is_decode = (q_lens == 1) if fast else np.zeros(q_lens.shape[0], dtype=bool)
     decode_seq = rows[is_decode]

@@ -23,7 +23,8 @@ TOLERANCE = {
 }
 
 
-def run_cuda(rows, *, block_size, head_dim, group, dtype, window=0, softcap=0.0, num_kv_heads=2, seed=0):
+def run_cuda(rows, *, block_size, head_dim, group, dtype, window=0, softcap=0.0, num_kv_heads=2, seed=0,
+             fp8_scales=None):
     query, kc, vc, bt, seq_lens, qsl = make_batch(
         rows, block_size=block_size, head_dim=head_dim, num_kv_heads=num_kv_heads, group=group,
         dtype=dtype, window=window, seed=seed,
@@ -32,10 +33,19 @@ def run_cuda(rows, *, block_size, head_dim, group, dtype, window=0, softcap=0.0,
     # them in range so that a stray read shows as NaN rather than a fault.
     bt = bt.clamp(0, kc.shape[0] - 1)
     scale = head_dim**-0.5
-    expected = reference(query, kc, vc, bt, seq_lens, qsl, scale=scale, window=window, softcap=softcap)
+    kw = {}
+    if fp8_scales is not None:  # the cache in e4m3 (NaN stays NaN); the reference reads it back
+        k_scale, v_scale = fp8_scales
+        kc = (kc.float() / k_scale).to(torch.float8_e4m3fn)
+        vc = (vc.float() / v_scale).to(torch.float8_e4m3fn)
+        ref_k, ref_v = kc.double() * k_scale, vc.double() * v_scale
+        kw = {"k_scale": k_scale, "v_scale": v_scale}
+    else:
+        ref_k, ref_v = kc, vc
+    expected = reference(query, ref_k, ref_v, bt, seq_lens, qsl, scale=scale, window=window, softcap=softcap)
     dev = [t.cuda() for t in (query, kc, vc, bt, seq_lens, qsl)]
     out = torch.full(query.shape, NAN, dtype=dtype, device="cuda")
-    ops.paged_attention(*dev, scale=scale, sliding_window=window, softcap=softcap, out=out)
+    ops.paged_attention(*dev, scale=scale, sliding_window=window, softcap=softcap, out=out, **kw)
     torch.cuda.synchronize()
     out = out.cpu()
     n = int(qsl[-1])
@@ -80,6 +90,23 @@ def test_attention_splits_keys_of_few_long_rows(rows, group):
         run_cuda(rows, block_size=16, head_dim=128, group=group, dtype=dtype)
 
 
+@pytest.mark.parametrize("block_size", [8, 16, 128])
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_attention_fp8_cache(dtype, head_dim, group, block_size):
+    # Against float64 attention over the dequantized cache: the kernel's own error only.
+    run_cuda(mixed_rows(block_size), block_size=block_size, head_dim=head_dim, group=group, dtype=dtype,
+             fp8_scales=(0.5, 2.0))
+
+
+@pytest.mark.parametrize("rows", [[(1, 5000)], [(3, 4000), (1, 3000)]])
+def test_attention_fp8_cache_splits_window_softcap(rows):
+    run_cuda(rows, block_size=16, head_dim=128, group=4, dtype=torch.bfloat16, fp8_scales=(1.0, 1.0))
+    run_cuda(mixed_rows(16), block_size=16, head_dim=128, group=4, dtype=torch.bfloat16, window=40,
+             softcap=3.5, fp8_scales=(0.25, 0.75))
+
+
 def test_attention_large_prefill_and_many_decodes():
     rows = [(1, 100 + 37 * i) for i in range(100)] + [(600, 600), (300, 1000)]
     run_cuda(rows, block_size=16, head_dim=128, group=4, dtype=torch.bfloat16, num_kv_heads=4)
@@ -104,6 +131,45 @@ def test_reshape_and_cache(dtype, index_dtype):
     expect_v[slots[keep].long()] = v[keep]
     assert torch.equal(kc_d.cpu().view(-1, 2, 64).nan_to_num(7), expect_k.nan_to_num(7))
     assert torch.equal(vc_d.cpu().view(-1, 2, 64).nan_to_num(7), expect_v.nan_to_num(7))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_reshape_and_cache_fp8(dtype):
+    g = torch.Generator().manual_seed(5)
+    kc = torch.full((6, 16, 2, 64), float("nan"), dtype=torch.float32).to(torch.float8_e4m3fn)
+    vc = kc.clone()
+    k = (torch.randn(19, 2, 64, generator=g) * 3).to(dtype)
+    v = (torch.randn(19, 2, 64, generator=g) * 3).to(dtype)
+    k[0, 0, :4] = torch.tensor([1000.0, -1000.0, 447.0, 0.0], dtype=dtype)  # saturates at +-448 * scale
+    slots = torch.randperm(6 * 16, generator=g)[:19]
+    slots[5] = -1
+    kc_d, vc_d = kc.cuda(), vc.cuda()
+    ops.reshape_and_cache(k.cuda(), v.cuda(), kc_d, vc_d, slots.cuda(), k_scale=2.0, v_scale=0.5)
+    keep = slots >= 0
+    expect_k = kc.view(-1, 2, 64).float().clone()
+    expect_v = vc.view(-1, 2, 64).float().clone()
+    expect_k[slots[keep]] = (k[keep].float() / 2.0).clamp(-448, 448).to(torch.float8_e4m3fn).float()
+    expect_v[slots[keep]] = (v[keep].float() / 0.5).clamp(-448, 448).to(torch.float8_e4m3fn).float()
+    got_k = kc_d.cpu().view(-1, 2, 64).float()
+    got_v = vc_d.cpu().view(-1, 2, 64).float()
+    assert torch.equal(got_k.nan_to_num(7), expect_k.nan_to_num(7))
+    assert torch.equal(got_v.nan_to_num(7), expect_v.nan_to_num(7))
+    assert got_k[slots[0], 0, :4].tolist() == [448.0, -448.0, 224.0, 0.0]
+
+
+def test_fp8_cache_bad_input():
+    q = torch.randn(3, 4, 64, device="cuda")  # float32 queries cannot read an fp8 cache
+    kc = torch.zeros(4, 16, 2, 64, device="cuda").to(torch.float8_e4m3fn)
+    bt = torch.zeros(1, 4, dtype=torch.int32, device="cuda")
+    lens = torch.tensor([3], dtype=torch.int32, device="cuda")
+    qsl = torch.tensor([0, 3], dtype=torch.int32, device="cuda")
+    with pytest.raises(ValueError, match="fp8.*bfloat16 or float16 query"):
+        ops.paged_attention(q, kc, kc.clone(), bt, lens, qsl, scale=0.125)
+    with pytest.raises(ValueError, match="k_scale must be a finite float > 0, got 0"):
+        ops.paged_attention(q.bfloat16(), kc, kc.clone(), bt, lens, qsl, scale=0.125, k_scale=0)
+    k = torch.randn(3, 2, 64, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="v_scale must be a finite float > 0, got nan"):
+        ops.reshape_and_cache(k, k, kc, kc.clone(), torch.arange(3, device="cuda"), v_scale=float("nan"))
 
 
 def test_copy_blocks_every_layer_in_one_call():

@@ -138,6 +138,11 @@ class CausalLM(nn.Module):
             p.requires_grad_(False)
 
     @property
+    def dtype(self) -> torch.dtype:
+        """The weights' (and activations') dtype."""
+        return self.embed_tokens.weight.dtype
+
+    @property
     def lm_head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.spec.tie_word_embeddings else self.lm_head.weight
 

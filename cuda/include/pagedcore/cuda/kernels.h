@@ -14,7 +14,8 @@
 
 namespace pagedcore::cuda {
 
-enum class DType : int32_t { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
+// kFloat8E4M3: KV cache only (values stored divided by a per-tensor scale).
+enum class DType : int32_t { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2, kFloat8E4M3 = 3 };
 
 // Head sizes the attention kernel is compiled for.
 bool head_dim_supported(int32_t head_dim);
@@ -33,7 +34,10 @@ struct ReshapeAndCacheParams {
   int32_t block_size;
   int64_t key_stride;       // elements between tokens
   int64_t value_stride;
-  DType dtype;
+  DType dtype;              // key and value
+  DType cache_dtype;        // dtype, or kFloat8E4M3 (bf16/fp16 input): stores value / scale, saturated
+  float k_scale;
+  float v_scale;
 };
 int reshape_and_cache(const ReshapeAndCacheParams& p, void* stream);
 
@@ -74,13 +78,13 @@ struct PagedAttentionParams {
   const int32_t* query_start_loc; // [num_seqs + 1]
   const int32_t* work_seq;        // [num_work] row of each work item
   const int32_t* work_q_start;    // [num_work] first query (within the row) of the item
-  float* partial_out;             // [num_work, num_kv_heads, num_splits, kAttentionTileVectors, head_dim]
-  float* partial_lse;             // [num_work, num_kv_heads, num_splits, kAttentionTileVectors, 2] (max, sum)
-  // Rows with a single query (decode) may instead go to a kernel that streams
-  // K/V rows straight from memory (no tile, no staging): see decode_supported().
+  float* partial_out;             // [num_work, num_kv_heads, num_splits, kAttentionPartialVectors, head_dim]
+  float* partial_lse;             // [num_work, num_kv_heads, num_splits, kAttentionPartialVectors, 2] (max, sum)
+  // Rows with a single query (decode) may instead go to a kernel made for
+  // them (all heads of a kv head in one CTA): see decode_supported().
   const int32_t* decode_seq;      // [num_decode] rows run by the decode kernel
-  float* decode_partial_out;      // [num_decode, num_kv_heads, decode_splits, kAttentionTileVectors, head_dim]
-  float* decode_partial_lse;      // [num_decode, num_kv_heads, decode_splits, kAttentionTileVectors, 2]
+  float* decode_partial_out;      // [num_decode, num_kv_heads, decode_splits, kAttentionPartialVectors, head_dim]
+  float* decode_partial_lse;      // [num_decode, num_kv_heads, decode_splits, kAttentionPartialVectors, 2]
   int32_t num_decode;
   int32_t decode_splits;
   int32_t num_work;
@@ -96,13 +100,19 @@ struct PagedAttentionParams {
   float scale;
   float softcap;                  // 0: off
   int32_t sliding_window;         // 0: off
-  DType dtype;
+  DType dtype;                    // query and output
+  DType kv_dtype;                 // the cache: dtype, or kFloat8E4M3 with bf16/fp16 queries
+  float k_scale;                  // fp8 cache: stored = value / scale (1 otherwise)
+  float v_scale;
 };
-// Query vectors (query tokens x heads of one kv head) a work item holds.
-constexpr int32_t kAttentionTileVectors = 16;
-// Whether the decode kernel serves this shape: at most 8 query heads per kv
-// head, and a K/V row of one kv head that 1, 2, 4, ... or 32 lanes of 16-byte
-// loads cover exactly.
+// Query vectors (query tokens x heads of one kv head) a work item may hold:
+// 64 on the tensor-core path (2-byte queries), 16 for float32.
+int32_t attention_tile_vectors(int32_t element_bytes);
+// Slots per (item, kv head, split) in the partial buffers.
+constexpr int32_t kAttentionPartialVectors = 64;
+// Whether the decode kernel serves this shape (2-byte queries: up to 16 query
+// heads per kv head; float32: up to 8, with a K/V row of one kv head that 1,
+// 2, 4, ... or 32 lanes of 16-byte loads cover exactly).
 bool decode_supported(int32_t group, int32_t head_dim, int32_t element_bytes);
 int paged_attention(const PagedAttentionParams& p, void* stream);
 
@@ -118,7 +128,7 @@ void reshape_and_cache_at(std::uintptr_t key, std::uintptr_t value, std::uintptr
                           bool slot_mapping_int64, DType dtype, int32_t num_tokens,
                           int32_t num_kv_heads, int32_t head_dim, int32_t num_blocks,
                           int32_t block_size, int64_t key_stride, int64_t value_stride,
-                          std::uintptr_t stream);
+                          DType cache_dtype, float k_scale, float v_scale, std::uintptr_t stream);
 void copy_blocks_at(std::uintptr_t cache_ptrs, std::uintptr_t block_mapping, int32_t num_caches,
                     int32_t num_pairs, int32_t num_blocks, int64_t block_bytes,
                     std::uintptr_t stream);
@@ -137,6 +147,6 @@ void paged_attention_at(std::uintptr_t out, std::uintptr_t query, std::uintptr_t
                         int32_t num_kv_heads, int32_t head_dim, int32_t block_size,
                         int32_t num_blocks, int64_t query_stride, int64_t block_tables_stride,
                         float scale, float softcap, int32_t sliding_window, DType dtype,
-                        std::uintptr_t stream);
+                        DType kv_dtype, float k_scale, float v_scale, std::uintptr_t stream);
 
 }  // namespace pagedcore::cuda

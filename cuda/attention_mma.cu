@@ -1,0 +1,557 @@
+// Paged attention on tensor cores (bf16 / fp16 queries; bf16, fp16 or fp8
+// e4m3 KV cache).
+//
+// One CTA (4 warps) takes a (work item, kv head, key split). Its keys stream
+// through shared memory in tiles of KT keys, kStages tiles deep, each tile
+// copied with cp.async (16 bytes per thread per copy, zero-filled past the
+// range). A warp holds 16 query vectors (query tokens x the heads of one kv
+// head, GQA) as mma A fragments in registers:
+//   S = Q K^T  with mma.m16n8k16 (K fragments through ldmatrix),
+//   online softmax on S's fragments (exp2, one running max per vector),
+//   O += P V   with P re-packed from S's fragments (V through ldmatrix.trans).
+// Decode CTAs have one group of 16 vectors (the heads of one token), so their
+// four warps split each tile's keys and merge through shared memory at the
+// end; prefill CTAs hold 64 vectors, one group per warp, all warps reading
+// every key of a tile. With several key splits a merge kernel combines the
+// partial results by their log-sum-exp.
+//
+// An fp8 cache is staged as bytes and widened to fp16 in shared memory before
+// the mma; its scales fold into the score scale (k) and the output (v).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include <cfloat>
+#include <cstdint>
+#include <type_traits>
+
+#include "attention_mma.h"
+#include "pagedcore/cuda/kernels.h"
+
+namespace pagedcore::cuda {
+
+namespace {
+
+constexpr int kWarps = 4;
+constexpr int kThreads = 32 * kWarps;
+constexpr int kTable = 1024;  // block ids staged in shared memory at once
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+constexpr int kTileKeys = 64;  // keys per shared-memory tile
+
+template <int HD>
+__host__ __device__ constexpr int num_stages() {  // tiles in flight (head dim 256: two, 1 CTA per SM)
+  return HD <= 128 ? 3 : 2;
+}
+
+template <typename CT, int HD>
+__host__ __device__ constexpr int staged_row_bytes() {
+  return HD * static_cast<int>(sizeof(CT)) + 16;  // +16: ldmatrix rows land on distinct banks
+}
+
+__host__ __device__ constexpr int mma_row_bytes(int hd) { return hd * 2 + 16; }
+
+template <typename CT, int HD>
+__host__ __device__ constexpr size_t smem_bytes() {
+  constexpr int kt = kTileKeys;
+  size_t bytes = kTable * 4 + static_cast<size_t>(num_stages<HD>()) * 2 * kt * staged_row_bytes<CT, HD>();
+  if (std::is_same_v<CT, uint8_t>) bytes += 2 * kt * mma_row_bytes(HD);
+  return bytes;
+}
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t addr, uint32_t (&r)[4]) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+__device__ __forceinline__ void ldmatrix_x2(uint32_t addr, uint32_t (&r)[2]) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];\n"
+               : "=r"(r[0]), "=r"(r[1])
+               : "r"(addr));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t addr, uint32_t (&r)[4]) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+// c += a * b on a 16x8x16 tile, float accumulators.
+template <typename MT>
+__device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  if constexpr (std::is_same_v<MT, __nv_bfloat16>) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+}
+
+template <typename MT>
+__device__ __forceinline__ uint32_t pack2(float x, float y) {
+  if constexpr (std::is_same_v<MT, __nv_bfloat16>) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(x, y);
+    return *reinterpret_cast<uint32_t*>(&v);
+  } else {
+    __half2 v = __floats2half2_rn(x, y);
+    return *reinterpret_cast<uint32_t*>(&v);
+  }
+}
+
+__device__ __forceinline__ float2 to_float2(__nv_bfloat162 v) { return __bfloat1622float2(v); }
+__device__ __forceinline__ float2 to_float2(__half2 v) { return __half22float2(v); }
+
+template <typename T>
+using Pair = std::conditional_t<std::is_same_v<T, __nv_bfloat16>, __nv_bfloat162, __half2>;
+
+// Two consecutive T of the query, re-packed for the mma type.
+template <typename T, typename MT>
+__device__ __forceinline__ uint32_t load_pair(const T* src) {
+  if constexpr (std::is_same_v<T, MT>) {
+    return *reinterpret_cast<const uint32_t*>(src);
+  } else {
+    const float2 f = to_float2(*reinterpret_cast<const Pair<T>*>(src));
+    return pack2<MT>(f.x, f.y);
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ void store_pair(T* dst, float x, float y) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    *reinterpret_cast<__nv_bfloat162*>(dst) = __floats2bfloat162_rn(x, y);
+  } else {
+    *reinterpret_cast<__half2*>(dst) = __floats2half2_rn(x, y);
+  }
+}
+
+// 16 fp8 bytes -> 16 halves (32 bytes).
+__device__ __forceinline__ void widen_fp8x16(const uint4& in, uint4 (&out)[2]) {
+  const uint32_t w[4] = {in.x, in.y, in.z, in.w};
+  uint32_t o[8];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const __half2_raw lo = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w[i] & 0xffffu), __NV_E4M3);
+    const __half2_raw hi = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w[i] >> 16), __NV_E4M3);
+    o[2 * i] = static_cast<uint32_t>(lo.x) | (static_cast<uint32_t>(lo.y) << 16);
+    o[2 * i + 1] = static_cast<uint32_t>(hi.x) | (static_cast<uint32_t>(hi.y) << 16);
+  }
+  out[0] = make_uint4(o[0], o[1], o[2], o[3]);
+  out[1] = make_uint4(o[4], o[5], o[6], o[7]);
+}
+
+template <typename T, typename CT, int HD, bool DECODE>
+__global__ void __launch_bounds__(kThreads) mma_attention_kernel(PagedAttentionParams p) {
+  constexpr bool FP8 = std::is_same_v<CT, uint8_t>;
+  using MT = std::conditional_t<FP8, __half, T>;
+  constexpr int KT = kTileKeys;
+  constexpr int kStages = num_stages<HD>();
+  constexpr int CHUNKS = HD * static_cast<int>(sizeof(CT)) / 16;  // 16-byte pieces of a cache row
+  constexpr int SROW = staged_row_bytes<CT, HD>();
+  constexpr int MROW = FP8 ? mma_row_bytes(HD) : SROW;              // row bytes the mma reads
+  constexpr int WK = DECODE ? KT / kWarps : KT;                      // keys per warp per tile
+  constexpr int KSTEPS = HD / 16;
+  constexpr int NT = HD / 8;   // output fragments (8 dims each)
+  constexpr int ST = WK / 8;   // score fragments (8 keys each)
+  static_assert(HD % 16 == 0 && WK % 16 == 0, "tile shape");
+  extern __shared__ __align__(16) unsigned char smem[];
+  int32_t* s_table = reinterpret_cast<int32_t*>(smem);
+  unsigned char* stages = smem + kTable * 4;
+  unsigned char* widened = stages + kStages * 2 * KT * SROW;  // fp8: K then V as halves
+
+  const int work = blockIdx.x;
+  const int kv_head = blockIdx.y;
+  const int split = blockIdx.z;
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const int group = p.num_heads / p.num_kv_heads;
+  int row, t0, tile_tokens, splits;
+  if constexpr (DECODE) {
+    row = p.decode_seq[work];
+    t0 = 0;
+    tile_tokens = 1;
+    splits = p.decode_splits;
+  } else {
+    row = p.work_seq[work];
+    t0 = p.work_q_start[work];
+    splits = p.num_splits;
+  }
+  const int q_begin = p.query_start_loc[row];
+  const int q_len = p.query_start_loc[row + 1] - q_begin;
+  if constexpr (!DECODE) tile_tokens = min(p.tile_tokens, q_len - t0);
+  const int ctx = p.seq_lens[row];
+  const int num_vectors = tile_tokens * group;
+  const int first_pos = ctx - q_len + t0;
+  const int last_pos = first_pos + tile_tokens - 1;
+  const int k_lo = p.sliding_window > 0 ? max(0, first_pos - p.sliding_window + 1) : 0;
+  const int k_hi = last_pos + 1;
+  const int per_split = (k_hi - k_lo + splits - 1) / splits;
+  const int s_lo = k_lo + split * per_split;
+  const int s_hi = min(k_hi, s_lo + per_split);
+
+  // This thread's two fragment rows (vectors) and their query positions.
+  const int qd = lane % 4;  // quad lane: which column pair
+  const int row_base = DECODE ? 0 : warp * 16;
+  const int vr[2] = {row_base + lane / 4, row_base + lane / 4 + 8};
+  int vpos[2];
+  bool vvalid[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    vvalid[i] = vr[i] < num_vectors;
+    vpos[i] = first_pos + vr[i] / group;
+  }
+  const int warp_last_pos = first_pos + (min(num_vectors, row_base + 16) - 1) / group;
+  const bool warp_active = row_base < num_vectors;
+
+  // Q as A fragments: [k step][4 registers].
+  uint32_t qf[KSTEPS][4];
+  {
+    const T* query = static_cast<const T*>(p.query);
+    const T* qrow[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int64_t tok = q_begin + t0 + (vvalid[i] ? vr[i] / group : 0);
+      const int head = kv_head * group + (vvalid[i] ? vr[i] % group : 0);
+      qrow[i] = query + tok * p.query_stride + static_cast<int64_t>(head) * HD;
+    }
+#pragma unroll
+    for (int s = 0; s < KSTEPS; ++s) {
+      const int d = 16 * s + 2 * qd;
+      qf[s][0] = vvalid[0] ? load_pair<T, MT>(qrow[0] + d) : 0u;
+      qf[s][1] = vvalid[1] ? load_pair<T, MT>(qrow[1] + d) : 0u;
+      qf[s][2] = vvalid[0] ? load_pair<T, MT>(qrow[0] + d + 8) : 0u;
+      qf[s][3] = vvalid[1] ? load_pair<T, MT>(qrow[1] + d + 8) : 0u;
+    }
+  }
+  const float score_scale = p.scale * (FP8 ? p.k_scale : 1.f);
+  const float softcap = p.softcap;
+
+  float acc[NT][4];
+#pragma unroll
+  for (int n = 0; n < NT; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+  float m[2] = {-INFINITY, -INFINITY};  // running max, log2 units
+  float l[2] = {0.f, 0.f};              // this thread's share of the running sum
+
+  const CT* key_cache = static_cast<const CT*>(p.key_cache);
+  const CT* value_cache = static_cast<const CT*>(p.value_cache);
+  const int32_t* table = p.block_tables + static_cast<int64_t>(row) * p.block_tables_stride;
+  const int bs = p.block_size;
+  const int wk0 = DECODE ? warp * WK : 0;  // the warp's first key within a tile
+
+  for (int c0 = s_lo; c0 < s_hi;) {
+    const int b0 = c0 / bs;
+    const int c1 = min(s_hi, (b0 + kTable) * bs);
+    const int n_tiles = (c1 - c0 + KT - 1) / KT;
+    __syncthreads();  // the previous chunk's table and stages are consumed
+    for (int i = threadIdx.x; i <= (c1 - 1) / bs - b0; i += kThreads) s_table[i] = table[b0 + i];
+    __syncthreads();
+
+    auto load_tile = [&](int t) {
+      unsigned char* ks = stages + (t % kStages) * 2 * KT * SROW;
+      unsigned char* vs = ks + KT * SROW;
+      const int kbase = c0 + t * KT;
+#pragma unroll 4
+      for (int i = threadIdx.x; i < KT * CHUNKS; i += kThreads) {
+        const int j = i / CHUNKS;
+        const int c = i % CHUNKS;
+        const int key = kbase + j;
+        const bool valid = key < c1;
+        int64_t off = 0;
+        if (valid) {
+          const int64_t block = s_table[key / bs - b0];
+          off = ((block * bs + key % bs) * p.num_kv_heads + kv_head) * HD + c * (16 / sizeof(CT));
+        }
+        cp_async16(smem_addr(ks + j * SROW + c * 16), key_cache + off, valid);
+        cp_async16(smem_addr(vs + j * SROW + c * 16), value_cache + off, valid);
+      }
+    };
+
+#pragma unroll
+    for (int t = 0; t < kStages - 1; ++t) {
+      if (t < n_tiles) load_tile(t);
+      cp_async_commit();
+    }
+    for (int t = 0; t < n_tiles; ++t) {
+      cp_async_wait<kStages - 2>();
+      __syncthreads();  // tile t has landed for every thread; tile t-1 is consumed
+      if (t + kStages - 1 < n_tiles) load_tile(t + kStages - 1);
+      cp_async_commit();
+      const unsigned char* ks = stages + (t % kStages) * 2 * KT * SROW;
+      const unsigned char* vs = ks + KT * SROW;
+      if constexpr (FP8) {
+        for (int i = threadIdx.x; i < 2 * KT * CHUNKS; i += kThreads) {
+          const int j = i / CHUNKS;  // row over K then V
+          const int c = i % CHUNKS;
+          uint4 out[2];
+          widen_fp8x16(*reinterpret_cast<const uint4*>(ks + j * SROW + c * 16), out);
+          uint4* dst = reinterpret_cast<uint4*>(widened + j * MROW + c * 32);
+          dst[0] = out[0];
+          dst[1] = out[1];
+        }
+        __syncthreads();
+        ks = widened;
+        vs = widened + KT * MROW;
+      }
+      const int kbase = c0 + t * KT + wk0;  // the warp's first key
+      const bool skip = !warp_active || kbase >= c1 || kbase > warp_last_pos;
+      if (skip) continue;
+
+      // S = Q K^T over the warp's WK keys.
+      float sc[ST][4];
+#pragma unroll
+      for (int n = 0; n < ST; ++n) sc[n][0] = sc[n][1] = sc[n][2] = sc[n][3] = 0.f;
+      const uint32_t k_base = smem_addr(ks);
+#pragma unroll
+      for (int n = 0; n < ST; ++n) {
+        const int key = wk0 + 8 * n + (lane % 8);
+#pragma unroll
+        for (int s = 0; s < KSTEPS; s += 2) {
+          if (s + 1 < KSTEPS) {
+            uint32_t b[4];
+            ldmatrix_x4(k_base + key * MROW + (16 * s + 8 * (lane / 8)) * 2, b);
+            mma16816<MT>(sc[n], qf[s], b[0], b[1]);
+            mma16816<MT>(sc[n], qf[s + 1], b[2], b[3]);
+          } else {
+            uint32_t b[2];
+            ldmatrix_x2(k_base + key * MROW + (16 * s + 8 * ((lane / 8) % 2)) * 2, b);
+            mma16816<MT>(sc[n], qf[s], b[0], b[1]);
+          }
+        }
+      }
+      // Scale, cap, mask; the running max and sum per row.
+      float tile_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+      for (int n = 0; n < ST; ++n) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int r = i / 2;
+          const int key = kbase + 8 * n + 2 * qd + (i % 2);
+          const bool ok = vvalid[r] && key < c1 && key <= vpos[r] &&
+                          (p.sliding_window == 0 || key > vpos[r] - p.sliding_window);
+          float x = sc[n][i] * score_scale;
+          if (softcap > 0.f) x = softcap * tanhf(x / softcap);
+          x = ok ? x * kLog2e : -INFINITY;
+          sc[n][i] = x;
+          tile_max[r] = fmaxf(tile_max[r], x);
+        }
+      }
+      float corr[2];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 1));
+        tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 2));
+        const float new_m = fmaxf(m[r], tile_max[r]);
+        const float base = new_m == -INFINITY ? 0.f : new_m;
+        corr[r] = exp2f(m[r] - base);
+        m[r] = new_m;
+        tile_max[r] = base;  // now: the offset for this tile's exponentials
+      }
+      float tile_sum[2] = {0.f, 0.f};
+#pragma unroll
+      for (int n = 0; n < ST; ++n) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const float e = exp2f(sc[n][i] - tile_max[i / 2]);
+          sc[n][i] = e;
+          tile_sum[i / 2] += e;
+        }
+      }
+#pragma unroll
+      for (int r = 0; r < 2; ++r) l[r] = l[r] * corr[r] + tile_sum[r];
+#pragma unroll
+      for (int n = 0; n < NT; ++n) {
+        acc[n][0] *= corr[0];
+        acc[n][1] *= corr[0];
+        acc[n][2] *= corr[1];
+        acc[n][3] *= corr[1];
+      }
+      // O += P V.
+      const uint32_t v_base = smem_addr(vs);
+#pragma unroll
+      for (int kk = 0; kk < WK / 16; ++kk) {
+        const uint32_t pa[4] = {pack2<MT>(sc[2 * kk][0], sc[2 * kk][1]), pack2<MT>(sc[2 * kk][2], sc[2 * kk][3]),
+                                pack2<MT>(sc[2 * kk + 1][0], sc[2 * kk + 1][1]),
+                                pack2<MT>(sc[2 * kk + 1][2], sc[2 * kk + 1][3])};
+        const int key = wk0 + 16 * kk + (lane % 8) + 8 * ((lane / 8) % 2);
+#pragma unroll
+        for (int j = 0; j < NT / 2; ++j) {
+          uint32_t b[4];
+          ldmatrix_x4_trans(v_base + key * MROW + (16 * j + 8 * (lane / 16)) * 2, b);
+          mma16816<MT>(acc[2 * j], pa, b[0], b[1]);
+          mma16816<MT>(acc[2 * j + 1], pa, b[2], b[3]);
+        }
+      }
+    }
+    cp_async_wait<0>();
+    c0 = c1;
+  }
+
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+  }
+  const float out_scale = FP8 ? p.v_scale : 1.f;
+
+  if constexpr (DECODE) {
+    // Merge the four warps' key shares: [warp][16 rows][HD] plus (max, sum).
+    float* s_acc = reinterpret_cast<float*>(stages);
+    float* s_m = s_acc + kWarps * 16 * HD;
+    float* s_l = s_m + kWarps * 16;
+    static_assert(smem_bytes<CT, HD>() - kTable * 4 >= (kWarps * 16 * HD + 2 * kWarps * 16) * 4, "merge space");
+    __syncthreads();
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int r = lane / 4 + 8 * (i / 2);
+        s_acc[(warp * 16 + r) * HD + 8 * n + 2 * qd + (i % 2)] = acc[n][i];
+      }
+    }
+    if (qd == 0) {
+      s_m[warp * 16 + lane / 4] = m[0];
+      s_m[warp * 16 + lane / 4 + 8] = m[1];
+      s_l[warp * 16 + lane / 4] = l[0];
+      s_l[warp * 16 + lane / 4 + 8] = l[1];
+    }
+    __syncthreads();
+    const int q_token = q_begin;
+    for (int i = threadIdx.x; i < group * HD; i += kThreads) {
+      const int h = i / HD;
+      const int d = i % HD;
+      float gmax = -INFINITY;
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) {
+        if (s_l[w * 16 + h] > 0.f) gmax = fmaxf(gmax, s_m[w * 16 + h]);
+      }
+      float num = 0.f, den = 0.f;
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) {
+        const float lw = s_l[w * 16 + h];
+        if (lw <= 0.f) continue;
+        const float wt = exp2f(s_m[w * 16 + h] - gmax);
+        num += wt * s_acc[(w * 16 + h) * HD + d];
+        den += wt * lw;
+      }
+      const float o = den > 0.f ? num / den * out_scale : 0.f;
+      if (splits == 1) {
+        static_cast<T*>(p.out)[(static_cast<int64_t>(q_token) * p.num_heads + kv_head * group + h) * HD + d] =
+            static_cast<T>(o);
+      } else {
+        const int64_t slot =
+            ((static_cast<int64_t>(work) * p.num_kv_heads + kv_head) * splits + split) * kAttentionPartialVectors + h;
+        p.decode_partial_out[slot * HD + d] = o;
+        if (d == 0) {
+          p.decode_partial_lse[2 * slot] = gmax * kLn2;
+          p.decode_partial_lse[2 * slot + 1] = den;
+        }
+      }
+    }
+  } else {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      if (!vvalid[r]) continue;
+      const float inv = l[r] > 0.f ? out_scale / l[r] : 0.f;
+      const int v = vr[r];
+      if (splits == 1) {
+        const int64_t tok = q_begin + t0 + v / group;
+        const int head = kv_head * group + v % group;
+        T* dst = static_cast<T*>(p.out) + (tok * p.num_heads + head) * HD;
+#pragma unroll
+        for (int n = 0; n < NT; ++n) store_pair(dst + 8 * n + 2 * qd, acc[n][2 * r] * inv, acc[n][2 * r + 1] * inv);
+      } else {
+        const int64_t slot =
+            ((static_cast<int64_t>(work) * p.num_kv_heads + kv_head) * splits + split) * kAttentionPartialVectors + v;
+        float* dst = p.partial_out + slot * HD;
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+          *reinterpret_cast<float2*>(dst + 8 * n + 2 * qd) = make_float2(acc[n][2 * r] * inv, acc[n][2 * r + 1] * inv);
+        }
+        if (qd == 0) {
+          p.partial_lse[2 * slot] = m[r] == -INFINITY ? -FLT_MAX : m[r] * kLn2;
+          p.partial_lse[2 * slot + 1] = l[r];
+        }
+      }
+    }
+  }
+}
+
+template <typename T, typename CT, int HD, bool DECODE>
+int launch_kernel(const PagedAttentionParams& p, cudaStream_t stream) {
+  constexpr size_t smem = smem_bytes<CT, HD>();
+  static bool configured = false;  // NOTE: per instantiation; raising the limit is idempotent
+  if (!configured) {
+    const cudaError_t e = cudaFuncSetAttribute(mma_attention_kernel<T, CT, HD, DECODE>,
+                                               cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+    if (e != cudaSuccess) return e;
+    configured = true;
+  }
+  const int items = DECODE ? p.num_decode : p.num_work;
+  const int splits = DECODE ? p.decode_splits : p.num_splits;
+  mma_attention_kernel<T, CT, HD, DECODE><<<dim3(items, p.num_kv_heads, splits), kThreads, smem, stream>>>(p);
+  cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess || splits == 1) return e;
+  return merge_attention_splits(p, DECODE, stream);
+}
+
+template <typename T, typename CT, int HD>
+int launch_all(const PagedAttentionParams& p, cudaStream_t stream) {
+  if (p.num_decode > 0) {
+    const int e = launch_kernel<T, CT, HD, true>(p, stream);
+    if (e != cudaSuccess) return e;
+  }
+  if (p.num_work > 0) return launch_kernel<T, CT, HD, false>(p, stream);
+  return cudaSuccess;
+}
+
+template <typename T, typename CT>
+int dispatch_head_dim(const PagedAttentionParams& p, cudaStream_t s) {
+  switch (p.head_dim) {
+    case 32: return launch_all<T, CT, 32>(p, s);
+    case 64: return launch_all<T, CT, 64>(p, s);
+    case 80: return launch_all<T, CT, 80>(p, s);
+    case 96: return launch_all<T, CT, 96>(p, s);
+    case 128: return launch_all<T, CT, 128>(p, s);
+    case 256: return launch_all<T, CT, 256>(p, s);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+template <typename T>
+int dispatch_cache(const PagedAttentionParams& p, cudaStream_t s) {
+  if (p.kv_dtype == DType::kFloat8E4M3) return dispatch_head_dim<T, uint8_t>(p, s);
+  if (p.kv_dtype != p.dtype) return cudaErrorInvalidValue;
+  return dispatch_head_dim<T, T>(p, s);
+}
+
+}  // namespace
+
+int paged_attention_mma(const PagedAttentionParams& p, cudaStream_t stream) {
+  switch (p.dtype) {
+    case DType::kBFloat16: return dispatch_cache<__nv_bfloat16>(p, stream);
+    case DType::kFloat16: return dispatch_cache<__half>(p, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+}  // namespace pagedcore::cuda

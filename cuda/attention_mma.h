@@ -1,0 +1,17 @@
+// Internal: the tensor-core attention path and the split merge it shares
+// with the float32 kernels (not installed).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "pagedcore/cuda/kernels.h"
+
+namespace pagedcore::cuda {
+
+// bf16 / fp16 queries over a cache of the same type or fp8 e4m3.
+int paged_attention_mma(const PagedAttentionParams& p, cudaStream_t stream);
+
+// Combines the key splits' partial outputs (decode rows or work items).
+int merge_attention_splits(const PagedAttentionParams& p, bool decode, cudaStream_t stream);
+
+}  // namespace pagedcore::cuda
