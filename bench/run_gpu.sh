@@ -38,6 +38,11 @@ step pytest_cuda "$py" -m pytest -q -p no:cacheprovider -m cuda tests/python
 step memcheck compute-sanitizer --tool memcheck --error-exitcode 1 \
   "$py" -m pytest -q -p no:cacheprovider -x tests/python/test_ops_cuda.py -k "grid and bf16 and 128 or splits or swap or copy or reshape or fp8"
 step bench "$py" bench/bench_kernels_gpu.py
+if [[ -n "${PAGEDCORE_NCU:-}" ]]; then  # a profile of the attention kernels (decode, then prefill)
+  step ncu ncu --kernel-name regex:mma_attention --launch-skip 2 --launch-count 4 --section SpeedOfLight \
+    --section Occupancy --section WarpStateStats --section LaunchStats --section MemoryWorkloadAnalysis \
+    "$py" bench/profile_attention.py
+fi
 
 echo
 tail -n 20 "$out/bench.log"

@@ -239,11 +239,15 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(PagedAttentio
 }
 
 // Merges the key splits of each (work item or decode row, kv head, vector) by
-// their log-sum-exp; partial maxima are in natural-log units.
+// their log-sum-exp; partial maxima are in natural-log units. Grid (kv head,
+// item): the weights of every (split, vector) first, in shared memory, then
+// each thread sums a 4-float column over the splits.
 template <typename T, int HD, bool DECODE>
 __global__ void __launch_bounds__(kThreads) merge_splits_kernel(PagedAttentionParams p) {
-  const int work = blockIdx.x;
-  const int kv_head = blockIdx.y;
+  __shared__ float s_w[kAttentionMaxSplits * kSlots / 4];  // [split][vector], up to 64 x 32 at a time
+  constexpr int kChunk = kSlots / 4;                          // vectors merged per pass
+  const int kv_head = blockIdx.x;
+  const int work = blockIdx.y;
   const int row = DECODE ? p.decode_seq[work] : p.work_seq[work];
   const int q_begin = p.query_start_loc[row];
   const int q_len = p.query_start_loc[row + 1] - q_begin;
@@ -255,32 +259,56 @@ __global__ void __launch_bounds__(kThreads) merge_splits_kernel(PagedAttentionPa
   const int num_vectors = (DECODE ? 1 : min(p.tile_tokens, q_len - t0)) * group;
   const int64_t first = ((static_cast<int64_t>(work) * p.num_kv_heads + kv_head) * splits) * kSlots;
   T* out = static_cast<T*>(p.out);
-  for (int i = threadIdx.x; i < num_vectors * HD; i += kThreads) {
-    const int v = i / HD;
-    const int d = i % HD;
-    float gmax = -FLT_MAX;
-    for (int s = 0; s < splits; ++s) {
-      const int64_t slot = first + static_cast<int64_t>(s) * kSlots + v;
-      if (partial_lse[2 * slot + 1] > 0.f) gmax = fmaxf(gmax, partial_lse[2 * slot]);
+  for (int v0 = 0; v0 < num_vectors; v0 += kChunk) {
+    const int nv = min(kChunk, num_vectors - v0);
+    __syncthreads();
+    for (int v = threadIdx.x; v < nv; v += kThreads) {
+      float gmax = -FLT_MAX;
+      for (int s = 0; s < splits; ++s) {
+        const int64_t slot = first + static_cast<int64_t>(s) * kSlots + v0 + v;
+        if (partial_lse[2 * slot + 1] > 0.f) gmax = fmaxf(gmax, partial_lse[2 * slot]);
+      }
+      float total = 0.f;
+      for (int s = 0; s < splits; ++s) {
+        const int64_t slot = first + static_cast<int64_t>(s) * kSlots + v0 + v;
+        const float sum = partial_lse[2 * slot + 1];
+        const float w = sum > 0.f ? sum * __expf(partial_lse[2 * slot] - gmax) : 0.f;
+        s_w[s * kChunk + v] = w;
+        total += w;
+      }
+      const float inv = total > 0.f ? 1.f / total : 0.f;
+      for (int s = 0; s < splits; ++s) s_w[s * kChunk + v] *= inv;
     }
-    float acc = 0.f, total = 0.f;
-    for (int s = 0; s < splits; ++s) {
-      const int64_t slot = first + static_cast<int64_t>(s) * kSlots + v;
-      const float sum = partial_lse[2 * slot + 1];
-      if (sum <= 0.f) continue;
-      const float w = sum * __expf(partial_lse[2 * slot] - gmax);
-      total += w;
-      acc += w * partial_out[slot * HD + d];
+    __syncthreads();
+    constexpr int Q = HD / 4;  // float4 columns per vector
+    for (int i = threadIdx.x; i < nv * Q; i += kThreads) {
+      const int v = i / Q;
+      const int d = (i % Q) * 4;
+      float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 8
+      for (int s = 0; s < splits; ++s) {
+        const float w = s_w[s * kChunk + v];
+        if (w == 0.f) continue;  // an empty split's output is never written
+        const int64_t slot = first + static_cast<int64_t>(s) * kSlots + v0 + v;
+        const float4 x = *reinterpret_cast<const float4*>(partial_out + slot * HD + d);
+        acc.x += w * x.x;
+        acc.y += w * x.y;
+        acc.z += w * x.z;
+        acc.w += w * x.w;
+      }
+      const int vv = v0 + v;
+      T* dst = out + ((q_begin + t0 + static_cast<int64_t>(vv / group)) * p.num_heads + kv_head * group + vv % group) * HD + d;
+      dst[0] = from_float<T>(acc.x);
+      dst[1] = from_float<T>(acc.y);
+      dst[2] = from_float<T>(acc.z);
+      dst[3] = from_float<T>(acc.w);
     }
-    const int64_t tok = q_begin + t0 + v / group;
-    const int head = kv_head * group + v % group;
-    out[(tok * p.num_heads + head) * HD + d] = from_float<T>(total > 0.f ? acc / total : 0.f);
   }
 }
 
 template <typename T, int HD>
 int launch_merge(const PagedAttentionParams& p, bool decode, cudaStream_t stream) {
-  const dim3 grid(decode ? p.num_decode : p.num_work, p.num_kv_heads);
+  const dim3 grid(p.num_kv_heads, decode ? p.num_decode : p.num_work);
   if (decode) {
     merge_splits_kernel<T, HD, true><<<grid, kThreads, 0, stream>>>(p);
   } else {
@@ -531,7 +559,7 @@ int merge_attention_splits(const PagedAttentionParams& p, bool decode, cudaStrea
   }
 }
 
-int32_t attention_tile_vectors(int32_t element_bytes) { return element_bytes == 2 ? 64 : kVectors; }
+int32_t attention_tile_vectors(int32_t element_bytes) { return element_bytes == 2 ? kAttentionMmaTileVectors : kVectors; }
 
 bool decode_supported(int32_t group, int32_t head_dim, int32_t element_bytes) {
   if (!head_dim_supported(head_dim)) return false;
@@ -552,6 +580,8 @@ int paged_attention(const PagedAttentionParams& p, void* stream) {
   const int element_bytes = p.dtype == DType::kFloat32 ? 4 : 2;
   if (group == 0 || p.dtype == DType::kFloat8E4M3 || group > attention_tile_vectors(element_bytes) ||
       p.tile_tokens * group > attention_tile_vectors(element_bytes) || p.num_splits < 1 ||
+      p.num_splits > kAttentionMaxSplits || p.decode_splits > kAttentionMaxSplits ||
+      p.num_work > 65535 || p.num_decode > 65535 ||
       (p.num_decode > 0 && (p.decode_splits < 1 || !decode_supported(group, p.head_dim, element_bytes)))) {
     return cudaErrorInvalidValue;
   }

@@ -33,8 +33,9 @@ namespace pagedcore::cuda {
 
 namespace {
 
-constexpr int kWarps = 4;
+constexpr int kWarps = 4;                 // decode CTAs: four warps share each tile's keys
 constexpr int kThreads = 32 * kWarps;
+constexpr int kPrefillWarps = kAttentionMmaTileVectors / 16;  // prefill CTAs: 16 query vectors per warp
 constexpr int kTable = 1024;  // block ids staged in shared memory at once
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
@@ -161,7 +162,8 @@ __device__ __forceinline__ void widen_fp8x16(const uint4& in, uint4 (&out)[2]) {
 }
 
 template <typename T, typename CT, int HD, bool DECODE>
-__global__ void __launch_bounds__(kThreads) mma_attention_kernel(PagedAttentionParams p) {
+__global__ void __launch_bounds__(DECODE ? kThreads : 32 * kPrefillWarps) mma_attention_kernel(PagedAttentionParams p) {
+  constexpr int THREADS = DECODE ? kThreads : 32 * kPrefillWarps;
   constexpr bool FP8 = std::is_same_v<CT, uint8_t>;
   using MT = std::conditional_t<FP8, __half, T>;
   constexpr int KT = kTileKeys;
@@ -179,8 +181,11 @@ __global__ void __launch_bounds__(kThreads) mma_attention_kernel(PagedAttentionP
   unsigned char* stages = smem + kTable * 4;
   unsigned char* widened = stages + kStages * 2 * KT * SROW;  // fp8: K then V as halves
 
-  const int work = blockIdx.x;
-  const int kv_head = blockIdx.y;
+  // NOTE: the kv head is the fastest grid index, so that the CTAs of one row run
+  // together and read its K/V rows (all kv heads of a token are adjacent) at
+  // about the same time.
+  const int kv_head = blockIdx.x;
+  const int work = blockIdx.y;
   const int split = blockIdx.z;
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
@@ -220,6 +225,7 @@ __global__ void __launch_bounds__(kThreads) mma_attention_kernel(PagedAttentionP
     vvalid[i] = vr[i] < num_vectors;
     vpos[i] = first_pos + vr[i] / group;
   }
+  const int warp_first_pos = first_pos + row_base / group;
   const int warp_last_pos = first_pos + (min(num_vectors, row_base + 16) - 1) / group;
   const bool warp_active = row_base < num_vectors;
 
@@ -263,7 +269,7 @@ __global__ void __launch_bounds__(kThreads) mma_attention_kernel(PagedAttentionP
     const int c1 = min(s_hi, (b0 + kTable) * bs);
     const int n_tiles = (c1 - c0 + KT - 1) / KT;
     __syncthreads();  // the previous chunk's table and stages are consumed
-    for (int i = threadIdx.x; i <= (c1 - 1) / bs - b0; i += kThreads) s_table[i] = table[b0 + i];
+    for (int i = threadIdx.x; i <= (c1 - 1) / bs - b0; i += THREADS) s_table[i] = table[b0 + i];
     __syncthreads();
 
     auto load_tile = [&](int t) {
@@ -271,7 +277,7 @@ __global__ void __launch_bounds__(kThreads) mma_attention_kernel(PagedAttentionP
       unsigned char* vs = ks + KT * SROW;
       const int kbase = c0 + t * KT;
 #pragma unroll 4
-      for (int i = threadIdx.x; i < KT * CHUNKS; i += kThreads) {
+      for (int i = threadIdx.x; i < KT * CHUNKS; i += THREADS) {
         const int j = i / CHUNKS;
         const int c = i % CHUNKS;
         const int key = kbase + j;
@@ -299,7 +305,7 @@ __global__ void __launch_bounds__(kThreads) mma_attention_kernel(PagedAttentionP
       const unsigned char* ks = stages + (t % kStages) * 2 * KT * SROW;
       const unsigned char* vs = ks + KT * SROW;
       if constexpr (FP8) {
-        for (int i = threadIdx.x; i < 2 * KT * CHUNKS; i += kThreads) {
+        for (int i = threadIdx.x; i < 2 * KT * CHUNKS; i += THREADS) {
           const int j = i / CHUNKS;  // row over K then V
           const int c = i % CHUNKS;
           uint4 out[2];
@@ -340,17 +346,23 @@ __global__ void __launch_bounds__(kThreads) mma_attention_kernel(PagedAttentionP
       }
       // Scale, cap, mask; the running max and sum per row.
       float tile_max[2] = {-INFINITY, -INFINITY};
+      // Every key of the warp's share visible to every row: no mask to apply.
+      const bool whole = kbase + WK <= c1 && kbase + WK - 1 <= warp_first_pos &&
+                         (p.sliding_window == 0 || kbase > warp_last_pos - p.sliding_window);
 #pragma unroll
       for (int n = 0; n < ST; ++n) {
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           const int r = i / 2;
-          const int key = kbase + 8 * n + 2 * qd + (i % 2);
-          const bool ok = vvalid[r] && key < c1 && key <= vpos[r] &&
-                          (p.sliding_window == 0 || key > vpos[r] - p.sliding_window);
           float x = sc[n][i] * score_scale;
           if (softcap > 0.f) x = softcap * tanhf(x / softcap);
-          x = ok ? x * kLog2e : -INFINITY;
+          x *= kLog2e;
+          if (!whole) {
+            const int key = kbase + 8 * n + 2 * qd + (i % 2);
+            const bool ok = vvalid[r] && key < c1 && key <= vpos[r] &&
+                            (p.sliding_window == 0 || key > vpos[r] - p.sliding_window);
+            x = ok ? x : -INFINITY;
+          }
           sc[n][i] = x;
           tile_max[r] = fmaxf(tile_max[r], x);
         }
@@ -508,7 +520,9 @@ int launch_kernel(const PagedAttentionParams& p, cudaStream_t stream) {
   }
   const int items = DECODE ? p.num_decode : p.num_work;
   const int splits = DECODE ? p.decode_splits : p.num_splits;
-  mma_attention_kernel<T, CT, HD, DECODE><<<dim3(items, p.num_kv_heads, splits), kThreads, smem, stream>>>(p);
+  if (items > 65535) return cudaErrorInvalidConfiguration;
+  mma_attention_kernel<T, CT, HD, DECODE>
+      <<<dim3(p.num_kv_heads, items, splits), DECODE ? kThreads : 32 * kPrefillWarps, smem, stream>>>(p);
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess || splits == 1) return e;
   return merge_attention_splits(p, DECODE, stream);

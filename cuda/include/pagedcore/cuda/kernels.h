@@ -106,10 +106,14 @@ struct PagedAttentionParams {
   float v_scale;
 };
 // Query vectors (query tokens x heads of one kv head) a work item may hold:
-// 64 on the tensor-core path (2-byte queries), 16 for float32.
+// kAttentionMmaTileVectors on the tensor-core path (2-byte queries), 16 for
+// float32.
 int32_t attention_tile_vectors(int32_t element_bytes);
+constexpr int32_t kAttentionMmaTileVectors = 128;
 // Slots per (item, kv head, split) in the partial buffers.
-constexpr int32_t kAttentionPartialVectors = 64;
+constexpr int32_t kAttentionPartialVectors = kAttentionMmaTileVectors;
+// Key splits a launch may ask for.
+constexpr int32_t kAttentionMaxSplits = 64;
 // Whether the decode kernel serves this shape (2-byte queries: up to 16 query
 // heads per kv head; float32: up to 8, with a K/V row of one kv head that 1,
 // 2, 4, ... or 32 lanes of 16-byte loads cover exactly).
