@@ -42,9 +42,11 @@ constexpr float kLn2 = 0.6931471805599453f;
 
 constexpr int kTileKeys = 64;  // keys per shared-memory tile
 
-template <int HD>
-__host__ __device__ constexpr int num_stages() {  // tiles in flight (head dim 256: two, 1 CTA per SM)
-  return HD <= 128 ? 3 : 2;
+// Tiles in shared memory at once: decode CTAs keep two (so that three CTAs
+// fit an SM), prefill CTAs three; head dim 256 two.
+template <int HD, bool DECODE>
+__host__ __device__ constexpr int num_stages() {
+  return HD <= 128 && !DECODE ? 3 : 2;
 }
 
 template <typename CT, int HD>
@@ -54,10 +56,10 @@ __host__ __device__ constexpr int staged_row_bytes() {
 
 __host__ __device__ constexpr int mma_row_bytes(int hd) { return hd * 2 + 16; }
 
-template <typename CT, int HD>
+template <typename CT, int HD, bool DECODE>
 __host__ __device__ constexpr size_t smem_bytes() {
   constexpr int kt = kTileKeys;
-  size_t bytes = kTable * 4 + static_cast<size_t>(num_stages<HD>()) * 2 * kt * staged_row_bytes<CT, HD>();
+  size_t bytes = kTable * 4 + static_cast<size_t>(num_stages<HD, DECODE>()) * 2 * kt * staged_row_bytes<CT, HD>();
   if (std::is_same_v<CT, uint8_t>) bytes += 2 * kt * mma_row_bytes(HD);
   return bytes;
 }
@@ -167,7 +169,7 @@ __global__ void __launch_bounds__(DECODE ? kThreads : 32 * kPrefillWarps) mma_at
   constexpr bool FP8 = std::is_same_v<CT, uint8_t>;
   using MT = std::conditional_t<FP8, __half, T>;
   constexpr int KT = kTileKeys;
-  constexpr int kStages = num_stages<HD>();
+  constexpr int kStages = num_stages<HD, DECODE>();
   constexpr int CHUNKS = HD * static_cast<int>(sizeof(CT)) / 16;  // 16-byte pieces of a cache row
   constexpr int SROW = staged_row_bytes<CT, HD>();
   constexpr int MROW = FP8 ? mma_row_bytes(HD) : SROW;              // row bytes the mma reads
@@ -272,23 +274,33 @@ __global__ void __launch_bounds__(DECODE ? kThreads : 32 * kPrefillWarps) mma_at
     for (int i = threadIdx.x; i <= (c1 - 1) / bs - b0; i += THREADS) s_table[i] = table[b0 + i];
     __syncthreads();
 
+    // NOTE: TPR consecutive threads copy one key's K and V rows (one table
+    // lookup each, then 16-byte pieces at fixed offsets).
     auto load_tile = [&](int t) {
+      constexpr int TPR = THREADS / KT;
+      constexpr int PER = (CHUNKS + TPR - 1) / TPR;
+      static_assert(THREADS % KT == 0, "threads per key row");
       unsigned char* ks = stages + (t % kStages) * 2 * KT * SROW;
       unsigned char* vs = ks + KT * SROW;
-      const int kbase = c0 + t * KT;
-#pragma unroll 4
-      for (int i = threadIdx.x; i < KT * CHUNKS; i += THREADS) {
-        const int j = i / CHUNKS;
-        const int c = i % CHUNKS;
-        const int key = kbase + j;
-        const bool valid = key < c1;
-        int64_t off = 0;
-        if (valid) {
-          const int64_t block = s_table[key / bs - b0];
-          off = ((block * bs + key % bs) * p.num_kv_heads + kv_head) * HD + c * (16 / sizeof(CT));
+      const int j = threadIdx.x / TPR;
+      const int key = c0 + t * KT + j;
+      const bool valid = key < c1;
+      int64_t off = 0;
+      if (valid) {
+        const int64_t block = s_table[key / bs - b0];
+        off = ((block * bs + key % bs) * p.num_kv_heads + kv_head) * HD;
+      }
+      const CT* kp = key_cache + off;
+      const CT* vp = value_cache + off;
+      const uint32_t kdst = smem_addr(ks + j * SROW);
+      const uint32_t vdst = smem_addr(vs + j * SROW);
+#pragma unroll
+      for (int k = 0; k < PER; ++k) {
+        const int c = threadIdx.x % TPR + TPR * k;
+        if (CHUNKS % TPR == 0 || c < CHUNKS) {
+          cp_async16(kdst + c * 16, kp + c * (16 / sizeof(CT)), valid);
+          cp_async16(vdst + c * 16, vp + c * (16 / sizeof(CT)), valid);
         }
-        cp_async16(smem_addr(ks + j * SROW + c * 16), key_cache + off, valid);
-        cp_async16(smem_addr(vs + j * SROW + c * 16), value_cache + off, valid);
       }
     };
 
@@ -367,35 +379,43 @@ __global__ void __launch_bounds__(DECODE ? kThreads : 32 * kPrefillWarps) mma_at
           tile_max[r] = fmaxf(tile_max[r], x);
         }
       }
-      float corr[2];
+      // NOTE: the running max moves only when a row's max grew by more than
+      // kSlack (log2 units) — exponentials stay <= 2^kSlack — so most tiles
+      // skip rescaling the accumulators.
+      constexpr float kSlack = 8.f;
+      bool grow = false;
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 1));
         tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 2));
-        const float new_m = fmaxf(m[r], tile_max[r]);
-        const float base = new_m == -INFINITY ? 0.f : new_m;
-        corr[r] = exp2f(m[r] - base);
-        m[r] = new_m;
-        tile_max[r] = base;  // now: the offset for this tile's exponentials
+        grow |= tile_max[r] > m[r] + kSlack;
       }
-      float tile_sum[2] = {0.f, 0.f};
+      if (__any_sync(0xffffffffu, grow)) {
+        float corr[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const float new_m = fmaxf(m[r], tile_max[r]);
+          corr[r] = exp2f(m[r] - (new_m == -INFINITY ? 0.f : new_m));
+          m[r] = new_m;
+          l[r] *= corr[r];
+        }
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+          acc[n][0] *= corr[0];
+          acc[n][1] *= corr[0];
+          acc[n][2] *= corr[1];
+          acc[n][3] *= corr[1];
+        }
+      }
+      const float base[2] = {m[0] == -INFINITY ? 0.f : m[0], m[1] == -INFINITY ? 0.f : m[1]};
 #pragma unroll
       for (int n = 0; n < ST; ++n) {
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-          const float e = exp2f(sc[n][i] - tile_max[i / 2]);
+          const float e = exp2f(sc[n][i] - base[i / 2]);
           sc[n][i] = e;
-          tile_sum[i / 2] += e;
+          l[i / 2] += e;
         }
-      }
-#pragma unroll
-      for (int r = 0; r < 2; ++r) l[r] = l[r] * corr[r] + tile_sum[r];
-#pragma unroll
-      for (int n = 0; n < NT; ++n) {
-        acc[n][0] *= corr[0];
-        acc[n][1] *= corr[0];
-        acc[n][2] *= corr[1];
-        acc[n][3] *= corr[1];
       }
       // O += P V.
       const uint32_t v_base = smem_addr(vs);
@@ -430,7 +450,7 @@ __global__ void __launch_bounds__(DECODE ? kThreads : 32 * kPrefillWarps) mma_at
     float* s_acc = reinterpret_cast<float*>(stages);
     float* s_m = s_acc + kWarps * 16 * HD;
     float* s_l = s_m + kWarps * 16;
-    static_assert(smem_bytes<CT, HD>() - kTable * 4 >= (kWarps * 16 * HD + 2 * kWarps * 16) * 4, "merge space");
+    static_assert(smem_bytes<CT, HD, DECODE>() - kTable * 4 >= (kWarps * 16 * HD + 2 * kWarps * 16) * 4, "merge space");
     __syncthreads();
 #pragma unroll
     for (int n = 0; n < NT; ++n) {
@@ -510,7 +530,7 @@ __global__ void __launch_bounds__(DECODE ? kThreads : 32 * kPrefillWarps) mma_at
 
 template <typename T, typename CT, int HD, bool DECODE>
 int launch_kernel(const PagedAttentionParams& p, cudaStream_t stream) {
-  constexpr size_t smem = smem_bytes<CT, HD>();
+  constexpr size_t smem = smem_bytes<CT, HD, DECODE>();
   static bool configured = false;  // NOTE: per instantiation; raising the limit is idempotent
   if (!configured) {
     const cudaError_t e = cudaFuncSetAttribute(mma_attention_kernel<T, CT, HD, DECODE>,
