@@ -188,6 +188,15 @@ def run(args) -> None:
     swap_bytes = 8 * 1024 * layers[0][0].numel() * 2
     us = statistics.median(times)
     rows.append(("swap-in 1024 blocks x 8 caches (H2D)", us, None, swap_bytes / us / 1e3, 0.0))
+    times = []
+    for _ in range(5):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        ops.swap_out(layers, cpu, out_pairs)
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t) * 1e6)
+    us = statistics.median(times)
+    rows.append(("swap-out 1024 blocks x 8 caches (D2H)", us, None, swap_bytes / us / 1e3, 0.0))
 
     prefill_ours, prefill_sdpa, prefill_err = prefill_case(8192 if not args.quick else 2048, 32, 8, 128)
     prefill_flops = 4 * 8192 * 8192 / 2 * 32 * 128 if not args.quick else 4 * 2048 * 2048 / 2 * 32 * 128

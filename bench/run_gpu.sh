@@ -45,7 +45,7 @@ if [[ -n "${PAGEDCORE_NCU:-}" ]]; then  # a profile of the attention kernels (de
 fi
 
 echo
-tail -n 20 "$out/bench.log"
+tail -n 21 "$out/bench.log"
 echo
 echo "commit ${PAGEDCORE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo '?')}  $(cat "$out/gpu.txt")"
 printf '%-14s %s\n' "check" "result"

@@ -115,7 +115,8 @@ __global__ void move_blocks_kernel(const int64_t* __restrict__ cache_ptrs,
   const int64_t block = blocks[blockIdx.x];
   if (block < 0 || block >= num_blocks) return;
   char* cache = reinterpret_cast<char*>(cache_ptrs[blockIdx.y]) + block * block_bytes;
-  char* stage = staging + (static_cast<int64_t>(blockIdx.x) * num_caches + blockIdx.y) * block_bytes;
+  // staging is cache-major: each cache's blocks are contiguous (one DMA per run).
+  char* stage = staging + (static_cast<int64_t>(blockIdx.y) * gridDim.x + blockIdx.x) * block_bytes;
   const uint4* from = reinterpret_cast<const uint4*>(to_staging ? cache : stage);
   uint4* to = reinterpret_cast<uint4*>(to_staging ? stage : cache);
   for (int64_t i = threadIdx.x; i < block_bytes / 16; i += blockDim.x) to[i] = from[i];

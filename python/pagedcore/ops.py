@@ -885,13 +885,28 @@ def plan_attention(
     )
 
 
+def _runs(ids: np.ndarray, max_gap: int) -> list[tuple[int, int]]:
+    """Sorted distinct ids as (first, count) ranges; ranges at most ``max_gap``
+    ids apart are joined (the ids in between come along)."""
+    if ids.size == 0:
+        return []
+    breaks = np.flatnonzero(np.diff(ids) > max_gap + 1) + 1
+    starts = np.concatenate([[0], breaks])
+    ends = np.concatenate([breaks, [ids.size]]) - 1
+    return [(int(ids[s]), int(ids[e]) - int(ids[s]) + 1) for s, e in zip(starts, ends)]
+
+
+# Host blocks a swap-in may read past those it needs, to join two runs into one copy.
+_SWAP_IN_GAP = 8
+
+
 def swap_out(gpu_caches: Sequence[torch.Tensor], cpu_caches: Sequence[torch.Tensor], block_mapping: torch.Tensor) -> None:
     """Moves blocks of every layer from the GPU caches to the CPU caches at once.
 
     ``cpu_caches[c][dst] = gpu_caches[c][src]`` for every cache ``c`` and pair
-    ``(src, dst)``: one gather kernel into a staging buffer, one device-to-host
-    copy, then a host-side scatter (this synchronises the stream: swapping is
-    the rare, preempted path).
+    ``(src, dst)``: one gather kernel into a device staging buffer (cache-major),
+    then one device-to-host copy per cache and run of consecutive ``dst`` blocks,
+    queued on the current stream (pinned CPU caches: asynchronous DMA).
     """
     caches = list(gpu_caches)
     if not caches or block_mapping.shape[0] == 0:
@@ -901,24 +916,31 @@ def swap_out(gpu_caches: Sequence[torch.Tensor], cpu_caches: Sequence[torch.Tens
             swap_blocks(g, c, block_mapping)
         return
     device = caches[0].device
-    mapping = block_mapping.to("cpu", torch.int64)
-    blocks = mapping[:, 0].to(device, non_blocking=True)
+    mapping = block_mapping.to("cpu", torch.int64).numpy()
+    order = np.argsort(mapping[:, 1], kind="stable")
+    src, dst = mapping[order, 0], mapping[order, 1]
     block_bytes = caches[0][0].numel() * caches[0].element_size()
-    staging = torch.empty((mapping.shape[0], len(caches), block_bytes), dtype=torch.uint8, device=device)
+    staging = torch.empty((len(caches), src.size, block_bytes), dtype=torch.uint8, device=device)
     table = _pointer_table(caches, device)
+    blocks = torch.from_numpy(src).to(device, non_blocking=True)
     _C.cuda_gather_blocks(
         cache_ptrs=table.data_ptr(), blocks=blocks.data_ptr(), staging=staging.data_ptr(),
-        num_caches=len(caches), num_blocks_moved=mapping.shape[0], num_blocks=caches[0].shape[0],
+        num_caches=len(caches), num_blocks_moved=src.size, num_blocks=caches[0].shape[0],
         block_bytes=block_bytes, to_staging=True, stream=_stream(device),
     )
-    host = staging.to("cpu")  # the one copy (it waits for the gather)
-    for c, cpu_cache in enumerate(cpu_caches):
-        cpu_cache.view(cpu_cache.shape[0], -1).view(torch.uint8)[mapping[:, 1]] = host[:, c]
+    hosts = [cpu.view(cpu.shape[0], -1).view(torch.uint8) for cpu in cpu_caches]
+    row = 0
+    for first, count in _runs(dst, 0):  # exact runs: blocks in between belong to others
+        for c, host in enumerate(hosts):
+            host[first:first + count].copy_(staging[c, row:row + count], non_blocking=True)
+        row += count
 
 
 def swap_in(cpu_caches: Sequence[torch.Tensor], gpu_caches: Sequence[torch.Tensor], block_mapping: torch.Tensor) -> None:
     """Moves blocks of every layer from the CPU caches back to the GPU caches:
-    a host-side gather, one host-to-device copy, one scatter kernel."""
+    one host-to-device copy per cache and run of consecutive source blocks (runs
+    up to 8 blocks apart joined) into a device staging buffer, then one scatter
+    kernel, queued on the current stream."""
     caches = list(gpu_caches)
     if not caches or block_mapping.shape[0] == 0:
         return
@@ -927,16 +949,28 @@ def swap_in(cpu_caches: Sequence[torch.Tensor], gpu_caches: Sequence[torch.Tenso
             swap_blocks(c, g, block_mapping)
         return
     device = caches[0].device
-    mapping = block_mapping.to("cpu", torch.int64)
-    host = torch.stack(
-        [cpu.view(cpu.shape[0], -1).view(torch.uint8)[mapping[:, 0]] for cpu in cpu_caches], dim=1
-    ).pin_memory()
-    staging = host.to(device, non_blocking=True)
-    blocks = mapping[:, 1].to(device, non_blocking=True)
+    mapping = block_mapping.to("cpu", torch.int64).numpy()
+    order = np.argsort(mapping[:, 0], kind="stable")
+    src, dst = mapping[order, 0], mapping[order, 1]
+    runs = _runs(src, _SWAP_IN_GAP)
+    rows = sum(count for _, count in runs)
+    block_bytes = caches[0][0].numel() * caches[0].element_size()
+    staging = torch.empty((len(caches), rows, block_bytes), dtype=torch.uint8, device=device)
+    targets = np.full(rows, -1, dtype=np.int64)  # staging row -> GPU block (-1: a gap row)
+    hosts = [cpu.view(cpu.shape[0], -1).view(torch.uint8) for cpu in cpu_caches]
+    row = 0
+    for first, count in runs:
+        for c, host in enumerate(hosts):
+            staging[c, row:row + count].copy_(host[first:first + count], non_blocking=True)
+        row += count
+    starts = np.cumsum([0] + [count for _, count in runs[:-1]])
+    firsts = np.array([first for first, _ in runs], dtype=np.int64)
+    run_of = np.searchsorted(firsts, src, side="right") - 1
+    targets[starts[run_of] + (src - firsts[run_of])] = dst
+    blocks = torch.from_numpy(targets).to(device, non_blocking=True)
     table = _pointer_table(caches, device)
     _C.cuda_gather_blocks(
         cache_ptrs=table.data_ptr(), blocks=blocks.data_ptr(), staging=staging.data_ptr(),
-        num_caches=len(caches), num_blocks_moved=mapping.shape[0], num_blocks=caches[0].shape[0],
-        block_bytes=host.shape[2], to_staging=False, stream=_stream(device),
+        num_caches=len(caches), num_blocks_moved=rows, num_blocks=caches[0].shape[0],
+        block_bytes=block_bytes, to_staging=False, stream=_stream(device),
     )
-

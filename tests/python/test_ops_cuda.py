@@ -192,6 +192,7 @@ def test_swap_out_and_in_move_every_layer():
     cpu = [torch.zeros(6, 16, 2, 64, dtype=torch.bfloat16).pin_memory() for _ in range(4)]
     out_pairs = torch.tensor([[3, 1], [7, 4], [11, 0]])
     ops.swap_out(gpu, cpu, out_pairs)
+    torch.cuda.synchronize()  # the copies are queued on the stream
     for g_cache, c_cache in zip(gpu, cpu):
         for s, d in out_pairs.tolist():
             assert torch.equal(c_cache[d], g_cache[s].cpu())
@@ -202,6 +203,30 @@ def test_swap_out_and_in_move_every_layer():
     for g_cache, c_cache in zip(gpu, originals):
         for s, d in in_pairs.tolist():
             assert torch.equal(g_cache[d].cpu(), c_cache[s])
+
+
+def test_swap_runs_and_gaps_touch_only_their_blocks():
+    # Host blocks in runs with gaps: swap-out copies exact runs (the gaps hold other
+    # sequences' blocks), swap-in joins runs up to 8 blocks apart and drops the gap rows.
+    g = torch.Generator().manual_seed(6)
+    gpu = [torch.randn(40, 16, 2, 64, generator=g).to(torch.bfloat16).cuda() for _ in range(3)]
+    cpu = [torch.randn(40, 16, 2, 64, generator=g).to(torch.bfloat16).pin_memory() for _ in range(3)]
+    host_ids = [11, 0, 1, 2, 3, 10, 20, 35]  # unsorted on purpose
+    src = torch.randperm(40, generator=g)[: len(host_ids)]
+    before_gpu, before_cpu = [t.clone() for t in gpu], [t.clone() for t in cpu]
+    ops.swap_out(gpu, cpu, torch.stack([src, torch.tensor(host_ids)], dim=1))
+    torch.cuda.synchronize()
+    for layer in range(3):
+        expect = before_cpu[layer].clone()
+        expect[host_ids] = before_gpu[layer][src].cpu()
+        assert torch.equal(cpu[layer], expect)
+    dst = torch.randperm(40, generator=g)[: len(host_ids)]
+    ops.swap_in(cpu, gpu, torch.stack([torch.tensor(host_ids), dst], dim=1))
+    torch.cuda.synchronize()
+    for layer in range(3):
+        expect = before_gpu[layer].clone()
+        expect[dst.cuda()] = cpu[layer][host_ids].cuda()
+        assert torch.equal(gpu[layer], expect)
 
 
 def test_index_checks_name_the_field():

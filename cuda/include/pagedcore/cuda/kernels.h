@@ -55,15 +55,17 @@ int copy_blocks(const CopyBlocksParams& p, void* stream);
 struct GatherBlocksParams {
   const int64_t* cache_ptrs;  // [num_caches] device caches
   const int64_t* blocks;      // [num_blocks_moved] block ids, in order
-  void* staging;              // [num_blocks_moved, num_caches, block_bytes] contiguous
+  void* staging;              // [num_caches, num_blocks_moved, block_bytes] contiguous
+                              // (block ids < 0: rows skipped)
   int32_t num_caches;
   int32_t num_blocks_moved;
   int32_t num_blocks;
   int64_t block_bytes;
 };
-// staging[i][c] = cache c, block blocks[i] (swap-out: one gather, then one DMA).
+// staging[c][i] = cache c, block blocks[i] (swap-out: one gather, then a DMA
+// per cache and run of consecutive host blocks).
 int gather_blocks(const GatherBlocksParams& p, void* stream);
-// cache c, block blocks[i] = staging[i][c] (swap-in: one DMA, then one scatter).
+// cache c, block blocks[i] = staging[c][i] (swap-in: the DMAs, then one scatter).
 int scatter_blocks(const GatherBlocksParams& p, void* stream);
 
 // Work plan of one attention call, computed on the host once per step and
