@@ -873,6 +873,12 @@ def plan_attention(
     work_seq = np.repeat(rows, tiles)
     first_of_row = np.repeat(np.cumsum(tiles) - tiles, tiles)
     work_q_start = ((np.arange(total) - first_of_row) * tile).astype(np.int32)
+    if total > 1:
+        # Longest first (keys a tile reads: its last position + 1), so that the
+        # short tiles fill the GPU's tail instead of the long ones.
+        keys = seq_lens[work_seq] - q_lens[work_seq] + np.minimum(work_q_start + tile, q_lens[work_seq])
+        order = np.argsort(-keys, kind="stable")
+        work_seq, work_q_start = work_seq[order], work_q_start[order]
     index = device.index if device.index is not None else torch.cuda.current_device()
     sms = _SM_COUNTS.get(index)
     if sms is None:
