@@ -176,8 +176,9 @@ __global__ void __launch_bounds__(DECODE ? kThreads : 32 * kPrefillWarps) mma_at
   constexpr int WK = DECODE ? KT / kWarps : KT;                      // keys per warp per tile
   constexpr int KSTEPS = HD / 16;
   constexpr int NT = HD / 8;   // output fragments (8 dims each)
-  constexpr int ST = WK / 8;   // score fragments (8 keys each)
-  static_assert(HD % 16 == 0 && WK % 16 == 0, "tile shape");
+  constexpr int SUB = WK < 32 ? WK : 32;  // keys per compute pass
+  constexpr int ST = SUB / 8;  // score fragments (8 keys each)
+  static_assert(HD % 16 == 0 && SUB % 16 == 0 && WK % SUB == 0, "tile shape");
   extern __shared__ __align__(16) unsigned char smem[];
   int32_t* s_table = reinterpret_cast<int32_t*>(smem);
   unsigned char* stages = smem + kTable * 4;
@@ -264,6 +265,12 @@ __global__ void __launch_bounds__(DECODE ? kThreads : 32 * kPrefillWarps) mma_at
   const CT* value_cache = static_cast<const CT*>(p.value_cache);
   const int32_t* table = p.block_tables + static_cast<int64_t>(row) * p.block_tables_stride;
   const int bs = p.block_size;
+  // Block sizes are powers of two in practice: shifts then, divisions otherwise.
+  const int bs_shift = (bs & (bs - 1)) == 0 ? __ffs(bs) - 1 : -1;
+  const int slot_elems = p.num_kv_heads * HD;                          // one token, all kv heads
+  const int64_t block_elems = static_cast<int64_t>(bs) * slot_elems;
+  const CT* key_base = key_cache + kv_head * HD;
+  const CT* value_base = value_cache + kv_head * HD;
   const int wk0 = DECODE ? warp * WK : 0;  // the warp's first key within a tile
 
   for (int c0 = s_lo; c0 < s_hi;) {
@@ -292,11 +299,12 @@ __global__ void __launch_bounds__(DECODE ? kThreads : 32 * kPrefillWarps) mma_at
         const bool valid = key < c1;
         int64_t off = 0;
         if (valid) {
-          const int64_t block = s_table[key / bs - b0];
-          off = ((block * bs + key % bs) * p.num_kv_heads + kv_head) * HD;
+          const int b = bs_shift >= 0 ? key >> bs_shift : key / bs;
+          const int in_block = key - b * bs;
+          off = s_table[b - b0] * block_elems + in_block * slot_elems;
         }
-        const CT* kp = key_cache + off;
-        const CT* vp = value_cache + off;
+        const CT* kp = key_base + off;
+        const CT* vp = value_base + off;
         const uint32_t kdst = smem_addr(ks + j * SROW);
         const uint32_t vdst = smem_addr(vs + j * SROW);
 #pragma unroll
@@ -336,107 +344,131 @@ __global__ void __launch_bounds__(DECODE ? kThreads : 32 * kPrefillWarps) mma_at
         ks = widened;
         vs = widened + KT * MROW;
       }
-      const int kbase = c0 + t * KT + wk0;  // the warp's first key
-      const bool skip = !warp_active || kbase >= c1 || kbase > warp_last_pos;
-      if (skip) continue;
+      // NOTE: a prefill warp's 64 keys go in two passes of 32 (a loop, not
+      // unrolled): half the code and the score registers.
+#pragma unroll 1
+      for (int sub = 0; sub < WK / SUB; ++sub) {
+        const int wk = wk0 + sub * SUB;  // the warp's first key within the tile
+        const int kbase = c0 + t * KT + wk;
+        const bool skip = !warp_active || kbase >= c1 || kbase > warp_last_pos;
+        if (skip) break;  // later passes are further right
 
-      // S = Q K^T over the warp's WK keys.
-      float sc[ST][4];
+        // S = Q K^T over the warp's SUB keys.
+        float sc[ST][4];
 #pragma unroll
-      for (int n = 0; n < ST; ++n) sc[n][0] = sc[n][1] = sc[n][2] = sc[n][3] = 0.f;
-      const uint32_t k_base = smem_addr(ks);
+        for (int n = 0; n < ST; ++n) sc[n][0] = sc[n][1] = sc[n][2] = sc[n][3] = 0.f;
+        const uint32_t k_base = smem_addr(ks);
+        // NOTE: with few score fragments (decode), odd k steps accumulate apart
+        // so that two mma chains per fragment run at once.
+        constexpr bool SPLIT_K = ST <= 2 && KSTEPS >= 4;
+        float sc2[SPLIT_K ? ST : 1][4];
 #pragma unroll
-      for (int n = 0; n < ST; ++n) {
-        const int key = wk0 + 8 * n + (lane % 8);
+        for (int n = 0; n < (SPLIT_K ? ST : 1); ++n) sc2[n][0] = sc2[n][1] = sc2[n][2] = sc2[n][3] = 0.f;
 #pragma unroll
-        for (int s = 0; s < KSTEPS; s += 2) {
-          if (s + 1 < KSTEPS) {
-            uint32_t b[4];
-            ldmatrix_x4(k_base + key * MROW + (16 * s + 8 * (lane / 8)) * 2, b);
-            mma16816<MT>(sc[n], qf[s], b[0], b[1]);
-            mma16816<MT>(sc[n], qf[s + 1], b[2], b[3]);
-          } else {
-            uint32_t b[2];
-            ldmatrix_x2(k_base + key * MROW + (16 * s + 8 * ((lane / 8) % 2)) * 2, b);
-            mma16816<MT>(sc[n], qf[s], b[0], b[1]);
+        for (int n = 0; n < ST; ++n) {
+          const int key = wk + 8 * n + (lane % 8);
+#pragma unroll
+          for (int s = 0; s < KSTEPS; s += 2) {
+            if (s + 1 < KSTEPS) {
+              uint32_t b[4];
+              ldmatrix_x4(k_base + key * MROW + (16 * s + 8 * (lane / 8)) * 2, b);
+              mma16816<MT>(sc[n], qf[s], b[0], b[1]);
+              mma16816<MT>(SPLIT_K ? sc2[SPLIT_K ? n : 0] : sc[n], qf[s + 1], b[2], b[3]);
+            } else {
+              uint32_t b[2];
+              ldmatrix_x2(k_base + key * MROW + (16 * s + 8 * ((lane / 8) % 2)) * 2, b);
+              mma16816<MT>(sc[n], qf[s], b[0], b[1]);
+            }
           }
         }
-      }
-      // Scale, cap, mask; the running max and sum per row.
-      float tile_max[2] = {-INFINITY, -INFINITY};
-      // Every key of the warp's share visible to every row: no mask to apply.
-      const bool whole = kbase + WK <= c1 && kbase + WK - 1 <= warp_first_pos &&
-                         (p.sliding_window == 0 || kbase > warp_last_pos - p.sliding_window);
+        if constexpr (SPLIT_K) {
 #pragma unroll
-      for (int n = 0; n < ST; ++n) {
+          for (int n = 0; n < ST; ++n) {
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int r = i / 2;
-          float x = sc[n][i] * score_scale;
-          if (softcap > 0.f) x = softcap * tanhf(x / softcap);
-          x *= kLog2e;
-          if (!whole) {
-            const int key = kbase + 8 * n + 2 * qd + (i % 2);
-            const bool ok = vvalid[r] && key < c1 && key <= vpos[r] &&
-                            (p.sliding_window == 0 || key > vpos[r] - p.sliding_window);
-            x = ok ? x : -INFINITY;
+            for (int i = 0; i < 4; ++i) sc[n][i] += sc2[n][i];
           }
-          sc[n][i] = x;
-          tile_max[r] = fmaxf(tile_max[r], x);
         }
-      }
-      // NOTE: the running max moves only when a row's max grew by more than
-      // kSlack (log2 units) — exponentials stay <= 2^kSlack — so most tiles
-      // skip rescaling the accumulators.
-      constexpr float kSlack = 8.f;
-      bool grow = false;
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 1));
-        tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 2));
-        grow |= tile_max[r] > m[r] + kSlack;
-      }
-      if (__any_sync(0xffffffffu, grow)) {
-        float corr[2];
+        // Scale, cap, mask; the running max and sum per row.
+        float tile_max[2] = {-INFINITY, -INFINITY};
+        // Every key of the warp's share visible to every row: no mask to apply.
+        const bool whole = kbase + SUB <= c1 && kbase + SUB - 1 <= warp_first_pos &&
+                           (p.sliding_window == 0 || kbase > warp_last_pos - p.sliding_window);
+        // Keys a row sees in this chunk: [key_from, key_to] (empty for padding rows).
+        int key_from[2], key_to[2];
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-          const float new_m = fmaxf(m[r], tile_max[r]);
-          corr[r] = exp2f(m[r] - (new_m == -INFINITY ? 0.f : new_m));
-          m[r] = new_m;
-          l[r] *= corr[r];
+          key_from[r] = p.sliding_window > 0 ? vpos[r] - p.sliding_window + 1 : 0;
+          key_to[r] = vvalid[r] ? min(vpos[r], c1 - 1) : -1;
         }
 #pragma unroll
-        for (int n = 0; n < NT; ++n) {
-          acc[n][0] *= corr[0];
-          acc[n][1] *= corr[0];
-          acc[n][2] *= corr[1];
-          acc[n][3] *= corr[1];
+        for (int n = 0; n < ST; ++n) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const int r = i / 2;
+            float x = sc[n][i] * score_scale;
+            if (softcap > 0.f) x = softcap * tanhf(x / softcap);
+            x *= kLog2e;
+            if (!whole) {
+              const int key = kbase + 8 * n + 2 * qd + (i % 2);
+              x = key >= key_from[r] && key <= key_to[r] ? x : -INFINITY;
+            }
+            sc[n][i] = x;
+            tile_max[r] = fmaxf(tile_max[r], x);
+          }
         }
-      }
-      const float base[2] = {m[0] == -INFINITY ? 0.f : m[0], m[1] == -INFINITY ? 0.f : m[1]};
+        // NOTE: the running max moves only when a row's max grew by more than
+        // kSlack (log2 units) — exponentials stay <= 2^kSlack — so most tiles
+        // skip rescaling the accumulators.
+        constexpr float kSlack = 8.f;
+        bool grow = false;
 #pragma unroll
-      for (int n = 0; n < ST; ++n) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const float e = exp2f(sc[n][i] - base[i / 2]);
-          sc[n][i] = e;
-          l[i / 2] += e;
+        for (int r = 0; r < 2; ++r) {
+          tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 1));
+          tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 2));
+          grow |= tile_max[r] > m[r] + kSlack;
         }
-      }
-      // O += P V.
-      const uint32_t v_base = smem_addr(vs);
+        if (__any_sync(0xffffffffu, grow)) {
+          float corr[2];
 #pragma unroll
-      for (int kk = 0; kk < WK / 16; ++kk) {
-        const uint32_t pa[4] = {pack2<MT>(sc[2 * kk][0], sc[2 * kk][1]), pack2<MT>(sc[2 * kk][2], sc[2 * kk][3]),
-                                pack2<MT>(sc[2 * kk + 1][0], sc[2 * kk + 1][1]),
-                                pack2<MT>(sc[2 * kk + 1][2], sc[2 * kk + 1][3])};
-        const int key = wk0 + 16 * kk + (lane % 8) + 8 * ((lane / 8) % 2);
+          for (int r = 0; r < 2; ++r) {
+            const float new_m = fmaxf(m[r], tile_max[r]);
+            corr[r] = exp2f(m[r] - (new_m == -INFINITY ? 0.f : new_m));
+            m[r] = new_m;
+            l[r] *= corr[r];
+          }
 #pragma unroll
-        for (int j = 0; j < NT / 2; ++j) {
-          uint32_t b[4];
-          ldmatrix_x4_trans(v_base + key * MROW + (16 * j + 8 * (lane / 16)) * 2, b);
-          mma16816<MT>(acc[2 * j], pa, b[0], b[1]);
-          mma16816<MT>(acc[2 * j + 1], pa, b[2], b[3]);
+          for (int n = 0; n < NT; ++n) {
+            acc[n][0] *= corr[0];
+            acc[n][1] *= corr[0];
+            acc[n][2] *= corr[1];
+            acc[n][3] *= corr[1];
+          }
+        }
+        const float base[2] = {m[0] == -INFINITY ? 0.f : m[0], m[1] == -INFINITY ? 0.f : m[1]};
+#pragma unroll
+        for (int n = 0; n < ST; ++n) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const float e = exp2f(sc[n][i] - base[i / 2]);
+            sc[n][i] = e;
+            l[i / 2] += e;
+          }
+        }
+        // O += P V.
+        const uint32_t v_base = smem_addr(vs);
+#pragma unroll
+        for (int kk = 0; kk < SUB / 16; ++kk) {
+          const uint32_t pa[4] = {pack2<MT>(sc[2 * kk][0], sc[2 * kk][1]), pack2<MT>(sc[2 * kk][2], sc[2 * kk][3]),
+                                  pack2<MT>(sc[2 * kk + 1][0], sc[2 * kk + 1][1]),
+                                  pack2<MT>(sc[2 * kk + 1][2], sc[2 * kk + 1][3])};
+          const int key = wk + 16 * kk + (lane % 8) + 8 * ((lane / 8) % 2);
+#pragma unroll
+          for (int j = 0; j < NT / 2; ++j) {
+            uint32_t b[4];
+            ldmatrix_x4_trans(v_base + key * MROW + (16 * j + 8 * (lane / 16)) * 2, b);
+            mma16816<MT>(acc[2 * j], pa, b[0], b[1]);
+            mma16816<MT>(acc[2 * j + 1], pa, b[2], b[3]);
+          }
         }
       }
     }
