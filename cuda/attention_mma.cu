@@ -15,8 +15,11 @@
 // every key of a tile. With several key splits a merge kernel combines the
 // partial results by their log-sum-exp.
 //
-// An fp8 cache is staged as bytes and widened to fp16 in shared memory before
-// the mma; its scales fold into the score scale (k) and the output (v).
+// An fp8 cache is staged as bytes and widened to fp16 in registers: K rows by
+// 4-byte loads (the head dims of each k step permuted the same way in Q and
+// K), V by ldmatrix.trans on byte pairs, whose even and odd head dims then
+// feed two mma tiles. Its scales fold into the score scale (k) and the output
+// (v).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
@@ -54,13 +57,10 @@ __host__ __device__ constexpr int staged_row_bytes() {
   return HD * static_cast<int>(sizeof(CT)) + 16;  // +16: ldmatrix rows land on distinct banks
 }
 
-__host__ __device__ constexpr int mma_row_bytes(int hd) { return hd * 2 + 16; }
-
 template <typename CT, int HD, bool DECODE>
 __host__ __device__ constexpr size_t smem_bytes() {
   constexpr int kt = kTileKeys;
   size_t bytes = kTable * 4 + static_cast<size_t>(num_stages<HD, DECODE>()) * 2 * kt * staged_row_bytes<CT, HD>();
-  if (std::is_same_v<CT, uint8_t>) bytes += 2 * kt * mma_row_bytes(HD);
   return bytes;
 }
 
@@ -71,6 +71,13 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
 }
+// 2^x on the special-function unit (flush-to-zero; the inputs here are <= 8).
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
@@ -148,19 +155,16 @@ __device__ __forceinline__ void store_pair(T* dst, float x, float y) {
   }
 }
 
-// 16 fp8 bytes -> 16 halves (32 bytes).
-__device__ __forceinline__ void widen_fp8x16(const uint4& in, uint4 (&out)[2]) {
-  const uint32_t w[4] = {in.x, in.y, in.z, in.w};
-  uint32_t o[8];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const __half2_raw lo = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w[i] & 0xffffu), __NV_E4M3);
-    const __half2_raw hi = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w[i] >> 16), __NV_E4M3);
-    o[2 * i] = static_cast<uint32_t>(lo.x) | (static_cast<uint32_t>(lo.y) << 16);
-    o[2 * i + 1] = static_cast<uint32_t>(hi.x) | (static_cast<uint32_t>(hi.y) << 16);
-  }
-  out[0] = make_uint4(o[0], o[1], o[2], o[3]);
-  out[1] = make_uint4(o[4], o[5], o[6], o[7]);
+// Two e4m3 bytes (low byte first) -> a half2 in a register.
+__device__ __forceinline__ uint32_t fp8x2_to_half2(uint32_t two) {
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(two & 0xffffu), __NV_E4M3);
+  return static_cast<uint32_t>(h.x) | (static_cast<uint32_t>(h.y) << 16);
+}
+
+__device__ __forceinline__ void ldmatrix_x2_trans(uint32_t addr, uint32_t (&r)[2]) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0, %1}, [%2];\n"
+               : "=r"(r[0]), "=r"(r[1])
+               : "r"(addr));
 }
 
 template <typename T, typename CT, int HD, bool DECODE>
@@ -172,7 +176,6 @@ __global__ void __launch_bounds__(DECODE ? kThreads : 32 * kPrefillWarps) mma_at
   constexpr int kStages = num_stages<HD, DECODE>();
   constexpr int CHUNKS = HD * static_cast<int>(sizeof(CT)) / 16;  // 16-byte pieces of a cache row
   constexpr int SROW = staged_row_bytes<CT, HD>();
-  constexpr int MROW = FP8 ? mma_row_bytes(HD) : SROW;              // row bytes the mma reads
   constexpr int WK = DECODE ? KT / kWarps : KT;                      // keys per warp per tile
   constexpr int KSTEPS = HD / 16;
   constexpr int NT = HD / 8;   // output fragments (8 dims each)
@@ -182,7 +185,6 @@ __global__ void __launch_bounds__(DECODE ? kThreads : 32 * kPrefillWarps) mma_at
   extern __shared__ __align__(16) unsigned char smem[];
   int32_t* s_table = reinterpret_cast<int32_t*>(smem);
   unsigned char* stages = smem + kTable * 4;
-  unsigned char* widened = stages + kStages * 2 * KT * SROW;  // fp8: K then V as halves
 
   // NOTE: the kv head is the fastest grid index, so that the CTAs of one row run
   // together and read its K/V rows (all kv heads of a token are adjacent) at
@@ -245,15 +247,21 @@ __global__ void __launch_bounds__(DECODE ? kThreads : 32 * kPrefillWarps) mma_at
     }
 #pragma unroll
     for (int s = 0; s < KSTEPS; ++s) {
-      const int d = 16 * s + 2 * qd;
+      // fp8: fragment columns (2q, 2q+1, 2q+8, 2q+9) hold dims 16s + 4q .. 4q+3.
+      const int d = FP8 ? 16 * s + 4 * qd : 16 * s + 2 * qd;
+      const int d_hi = FP8 ? d + 2 : d + 8;
       qf[s][0] = vvalid[0] ? load_pair<T, MT>(qrow[0] + d) : 0u;
       qf[s][1] = vvalid[1] ? load_pair<T, MT>(qrow[1] + d) : 0u;
-      qf[s][2] = vvalid[0] ? load_pair<T, MT>(qrow[0] + d + 8) : 0u;
-      qf[s][3] = vvalid[1] ? load_pair<T, MT>(qrow[1] + d + 8) : 0u;
+      qf[s][2] = vvalid[0] ? load_pair<T, MT>(qrow[0] + d_hi) : 0u;
+      qf[s][3] = vvalid[1] ? load_pair<T, MT>(qrow[1] + d_hi) : 0u;
     }
   }
   const float score_scale = p.scale * (FP8 ? p.k_scale : 1.f);
   const float softcap = p.softcap;
+  const float score_log2 = score_scale * kLog2e;       // no cap: scores in log2 units at once
+  const float softcap_log2 = softcap * kLog2e;
+  const float cap_scale = softcap > 0.f ? score_scale / softcap : 0.f;
+  const bool hi_rows = !DECODE || num_vectors > 8;    // fragment rows 8-15 in use
 
   float acc[NT][4];
 #pragma unroll
@@ -328,22 +336,8 @@ __global__ void __launch_bounds__(DECODE ? kThreads : 32 * kPrefillWarps) mma_at
       __syncthreads();  // tile t has landed for every thread; tile t-1 is consumed
       if (t + kStages - 1 < n_tiles) load_tile(t + kStages - 1);
       cp_async_commit();
-      const unsigned char* ks = stages + (t % kStages) * 2 * KT * SROW;
-      const unsigned char* vs = ks + KT * SROW;
-      if constexpr (FP8) {
-        for (int i = threadIdx.x; i < 2 * KT * CHUNKS; i += THREADS) {
-          const int j = i / CHUNKS;  // row over K then V
-          const int c = i % CHUNKS;
-          uint4 out[2];
-          widen_fp8x16(*reinterpret_cast<const uint4*>(ks + j * SROW + c * 16), out);
-          uint4* dst = reinterpret_cast<uint4*>(widened + j * MROW + c * 32);
-          dst[0] = out[0];
-          dst[1] = out[1];
-        }
-        __syncthreads();
-        ks = widened;
-        vs = widened + KT * MROW;
-      }
+      const unsigned char* const ks = stages + (t % kStages) * 2 * KT * SROW;
+      const unsigned char* const vs = ks + KT * SROW;
       // NOTE: a prefill warp's 64 keys go in two passes of 32 (a loop, not
       // unrolled): half the code and the score registers.
 #pragma unroll 1
@@ -367,16 +361,26 @@ __global__ void __launch_bounds__(DECODE ? kThreads : 32 * kPrefillWarps) mma_at
 #pragma unroll
         for (int n = 0; n < ST; ++n) {
           const int key = wk + 8 * n + (lane % 8);
+          if constexpr (FP8) {
+            const unsigned char* krow = ks + (wk + 8 * n + lane / 4) * SROW + 4 * qd;
+#pragma unroll
+            for (int s = 0; s < KSTEPS; ++s) {
+              const uint32_t w = *reinterpret_cast<const uint32_t*>(krow + 16 * s);
+              mma16816<MT>(SPLIT_K && (s % 2) ? sc2[SPLIT_K ? n : 0] : sc[n], qf[s], fp8x2_to_half2(w),
+                           fp8x2_to_half2(w >> 16));
+            }
+            continue;
+          }
 #pragma unroll
           for (int s = 0; s < KSTEPS; s += 2) {
             if (s + 1 < KSTEPS) {
               uint32_t b[4];
-              ldmatrix_x4(k_base + key * MROW + (16 * s + 8 * (lane / 8)) * 2, b);
+              ldmatrix_x4(k_base + key * SROW + (16 * s + 8 * (lane / 8)) * 2, b);
               mma16816<MT>(sc[n], qf[s], b[0], b[1]);
               mma16816<MT>(SPLIT_K ? sc2[SPLIT_K ? n : 0] : sc[n], qf[s + 1], b[2], b[3]);
             } else {
               uint32_t b[2];
-              ldmatrix_x2(k_base + key * MROW + (16 * s + 8 * ((lane / 8) % 2)) * 2, b);
+              ldmatrix_x2(k_base + key * SROW + (16 * s + 8 * ((lane / 8) % 2)) * 2, b);
               mma16816<MT>(sc[n], qf[s], b[0], b[1]);
             }
           }
@@ -400,20 +404,23 @@ __global__ void __launch_bounds__(DECODE ? kThreads : 32 * kPrefillWarps) mma_at
           key_from[r] = p.sliding_window > 0 ? vpos[r] - p.sliding_window + 1 : 0;
           key_to[r] = vvalid[r] ? min(vpos[r], c1 - 1) : -1;
         }
+        // NOTE: rows r = 1 (fragment rows 8-15) hold no query vector in a
+        // decode CTA of at most 8 heads: their scores are left alone.
 #pragma unroll
-        for (int n = 0; n < ST; ++n) {
+        for (int r = 0; r < 2; ++r) {
+          if (r == 1 && !hi_rows) continue;
 #pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            const int r = i / 2;
-            float x = sc[n][i] * score_scale;
-            if (softcap > 0.f) x = softcap * tanhf(x / softcap);
-            x *= kLog2e;
-            if (!whole) {
-              const int key = kbase + 8 * n + 2 * qd + (i % 2);
-              x = key >= key_from[r] && key <= key_to[r] ? x : -INFINITY;
+          for (int n = 0; n < ST; ++n) {
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+              float x = softcap > 0.f ? softcap_log2 * tanhf(sc[n][2 * r + c] * cap_scale) : sc[n][2 * r + c] * score_log2;
+              if (!whole) {
+                const int key = kbase + 8 * n + 2 * qd + c;
+                x = key >= key_from[r] && key <= key_to[r] ? x : -INFINITY;
+              }
+              sc[n][2 * r + c] = x;
+              tile_max[r] = fmaxf(tile_max[r], x);
             }
-            sc[n][i] = x;
-            tile_max[r] = fmaxf(tile_max[r], x);
           }
         }
         // NOTE: the running max moves only when a row's max grew by more than
@@ -432,7 +439,7 @@ __global__ void __launch_bounds__(DECODE ? kThreads : 32 * kPrefillWarps) mma_at
 #pragma unroll
           for (int r = 0; r < 2; ++r) {
             const float new_m = fmaxf(m[r], tile_max[r]);
-            corr[r] = exp2f(m[r] - (new_m == -INFINITY ? 0.f : new_m));
+            corr[r] = fast_exp2(m[r] - (new_m == -INFINITY ? 0.f : new_m));
             m[r] = new_m;
             l[r] *= corr[r];
           }
@@ -444,14 +451,18 @@ __global__ void __launch_bounds__(DECODE ? kThreads : 32 * kPrefillWarps) mma_at
             acc[n][3] *= corr[1];
           }
         }
-        const float base[2] = {m[0] == -INFINITY ? 0.f : m[0], m[1] == -INFINITY ? 0.f : m[1]};
 #pragma unroll
-        for (int n = 0; n < ST; ++n) {
+        for (int r = 0; r < 2; ++r) {
+          if (r == 1 && !hi_rows) continue;
+          const float base = m[r] == -INFINITY ? 0.f : m[r];
 #pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            const float e = exp2f(sc[n][i] - base[i / 2]);
-            sc[n][i] = e;
-            l[i / 2] += e;
+          for (int n = 0; n < ST; ++n) {
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+              const float e = fast_exp2(sc[n][2 * r + c] - base);
+              sc[n][2 * r + c] = e;
+              l[r] += e;
+            }
           }
         }
         // O += P V.
@@ -462,10 +473,37 @@ __global__ void __launch_bounds__(DECODE ? kThreads : 32 * kPrefillWarps) mma_at
                                   pack2<MT>(sc[2 * kk + 1][0], sc[2 * kk + 1][1]),
                                   pack2<MT>(sc[2 * kk + 1][2], sc[2 * kk + 1][3])};
           const int key = wk + 16 * kk + (lane % 8) + 8 * ((lane / 8) % 2);
+          if constexpr (FP8) {
+            // Byte pairs (dims 2e, 2e+1) of keys 2q, 2q+1 (and + 8): even dims
+            // feed fragment 4j (+2), odd dims 4j + 1 (+3); j covers 32 dims.
+#pragma unroll
+            for (int j = 0; j < HD / 32; ++j) {
+              uint32_t b[4];
+              ldmatrix_x4_trans(v_base + key * SROW + 32 * j + 16 * (lane / 16), b);
+#pragma unroll
+              for (int h = 0; h < 2; ++h) {
+                const uint32_t lo = b[2 * h], hi = b[2 * h + 1];
+                mma16816<MT>(acc[4 * j + 2 * h], pa, fp8x2_to_half2(__byte_perm(lo, 0, 0x0020)),
+                             fp8x2_to_half2(__byte_perm(hi, 0, 0x0020)));
+                mma16816<MT>(acc[4 * j + 2 * h + 1], pa, fp8x2_to_half2(__byte_perm(lo, 0, 0x0031)),
+                             fp8x2_to_half2(__byte_perm(hi, 0, 0x0031)));
+              }
+            }
+            if constexpr (HD % 32 != 0) {
+              constexpr int j = HD / 32;
+              uint32_t b[2];
+              ldmatrix_x2_trans(v_base + key * SROW + 32 * j, b);
+              mma16816<MT>(acc[4 * j], pa, fp8x2_to_half2(__byte_perm(b[0], 0, 0x0020)),
+                           fp8x2_to_half2(__byte_perm(b[1], 0, 0x0020)));
+              mma16816<MT>(acc[4 * j + 1], pa, fp8x2_to_half2(__byte_perm(b[0], 0, 0x0031)),
+                           fp8x2_to_half2(__byte_perm(b[1], 0, 0x0031)));
+            }
+            continue;
+          }
 #pragma unroll
           for (int j = 0; j < NT / 2; ++j) {
             uint32_t b[4];
-            ldmatrix_x4_trans(v_base + key * MROW + (16 * j + 8 * (lane / 16)) * 2, b);
+            ldmatrix_x4_trans(v_base + key * SROW + (16 * j + 8 * (lane / 16)) * 2, b);
             mma16816<MT>(acc[2 * j], pa, b[0], b[1]);
             mma16816<MT>(acc[2 * j + 1], pa, b[2], b[3]);
           }
@@ -482,6 +520,11 @@ __global__ void __launch_bounds__(DECODE ? kThreads : 32 * kPrefillWarps) mma_at
     l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
   }
   const float out_scale = FP8 ? p.v_scale : 1.f;
+  // Head dim of acc[n][c] (c = 0, 1; rows 8-15 the same): fp8 fragments pair up
+  // the even and odd dims of 16-dim blocks.
+  auto out_dim = [qd](int n, int c) {
+    return FP8 ? 16 * (n / 2) + 4 * qd + 2 * c + (n % 2) : 8 * n + 2 * qd + c;
+  };
 
   if constexpr (DECODE) {
     // Merge the four warps' key shares: [warp][16 rows][HD] plus (max, sum).
@@ -495,7 +538,7 @@ __global__ void __launch_bounds__(DECODE ? kThreads : 32 * kPrefillWarps) mma_at
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const int r = lane / 4 + 8 * (i / 2);
-        s_acc[(warp * 16 + r) * HD + 8 * n + 2 * qd + (i % 2)] = acc[n][i];
+        s_acc[(warp * 16 + r) * HD + out_dim(n, i % 2)] = acc[n][i];
       }
     }
     if (qd == 0) {
@@ -548,14 +591,22 @@ __global__ void __launch_bounds__(DECODE ? kThreads : 32 * kPrefillWarps) mma_at
         const int head = kv_head * group + v % group;
         T* dst = static_cast<T*>(p.out) + (tok * p.num_heads + head) * HD;
 #pragma unroll
-        for (int n = 0; n < NT; ++n) store_pair(dst + 8 * n + 2 * qd, acc[n][2 * r] * inv, acc[n][2 * r + 1] * inv);
+        for (int n = 0; n < NT; ++n) {
+          if constexpr (FP8) {
+            dst[out_dim(n, 0)] = static_cast<T>(acc[n][2 * r] * inv);
+            dst[out_dim(n, 1)] = static_cast<T>(acc[n][2 * r + 1] * inv);
+          } else {
+            store_pair(dst + out_dim(n, 0), acc[n][2 * r] * inv, acc[n][2 * r + 1] * inv);
+          }
+        }
       } else {
         const int64_t slot =
             ((static_cast<int64_t>(work) * p.num_kv_heads + kv_head) * splits + split) * kAttentionPartialVectors + v;
         float* dst = p.partial_out + slot * HD;
 #pragma unroll
         for (int n = 0; n < NT; ++n) {
-          *reinterpret_cast<float2*>(dst + 8 * n + 2 * qd) = make_float2(acc[n][2 * r] * inv, acc[n][2 * r + 1] * inv);
+          dst[out_dim(n, 0)] = acc[n][2 * r] * inv;
+          dst[out_dim(n, 1)] = acc[n][2 * r + 1] * inv;
         }
         if (qd == 0) {
           p.partial_lse[2 * slot] = m[r] == -INFINITY ? -FLT_MAX : m[r] * kLn2;

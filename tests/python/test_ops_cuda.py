@@ -66,6 +66,8 @@ def test_attention_grid(dtype, head_dim, group, block_size):
 @pytest.mark.parametrize("head_dim", [32, 80, 96, 256])
 def test_attention_other_head_dims(head_dim):
     run_cuda(mixed_rows(16), block_size=16, head_dim=head_dim, group=2, dtype=torch.bfloat16)
+    run_cuda(mixed_rows(16), block_size=16, head_dim=head_dim, group=12, dtype=torch.float16,
+             fp8_scales=(0.5, 1.5))
 
 
 @pytest.mark.parametrize("window,softcap", [(13, 0.0), (0, 2.0), (40, 3.5)])
