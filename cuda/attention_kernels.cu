@@ -18,6 +18,7 @@
 #include <cfloat>
 #include <cstdint>
 
+#include "attention_merge.cuh"
 #include "attention_mma.h"
 #include "pagedcore/cuda/kernels.h"
 
@@ -238,72 +239,12 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(PagedAttentio
   }
 }
 
-// Merges the key splits of each (work item or decode row, kv head, vector) by
-// their log-sum-exp; partial maxima are in natural-log units. Grid (kv head,
-// item): the weights of every (split, vector) first, in shared memory, then
-// each thread sums a 4-float column over the splits.
+// Merges the key splits of each (work item or decode row, kv head, vector):
+// grid (kv head, item).
 template <typename T, int HD, bool DECODE>
 __global__ void __launch_bounds__(kThreads) merge_splits_kernel(PagedAttentionParams p) {
-  __shared__ float s_w[kAttentionMaxSplits * kSlots / 4];  // [split][vector], up to 64 x 32 at a time
-  constexpr int kChunk = kSlots / 4;                          // vectors merged per pass
-  const int kv_head = blockIdx.x;
-  const int work = blockIdx.y;
-  const int row = DECODE ? p.decode_seq[work] : p.work_seq[work];
-  const int q_begin = p.query_start_loc[row];
-  const int q_len = p.query_start_loc[row + 1] - q_begin;
-  const int t0 = DECODE ? 0 : p.work_q_start[work];
-  const int splits = DECODE ? p.decode_splits : p.num_splits;
-  const float* partial_out = DECODE ? p.decode_partial_out : p.partial_out;
-  const float* partial_lse = DECODE ? p.decode_partial_lse : p.partial_lse;
-  const int group = p.num_heads / p.num_kv_heads;
-  const int num_vectors = (DECODE ? 1 : min(p.tile_tokens, q_len - t0)) * group;
-  const int64_t first = ((static_cast<int64_t>(work) * p.num_kv_heads + kv_head) * splits) * kSlots;
-  T* out = static_cast<T*>(p.out);
-  for (int v0 = 0; v0 < num_vectors; v0 += kChunk) {
-    const int nv = min(kChunk, num_vectors - v0);
-    __syncthreads();
-    for (int v = threadIdx.x; v < nv; v += kThreads) {
-      float gmax = -FLT_MAX;
-      for (int s = 0; s < splits; ++s) {
-        const int64_t slot = first + static_cast<int64_t>(s) * kSlots + v0 + v;
-        if (partial_lse[2 * slot + 1] > 0.f) gmax = fmaxf(gmax, partial_lse[2 * slot]);
-      }
-      float total = 0.f;
-      for (int s = 0; s < splits; ++s) {
-        const int64_t slot = first + static_cast<int64_t>(s) * kSlots + v0 + v;
-        const float sum = partial_lse[2 * slot + 1];
-        const float w = sum > 0.f ? sum * __expf(partial_lse[2 * slot] - gmax) : 0.f;
-        s_w[s * kChunk + v] = w;
-        total += w;
-      }
-      const float inv = total > 0.f ? 1.f / total : 0.f;
-      for (int s = 0; s < splits; ++s) s_w[s * kChunk + v] *= inv;
-    }
-    __syncthreads();
-    constexpr int Q = HD / 4;  // float4 columns per vector
-    for (int i = threadIdx.x; i < nv * Q; i += kThreads) {
-      const int v = i / Q;
-      const int d = (i % Q) * 4;
-      float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll 8
-      for (int s = 0; s < splits; ++s) {
-        const float w = s_w[s * kChunk + v];
-        if (w == 0.f) continue;  // an empty split's output is never written
-        const int64_t slot = first + static_cast<int64_t>(s) * kSlots + v0 + v;
-        const float4 x = *reinterpret_cast<const float4*>(partial_out + slot * HD + d);
-        acc.x += w * x.x;
-        acc.y += w * x.y;
-        acc.z += w * x.z;
-        acc.w += w * x.w;
-      }
-      const int vv = v0 + v;
-      T* dst = out + ((q_begin + t0 + static_cast<int64_t>(vv / group)) * p.num_heads + kv_head * group + vv % group) * HD + d;
-      dst[0] = from_float<T>(acc.x);
-      dst[1] = from_float<T>(acc.y);
-      dst[2] = from_float<T>(acc.z);
-      dst[3] = from_float<T>(acc.w);
-    }
-  }
+  __shared__ float s_w[merge::kScratchFloats];
+  merge::merge_splits<T, HD, kThreads, DECODE>(p, blockIdx.y, blockIdx.x, s_w);
 }
 
 template <typename T, int HD>

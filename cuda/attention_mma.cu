@@ -12,8 +12,9 @@
 // Decode CTAs have one group of 16 vectors (the heads of one token), so their
 // four warps split each tile's keys and merge through shared memory at the
 // end; prefill CTAs hold 64 vectors, one group per warp, all warps reading
-// every key of a tile. With several key splits a merge kernel combines the
-// partial results by their log-sum-exp.
+// every key of a tile. With several key splits the last CTA of each (item, kv
+// head) to finish combines the partial results by their log-sum-exp (or a
+// merge kernel, without counters).
 //
 // An fp8 cache is staged as bytes and widened to fp16 in registers: K rows by
 // 4-byte loads (the head dims of each k step permuted the same way in Q and
@@ -29,6 +30,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "attention_merge.cuh"
 #include "attention_mma.h"
 #include "pagedcore/cuda/kernels.h"
 
@@ -532,6 +534,7 @@ __global__ void __launch_bounds__(DECODE ? kThreads : 32 * kPrefillWarps) mma_at
     float* s_m = s_acc + kWarps * 16 * HD;
     float* s_l = s_m + kWarps * 16;
     static_assert(smem_bytes<CT, HD, DECODE>() - kTable * 4 >= (kWarps * 16 * HD + 2 * kWarps * 16) * 4, "merge space");
+    static_assert(smem_bytes<CT, HD, DECODE>() - kTable * 4 >= merge::kScratchFloats * 4, "split merge space");
     __syncthreads();
 #pragma unroll
     for (int n = 0; n < NT; ++n) {
@@ -615,6 +618,10 @@ __global__ void __launch_bounds__(DECODE ? kThreads : 32 * kPrefillWarps) mma_at
       }
     }
   }
+  if (splits > 1 && (DECODE ? p.decode_split_counters : p.split_counters) != nullptr) {
+    // The last split of this (item, kv head) to finish merges them all.
+    merge::count_and_merge<T, HD, THREADS, DECODE>(p, work, kv_head, reinterpret_cast<float*>(stages));
+  }
 }
 
 template <typename T, typename CT, int HD, bool DECODE>
@@ -633,7 +640,7 @@ int launch_kernel(const PagedAttentionParams& p, cudaStream_t stream) {
   mma_attention_kernel<T, CT, HD, DECODE>
       <<<dim3(p.num_kv_heads, items, splits), DECODE ? kThreads : 32 * kPrefillWarps, smem, stream>>>(p);
   cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess || splits == 1) return e;
+  if (e != cudaSuccess || splits == 1 || (DECODE ? p.decode_split_counters : p.split_counters) != nullptr) return e;
   return merge_attention_splits(p, DECODE, stream);
 }
 

@@ -56,7 +56,8 @@ void paged_attention_at(std::uintptr_t out, std::uintptr_t query, std::uintptr_t
                         std::uintptr_t work_seq, std::uintptr_t work_q_start,
                         std::uintptr_t partial_out, std::uintptr_t partial_lse,
                         std::uintptr_t decode_seq, std::uintptr_t decode_partial_out,
-                        std::uintptr_t decode_partial_lse, int32_t num_decode,
+                        std::uintptr_t decode_partial_lse, std::uintptr_t split_counters,
+                        std::uintptr_t decode_split_counters, int32_t num_decode,
                         int32_t decode_splits, int32_t num_work,
                         int32_t num_splits, int32_t tile_tokens, int32_t num_heads,
                         int32_t num_kv_heads, int32_t head_dim, int32_t block_size,
@@ -81,6 +82,8 @@ void paged_attention_at(std::uintptr_t out, std::uintptr_t query, std::uintptr_t
   p.decode_seq = ptr<const int32_t>(decode_seq);
   p.decode_partial_out = ptr<float>(decode_partial_out);
   p.decode_partial_lse = ptr<float>(decode_partial_lse);
+  p.split_counters = ptr<int32_t>(split_counters);
+  p.decode_split_counters = ptr<int32_t>(decode_split_counters);
   p.num_decode = num_decode;
   p.decode_splits = decode_splits;
   p.num_work = num_work;

@@ -65,7 +65,10 @@ class LLM:
     swap_space : float
         GiB of CPU memory for swapped-out blocks (``preemption_mode="swap"``).
     kv_cache_dtype : str
-        ``"auto"``: the model's dtype.
+        ``"auto"``: the model's dtype; ``"fp8"`` (or ``"fp8_e4m3"``): e4m3 with
+        scales of 1, half the bytes of bf16 (CUDA, bfloat16/float16 models).
+    enforce_eager : bool
+        CUDA: never replay CUDA graphs (decode steps run eagerly).
     seed : int
         Seeds torch's global RNG (requests without their own seed).
 
@@ -94,6 +97,7 @@ class LLM:
         kv_cache_dtype: str = "auto",
         seed: int = 0,
         kv_cache_memory_bytes: int | None = None,
+        enforce_eager: bool = False,
     ) -> None:
         _configure_default_logging()
         if model is None:
@@ -108,6 +112,7 @@ class LLM:
                 max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                 enable_prefix_caching=enable_prefix_caching, preemption_mode=preemption_mode,
                 swap_space=swap_space, kv_cache_dtype=kv_cache_dtype, seed=seed,
+                enforce_eager=enforce_eager,
             )
         )
 

@@ -62,6 +62,7 @@ class EngineArgs:
     swap_space: float = 4
     kv_cache_dtype: str = "auto"
     seed: int = 0
+    enforce_eager: bool = False
 
     def validate(self) -> None:
         def positive(name: str, value: Any, allow_none: bool = False) -> None:
@@ -188,7 +189,7 @@ class LLMEngine:
 
         engine_config = self._engine_config()
         self.engine = _C.Engine(engine_config)
-        self.runner = ModelRunner(self.model, engine_config, self.device, self.kv_dtype)
+        self.runner = ModelRunner(self.model, engine_config, self.device, self.kv_dtype, args.enforce_eager)
         self.sampler = Sampler()
         self._slots = _SlotArrays()
         self._requests: dict[str, _Request] = {}

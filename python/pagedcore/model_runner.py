@@ -4,11 +4,16 @@ The runner owns every tensor (weights, KV caches, staging buffers) and never
 decides who runs: it takes a :class:`pagedcore.StepBatch` and returns the
 logits of the rows to sample. The step's arrays are copied once into
 preallocated buffers (no per-sequence Python work).
+
+On CUDA, steps made only of decode rows replay CUDA graphs captured at start-up
+for a ladder of batch sizes (the batch padded up to the next size; padding rows
+write no cache slot and read the null block), unless ``enforce_eager``.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -66,6 +71,16 @@ class _Staging:
         )
 
 
+# Decode batch sizes captured as CUDA graphs (up to max_num_seqs).
+GRAPH_BATCH_SIZES = (1, 2, 4, 8) + tuple(range(16, 257, 16)) + tuple(range(288, 513, 32))
+
+
+@dataclass
+class _DecodeGraph:
+    graph: torch.cuda.CUDAGraph
+    logits: torch.Tensor  # [batch, vocab] float32, written by each replay
+
+
 def _put(dst: torch.Tensor, src: np.ndarray) -> torch.Tensor:
     """Copies a 1-D view into the head of a staging buffer; returns that head."""
     n = src.shape[0]
@@ -85,6 +100,8 @@ class ModelRunner:
         and the staging buffers.
     kv_dtype : torch.dtype
         Element type of the KV cache.
+    enforce_eager : bool
+        CUDA: run every step eagerly (no CUDA graphs).
     """
 
     def __init__(
@@ -93,6 +110,7 @@ class ModelRunner:
         engine_config: _C.EngineConfig,
         device: torch.device,
         kv_dtype: torch.dtype,
+        enforce_eager: bool = False,
     ) -> None:
         self.model = model
         self.spec = model.spec
@@ -115,6 +133,79 @@ class ModelRunner:
                 for _ in range(self.spec.num_layers)
             ]
         self.staging = _Staging.allocate(engine_config, pin=device.type == "cuda")
+        self.graphs: dict[int, _DecodeGraph] = {}
+        self.graph_replays = 0  # decode steps served by a graph
+        if device.type == "cuda" and not enforce_eager:
+            self._capture_decode_graphs(engine_config)
+
+    # ---- CUDA graphs for decode steps ------------------------------------------
+
+    def _capture_decode_graphs(self, config: _C.EngineConfig) -> None:
+        spec = self.spec
+        group = spec.num_heads // spec.num_kv_heads
+        if not _C.cuda_decode_supported(group, spec.head_dim, self.model.dtype.itemsize):
+            logger.info("CUDA graphs off: the decode kernel does not serve this shape")
+            return
+        limit = min(config.max_num_seqs, config.max_num_batched_tokens)
+        sizes = [b for b in GRAPH_BATCH_SIZES if b <= limit]
+        if not sizes:
+            return
+        top, dev = sizes[-1], self.device
+        # Static inputs, padding values everywhere: no cache slot written, the
+        # null block read, one token per row.
+        self._g_input_ids = torch.zeros(top, dtype=torch.int32, device=dev)
+        self._g_positions = torch.zeros(top, dtype=torch.int32, device=dev)
+        self._g_slot_mapping = torch.full((top,), -1, dtype=torch.int32, device=dev)
+        self._g_seq_lens = torch.ones(top, dtype=torch.int32, device=dev)
+        self._g_query_start_loc = torch.arange(top + 1, dtype=torch.int32, device=dev)
+        self._g_block_tables = torch.zeros((top, config.max_blocks_per_seq), dtype=torch.int32, device=dev)
+        torch.cuda.empty_cache()  # the profiling pass's cached blocks: the graphs' pool needs memory
+        pool = torch.cuda.graph_pool_handle()
+        start = time.perf_counter()
+        with ops.unchecked_indices():
+            for b in reversed(sizes):  # largest first: the smaller ones reuse its pool
+                md = AttentionMetadata(
+                    slot_mapping=self._g_slot_mapping[:b], block_tables=self._g_block_tables[:b],
+                    seq_lens=self._g_seq_lens[:b], query_start_loc=self._g_query_start_loc[:b + 1],
+                    plan=ops.plan_decode(b, spec.num_heads, spec.num_kv_heads, dev, config.max_model_len),
+                )
+                side = torch.cuda.Stream(dev)
+                side.wait_stream(torch.cuda.current_stream(dev))
+                with torch.cuda.stream(side):  # warm-up: lazily made buffers exist before capture
+                    self._decode_forward(b, md)
+                torch.cuda.current_stream(dev).wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    logits = self._decode_forward(b, md)
+                self.graphs[b] = _DecodeGraph(graph, logits)
+        self.graphs = dict(sorted(self.graphs.items()))  # ascending: replay picks the first that fits
+        torch.cuda.synchronize(dev)
+        logger.info("CUDA graphs captured for decode batch sizes %s in %.1f s", sizes, time.perf_counter() - start)
+
+    def _decode_forward(self, b: int, md: AttentionMetadata) -> torch.Tensor:
+        hidden = self.model(self._g_input_ids[:b], self._g_positions[:b], md, self.kv_caches)
+        return self.model.compute_logits(hidden)
+
+    def _replay_decode(self, batch: _C.StepBatch, width: int) -> torch.Tensor:
+        n = batch.num_seqs
+        b = next(size for size in self.graphs if size >= n)  # dict in ascending order
+        s = self.staging
+        # The step's rows, then padding rows up to b, staged on the host and
+        # copied in one transfer per buffer.
+        ids, pos, slots, lens = (s.input_ids.numpy(), s.positions.numpy(), s.slot_mapping.numpy(),
+                                 s.seq_lens.numpy())
+        ids[:n], pos[:n], slots[:n], lens[:n] = batch.input_ids, batch.positions, batch.slot_mapping, batch.seq_lens
+        ids[n:b], pos[n:b], slots[n:b], lens[n:b] = 0, 0, -1, 1
+        s.block_tables.numpy()[n:b, 0] = 0
+        self._g_input_ids[:b].copy_(s.input_ids[:b], non_blocking=True)
+        self._g_positions[:b].copy_(s.positions[:b], non_blocking=True)
+        self._g_slot_mapping[:b].copy_(s.slot_mapping[:b], non_blocking=True)
+        self._g_seq_lens[:b].copy_(s.seq_lens[:b], non_blocking=True)
+        self._g_block_tables[:b, :width].copy_(s.block_tables[:b, :width], non_blocking=True)
+        entry = self.graphs[b]
+        entry.graph.replay()
+        self.graph_replays += 1
+        return entry.logits[:n]
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         return t if self.device.type == "cpu" else t.to(self.device, non_blocking=True)
@@ -148,6 +239,9 @@ class ModelRunner:
         seq_lens_np = batch.seq_lens
         width = (int(seq_lens_np.max()) + self.block_size - 1) // self.block_size
         np.copyto(s.block_tables.numpy()[:num_seqs, :width], batch.block_tables[:, :width])
+        if (self.graphs and batch.num_tokens == num_seqs == batch.num_samples
+                and num_seqs <= max(self.graphs)):
+            return self._replay_decode(batch, width)
         md = AttentionMetadata(
             slot_mapping=self._to_device(_put(s.slot_mapping, batch.slot_mapping)),
             block_tables=self._to_device(s.block_tables[:num_seqs, :width]),

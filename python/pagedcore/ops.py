@@ -803,24 +803,30 @@ class AttentionPlan:
         self.decode_seq = torch.from_numpy(decode_seq).to(device, non_blocking=True)
         self._buffers: dict[str, torch.Tensor] = {}
 
-    def _buffer(self, name: str, size: int) -> int:
+    def _buffer(self, name: str, size: int, dtype: torch.dtype = torch.float32) -> int:
         buf = self._buffers.get(name)
         if buf is None or buf.numel() < size:
-            buf = self._buffers[name] = torch.empty(size, dtype=torch.float32, device=self.device)
+            # NOTE: counters must start at zero; the kernels leave them at zero.
+            buf = self._buffers[name] = torch.zeros(size, dtype=dtype, device=self.device)
         return buf.data_ptr()
 
     def partial_ptrs(self, num_kv_heads: int, head_dim: int) -> dict[str, int]:
-        """Scratch for split keys: the tiles' and the decode rows' partial outputs."""
+        """Scratch for split keys: the tiles' and the decode rows' partial outputs,
+        and the counters with which the last split of each merges them."""
         v = _C.cuda_attention_partial_vectors
-        ptrs = {"partial_out": 0, "partial_lse": 0, "decode_partial_out": 0, "decode_partial_lse": 0}
+        ptrs = {"partial_out": 0, "partial_lse": 0, "decode_partial_out": 0, "decode_partial_lse": 0,
+                "split_counters": 0, "decode_split_counters": 0}
         if self.num_splits > 1 and self.num_work:
             n = self.num_work * num_kv_heads * self.num_splits * v
             ptrs["partial_out"] = self._buffer("partial_out", n * head_dim)
             ptrs["partial_lse"] = self._buffer("partial_lse", n * 2)
+            ptrs["split_counters"] = self._buffer("split_counters", self.num_work * num_kv_heads, torch.int32)
         if self.decode_splits > 1 and self.num_decode:
             n = self.num_decode * num_kv_heads * self.decode_splits * v
             ptrs["decode_partial_out"] = self._buffer("decode_partial_out", n * head_dim)
             ptrs["decode_partial_lse"] = self._buffer("decode_partial_lse", n * 2)
+            ptrs["decode_split_counters"] = self._buffer(
+                "decode_split_counters", self.num_decode * num_kv_heads, torch.int32)
         return ptrs
 
 
@@ -889,6 +895,19 @@ def plan_attention(
         work_seq, work_q_start, tile, _splits(max(1, total * num_kv_heads), longest_tile, sms),
         decode_seq, _splits(max(1, decode_seq.size * num_kv_heads), longest_decode, sms), device,
     )
+
+
+def plan_decode(num_rows: int, num_heads: int, num_kv_heads: int, device: torch.device, max_seq_len: int) -> AttentionPlan:
+    """A plan for ``num_rows`` decode rows (row ``i`` = query token ``i``) that does
+    not depend on their lengths: key splits chosen for ``max_seq_len``, so one
+    plan serves every step of that batch size (what a CUDA graph replays)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    sms = _SM_COUNTS.get(index)
+    if sms is None:
+        sms = _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    empty = np.zeros(0, dtype=np.int32)
+    rows = np.arange(num_rows, dtype=np.int32)
+    return AttentionPlan(empty, empty, 1, 1, rows, _splits(num_rows * num_kv_heads, max_seq_len, sms), device)
 
 
 def _runs(ids: np.ndarray, max_gap: int) -> list[tuple[int, int]]:

@@ -139,3 +139,41 @@ def test_default_sizing_uses_gpu_memory_utilization(tiny) -> None:
     free, total = torch.cuda.mem_get_info()
     used_by_cache = sum(k.numel() * k.element_size() * 2 for k, _ in llm.llm_engine.runner.kv_caches)
     assert 0.15 * total < used_by_cache < 0.3 * total
+
+
+def test_cuda_graphs_replay_decode_steps_with_eager_outputs(tiny) -> None:
+    # Decode steps replay captured graphs (batches padded up to the ladder) and give
+    # exactly the eager run's tokens, in float32 and bfloat16.
+    ps = prompts() + prompts()[:1]  # 5 rows: padded to 8
+    for dtype in ("float32", "bfloat16"):
+        kw = dict(model=str(tiny), device="cuda", dtype=dtype, num_kv_blocks=256, max_model_len=256)
+        graphed = LLM(**kw)
+        runner = graphed.llm_engine.runner
+        assert 1 in runner.graphs and 8 in runner.graphs
+        out = generate(graphed, ps, 24)
+        assert runner.graph_replays >= 20
+        eager = LLM(**kw, enforce_eager=True)
+        assert not eager.llm_engine.runner.graphs
+        assert generate(eager, ps, 24) == out
+        assert eager.llm_engine.runner.graph_replays == 0
+        assert graphed.stats()["num_free_blocks"] == graphed.stats()["num_blocks"]
+
+
+def test_fp8_kv_cache_end_to_end(tiny) -> None:
+    # An e4m3 cache (half the bytes): the float32 run's best next token stays among
+    # the top 5 with a close logprob, and generation runs to the end.
+    ps = prompts()
+    params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=5)
+    ref = LLM(model=str(tiny), device="cuda", dtype="float32", num_kv_blocks=64, max_model_len=256)
+    fp8 = LLM(model=str(tiny), device="cuda", dtype="bfloat16", kv_cache_dtype="fp8", num_kv_blocks=64,
+              max_model_len=256)
+    k_cache, _ = fp8.llm_engine.runner.kv_caches[0]
+    assert k_cache.dtype == torch.float8_e4m3fn
+    for a, b in zip(ref.generate([{"prompt_token_ids": p} for p in ps], params, use_tqdm=False),
+                    fp8.generate([{"prompt_token_ids": p} for p in ps], params, use_tqdm=False)):
+        best = a.outputs[0].token_ids[0]
+        assert best in b.outputs[0].logprobs[0]
+        assert abs(a.outputs[0].logprobs[0][best].logprob - b.outputs[0].logprobs[0][best].logprob) < 0.2
+    outs = generate(fp8, ps, 40)
+    assert all(len(o) == 40 for o in outs)
+    assert fp8.stats()["num_free_blocks"] == fp8.stats()["num_blocks"]

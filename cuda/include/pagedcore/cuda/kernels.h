@@ -87,6 +87,12 @@ struct PagedAttentionParams {
   const int32_t* decode_seq;      // [num_decode] rows run by the decode kernel
   float* decode_partial_out;      // [num_decode, num_kv_heads, decode_splits, kAttentionPartialVectors, head_dim]
   float* decode_partial_lse;      // [num_decode, num_kv_heads, decode_splits, kAttentionPartialVectors, 2]
+  // Optional (bf16/fp16 path): [num_work * num_kv_heads] and [num_decode *
+  // num_kv_heads] zeroed int32 counters. With them, the last CTA of each (item,
+  // kv head) to finish merges the splits (and zeroes its counter again) instead
+  // of a second kernel.
+  int32_t* split_counters;
+  int32_t* decode_split_counters;
   int32_t num_decode;
   int32_t decode_splits;
   int32_t num_work;
@@ -147,7 +153,8 @@ void paged_attention_at(std::uintptr_t out, std::uintptr_t query, std::uintptr_t
                         std::uintptr_t work_seq, std::uintptr_t work_q_start,
                         std::uintptr_t partial_out, std::uintptr_t partial_lse,
                         std::uintptr_t decode_seq, std::uintptr_t decode_partial_out,
-                        std::uintptr_t decode_partial_lse, int32_t num_decode,
+                        std::uintptr_t decode_partial_lse, std::uintptr_t split_counters,
+                        std::uintptr_t decode_split_counters, int32_t num_decode,
                         int32_t decode_splits, int32_t num_work,
                         int32_t num_splits, int32_t tile_tokens, int32_t num_heads,
                         int32_t num_kv_heads, int32_t head_dim, int32_t block_size,

@@ -1,0 +1,117 @@
+// Internal: merging the key splits of one (work item or decode row, kv head)
+// by their log-sum-exp, shared by the merge kernel and the attention kernels'
+// last-CTA merge. Partial maxima are in natural-log units.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cfloat>
+#include <cstdint>
+
+#include "pagedcore/cuda/kernels.h"
+
+namespace pagedcore::cuda::merge {
+
+// Floats of shared memory merge_splits needs.
+constexpr int kScratchFloats = kAttentionMaxSplits * kAttentionPartialVectors / 4;
+
+template <typename T>
+__device__ __forceinline__ T cast_out(float x) {
+  if constexpr (sizeof(T) == 4) {
+    return x;
+  } else {
+    return static_cast<T>(x);
+  }
+}
+
+// The weights of every (split, vector) first, in shared memory, then each
+// thread sums a 4-float column over the splits. Reads the partials through L2
+// (other CTAs of the same launch may have written them). Every thread of the
+// block must call it.
+template <typename T, int HD, int THREADS, bool DECODE>
+__device__ void merge_splits(const PagedAttentionParams& p, int work, int kv_head, float* s_w) {
+  constexpr int kSlots = kAttentionPartialVectors;
+  constexpr int kChunk = kSlots / 4;  // vectors merged per pass
+  const int row = DECODE ? p.decode_seq[work] : p.work_seq[work];
+  const int q_begin = p.query_start_loc[row];
+  const int q_len = p.query_start_loc[row + 1] - q_begin;
+  const int t0 = DECODE ? 0 : p.work_q_start[work];
+  const int splits = DECODE ? p.decode_splits : p.num_splits;
+  const float* partial_out = DECODE ? p.decode_partial_out : p.partial_out;
+  const float* partial_lse = DECODE ? p.decode_partial_lse : p.partial_lse;
+  const int group = p.num_heads / p.num_kv_heads;
+  const int num_vectors = (DECODE ? 1 : min(p.tile_tokens, q_len - t0)) * group;
+  const int64_t first = ((static_cast<int64_t>(work) * p.num_kv_heads + kv_head) * splits) * kSlots;
+  T* out = static_cast<T*>(p.out);
+  for (int v0 = 0; v0 < num_vectors; v0 += kChunk) {
+    const int nv = min(kChunk, num_vectors - v0);
+    __syncthreads();
+    for (int v = threadIdx.x; v < nv; v += THREADS) {
+      float gmax = -FLT_MAX;
+      for (int s = 0; s < splits; ++s) {
+        const int64_t slot = first + static_cast<int64_t>(s) * kSlots + v0 + v;
+        if (__ldcg(partial_lse + 2 * slot + 1) > 0.f) gmax = fmaxf(gmax, __ldcg(partial_lse + 2 * slot));
+      }
+      float total = 0.f;
+      for (int s = 0; s < splits; ++s) {
+        const int64_t slot = first + static_cast<int64_t>(s) * kSlots + v0 + v;
+        const float sum = __ldcg(partial_lse + 2 * slot + 1);
+        const float w = sum > 0.f ? sum * __expf(__ldcg(partial_lse + 2 * slot) - gmax) : 0.f;
+        s_w[s * kChunk + v] = w;
+        total += w;
+      }
+      const float inv = total > 0.f ? 1.f / total : 0.f;
+      for (int s = 0; s < splits; ++s) s_w[s * kChunk + v] *= inv;
+    }
+    __syncthreads();
+    constexpr int Q = HD / 4;  // float4 columns per vector
+    for (int i = threadIdx.x; i < nv * Q; i += THREADS) {
+      const int v = i / Q;
+      const int d = (i % Q) * 4;
+      float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 8
+      for (int s = 0; s < splits; ++s) {
+        const float w = s_w[s * kChunk + v];
+        if (w == 0.f) continue;  // an empty split's output is never written
+        const int64_t slot = first + static_cast<int64_t>(s) * kSlots + v0 + v;
+        const float4 x = __ldcg(reinterpret_cast<const float4*>(partial_out + slot * HD + d));
+        acc.x += w * x.x;
+        acc.y += w * x.y;
+        acc.z += w * x.z;
+        acc.w += w * x.w;
+      }
+      const int vv = v0 + v;
+      T* dst = out + ((q_begin + t0 + static_cast<int64_t>(vv / group)) * p.num_heads + kv_head * group + vv % group) * HD + d;
+      dst[0] = cast_out<T>(acc.x);
+      dst[1] = cast_out<T>(acc.y);
+      dst[2] = cast_out<T>(acc.z);
+      dst[3] = cast_out<T>(acc.w);
+    }
+  }
+}
+
+// Called by every thread of a CTA after it wrote its split's partials: counts
+// the split in; the CTA that brings the count to `splits` merges them and
+// resets the counter to 0 (so the buffer stays zero between launches).
+template <typename T, int HD, int THREADS, bool DECODE>
+__device__ void count_and_merge(const PagedAttentionParams& p, int work, int kv_head, float* s_w) {
+  __shared__ bool s_last;
+  const int splits = DECODE ? p.decode_splits : p.num_splits;
+  int32_t* counter = (DECODE ? p.decode_split_counters : p.split_counters) +
+                     static_cast<int64_t>(work) * p.num_kv_heads + kv_head;
+  __threadfence();  // this CTA's partials are visible before it is counted
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const int before = atomicAdd(counter, 1);
+    s_last = before == splits - 1;
+    if (s_last) *counter = 0;
+  }
+  __syncthreads();
+  if (!s_last) return;
+  __threadfence();
+  merge_splits<T, HD, THREADS, DECODE>(p, work, kv_head, s_w);
+}
+
+}  // namespace pagedcore::cuda::merge
