@@ -79,6 +79,9 @@ GRAPH_BATCH_SIZES = (1, 2, 4, 8) + tuple(range(16, 257, 16)) + tuple(range(288, 
 class _DecodeGraph:
     graph: torch.cuda.CUDAGraph
     logits: torch.Tensor  # [batch, vocab] float32, written by each replay
+    # NOTE: the graph holds raw addresses of the plan's device arrays and scratch:
+    # the metadata (and its plan) must live as long as the graph.
+    md: AttentionMetadata
 
 
 def _put(dst: torch.Tensor, src: np.ndarray) -> torch.Tensor:
@@ -177,7 +180,7 @@ class ModelRunner:
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
                     logits = self._decode_forward(b, md)
-                self.graphs[b] = _DecodeGraph(graph, logits)
+                self.graphs[b] = _DecodeGraph(graph, logits, md)
         self.graphs = dict(sorted(self.graphs.items()))  # ascending: replay picks the first that fits
         torch.cuda.synchronize(dev)
         logger.info("CUDA graphs captured for decode batch sizes %s in %.1f s", sizes, time.perf_counter() - start)
