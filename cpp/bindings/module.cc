@@ -47,7 +47,7 @@ EngineConfig make_config(int32_t num_blocks, int32_t block_size, int32_t max_num
                          bool enable_prefix_caching, const std::string& preemption_mode,
                          const std::string& scheduling_policy, int32_t num_cpu_blocks,
                          std::optional<int32_t> sliding_window, int32_t vocab_size,
-                         int32_t prefix_hash_bits) {
+                         int32_t prefix_hash_bits, bool reserve_max_model_len) {
   EngineConfig c;
   c.num_blocks = num_blocks;
   c.block_size = block_size;
@@ -61,6 +61,7 @@ EngineConfig make_config(int32_t num_blocks, int32_t block_size, int32_t max_num
   c.sliding_window = sliding_window.value_or(0);
   c.vocab_size = vocab_size;
   c.prefix_hash_bits = prefix_hash_bits;
+  c.reserve_max_model_len = reserve_max_model_len;
   c.validate();
   return c;
 }
@@ -135,7 +136,8 @@ PYBIND11_MODULE(_C, m) {
            "max_num_seqs"_a = 256, "max_num_batched_tokens"_a = 2048, "max_model_len"_a = 2048,
            "enable_prefix_caching"_a = true, "preemption_mode"_a = "recompute",
            "scheduling_policy"_a = "fcfs", "num_cpu_blocks"_a = 0, "sliding_window"_a = py::none(),
-           "vocab_size"_a = 0, "prefix_hash_bits"_a = 64)
+           "vocab_size"_a = 0, "prefix_hash_bits"_a = 64,
+           "reserve_max_model_len"_a = false)
       .def_readonly("num_blocks", &EngineConfig::num_blocks)
       .def_readonly("block_size", &EngineConfig::block_size)
       .def_readonly("max_num_seqs", &EngineConfig::max_num_seqs)
@@ -150,6 +152,7 @@ PYBIND11_MODULE(_C, m) {
       .def_readonly("sliding_window", &EngineConfig::sliding_window)
       .def_readonly("vocab_size", &EngineConfig::vocab_size)
       .def_readonly("prefix_hash_bits", &EngineConfig::prefix_hash_bits)
+      .def_readonly("reserve_max_model_len", &EngineConfig::reserve_max_model_len)
       .def_property_readonly("max_blocks_per_seq", &EngineConfig::max_blocks_per_seq);
 
   py::class_<RequestParams>(m, "RequestParams")
@@ -246,7 +249,9 @@ PYBIND11_MODULE(_C, m) {
       .def_readonly("prefix_cache_hits", &EngineStats::prefix_cache_hits)
       .def_readonly("prefix_cache_hit_rate", &EngineStats::prefix_cache_hit_rate)
       .def_readonly("num_prompt_tokens", &EngineStats::num_prompt_tokens)
-      .def_readonly("num_generation_tokens", &EngineStats::num_generation_tokens);
+      .def_readonly("num_generation_tokens", &EngineStats::num_generation_tokens)
+      .def_readonly("num_kv_tokens", &EngineStats::num_kv_tokens)
+      .def_readonly("num_reserved_blocks", &EngineStats::num_reserved_blocks);
 
   py::class_<Engine>(m, "Engine")
       .def(py::init<const EngineConfig&>(), "config"_a)

@@ -484,6 +484,14 @@ EngineStats Engine::stats() const {
                                 : 0.0;
   s.num_prompt_tokens = num_prompt_tokens_;
   s.num_generation_tokens = num_generation_tokens_;
+  int64_t seats = 0;
+  for (const Sequence* seq : scheduler_.running()) {
+    s.num_kv_tokens += seq->num_computed;
+    seats += seq->weight;
+  }
+  s.num_reserved_blocks = config_.reserve_max_model_len
+                              ? seats * config_.max_blocks_per_seq()
+                              : static_cast<int64_t>(s.num_used_blocks);
   return s;
 }
 

@@ -184,6 +184,11 @@ void Scheduler::schedule(int64_t step) {
     while (budget > 0 && !waiting_.empty()) {
       Sequence* seq = waiting_.top();
       if (running_seats_ + seq->weight > config_.max_num_seqs) break;
+      if (config_.reserve_max_model_len &&
+          static_cast<int64_t>(running_seats_ + seq->weight) * config_.max_blocks_per_seq() >
+              kv_.gpu().num_blocks()) {
+        break;
+      }
       const int32_t budget_before = budget;
       if (!try_admit(seq, &budget)) break;
       record(seq, budget_before - budget, step);

@@ -17,7 +17,8 @@ class Engine(_C.Engine):
         arguments (``num_blocks``, ``block_size``, ``max_num_seqs``,
         ``max_num_batched_tokens``, ``max_model_len``, ``enable_prefix_caching``,
         ``preemption_mode``, ``scheduling_policy``, ``num_cpu_blocks``,
-        ``sliding_window``, ``vocab_size``, ``prefix_hash_bits``).
+        ``sliding_window``, ``vocab_size``, ``prefix_hash_bits``,
+        ``reserve_max_model_len``).
 
     Examples
     --------

@@ -6,6 +6,7 @@
 #include <functional>
 #include <map>
 #include <numeric>
+#include <string>
 #include <vector>
 
 #include "engine_test_util.h"
@@ -83,6 +84,28 @@ TEST(Scheduler, TokenBudgetIsSharedAndDecodeRowsComeFirst) {
   EXPECT_EQ(vec(b2.sample_indices, 3), (std::vector<int32_t>{0, 1, 5}));
   update_with(e, {101, 201, 300});
   e.check_invariants();
+}
+
+TEST(Scheduler, ReserveMaxModelLenAdmitsOnlyWhatFullContextsWouldFit) {
+  // 64 blocks of 8 tokens, max_model_len 64 (8 blocks): reserving the whole context
+  // admits 8 sequences; paging admits all 12 (each needs 2 blocks now).
+  for (const bool reserve : {false, true}) {
+    EngineConfig c = small_config();
+    c.max_num_seqs = 16;
+    c.max_num_batched_tokens = 512;
+    c.reserve_max_model_len = reserve;
+    Engine e(c);
+    for (int i = 0; i < 12; ++i) {
+      e.add_request("r" + std::to_string(i), iota_tokens(9, 1 + 10 * i), params_max_tokens(3));
+    }
+    const StepBatch& b = e.schedule();
+    EXPECT_EQ(b.num_seqs, reserve ? 8 : 12);
+    const EngineStats st = e.stats();
+    EXPECT_EQ(st.num_used_blocks, 2 * b.num_seqs);  // blocks are still taken as tokens arrive
+    EXPECT_EQ(st.num_kv_tokens, 9 * b.num_seqs);
+    EXPECT_EQ(st.num_reserved_blocks, reserve ? 8 * 8 : 2 * 12);
+    EXPECT_EQ(st.num_preemptions, 0);
+  }
 }
 
 TEST(Scheduler, LongPromptIsChunkedAcrossSteps) {

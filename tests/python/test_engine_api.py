@@ -145,6 +145,8 @@ def test_valid_boundaries_are_accepted() -> None:
     )
     assert cfg.max_blocks_per_seq == 1
     assert pagedcore.EngineConfig(prefix_hash_bits=64).prefix_hash_bits == 64
+    assert pagedcore.EngineConfig().reserve_max_model_len is False
+    assert pagedcore.EngineConfig(reserve_max_model_len=True).reserve_max_model_len is True
     # Largest num_blocks with (num_blocks + 1) * block_size < 2^31.
     assert pagedcore.EngineConfig(num_blocks=2**27 - 2, block_size=16).num_blocks == 2**27 - 2
 

@@ -186,7 +186,8 @@ STATS_FIELDS = {
     "num_free_cpu_blocks", "num_requests", "num_running_seqs", "num_waiting_seqs",
     "num_swapped_seqs", "num_steps", "num_preemptions", "num_recompute_preemptions",
     "num_swap_preemptions", "prefix_cache_queries", "prefix_cache_hits",
-    "prefix_cache_hit_rate", "num_prompt_tokens", "num_generation_tokens",
+    "prefix_cache_hit_rate", "num_prompt_tokens", "num_generation_tokens", "num_kv_tokens",
+    "num_reserved_blocks",
 }
 
 
@@ -205,7 +206,8 @@ def test_stats_fields_and_stats_dict() -> None:
         "num_running_seqs": 0, "num_waiting_seqs": 0, "num_swapped_seqs": 0, "num_steps": 0,
         "num_preemptions": 0, "num_recompute_preemptions": 0, "num_swap_preemptions": 0,
         "prefix_cache_queries": 0, "prefix_cache_hits": 0, "prefix_cache_hit_rate": 0.0,
-        "num_prompt_tokens": 0, "num_generation_tokens": 0,
+        "num_prompt_tokens": 0, "num_generation_tokens": 0, "num_kv_tokens": 0,
+        "num_reserved_blocks": 0,
     }
     assert isinstance(d["prefix_cache_hit_rate"], float)
 
@@ -377,3 +379,16 @@ def test_prompt_as_numpy_array_and_max_model_len_boundary() -> None:
     r = engine.update(toks(3))
     # The first output brings the sequence to max_model_len.
     assert r.finish_reasons.tolist() == [LENGTH] and r.finished_request_ids == ["np"]
+
+
+def test_reserve_max_model_len_through_the_binding() -> None:
+    # 32 blocks of 8 tokens, max_model_len 64 (8 blocks): reserving admits 4 of 6.
+    for reserve, admitted in ((False, 6), (True, 4)):
+        engine = pagedcore.Engine(num_blocks=32, block_size=8, max_model_len=64, max_num_batched_tokens=256,
+                                  enable_prefix_caching=False, reserve_max_model_len=reserve)
+        for i in range(6):
+            engine.add_request(f"r{i}", list(range(1 + 20 * i, 11 + 20 * i)), pagedcore.RequestParams(max_tokens=4))
+        assert engine.schedule().num_seqs == admitted
+        s = stats(engine)
+        assert (s["num_kv_tokens"], s["num_used_blocks"]) == (10 * admitted, 2 * admitted)
+        assert s["num_reserved_blocks"] == (8 * admitted if reserve else 2 * admitted)

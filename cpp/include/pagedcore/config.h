@@ -38,6 +38,11 @@ struct EngineConfig {
   // Bits of the block content hash that are kept (0..64). Fewer bits force hash
   // collisions; only tests want that: a hit always verifies tokens and parent.
   int32_t prefix_hash_bits = 64;
+  // The baseline paging is measured against (bench/bench_memory.py): admit a
+  // sequence only when every running sequence, it included, could grow to
+  // max_model_len, as if each had its whole context reserved up front. Blocks
+  // are still taken as tokens arrive, so nothing else changes.
+  bool reserve_max_model_len = false;
 
   void validate() const;
   // ceil(max_model_len / block_size): the width of a block-table row.

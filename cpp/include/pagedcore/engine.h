@@ -48,6 +48,11 @@ struct EngineStats {
   double prefix_cache_hit_rate = 0;  // hits / queries, 0 before any query
   int64_t num_prompt_tokens = 0;     // prompt tokens of requests that sampled their first token
   int64_t num_generation_tokens = 0; // tokens appended by update()
+  // Tokens whose KV the running sequences hold (each sequence counts its own,
+  // shared prefixes included), and the blocks they have reserved: the blocks
+  // they hold, or with reserve_max_model_len, max_blocks_per_seq per seat.
+  int64_t num_kv_tokens = 0;
+  int64_t num_reserved_blocks = 0;
 };
 
 class Engine {
