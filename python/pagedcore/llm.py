@@ -69,6 +69,9 @@ class LLM:
         scales of 1, half the bytes of bf16 (CUDA, bfloat16/float16 models).
     enforce_eager : bool
         CUDA: never replay CUDA graphs (decode steps run eagerly).
+    load_format : {"auto", "safetensors", "dummy"}
+        ``"dummy"``: random weights in the checkpoint's shape (config.json only is
+        read), for benchmarks.
     seed : int
         Seeds torch's global RNG (requests without their own seed).
 
@@ -98,6 +101,7 @@ class LLM:
         seed: int = 0,
         kv_cache_memory_bytes: int | None = None,
         enforce_eager: bool = False,
+        load_format: str = "auto",
     ) -> None:
         _configure_default_logging()
         if model is None:
@@ -112,7 +116,7 @@ class LLM:
                 max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                 enable_prefix_caching=enable_prefix_caching, preemption_mode=preemption_mode,
                 swap_space=swap_space, kv_cache_dtype=kv_cache_dtype, seed=seed,
-                enforce_eager=enforce_eager,
+                enforce_eager=enforce_eager, load_format=load_format,
             )
         )
 

@@ -63,6 +63,7 @@ class EngineArgs:
     kv_cache_dtype: str = "auto"
     seed: int = 0
     enforce_eager: bool = False
+    load_format: str = "auto"
 
     def validate(self) -> None:
         def positive(name: str, value: Any, allow_none: bool = False) -> None:
@@ -86,6 +87,10 @@ class EngineArgs:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(
                 f"kv_cache_dtype must be one of {sorted(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}"
+            )
+        if self.load_format not in ("auto", "safetensors", "dummy"):
+            raise ValueError(
+                f"load_format must be 'auto', 'safetensors' or 'dummy', got {self.load_format!r}"
             )
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
@@ -182,8 +187,13 @@ class LLMEngine:
         self.eos_token_ids = self._eos_token_ids(args.model, GenerationConfig)
         torch.manual_seed(args.seed)
 
-        model = CausalLM(self.spec)
-        model.load_weights(iter_safetensors(args.model, dtype=self.dtype))
+        if args.load_format == "dummy":  # random weights, made on the device (benchmarks)
+            with torch.device(self.device):
+                model = CausalLM(self.spec).to(dtype=self.dtype)
+            model.init_dummy_weights(args.seed)
+        else:
+            model = CausalLM(self.spec)
+            model.load_weights(iter_safetensors(args.model, dtype=self.dtype))
         self.model = model.to(device=self.device, dtype=self.dtype)
         self.model.inv_freq.data = self.spec.inv_freq().to(self.device)  # kept in float32
 

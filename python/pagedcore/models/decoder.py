@@ -179,6 +179,19 @@ class CausalLM(nn.Module):
 
     # ---- weights ------------------------------------------------------------
 
+    @torch.no_grad()
+    def init_dummy_weights(self, seed: int = 0) -> None:
+        """Random weights for benchmarks (vLLM's ``load_format="dummy"``): every
+        matrix and bias uniform in [-1e-3, 1e-3), norm weights 1. Seeded; drawn on
+        the parameters' device."""
+        g = torch.Generator(device=self.embed_tokens.weight.device).manual_seed(seed)
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.copy_(torch.rand(p.shape, generator=g, device=p.device, dtype=torch.float32)
+                        .mul_(2e-3).sub_(1e-3).to(p.dtype))
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copies Hugging Face-named tensors into the (fused) parameters.
 

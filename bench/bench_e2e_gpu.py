@@ -1,0 +1,276 @@
+#!/usr/bin/env python3
+"""End-to-end throughput: pagedcore against transformers on the same shapes, one GPU.
+
+Random weights in a real shape (``--shape smollm2`` or ``llama3-8b``; ``tiny`` for a
+smoke run), prompts of seeded lognormal lengths made of random token ids, a fixed
+number of output tokens with EOS ignored, all requests submitted at once:
+
+* pagedcore: ``LLM(load_format="dummy")``, one ``generate`` call;
+* transformers ``generate`` on left-padded batches of ``--hf-batch`` prompts;
+* transformers ``generate_batch`` (its paged continuous batching).
+
+Prints output and total tokens/s, peak memory, the ratios, and the physical floor of
+the run: for one batch holding every request, the weights read once per output step
+plus each step's KV over the copy bandwidth, plus the prefill FLOPs over the matmul
+rate, both measured in the same run; pagedcore's time as a multiple of it.
+
+Usage: python bench/bench_e2e_gpu.py --shape smollm2 [--peers generate,generate_batch]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+SHAPES = {
+    # name: (config fields, requests, mean prompt, output tokens)
+    "smollm2": (dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                     num_attention_heads=9, num_key_value_heads=3, head_dim=64, rope_theta=100000.0,
+                     tie_word_embeddings=True), 512, 270, 128),
+    "llama3-8b": (dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                       num_attention_heads=32, num_key_value_heads=8, head_dim=128, rope_theta=500000.0,
+                       tie_word_embeddings=False), 256, 400, 256),
+    "tiny": (dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=32, rope_theta=10000.0,
+                  tie_word_embeddings=True), 16, 40, 8),
+}
+
+
+def checkpoint_dir(fields: dict, root: Path) -> Path:
+    """config.json plus a word-level tokenizer over the vocabulary (outputs only decode)."""
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    config = transformers.LlamaConfig(architectures=["LlamaForCausalLM"], max_position_embeddings=8192,
+                                      rms_norm_eps=1e-5, bos_token_id=1,
+                                      eos_token_id=2, pad_token_id=0, **fields)
+    config.save_pretrained(root)
+    vocab = {f"t{i}": i for i in range(fields["vocab_size"])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="t2", bos_token="t1",
+                                         pad_token="t0").save_pretrained(root)
+    return root
+
+
+def workload(n: int, mean_prompt: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    sigma = 0.6
+    lens = np.clip(rng.lognormal(np.log(mean_prompt) - sigma**2 / 2, sigma, n), 16, 2048).astype(int)
+    return [rng.integers(3, vocab, int(k)).tolist() for k in lens]
+
+
+def measured_rates(device: str) -> tuple[float, float]:
+    """Copy bandwidth (bytes read + written per second) and bf16 matmul FLOP/s."""
+    if device != "cuda":
+        return float("nan"), float("nan")
+    a = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    x = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    y = torch.randn_like(x)
+
+    def timed(fn, reps: int = 10) -> float:
+        fn()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        return statistics.median(times)
+
+    bw = 2 * a.numel() / timed(lambda: b.copy_(a))
+    flops = 2 * 8192**3 / timed(lambda: x @ y)
+    del a, b, x, y
+    torch.cuda.empty_cache()
+    return bw, flops
+
+
+def floor_seconds(fields: dict, prompts: list[list[int]], out: int, bw: float, flops: float) -> float:
+    h, layers, inter = fields["hidden_size"], fields["num_hidden_layers"], fields["intermediate_size"]
+    q, kv = fields["num_attention_heads"] * fields["head_dim"], fields["num_key_value_heads"] * fields["head_dim"]
+    per_layer = h * (q + 2 * kv) + q * h + 3 * h * inter
+    params = layers * per_layer + fields["vocab_size"] * h * (1 if fields["tie_word_embeddings"] else 2)
+    kv_bytes_per_token = 2 * layers * kv * 2
+    lens = np.array([len(p) for p in prompts], dtype=np.float64)
+    # Decode: every output step reads the weights once and each request's KV so far.
+    kv_read = kv_bytes_per_token * np.sum(out * lens + out * (out - 1) / 2)
+    decode = (out * 2 * params + kv_read) / bw
+    # Prefill: 2 FLOPs per parameter and token, plus causal attention (QK and PV).
+    attn = 2 * layers * fields["num_attention_heads"] * fields["head_dim"] * np.sum(lens * lens)
+    prefill = (2 * params * lens.sum() + attn) / flops
+    return float(decode + prefill)
+
+
+def run_pagedcore(path: Path, prompts, out: int, args) -> dict:
+    from pagedcore import LLM, SamplingParams
+
+    llm = LLM(model=str(path), load_format="dummy", dtype="bfloat16", device=args.device,
+              max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
+              max_num_seqs=args.max_num_seqs, enforce_eager=args.enforce_eager)
+    params = SamplingParams(temperature=0.0, max_tokens=out, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": p} for p in prompts[:8]], params, use_tqdm=False)  # warm-up
+    if args.device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    if args.device == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    produced = sum(len(o.outputs[0].token_ids) for o in outs)
+    assert produced == out * len(prompts), (produced, out * len(prompts))
+    stats = llm.stats()
+    result = {"seconds": seconds, "output_tokens": produced, "steps": stats["num_steps"],
+              "preemptions": stats["num_preemptions"], "peak_gib": _peak(args.device),
+              "graph_replays": llm.llm_engine.runner.graph_replays}
+    del llm, outs
+    _free()
+    return result
+
+
+def hf_model(path: Path, args, attn: str | None = None):
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(path)
+    kw = {"attn_implementation": attn} if attn else {}
+    with torch.device(args.device):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, **kw)
+    return model.eval()
+
+
+def run_generate(path: Path, prompts, out: int, args) -> dict:
+    model = hf_model(path, args)
+    model.generation_config.eos_token_id = None
+    with torch.inference_mode():  # warm-up
+        x = torch.tensor([prompts[0]], device=args.device)
+        model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=2, pad_token_id=0)
+    start = time.perf_counter()
+    produced = 0
+    with torch.inference_mode():
+        for i in range(0, len(prompts), args.hf_batch):
+            batch = prompts[i:i + args.hf_batch]
+            width = max(len(p) for p in batch)
+            ids = torch.zeros((len(batch), width), dtype=torch.long)
+            mask = torch.zeros_like(ids)
+            for r, p in enumerate(batch):  # left padding
+                ids[r, width - len(p):] = torch.tensor(p)
+                mask[r, width - len(p):] = 1
+            y = model.generate(ids.to(args.device), attention_mask=mask.to(args.device), do_sample=False,
+                               max_new_tokens=out, min_new_tokens=out, pad_token_id=0)
+            produced += (y.shape[1] - width) * len(batch)
+    if args.device == "cuda":
+        torch.cuda.synchronize()
+    result = {"seconds": time.perf_counter() - start, "output_tokens": produced, "peak_gib": _peak(args.device)}
+    del model
+    _free()
+    return result
+
+
+def run_generate_batch(path: Path, prompts, out: int, args) -> dict:
+    from transformers.generation import GenerationConfig
+
+    model = None
+    for attn in ("paged|sdpa", "sdpa_paged", "paged|eager"):  # the name changed across transformers versions
+        try:
+            model = hf_model(path, args, attn=attn)
+            break
+        except ValueError:
+            continue
+    if model is None:
+        raise RuntimeError("no paged attention implementation in this transformers")
+    config = GenerationConfig(max_new_tokens=out, min_new_tokens=out, do_sample=False, eos_token_id=None,
+                              pad_token_id=0)
+    model.generate_batch(inputs=prompts[:8], generation_config=config, progress_bar=False)  # warm-up
+    start = time.perf_counter()
+    outs = model.generate_batch(inputs=prompts, generation_config=config, progress_bar=False)
+    if args.device == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    produced = sum(len(o.generated_tokens) for o in outs.values())
+    result = {"seconds": seconds, "output_tokens": produced, "peak_gib": _peak(args.device)}
+    del model, outs
+    _free()
+    return result
+
+
+def _peak(device: str) -> float:
+    return torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan")
+
+
+def _free() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="smollm2")
+    parser.add_argument("--requests", type=int, default=None)
+    parser.add_argument("--mean-prompt", type=int, default=None)
+    parser.add_argument("--output-tokens", type=int, default=None)
+    parser.add_argument("--peers", default="generate,generate_batch", help="comma list; empty: none")
+    parser.add_argument("--hf-batch", type=int, default=64, help="prompts per padded generate() batch")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", default=None, help="also write the results here")
+    args = parser.parse_args()
+    fields, n, mean_prompt, out = SHAPES[args.shape]
+    n = args.requests or n
+    mean_prompt = args.mean_prompt or mean_prompt
+    out = args.output_tokens or out
+    torch.manual_seed(args.seed)
+    prompts = workload(n, mean_prompt, fields["vocab_size"], args.seed)
+    bw, flops = measured_rates(args.device)
+    results: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = checkpoint_dir(fields, Path(tmp))
+        results["pagedcore"] = run_pagedcore(path, prompts, out, args)
+        for peer in filter(None, args.peers.split(",")):
+            try:
+                results[peer] = {"generate": run_generate, "generate_batch": run_generate_batch}[peer](
+                    path, prompts, out, args)
+            except Exception as exc:  # a peer that cannot run here is reported, not fatal
+                results[peer] = {"error": f"{type(exc).__name__}: {exc}"}
+    floor = floor_seconds(fields, prompts, out, bw, flops)
+    total_prompt = sum(len(p) for p in prompts)
+    print(f"\n{args.shape}: {n} requests, mean prompt {total_prompt / n:.0f} tokens, {out} output tokens each, "
+          f"EOS ignored, seed {args.seed}; copy {bw / 1e12:.2f} TB/s, bf16 matmul {flops / 1e12:.0f} TFLOP/s")
+    print(f"{'engine':<16}{'seconds':>10}{'out tok/s':>12}{'total tok/s':>13}{'peak GiB':>10}")
+    for name, r in results.items():
+        if "error" in r:
+            print(f"{name:<16}  failed: {r['error'][:120]}")
+            continue
+        r["out_tok_s"] = r["output_tokens"] / r["seconds"]
+        r["total_tok_s"] = (r["output_tokens"] + total_prompt) / r["seconds"]
+        print(f"{name:<16}{r['seconds']:10.2f}{r['out_tok_s']:12.0f}{r['total_tok_s']:13.0f}{r['peak_gib']:10.1f}")
+    ours = results["pagedcore"]
+    print(f"pagedcore: {ours['steps']} engine steps, {ours['preemptions']} preemptions, "
+          f"{ours['graph_replays']} CUDA-graph decode steps")
+    for name, r in results.items():
+        if name != "pagedcore" and "out_tok_s" in r:
+            print(f"pagedcore / {name}: {ours['out_tok_s'] / r['out_tok_s']:.2f}x output tokens/s")
+    print(f"physical floor of the run: {floor:.2f} s; pagedcore at {ours['seconds'] / floor:.2f}x it")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"shape": args.shape, "floor_s": floor, "results": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
