@@ -338,13 +338,17 @@ class IncrementalDetokenizer:
         """The stop string that matched, or None."""
         return self._stop_reason
 
-    def append(self, new_token_ids: Sequence[int]) -> tuple[str, str | None]:
+    def append(self, new_token_ids: Sequence[int], check_stop: bool = True) -> tuple[str, str | None]:
         """Take the output tokens just generated; return the new text.
 
         Parameters
         ----------
         new_token_ids : sequence of int, shape [num_new_tokens]
             Usually one token, several with speculative or multi-step decoding.
+        check_stop : bool, default True
+            False: these tokens' text completes no stop string (vLLM's rule before
+            ``min_tokens`` outputs). A possible start of one is still held back, so
+            a match completed by later tokens can still cut there.
 
         Returns
         -------
@@ -371,8 +375,8 @@ class IncrementalDetokenizer:
         ids = _as_token_ids(new_token_ids, "new_token_ids")
         if not ids:
             return "", None
-        if len(ids) == 1 or not self._stop:
-            return self._append(ids)
+        if len(ids) == 1 or not self._stop or not check_stop:
+            return self._append(ids, check_stop)
         # NOTE: with stop strings, several tokens go in one at a time, so that the
         # result (which token completed the match, which match ended first) does not
         # depend on how the engine grouped tokens into steps.
@@ -409,10 +413,10 @@ class IncrementalDetokenizer:
 
     # ------------------------------------------------------------ window level
 
-    def _append(self, ids: list[int]) -> tuple[str, str | None]:
+    def _append(self, ids: list[int], check_stop: bool = True) -> tuple[str, str | None]:
         self._token_ids.extend(ids)
         new, provisional = self._decode_new(ids, final=False)
-        delta, stop_str = self._release(new, provisional, final=False)
+        delta, stop_str = self._release(new, provisional, final=False, check_stop=check_stop)
         if stop_str is not None:
             self._stop_reason = stop_str
         return delta, stop_str
@@ -505,14 +509,14 @@ class IncrementalDetokenizer:
 
     # -------------------------------------------------------------- text level
 
-    def _release(self, new: str, provisional: str, final: bool) -> tuple[str, str | None]:
+    def _release(self, new: str, provisional: str, final: bool, check_stop: bool = True) -> tuple[str, str | None]:
         """Apply stop strings to text the window released; return (delta, stop)."""
         if not self._stop or not (new or provisional or final):
             self._emit(new)
             return new, None
         tail = self._tail
         buf = tail + new + provisional
-        match = self._find_stop(buf, len(tail))
+        match = self._find_stop(buf, len(tail)) if check_stop else None
         if match is not None:
             stop_str, start = match
             cut = start + len(stop_str) if self._include_stop else start

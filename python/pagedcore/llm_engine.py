@@ -585,7 +585,9 @@ class LLMEngine:
                 # NOTE: a token that ended the sequence by EOS/stop token is not text.
                 stop_terminated = reason == "stop"
                 if not stop_terminated:
-                    _, stop_str = c.detokenizer.append([token])
+                    # NOTE: as in vLLM, stop strings count only from min_tokens outputs on.
+                    _, stop_str = c.detokenizer.append(
+                        [token], check_stop=len(c.token_ids) >= request.params.min_tokens)
             if stop_str is not None:
                 if reason is None:
                     self.engine.finish(seq_ids[k])

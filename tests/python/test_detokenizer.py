@@ -410,6 +410,24 @@ def test_stop_across_token_boundary(smollm2_tokenizer) -> None:
     assert det.text == "Hello w"
 
 
+def test_stop_strings_wait_for_check_stop(smollm2_tokenizer) -> None:
+    # Before min_tokens (check_stop=False) a completed stop string does not stop; a
+    # possible start is still held, so a match completed later cuts there.
+    tok = smollm2_tokenizer
+    ids = encode(tok, "Hello world, hello world.")
+    det = IncrementalDetokenizer(tok, [], stop=["o w"])
+    assert det.append(ids[:1], check_stop=False) == ("Hell", None)
+    assert det.append(ids[1:2], check_stop=False) == ("o world", None)  # "o w" completed, not checked
+    deltas = []
+    for k in range(2, len(ids)):
+        delta, stop = det.append(ids[k:k + 1])
+        deltas.append(delta)
+        if stop is not None:
+            break
+    assert stop == "o w"
+    assert det.text == "Hello world, hell" and det.finished
+
+
 @pytest.mark.parametrize("include", [False, True])
 def test_multibyte_stop_strings_earliest_wins(tokenizer, include) -> None:
     text = TEXTS["japanese_sentences"]  # 今日は晴れ。明日は雨です。明後日は雪です。

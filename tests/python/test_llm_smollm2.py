@@ -129,6 +129,20 @@ def test_stop_strings_and_stop_tokens(llm) -> None:
     assert (tok.finish_reason, tok.stop_reason) == ("stop", stop_token)
 
 
+def test_stop_strings_count_only_from_min_tokens(llm) -> None:
+    chat = CHAT[0]
+    base = llm.chat(chat, SamplingParams(temperature=0, max_tokens=30), use_tqdm=False)[0].outputs[0]
+    first = base.text.index("Par")
+    at = len(llm.get_tokenizer().decode(base.token_ids[:1]))  # text after one token
+    assert at <= first  # "Par" is completed by a later token
+    late = llm.chat(chat, SamplingParams(temperature=0, max_tokens=30, stop=["Par"], min_tokens=len(base.token_ids) - 1),
+                    use_tqdm=False)[0].outputs[0]
+    # "Par" is completed before min_tokens outputs: it does not stop the sequence,
+    # which then ends as without stop strings (EOS is allowed from min_tokens on).
+    assert (late.token_ids, late.text) == (base.token_ids, base.text)
+    assert late.stop_reason != "Par"
+
+
 def test_min_tokens_holds_eos_back(llm) -> None:
     chat = CHAT[0]
     base = llm.chat(chat, SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)[0].outputs[0]
