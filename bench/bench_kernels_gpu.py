@@ -72,6 +72,31 @@ def copy_bandwidth() -> float:
     return 2 * a.numel() / us / 1e3
 
 
+def flashinfer_decode(q, kc, vc, tables, ctx: int, block_size: int):
+    """FlashInfer's tensor-core paged decode on the same cache (NHD layout, the same
+    as ours), CUDA-graph timed: (us, output) or (None, why not)."""
+    try:
+        import flashinfer
+    except ImportError:
+        return None, "not installed (bench/fetch_peer_wheels.sh, carry .peers)"
+    try:
+        batch, heads, hd = q.shape
+        per = tables.shape[1]
+        indptr = torch.arange(batch + 1, dtype=torch.int32, device="cuda") * per
+        indices = tables.reshape(-1).contiguous()
+        last = torch.full((batch,), ctx - (per - 1) * block_size, dtype=torch.int32, device="cuda")
+        ws = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
+        wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            ws, "NHD", use_cuda_graph=True, use_tensor_cores=True, paged_kv_indptr_buffer=indptr,
+            paged_kv_indices_buffer=indices, paged_kv_last_page_len_buffer=last)
+        wrapper.plan(indptr, indices, last, heads, kc.shape[2], hd, block_size, q_data_type=q.dtype,
+                     kv_data_type=kc.dtype, sm_scale=hd**-0.5)
+        out = wrapper.run(q, (kc, vc))
+        return time_graph(lambda: wrapper.run(q, (kc, vc))), out
+    except Exception as exc:  # a peer that fails is reported, not fatal
+        return None, f"{type(exc).__name__}: {str(exc)[:200]}"
+
+
 def decode_case(batch: int, ctx: int, heads: int, kv_heads: int, head_dim: int, block_size: int,
                 fp8: bool = False):
     dtype = torch.bfloat16
@@ -101,7 +126,17 @@ def decode_case(batch: int, ctx: int, heads: int, kv_heads: int, head_dim: int, 
     err = (out.float().view_as(ref) - ref.float()).norm() / ref.float().norm()
     theirs = time_graph(lambda: F.scaled_dot_product_attention(qq, k, v, enable_gqa=True, scale=scale))
     kv_bytes = 2 * batch * ctx * kv_heads * head_dim * kc.element_size()
+    if not fp8:
+        fi_us, fi_out = flashinfer_decode(q, kc, vc, tables, ctx, block_size)
+        if fi_us is not None:
+            fi_err = (fi_out.float().view_as(ref) - ref.float()).norm() / ref.float().norm()
+            FLASHINFER[(batch, ctx, heads, head_dim, block_size)] = (fi_us, float(fi_err))
+        else:
+            FLASHINFER["error"] = fi_out
     return ours, theirs, kv_bytes, float(err)
+
+
+FLASHINFER: dict = {}  # (batch, ctx, heads, head_dim, block) -> (us, rel err), or "error" -> why
 
 
 def prefill_case(tokens: int, heads: int, kv_heads: int, head_dim: int, block_size: int = 16):
@@ -209,6 +244,13 @@ def run(args) -> None:
     print(f"{'prefill 8k causal (32/8, d128) vs SDPA flash':<48}{prefill_ours:14.1f}{prefill_sdpa:10.1f}"
           f"{prefill_sdpa / prefill_ours:10.2f}x{prefill_flops / prefill_ours / 1e6:7.0f} TFLOP/s{prefill_err:9.1e}")
     print(f"fp8 KV / bf16 KV time at B=64 L=4k bs=16: {fp8_ratio:.2f}x")
+    if "error" in FLASHINFER:
+        print(f"FlashInfer 0.6.13 peer: {FLASHINFER['error']}")
+    for (b, ctx, h, d, bs), (us, err) in FLASHINFER.items() if "error" not in FLASHINFER else []:
+        ours = next(r[1] for r in rows if (r[0].startswith("decode SmolLM2") if h == 9
+                                            else r[0].startswith(f"decode B={b} L={ctx} bs={bs} ")))
+        print(f"FlashInfer decode B={b} L={ctx} bs={bs} heads {h} d{d}: {us:.1f} us (ours {ours:.1f}, "
+              f"FlashInfer / ours {us / ours:.2f}x, rel err vs SDPA {err:.1e})")
 
 
 if __name__ == "__main__":

@@ -34,6 +34,10 @@ py="${PYTHON:-python3}"
 step build env PAGEDCORE_CUDA=ON CMAKE_BUILD_PARALLEL_LEVEL=16 "$py" -m pip install -v --no-build-isolation \
   --no-deps --break-system-packages -C cmake.define.PAGEDCORE_CUDA_ARCHITECTURES=90 .
 step cuda_info "$py" -c "import pagedcore, json; print(json.dumps(pagedcore.cuda_info()))"
+if compgen -G ".peers/*.whl" >/dev/null; then  # FlashInfer as a kernel peer, when carried
+  step peers "$py" -m pip install --no-index --no-deps --target /tmp/pagedcore-peers .peers/*.whl
+  export PYTHONPATH="/tmp/pagedcore-peers${PYTHONPATH:+:$PYTHONPATH}" FLASHINFER_CUDA_ARCH_LIST=9.0a
+fi
 step pytest_cuda "$py" -m pytest -q -p no:cacheprovider -m cuda tests/python
 step memcheck compute-sanitizer --tool memcheck --error-exitcode 1 \
   "$py" -m pytest -q -p no:cacheprovider -x tests/python/test_ops_cuda.py -k "grid and bf16 and 128 or splits or swap or copy or reshape or fp8"
@@ -46,7 +50,7 @@ if [[ -n "${PAGEDCORE_NCU:-}" ]]; then  # a profile of the attention kernels (de
 fi
 
 echo
-tail -n 21 "$out/bench.log"
+tail -n 31 "$out/bench.log"
 echo
 echo "commit ${PAGEDCORE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo '?')}  $(cat "$out/gpu.txt")"
 printf '%-14s %s\n' "check" "result"
