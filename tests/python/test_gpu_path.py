@@ -142,21 +142,26 @@ def test_default_sizing_uses_gpu_memory_utilization(tiny) -> None:
 
 
 def test_cuda_graphs_replay_decode_steps_with_eager_outputs(tiny) -> None:
-    # Decode steps replay captured graphs (batches padded up to the ladder) and give
-    # exactly the eager run's tokens, in float32 and bfloat16.
-    ps = prompts() + prompts()[:1]  # 5 rows: padded to 8
+    # Decode steps replay captured graphs. At a ladder size (8 rows: the same matrix
+    # shapes as eager) the tokens equal the eager run's exactly, in float32 and
+    # bfloat16; padded up to the ladder (5 rows -> 8) they equal transformers'.
+    eight = (prompts() * 2)[:8]
     for dtype in ("float32", "bfloat16"):
         kw = dict(model=str(tiny), device="cuda", dtype=dtype, num_kv_blocks=256, max_model_len=256)
         graphed = LLM(**kw)
         runner = graphed.llm_engine.runner
         assert 1 in runner.graphs and 8 in runner.graphs
-        out = generate(graphed, ps, 24)
+        out = generate(graphed, eight, 24)
         assert runner.graph_replays >= 20
         eager = LLM(**kw, enforce_eager=True)
         assert not eager.llm_engine.runner.graphs
-        assert generate(eager, ps, 24) == out
+        assert generate(eager, eight, 24) == out
         assert eager.llm_engine.runner.graph_replays == 0
         assert graphed.stats()["num_free_blocks"] == graphed.stats()["num_blocks"]
+    five = (prompts() * 2)[:5]
+    graphed = LLM(model=str(tiny), device="cuda", dtype="float32", num_kv_blocks=256, max_model_len=256)
+    assert generate(graphed, five, 24) == hf_greedy_gpu(tiny, five, 24)
+    assert graphed.llm_engine.runner.graph_replays >= 20
 
 
 def test_fp8_kv_cache_end_to_end(tiny) -> None:
