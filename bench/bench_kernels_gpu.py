@@ -64,6 +64,19 @@ def time_graph(fn, iters: int = 20, repeats: int = 7) -> float:
     return statistics.median(times)
 
 
+def time_host(fn, repeats: int = 5) -> float:
+    """Median microseconds of one call from the host's clock, the GPU drained before
+    and after (for calls that wait on the host, like swaps)."""
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t) * 1e6)
+    return statistics.median(times)
+
+
 def copy_bandwidth() -> float:
     """Device-to-device copy, bytes read + written per second (GB/s)."""
     a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
@@ -213,24 +226,10 @@ def run(args) -> None:
     out_pairs = torch.stack([torch.arange(1024), torch.arange(1024)], dim=1)
     ops.swap_out(layers, cpu, out_pairs)
     torch.cuda.synchronize()
-    times = []
-    for _ in range(5):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        ops.swap_in(cpu, layers, out_pairs)
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - t) * 1e6)
     swap_bytes = 8 * 1024 * layers[0][0].numel() * 2
-    us = statistics.median(times)
+    us = time_host(lambda: ops.swap_in(cpu, layers, out_pairs))
     rows.append(("swap-in 1024 blocks x 8 caches (H2D)", us, None, swap_bytes / us / 1e3, 0.0))
-    times = []
-    for _ in range(5):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        ops.swap_out(layers, cpu, out_pairs)
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - t) * 1e6)
-    us = statistics.median(times)
+    us = time_host(lambda: ops.swap_out(layers, cpu, out_pairs))
     rows.append(("swap-out 1024 blocks x 8 caches (D2H)", us, None, swap_bytes / us / 1e3, 0.0))
 
     prefill_ours, prefill_sdpa, prefill_err = prefill_case(8192 if not args.quick else 2048, 32, 8, 128)
