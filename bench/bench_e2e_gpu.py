@@ -14,7 +14,12 @@ the run: for one batch holding every request, the weights read once per output s
 plus each step's KV over the copy bandwidth, plus the prefill FLOPs over the matmul
 rate, both measured in the same run; pagedcore's time as a multiple of it.
 
-Usage: python bench/bench_e2e_gpu.py --shape smollm2 [--peers generate,generate_batch]
+With ``--latency``: time per output token at batch 1 and 16 (128-token prompts) and
+time to first token at prompts of 512 and 4096 tokens, pagedcore against transformers
+``generate``: each the difference of two timed calls (max_tokens 1 and 129), medians
+of three.
+
+Usage: python bench/bench_e2e_gpu.py --shape smollm2 [--peers generate,generate_batch] [--latency]
 """
 
 from __future__ import annotations
@@ -205,6 +210,72 @@ def run_generate_batch(path: Path, prompts, out: int, args) -> dict:
     return result
 
 
+def latency(path: Path, fields: dict, args) -> None:
+    """Time per output token (batch 1, 16) and time to first token (512, 4096)."""
+    from pagedcore import LLM, SamplingParams
+
+    rng = np.random.default_rng(args.seed)
+    vocab = fields["vocab_size"]
+
+    def prompts_of(n: int, length: int) -> list[list[int]]:
+        return [rng.integers(3, vocab, length).tolist() for _ in range(n)]
+
+    def sync() -> None:
+        if args.device == "cuda":
+            torch.cuda.synchronize()
+
+    def median_time(fn) -> float:
+        fn()  # warm-up
+        times = []
+        for _ in range(3):
+            sync()
+            t = time.perf_counter()
+            fn()
+            sync()
+            times.append(time.perf_counter() - t)
+        return statistics.median(times)
+
+    cases = [("TPOT batch 1", 1, 128), ("TPOT batch 16", 16, 128), ("TTFT prompt 512", 1, 512),
+             ("TTFT prompt 4096", 1, 4096)]
+    llm = LLM(model=str(path), load_format="dummy", dtype="bfloat16", device=args.device,
+              max_model_len=args.max_model_len + 256, gpu_memory_utilization=args.gpu_memory_utilization,
+              max_num_seqs=args.max_num_seqs, enforce_eager=args.enforce_eager)
+    model = None
+    rows = []
+    for name, batch, length in cases:
+        ps = prompts_of(batch, length)
+        steps = 128 if name.startswith("TPOT") else 0
+
+        def ours(k: int) -> float:
+            params = SamplingParams(temperature=0.0, max_tokens=k, ignore_eos=True)
+            return median_time(lambda: llm.generate([{"prompt_token_ids": p} for p in ps], params, use_tqdm=False))
+
+        t1 = ours(1)
+        mine = (ours(1 + steps) - t1) / steps if steps else t1
+        rows.append([name, mine])
+    del llm
+    _free()
+    model = hf_model(path, args)
+    model.generation_config.eos_token_id = None
+    for row, (name, batch, length) in zip(rows, cases):
+        ps = torch.tensor(prompts_of(batch, length), device=args.device)
+        steps = 128 if name.startswith("TPOT") else 0
+
+        def theirs(k: int) -> float:
+            with torch.inference_mode():
+                return median_time(lambda: model.generate(ps, attention_mask=torch.ones_like(ps), do_sample=False,
+                                                          max_new_tokens=k, min_new_tokens=k, pad_token_id=0))
+
+        t1 = theirs(1)
+        row.append((theirs(1 + steps) - t1) / steps if steps else t1)
+    del model
+    _free()
+    print(f"\n{args.shape} latency (ms): pagedcore against transformers generate")
+    print(f"{'case':<20}{'pagedcore':>12}{'transformers':>14}{'ratio':>8}")
+    for name, mine, hf in rows:
+        print(f"{name:<20}{mine * 1e3:12.2f}{hf * 1e3:14.2f}{hf / mine:7.2f}x")
+
+
 def _peak(device: str) -> float:
     return torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan")
 
@@ -231,12 +302,17 @@ def main() -> None:
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, help="also write the results here")
+    parser.add_argument("--latency", action="store_true", help="the latency cases instead of throughput")
     args = parser.parse_args()
     fields, n, mean_prompt, out = SHAPES[args.shape]
     n = args.requests or n
     mean_prompt = args.mean_prompt or mean_prompt
     out = args.output_tokens or out
     torch.manual_seed(args.seed)
+    if args.latency:
+        with tempfile.TemporaryDirectory() as tmp:
+            latency(checkpoint_dir(fields, Path(tmp)), fields, args)
+        return
     prompts = workload(n, mean_prompt, fields["vocab_size"], args.seed)
     bw, flops = measured_rates(args.device)
     results: dict[str, dict] = {}
