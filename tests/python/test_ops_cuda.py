@@ -24,7 +24,7 @@ TOLERANCE = {
 
 
 def run_cuda(rows, *, block_size, head_dim, group, dtype, window=0, softcap=0.0, num_kv_heads=2, seed=0,
-             fp8_scales=None):
+             fp8_scales=None, unsplit=False):
     query, kc, vc, bt, seq_lens, qsl = make_batch(
         rows, block_size=block_size, head_dim=head_dim, num_kv_heads=num_kv_heads, group=group,
         dtype=dtype, window=window, seed=seed,
@@ -45,6 +45,11 @@ def run_cuda(rows, *, block_size, head_dim, group, dtype, window=0, softcap=0.0,
     expected = reference(query, ref_k, ref_v, bt, seq_lens, qsl, scale=scale, window=window, softcap=softcap)
     dev = [t.cuda() for t in (query, kc, vc, bt, seq_lens, qsl)]
     out = torch.full(query.shape, NAN, dtype=dtype, device="cuda")
+    if unsplit:  # one CTA walks each row's whole key range (no key splits)
+        plan = ops.plan_attention(qsl.numpy(), seq_lens.numpy(), query.shape[1], num_kv_heads, torch.device("cuda"),
+                                  head_dim, dtype)
+        plan.num_splits = plan.decode_splits = 1
+        kw["plan"] = plan
     ops.paged_attention(*dev, scale=scale, sliding_window=window, softcap=softcap, out=out, **kw)
     torch.cuda.synchronize()
     out = out.cpu()
@@ -107,6 +112,13 @@ def test_attention_fp8_cache_splits_window_softcap(rows):
     run_cuda(rows, block_size=16, head_dim=128, group=4, dtype=torch.bfloat16, fp8_scales=(1.0, 1.0))
     run_cuda(mixed_rows(16), block_size=16, head_dim=128, group=4, dtype=torch.bfloat16, window=40,
              softcap=3.5, fp8_scales=(0.25, 0.75))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_attention_rows_longer_than_one_staged_block_table(dtype):
+    # Block size 8, no key splits: rows of 9000 keys (1125 blocks) go through more than
+    # one chunk of staged block ids (1024 at a time), decode and prefill alike.
+    run_cuda([(1, 9000), (40, 9000)], block_size=8, head_dim=128, group=4, dtype=dtype, unsplit=True)
 
 
 def test_attention_large_prefill_and_many_decodes():
