@@ -1,16 +1,16 @@
 // Paged attention over the KV cache, for decode rows, prompt chunks with a
-// cached prefix and whole prompts in one launch.
+// cached prefix and whole prompts in one launch: the entry point, the float32
+// kernels and the split merge kernel. bf16 / fp16 queries go to the
+// tensor-core kernel in attention_mma.cu.
 //
-// A work item (planned on the host, once per step) is a tile of up to
-// kAttentionTileVectors query vectors: consecutive query tokens of one row
-// times the query heads that share one kv head (GQA), so each K/V row is read
-// once for all of them. A CTA takes (work item, kv head, key split): it walks
-// its key range in chunks staged in shared memory (converted to float32),
-// with an online softmax; with several splits, a second kernel merges the
-// partial results by their log-sum-exp.
-//
-// This first version computes on CUDA cores in float32; tensor-core tiles
-// come next (see bench/RESULTS.md for where it stands against SDPA).
+// float32: a work item (planned on the host, once per step) is a tile of up to
+// 16 query vectors: consecutive query tokens of one row times the query heads
+// that share one kv head (GQA), so each K/V row is read once for all of them.
+// A CTA takes (work item, kv head, key split): it walks its key range in chunks
+// staged in shared memory, with an online softmax on CUDA cores. Decode rows go
+// to a kernel that streams K/V rows with 16-byte loads (a lane group per key).
+// With several splits, a second kernel merges the partial results by their
+// log-sum-exp.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
