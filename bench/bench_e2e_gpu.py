@@ -19,7 +19,12 @@ time to first token at prompts of 512 and 4096 tokens, pagedcore against transfo
 ``generate``: each the difference of two timed calls (max_tokens 1 and 129), medians
 of three.
 
-Usage: python bench/bench_e2e_gpu.py --shape smollm2 [--peers generate,generate_batch] [--latency]
+With ``--overhead``: the fraction of wall time the GPU sits idle between decode steps
+(256 requests of 128-token prompts, 256 outputs): each step's GPU span is timed with
+events recorded before the model runs and after sampling, against the host's clock
+from the first decode step to the last.
+
+Usage: python bench/bench_e2e_gpu.py --shape smollm2 [--peers generate,generate_batch] [--latency | --overhead]
 """
 
 from __future__ import annotations
@@ -276,6 +281,52 @@ def latency(path: Path, fields: dict, args) -> None:
         print(f"{name:<20}{mine * 1e3:12.2f}{hf * 1e3:14.2f}{hf / mine:7.2f}x")
 
 
+def overhead(path: Path, fields: dict, args) -> None:
+    """GPU idle fraction between decode steps at batch 256 (events around each step)."""
+    from pagedcore import LLM, SamplingParams
+
+    llm = LLM(model=str(path), load_format="dummy", dtype="bfloat16", device=args.device,
+              max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
+              max_num_seqs=256, enforce_eager=args.enforce_eager)
+    engine = llm.llm_engine
+    rng = np.random.default_rng(args.seed)
+    prompts = [{"prompt_token_ids": rng.integers(3, fields["vocab_size"], 128).tolist()} for _ in range(256)]
+    params = SamplingParams(temperature=0.0, max_tokens=256, ignore_eos=True)
+    llm.generate(prompts[:16], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    spans: list[tuple[torch.cuda.Event, torch.cuda.Event, float, bool]] = []
+    execute, sample = engine.runner.execute, engine.sampler.__call__
+
+    def timed_execute(batch):
+        start = torch.cuda.Event(enable_timing=True)
+        start.record()
+        decode = batch.num_tokens == batch.num_seqs
+        spans.append((start, None, time.perf_counter(), decode))
+        return execute(batch)
+
+    def timed_sample(*a, **kw):
+        out = sample(*a, **kw)
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        start, _, t, decode = spans[-1]
+        spans[-1] = (start, end, t, decode)
+        return out
+
+    engine.runner.execute = timed_execute
+    engine.sampler = timed_sample
+    llm.generate(prompts, params, use_tqdm=False)
+    torch.cuda.synchronize()
+    decode = [i for i, sp in enumerate(spans) if sp[3] and sp[1] is not None]
+    first, last = decode[len(decode) // 10], decode[-2]  # steady state: skip the first tenth
+    busy = sum(spans[i][0].elapsed_time(spans[i][1]) / 1e3 for i in range(first, last))
+    wall = spans[last][2] - spans[first][2]
+    print(f"\n{args.shape}: 256 requests, 128-token prompts, 256 outputs; {len(spans)} steps, "
+          f"{len(decode)} decode steps, {engine.runner.graph_replays} from CUDA graphs")
+    print(f"decode steps {first}..{last}: wall {wall * 1e3:.1f} ms, GPU busy {busy * 1e3:.1f} ms, "
+          f"GPU idle {1 - busy / wall:.1%} of the wall time (target <= 5%); {wall / (last - first) * 1e3:.2f} ms per step")
+    del llm, engine
+    _free()
+
+
 def _peak(device: str) -> float:
     return torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan")
 
@@ -303,15 +354,16 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, help="also write the results here")
     parser.add_argument("--latency", action="store_true", help="the latency cases instead of throughput")
+    parser.add_argument("--overhead", action="store_true", help="the GPU idle fraction between decode steps")
     args = parser.parse_args()
     fields, n, mean_prompt, out = SHAPES[args.shape]
     n = args.requests or n
     mean_prompt = args.mean_prompt or mean_prompt
     out = args.output_tokens or out
     torch.manual_seed(args.seed)
-    if args.latency:
+    if args.latency or args.overhead:
         with tempfile.TemporaryDirectory() as tmp:
-            latency(checkpoint_dir(fields, Path(tmp)), fields, args)
+            (latency if args.latency else overhead)(checkpoint_dir(fields, Path(tmp)), fields, args)
         return
     prompts = workload(n, mean_prompt, fields["vocab_size"], args.seed)
     bw, flops = measured_rates(args.device)
