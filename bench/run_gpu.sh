@@ -4,8 +4,12 @@
 # compute-sanitizer, and print a summary table last. Logs go to $OUT (or
 # /tmp/pagedcore-gpu) so that they come back from the device.
 #
-#   bench/run_gpu.sh
+#   bench/run_gpu.sh              kernels: tests, memcheck, kernel benchmark
+#   bench/run_gpu.sh e2e SHAPE    end to end (smollm2 or llama3-8b): throughput
+#                                 against transformers, latency, GPU idle time
 set -uo pipefail
+mode="${1:-kernels}"
+shape="${2:-smollm2}"
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 out="${OUT:-/tmp/pagedcore-gpu}"
 mkdir -p "$out"
@@ -38,6 +42,15 @@ if compgen -G ".peers/*.whl" >/dev/null; then  # FlashInfer as a kernel peer, wh
   step peers "$py" -m pip install --no-index --no-deps --target /tmp/pagedcore-peers .peers/*.whl
   export PYTHONPATH="/tmp/pagedcore-peers${PYTHONPATH:+:$PYTHONPATH}" FLASHINFER_CUDA_ARCH_LIST=9.0a
 fi
+if [[ "$mode" == e2e ]]; then
+  checks=(build cuda_info e2e_throughput e2e_latency e2e_overhead)
+  step e2e_throughput "$py" bench/bench_e2e_gpu.py --shape "$shape" --json "$out/e2e_$shape.json"
+  step e2e_latency "$py" bench/bench_e2e_gpu.py --shape "$shape" --latency
+  step e2e_overhead "$py" bench/bench_e2e_gpu.py --shape "$shape" --overhead
+  echo
+  for name in e2e_throughput e2e_latency e2e_overhead; do tail -n 12 "$out/$name.log"; done
+else
+checks=(build cuda_info pytest_cuda memcheck bench)
 step pytest_cuda "$py" -m pytest -q -p no:cacheprovider -m cuda tests/python
 step memcheck compute-sanitizer --tool memcheck --error-exitcode 1 \
   "$py" -m pytest -q -p no:cacheprovider -x tests/python/test_ops_cuda.py -k "grid and bf16 and 128 or splits or swap or copy or reshape or fp8"
@@ -48,14 +61,14 @@ if [[ -n "${PAGEDCORE_NCU:-}" ]]; then  # a profile of the attention kernels (de
     --metrics smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio,smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio,smsp__average_warps_issue_stalled_short_scoreboard_per_issue_active.ratio,smsp__average_warps_issue_stalled_mio_throttle_per_issue_active.ratio,smsp__average_warps_issue_stalled_math_pipe_throttle_per_issue_active.ratio,smsp__average_warps_issue_stalled_wait_per_issue_active.ratio,smsp__average_warps_issue_stalled_not_selected_per_issue_active.ratio,smsp__average_warps_issue_stalled_selected_per_issue_active.ratio,smsp__average_warps_issue_stalled_dispatch_stall_per_issue_active.ratio,smsp__average_warps_issue_stalled_no_instruction_per_issue_active.ratio,smsp__average_warps_issue_stalled_lg_throttle_per_issue_active.ratio,smsp__average_warps_issue_stalled_branch_resolving_per_issue_active.ratio,smsp__average_warps_issue_stalled_tex_throttle_per_issue_active.ratio,smsp__inst_executed.sum,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active \
     "$py" bench/profile_attention.py
 fi
-
 echo
 tail -n 31 "$out/bench.log"
+fi
 echo
 echo "commit ${PAGEDCORE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo '?')}  $(cat "$out/gpu.txt")"
 printf '%-14s %s\n' "check" "result"
 status=0
-for name in build cuda_info pytest_cuda memcheck bench; do
+for name in "${checks[@]}"; do
   printf '%-14s %s\n' "$name" "${result[$name]:-not run}"
   [[ "${result[$name]:-}" == pass ]] || status=1
 done
