@@ -4,7 +4,8 @@
 # compute-sanitizer, and print a summary table last. Logs go to $OUT (or
 # /tmp/pagedcore-gpu) so that they come back from the device.
 #
-#   bench/run_gpu.sh              kernels: tests, memcheck, kernel benchmark
+#   bench/run_gpu.sh              kernels: tests, memcheck (a kernel subset; the whole
+#                                 suite with PAGEDCORE_MEMCHECK_ALL=1), kernel benchmark
 #   bench/run_gpu.sh e2e SHAPE    end to end (smollm2 or llama3-8b): throughput
 #                                 against transformers, latency, GPU idle time
 set -uo pipefail
@@ -52,8 +53,13 @@ if [[ "$mode" == e2e ]]; then
 else
 checks=(build cuda_info pytest_cuda memcheck bench)
 step pytest_cuda "$py" -m pytest -q -p no:cacheprovider -m cuda tests/python
-step memcheck compute-sanitizer --tool memcheck --error-exitcode 1 \
-  "$py" -m pytest -q -p no:cacheprovider -x tests/python/test_ops_cuda.py -k "grid and bf16 and 128 or splits or swap or copy or reshape or fp8"
+if [[ -n "${PAGEDCORE_MEMCHECK_ALL:-}" ]]; then  # the whole cuda suite under memcheck (slow: a call of its own)
+  step memcheck compute-sanitizer --tool memcheck --error-exitcode 1 \
+    "$py" -m pytest -q -p no:cacheprovider -m cuda tests/python
+else
+  step memcheck compute-sanitizer --tool memcheck --error-exitcode 1 \
+    "$py" -m pytest -q -p no:cacheprovider -x tests/python/test_ops_cuda.py -k "grid and bf16 and 128 or splits or swap or copy or reshape or fp8"
+fi
 step bench "$py" bench/bench_kernels_gpu.py
 if [[ -n "${PAGEDCORE_NCU:-}" ]]; then  # a profile of the attention kernels (decode, then prefill)
   step ncu ncu --kernel-name regex:mma_attention --launch-skip 2 --launch-count 4 --section SpeedOfLight \
