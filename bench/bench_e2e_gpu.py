@@ -24,7 +24,12 @@ With ``--overhead``: the fraction of wall time the GPU sits idle between decode 
 events recorded before the model runs and after sampling, against the host's clock
 from the first decode step to the last.
 
-Usage: python bench/bench_e2e_gpu.py --shape smollm2 [--peers generate,generate_batch] [--latency | --overhead]
+With ``--shared-prefix``: 256 requests behind one 1,000-token system prompt (tails of
+20-200 tokens, 128 outputs), prefix caching on against off: hit rate and the ratio of
+output tokens per second.
+
+Usage: python bench/bench_e2e_gpu.py --shape smollm2 [--peers generate,generate_batch]
+       [--latency | --overhead | --shared-prefix]
 """
 
 from __future__ import annotations
@@ -327,6 +332,39 @@ def overhead(path: Path, fields: dict, args) -> None:
     _free()
 
 
+def shared_prefix(path: Path, fields: dict, args) -> None:
+    """Prefix caching on against off over requests that share a system prompt."""
+    from pagedcore import LLM, SamplingParams
+
+    rng = np.random.default_rng(args.seed)
+    vocab = fields["vocab_size"]
+    system = rng.integers(3, vocab, 1000).tolist()
+    prompts = [{"prompt_token_ids": system + rng.integers(3, vocab, int(n)).tolist()}
+               for n in rng.integers(20, 200, 256)]
+    params = SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True)
+    rows = []
+    for caching in (True, False):
+        llm = LLM(model=str(path), load_format="dummy", dtype="bfloat16", device=args.device,
+                  max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
+                  max_num_seqs=args.max_num_seqs, enable_prefix_caching=caching, enforce_eager=args.enforce_eager)
+        llm.generate(prompts[:4], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+        if args.device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        if args.device == "cuda":
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+        produced = sum(len(o.outputs[0].token_ids) for o in outs)
+        rows.append((caching, produced / seconds, llm.stats()["prefix_cache_hit_rate"]))
+        del llm, outs
+        _free()
+    print(f"\n{args.shape}: 256 requests sharing a 1,000-token system prompt, 128 outputs each")
+    for caching, tok_s, hit in rows:
+        print(f"prefix caching {'on ' if caching else 'off'}: {tok_s:9.0f} output tok/s, hit rate {hit:.1%}")
+    print(f"on / off: {rows[0][1] / rows[1][1]:.2f}x output tokens/s")
+
+
 def _peak(device: str) -> float:
     return torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan")
 
@@ -355,15 +393,17 @@ def main() -> None:
     parser.add_argument("--json", default=None, help="also write the results here")
     parser.add_argument("--latency", action="store_true", help="the latency cases instead of throughput")
     parser.add_argument("--overhead", action="store_true", help="the GPU idle fraction between decode steps")
+    parser.add_argument("--shared-prefix", action="store_true", help="prefix caching on against off")
     args = parser.parse_args()
     fields, n, mean_prompt, out = SHAPES[args.shape]
     n = args.requests or n
     mean_prompt = args.mean_prompt or mean_prompt
     out = args.output_tokens or out
     torch.manual_seed(args.seed)
-    if args.latency or args.overhead:
+    mode = latency if args.latency else overhead if args.overhead else shared_prefix if args.shared_prefix else None
+    if mode is not None:
         with tempfile.TemporaryDirectory() as tmp:
-            (latency if args.latency else overhead)(checkpoint_dir(fields, Path(tmp)), fields, args)
+            mode(checkpoint_dir(fields, Path(tmp)), fields, args)
         return
     prompts = workload(n, mean_prompt, fields["vocab_size"], args.seed)
     bw, flops = measured_rates(args.device)

@@ -114,7 +114,12 @@ def parallel_sampling(args: argparse.Namespace) -> tuple[int, int]:
 
 
 def plot(results: list[dict], args: argparse.Namespace) -> None:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:  # the GPU machine's Python has no matplotlib: figures only
+        print("(matplotlib is not installed: no plot)")
+        args.plot = "(none)"
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

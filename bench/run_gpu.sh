@@ -44,12 +44,14 @@ if compgen -G ".peers/*.whl" >/dev/null; then  # FlashInfer as a kernel peer, wh
   export PYTHONPATH="/tmp/pagedcore-peers${PYTHONPATH:+:$PYTHONPATH}" FLASHINFER_CUDA_ARCH_LIST=9.0a
 fi
 if [[ "$mode" == e2e ]]; then
-  checks=(build cuda_info e2e_throughput e2e_latency e2e_overhead)
+  checks=(build cuda_info e2e_throughput e2e_latency e2e_overhead e2e_shared_prefix e2e_memory)
   step e2e_throughput "$py" bench/bench_e2e_gpu.py --shape "$shape" --json "$out/e2e_$shape.json"
   step e2e_latency "$py" bench/bench_e2e_gpu.py --shape "$shape" --latency
   step e2e_overhead "$py" bench/bench_e2e_gpu.py --shape "$shape" --overhead
+  step e2e_shared_prefix "$py" bench/bench_e2e_gpu.py --shape "$shape" --shared-prefix
+  step e2e_memory "$py" bench/bench_memory.py --plot "$out/memory_blocks.png"
   echo
-  for name in e2e_throughput e2e_latency e2e_overhead; do tail -n 12 "$out/$name.log"; done
+  for name in "${checks[@]:2}"; do tail -n 12 "$out/$name.log"; done
 else
 checks=(build cuda_info pytest_cuda memcheck bench)
 step pytest_cuda "$py" -m pytest -q -p no:cacheprovider -m cuda tests/python
