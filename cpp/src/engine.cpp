@@ -39,6 +39,9 @@ Engine::Engine(const EngineConfig& config)
       buffers_(config_) {
   sample_seq_.resize(config.max_num_seqs);
   sample_fork_index_.resize(config.max_num_seqs);
+  row_seq_.assign(config.max_num_seqs, -1);
+  row_version_.assign(config.max_num_seqs, 0);
+  row_written_.assign(config.max_num_seqs, 0);
   finished_requests_.reserve(config.max_num_seqs);
   narrowed_.resize(config.max_num_seqs);
   buffers_.result.finished_request_ids.reserve(config.max_num_seqs);
@@ -236,7 +239,17 @@ void Engine::fill_batch() {
     b.query_start_loc[row] = tok;
     b.num_computed_tokens[row] = s.num_computed_before;
     b.seq_lens[row] = s.num_computed_before + s.num_new;
-    std::copy(table.begin(), table.end(), b.block_tables.begin() + row * row_stride);
+    // NOTE: only what changed since this row last held this sequence: entries
+    // from its last written one on (a copy-on-write may have replaced it).
+    size_t from = 0;
+    if (row_seq_[row] == seq.seq_id && row_version_[row] == seq.blocks.version) {
+      from = static_cast<size_t>(std::max(0, row_written_[row] - 1));
+    }
+    std::copy(table.begin() + static_cast<std::ptrdiff_t>(from), table.end(),
+              b.block_tables.begin() + static_cast<std::ptrdiff_t>(row * row_stride + from));
+    row_seq_[row] = seq.seq_id;
+    row_version_[row] = seq.blocks.version;
+    row_written_[row] = static_cast<int32_t>(table.size());
     for (int32_t p = s.num_computed_before; p < s.num_computed_before + s.num_new; ++p, ++tok) {
       b.input_ids[tok] = seq.tokens[p];
       b.positions[tok] = p;

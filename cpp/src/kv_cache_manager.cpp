@@ -65,6 +65,7 @@ void KVCacheManager::fork(const SeqBlocks& parent, SeqBlocks& child) {
   PAGEDCORE_CHECK(!parent.swapped, "fork of a swapped-out sequence");
   PAGEDCORE_CHECK(child.block_table.empty() && !child.swapped, "fork into a sequence with blocks");
   child.block_table.assign(parent.block_table.begin(), parent.block_table.end());
+  ++child.version;
   for (BlockId b : child.block_table) gpu_.incref(b);
   child.num_released = parent.num_released;
   child.block_hashes.assign(parent.block_hashes.begin(), parent.block_hashes.end());
@@ -79,6 +80,7 @@ void KVCacheManager::free(SeqBlocks& seq) {
   seq.cpu_block_table.clear();
   seq.swapped = false;
   seq.num_released = 0;
+  ++seq.version;
 }
 
 void KVCacheManager::ensure_hashes(SeqBlocks& seq, const TokenId* tokens, int32_t num_full,
@@ -123,6 +125,7 @@ void KVCacheManager::commit_prefix(SeqBlocks& seq, int32_t num_hits) {
   PAGEDCORE_CHECK(num_hits >= 0 && num_hits <= static_cast<int32_t>(hits_.size()),
                   "commit of ", num_hits, " hits, lookup found ", hits_.size());
   PAGEDCORE_CHECK(seq.block_table.empty(), "commit_prefix on a sequence with blocks");
+  ++seq.version;
   const int32_t dead = std::min(num_dead_blocks(num_hits * block_size_), num_hits);
   for (int32_t i = 0; i < num_hits; ++i) {
     seq.block_epochs[i] = gpu_.epoch(hits_[i]);
@@ -178,6 +181,7 @@ int32_t KVCacheManager::release_out_of_window(SeqBlocks& seq, int32_t num_comput
     ++released;
   }
   seq.num_released = std::max(seq.num_released, first_kept);
+  if (released > 0) ++seq.version;
   return released;
 }
 
@@ -202,6 +206,7 @@ void KVCacheManager::swap_out(SeqBlocks& seq, std::vector<BlockPair>& pairs) {
   gpu_.free_chain(seq.block_table.data(), static_cast<int32_t>(seq.block_table.size()));
   seq.block_table.clear();
   seq.swapped = true;
+  ++seq.version;
 }
 
 int32_t KVCacheManager::num_blocks_to_swap_in(const SeqBlocks& seq, int32_t num_computed,
@@ -232,6 +237,7 @@ void KVCacheManager::swap_in(SeqBlocks& seq, int32_t num_computed, std::vector<B
   cpu_.free_chain(seq.cpu_block_table.data(), static_cast<int32_t>(seq.cpu_block_table.size()));
   seq.cpu_block_table.clear();
   seq.swapped = false;
+  ++seq.version;
 }
 
 }  // namespace pagedcore

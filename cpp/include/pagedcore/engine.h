@@ -177,6 +177,13 @@ class Engine {
   // of its n samples this is (non-zero only for a parent awaiting its fork).
   std::vector<Sequence*> sample_seq_;
   std::vector<int32_t> sample_fork_index_;
+  // What each row of the batch's block tables holds from earlier steps: the
+  // sequence, its table version and how many entries were written. A row that
+  // keeps its sequence at the same version only gets the entries from its last
+  // one on (fill_batch's cost then follows new blocks, not context length).
+  std::vector<SeqId> row_seq_;
+  std::vector<uint32_t> row_version_;
+  std::vector<int32_t> row_written_;
   std::vector<Request*> finished_requests_;  // scratch of update()
   std::vector<TokenId> narrowed_;            // scratch of update(const int64_t*, ...)
 };

@@ -37,6 +37,10 @@ struct SeqBlocks {
   bool swapped = false;
   // Leading entries of block_table already released to the sliding window.
   int32_t num_released = 0;
+  // Bumped by every change to block_table other than appending entries and
+  // replacing the last one (copy-on-write): a copy of the table made at the
+  // same version is still right except from its last entry on.
+  uint32_t version = 0;
   // Prefix chain: hash and identity (epoch) of each full block seen so far.
   // They describe token content, so they stay valid across preemption.
   std::vector<uint64_t> block_hashes;
