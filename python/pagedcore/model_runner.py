@@ -170,7 +170,7 @@ class ModelRunner:
                 md = AttentionMetadata(
                     slot_mapping=self._g_slot_mapping[:b], block_tables=self._g_block_tables[:b],
                     seq_lens=self._g_seq_lens[:b], query_start_loc=self._g_query_start_loc[:b + 1],
-                    plan=ops.plan_decode(b, spec.num_heads, spec.num_kv_heads, dev, config.max_model_len),
+                    plan=ops.plan_decode(b, spec.num_kv_heads, dev, config.max_model_len),
                 )
                 side = torch.cuda.Stream(dev)
                 side.wait_stream(torch.cuda.current_stream(dev))

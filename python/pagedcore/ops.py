@@ -197,18 +197,20 @@ def _cache_pair(op: str, key_cache: object, value_cache: object) -> None:
     _contiguous(op, "value_cache", value_cache)
 
 
-def _fp8_cache(op: str, key_cache: torch.Tensor, name: str, t: torch.Tensor, k_scale: object, v_scale: object) -> bool:
-    # The cache holds t's dtype, or fp8 e4m3 for bf16/fp16 t (with positive scales).
+def _fp8_cache(op: str, key_cache: torch.Tensor, name: str, t: torch.Tensor, k_scale: object, v_scale: object) -> None:
+    # The cache holds t's dtype, or (CUDA only) fp8 e4m3 for bf16/fp16 t, with positive scales.
     for sname, sv in (("k_scale", k_scale), ("v_scale", v_scale)):
         if isinstance(sv, bool) or not isinstance(sv, numbers.Real) or not (math.isfinite(sv) and sv > 0):
             raise ValueError(f"{op}: {sname} must be a finite float > 0, got {sv!r}")
     if key_cache.dtype != torch.float8_e4m3fn:
         _same_dtype(op, "key_cache", key_cache, name, t)
-        return False
+        return
     if t.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(
             f"{op}: an fp8 (float8_e4m3fn) cache needs bfloat16 or float16 {name}, got {t.dtype}"
         )
+    if key_cache.device.type != "cuda":
+        raise NotImplementedError(f"{op}: an fp8 (float8_e4m3fn) KV cache needs CUDA tensors, got {key_cache.device}")
     return True
 
 
@@ -288,7 +290,7 @@ def reshape_and_cache(
         )
     dtype = _float_dtype(op, "key", key)
     _same_dtype(op, "value", value, "key", key)
-    fp8 = _fp8_cache(op, key_cache, "key", key, k_scale, v_scale)
+    _fp8_cache(op, key_cache, "key", key, k_scale, v_scale)
     _index(op, "slot_mapping", slot_mapping, (torch.int32, torch.int64))
     if slot_mapping.dim() != 1 or slot_mapping.shape[0] != key.shape[0]:
         raise ValueError(
@@ -314,8 +316,6 @@ def reshape_and_cache(
             k_scale=float(k_scale), v_scale=float(v_scale), stream=_stream(device),
         )
         return
-    if fp8:
-        raise NotImplementedError(f"{op}: an fp8 (float8_e4m3fn) KV cache needs CUDA tensors, got {device}")
     _C.cpu_reshape_and_cache(
         key=key.data_ptr(),
         value=value.data_ptr(),
@@ -444,7 +444,7 @@ def paged_attention(
             f"{op}: num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
         )
     dtype = _float_dtype(op, "query", query)
-    fp8 = _fp8_cache(op, key_cache, "query", query, k_scale, v_scale)
+    _fp8_cache(op, key_cache, "query", query, k_scale, v_scale)
     query_stride = _token_stride(op, "query", query)
 
     _index(op, "block_tables", block_tables, (torch.int32,))
@@ -524,8 +524,6 @@ def paged_attention(
             k_scale=float(k_scale), v_scale=float(v_scale), stream=_stream(device),
         )
         return out
-    if fp8:
-        raise NotImplementedError(f"{op}: an fp8 (float8_e4m3fn) KV cache needs CUDA tensors, got {device}")
 
     _C.cpu_paged_attention(
         out=out.data_ptr(),
@@ -774,6 +772,14 @@ def set_cpu_isa(isa: str) -> None:
 _SM_COUNTS: dict[int, int] = {}
 
 
+def _sm_count(device: torch.device) -> int:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    sms = _SM_COUNTS.get(index)
+    if sms is None:
+        sms = _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return sms
+
+
 def _pointer_table(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
     return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64).to(device, non_blocking=True)
 
@@ -885,10 +891,7 @@ def plan_attention(
         keys = seq_lens[work_seq] - q_lens[work_seq] + np.minimum(work_q_start + tile, q_lens[work_seq])
         order = np.argsort(-keys, kind="stable")
         work_seq, work_q_start = work_seq[order], work_q_start[order]
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    sms = _SM_COUNTS.get(index)
-    if sms is None:
-        sms = _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    sms = _sm_count(device)
     longest_tile = int(seq_lens[~is_decode].max()) if total else 0
     longest_decode = int(seq_lens[is_decode].max()) if decode_seq.size else 0
     return AttentionPlan(
@@ -897,17 +900,14 @@ def plan_attention(
     )
 
 
-def plan_decode(num_rows: int, num_heads: int, num_kv_heads: int, device: torch.device, max_seq_len: int) -> AttentionPlan:
+def plan_decode(num_rows: int, num_kv_heads: int, device: torch.device, max_seq_len: int) -> AttentionPlan:
     """A plan for ``num_rows`` decode rows (row ``i`` = query token ``i``) that does
     not depend on their lengths: key splits chosen for ``max_seq_len``, so one
     plan serves every step of that batch size (what a CUDA graph replays)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    sms = _SM_COUNTS.get(index)
-    if sms is None:
-        sms = _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
     empty = np.zeros(0, dtype=np.int32)
     rows = np.arange(num_rows, dtype=np.int32)
-    return AttentionPlan(empty, empty, 1, 1, rows, _splits(num_rows * num_kv_heads, max_seq_len, sms), device)
+    splits = _splits(num_rows * num_kv_heads, max_seq_len, _sm_count(device))
+    return AttentionPlan(empty, empty, 1, 1, rows, splits, device)
 
 
 def _runs(ids: np.ndarray, max_gap: int) -> list[tuple[int, int]]:
