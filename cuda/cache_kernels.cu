@@ -111,7 +111,7 @@ __global__ void copy_blocks_kernel(const int64_t* __restrict__ cache_ptrs,
 template <bool to_staging>
 __global__ void move_blocks_kernel(const int64_t* __restrict__ cache_ptrs,
                                    const int64_t* __restrict__ blocks, char* __restrict__ staging,
-                                   int32_t num_caches, int32_t num_blocks, int64_t block_bytes) {
+                                   int32_t num_blocks, int64_t block_bytes) {
   const int64_t block = blocks[blockIdx.x];
   if (block < 0 || block >= num_blocks) return;
   char* cache = reinterpret_cast<char*>(cache_ptrs[blockIdx.y]) + block * block_bytes;
@@ -172,22 +172,22 @@ int copy_blocks(const CopyBlocksParams& p, void* stream) {
   return cudaGetLastError();
 }
 
-int gather_blocks(const GatherBlocksParams& p, void* stream) {
+namespace {
+
+template <bool to_staging>
+int move_blocks(const GatherBlocksParams& p, void* stream) {
   if (p.num_blocks_moved == 0 || p.num_caches == 0) return cudaSuccess;
   if (p.block_bytes % 16 != 0 || p.num_caches > 65535) return cudaErrorInvalidValue;
   const dim3 grid(p.num_blocks_moved, p.num_caches);
-  move_blocks_kernel<true><<<grid, threads_for(p.block_bytes / 16), 0, static_cast<cudaStream_t>(stream)>>>(
-      p.cache_ptrs, p.blocks, static_cast<char*>(p.staging), p.num_caches, p.num_blocks, p.block_bytes);
+  move_blocks_kernel<to_staging><<<grid, threads_for(p.block_bytes / 16), 0, static_cast<cudaStream_t>(stream)>>>(
+      p.cache_ptrs, p.blocks, static_cast<char*>(p.staging), p.num_blocks, p.block_bytes);
   return cudaGetLastError();
 }
 
-int scatter_blocks(const GatherBlocksParams& p, void* stream) {
-  if (p.num_blocks_moved == 0 || p.num_caches == 0) return cudaSuccess;
-  if (p.block_bytes % 16 != 0 || p.num_caches > 65535) return cudaErrorInvalidValue;
-  const dim3 grid(p.num_blocks_moved, p.num_caches);
-  move_blocks_kernel<false><<<grid, threads_for(p.block_bytes / 16), 0, static_cast<cudaStream_t>(stream)>>>(
-      p.cache_ptrs, p.blocks, static_cast<char*>(p.staging), p.num_caches, p.num_blocks, p.block_bytes);
-  return cudaGetLastError();
-}
+}  // namespace
+
+int gather_blocks(const GatherBlocksParams& p, void* stream) { return move_blocks<true>(p, stream); }
+
+int scatter_blocks(const GatherBlocksParams& p, void* stream) { return move_blocks<false>(p, stream); }
 
 }  // namespace pagedcore::cuda
