@@ -49,13 +49,7 @@ try:
 except ImportError:  # the openai client of some environments ships httpx as `httpx2`
     import httpx2 as httpx
 
-TEXT = (
-    "The printing press, invented around 1440, changed how knowledge spread across Europe. "
-    "Books that once took months to copy by hand could be produced in days, and prices fell. "
-    "Literacy rose, universities grew, and new ideas in science and religion travelled faster "
-    "than any authority could contain them. Historians still argue about how much of the "
-    "Renaissance and the Reformation the press made possible, but few doubt its reach. "
-)
+from corpus import TEXT  # noqa: E402  (bench/ is on sys.path when run as a script)
 
 
 @dataclass
