@@ -866,7 +866,7 @@ def plan_attention(
         decode kernel where it supports them.
     """
     group = num_heads // num_kv_heads
-    element_size = torch.empty((), dtype=dtype).element_size() if dtype is not None else 4
+    element_size = dtype.itemsize if dtype is not None else 4
     vectors = _C.cuda_attention_tile_vectors(element_size)
     if group > vectors:
         raise ValueError(f"plan_attention: {group} query heads per kv head; at most {vectors} supported")
