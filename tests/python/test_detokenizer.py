@@ -246,7 +246,9 @@ def test_window_of_skipped_special_tokens_keeps_the_next_space(sentencepiece_tok
     # token of a decode, without its space.
     words = encode(tok, "the quick brown fox jumps over the lazy dog")
     ids = words + [tok.eos_token_id] * num_special + encode(tok, "world")
-    assert tok.convert_ids_to_tokens(ids[-3:]) == ["▁wor", "l", "d"]
+    # The trained merges differ between machines ("▁world" whole, or "▁wor" "l" "d"):
+    # the test needs only that the word after the specials starts with the space piece.
+    assert tok.convert_ids_to_tokens(encode(tok, "world"))[0].startswith("▁")
     det = IncrementalDetokenizer(tok, [])
     feed(tok, det, ids, ones())
     assert det.text.endswith("dog world")
