@@ -42,6 +42,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=args.enable_prefix_caching,
         preemption_mode=args.preemption_mode, swap_space=args.swap_space, kv_cache_dtype=args.kv_cache_dtype,
         seed=args.seed, enforce_eager=args.enforce_eager,
+        async_output_proc=False if args.disable_async_output_proc else None,
     ))
     async_engine = AsyncEngine(engine, max_queue_len=args.max_queue_len)
     name = args.served_model_name or model
@@ -94,6 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--swap-space", type=float, default=4)
     srv.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"])
     srv.add_argument("--enforce-eager", action="store_true", help="CUDA: no CUDA graphs for decode steps")
+    srv.add_argument("--disable-async-output-proc", action="store_true",
+                     help="CUDA: make a step's outputs before launching the next step")
     srv.add_argument("--dtype", default="auto")
     srv.add_argument("--device", default="auto")
     srv.add_argument("--seed", type=int, default=0)

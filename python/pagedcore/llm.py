@@ -72,6 +72,10 @@ class LLM:
     load_format : {"auto", "safetensors", "dummy"}
         ``"dummy"``: random weights in the checkpoint's shape (config.json only is
         read), for benchmarks.
+    async_output_proc : bool or None
+        Turn step n's tokens into outputs (detokenizing, stop strings) while the
+        device runs step n+1. None: on for CUDA, off for the CPU (where nothing
+        runs in parallel). Greedy and seeded outputs do not depend on it.
     seed : int
         Seeds torch's global RNG (requests without their own seed).
 
@@ -102,6 +106,7 @@ class LLM:
         kv_cache_memory_bytes: int | None = None,
         enforce_eager: bool = False,
         load_format: str = "auto",
+        async_output_proc: bool | None = None,
     ) -> None:
         _configure_default_logging()
         if model is None:
@@ -116,7 +121,7 @@ class LLM:
                 max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                 enable_prefix_caching=enable_prefix_caching, preemption_mode=preemption_mode,
                 swap_space=swap_space, kv_cache_dtype=kv_cache_dtype, seed=seed,
-                enforce_eager=enforce_eager, load_format=load_format,
+                enforce_eager=enforce_eager, load_format=load_format, async_output_proc=async_output_proc,
             )
         )
 

@@ -64,6 +64,7 @@ class EngineArgs:
     seed: int = 0
     enforce_eager: bool = False
     load_format: str = "auto"
+    async_output_proc: bool | None = None  # None: on for CUDA, off for the CPU
 
     def validate(self) -> None:
         def positive(name: str, value: Any, allow_none: bool = False) -> None:
@@ -94,6 +95,8 @@ class EngineArgs:
             )
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
+        if self.async_output_proc not in (None, True, False):
+            raise ValueError(f"async_output_proc must be True, False or None, got {self.async_output_proc!r}")
 
 
 @dataclass
@@ -126,6 +129,18 @@ class _Request:
     @property
     def seq_ids(self) -> range:
         return range(self.first_seq_id, self.first_seq_id + len(self.completions))
+
+
+@dataclass
+class _StepOutputs:
+    """One updated step's results, copied to the host, waiting to be processed."""
+
+    seq_ids: list[int]
+    token_ids: list[int]
+    finish_reasons: list[int]
+    stop_reasons: list[int]
+    sampled_logprobs: list[float]
+    top: tuple[list, list, list] | None  # logprob token ids, logprobs, ranks
 
 
 class _SlotArrays:
@@ -207,6 +222,18 @@ class LLMEngine:
         self._prompt_masks: dict[str, torch.Tensor] = {}
         self._generators: dict[int, torch.Generator] = {}
         self._next_id = 0
+        # Async output processing: step() launches step n+1 on the device before it
+        # turns step n's tokens into outputs (see step()).
+        self._async_output = (self.device.type == "cuda" if args.async_output_proc is None
+                              else args.async_output_proc)
+        self._inflight: tuple[_C.StepBatch, SamplerOutput | None] | None = None
+        self._pending: _StepOutputs | None = None
+        # Sequences a stop string finished while a step holding them was in flight:
+        # the engine finishes them once that step is updated (its token is dropped).
+        self._late_stops: list[int] = []
+        # Requests the engine has forgotten (all sequences finished) whose last
+        # outputs are not processed yet.
+        self._engine_done: set[str] = set()
 
     # ---- set-up -------------------------------------------------------------
 
@@ -424,14 +451,18 @@ class LLMEngine:
         request = self._requests.get(request_id)
         if request is None:
             return None
-        self.engine.abort(request_id)
+        self._complete_inflight()  # the engine takes no abort while a step is pending
+        if request_id not in self._engine_done:
+            self.engine.abort(request_id)
         for c in request.completions:
             if c.finish_reason is None:
                 c.finish_reason = "abort"
         return self._finish_request(request)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._requests)
+        # NOTE: a step in flight may hold only sequences whose requests are done
+        # (stop strings found while it ran); the next step() settles it.
+        return bool(self._requests) or self._inflight is not None
 
     def stats(self) -> dict[str, Any]:
         return _C_stats(self.engine)
@@ -439,32 +470,109 @@ class LLMEngine:
     # ---- one step ---------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Runs one engine step; returns the requests that finished in it."""
+        """Runs one engine step; returns the finished requests (and stream deltas).
+
+        With async output processing (``async_output_proc``, on by default on
+        CUDA) a step's sampled tokens are turned into outputs during the next
+        call, while the device runs the next step's forward pass: a call
+        updates the step launched by the previous call, schedules and launches
+        a new one, then detokenizes and returns the previous step's outputs.
+        A sequence that a stop string ends this way was already scheduled
+        once more; that step's token for it is dropped and the engine finishes
+        it when the step is updated. Greedy and seeded outputs are the same
+        either way.
+        """
+        self._complete_inflight()
         batch = self.engine.schedule()
         try:
             logits = self.runner.execute(batch)
-            sampled: SamplerOutput | None = None
-            if batch.num_samples:
-                sampled = self.sampler(logits, self._sampling_metadata(batch))
+            # NOTE: before the sampling metadata, whose penalties count the outputs so far.
+            outputs = self._process_pending(step_pending=True)
+            sampled = self.sampler(logits, self._sampling_metadata(batch)) if batch.num_samples else None
+        except BaseException:
+            self._fail_step(batch.num_samples)
+            raise
+        self._inflight = (batch, sampled)
+        if not self._async_output or batch.num_samples == 0:
+            self._complete_inflight()
+            outputs += self._process_pending(step_pending=False)
+            if self._requests and not self.engine.has_unfinished_requests():
+                # An internal error, never expected: without this, callers looping on
+                # has_unfinished_requests() would spin forever.
+                raise RuntimeError(f"the engine ended every request, yet {sorted(self._requests)} remain")
+        return outputs
+
+    def _complete_inflight(self) -> None:
+        """Waits for the launched step's tokens and updates the engine with them."""
+        if self._inflight is None:
+            return
+        batch, sampled = self._inflight
+        self._inflight = None
+        try:
+            if sampled is not None:
                 token_ids = sampled.sampled_token_ids.to(torch.int32).cpu().numpy()
                 if (token_ids < 0).any():  # the sampler's mark of NaN / all -inf logits
                     raise RuntimeError("the model produced logits with nothing to sample (NaN?)")
+                sampled_lp = sampled.sampled_logprobs.cpu().tolist()
+                top = None
+                if sampled.logprobs is not None:
+                    top = (sampled.logprob_token_ids.cpu().tolist(), sampled.logprobs.cpu().tolist(),
+                           sampled.sampled_rank.cpu().tolist())
             else:
-                token_ids = np.empty(0, dtype=np.int32)
+                token_ids, sampled_lp, top = np.empty(0, dtype=np.int32), [], None
         except BaseException:
-            # NOTE: the engine waits for this step's tokens; give it placeholders
-            # and drop every request, whose outputs can no longer be trusted.
-            self.engine.update(np.zeros(batch.num_samples, dtype=np.int32))
-            for request_id in list(self._requests):
-                self.abort(request_id)
+            self._fail_step(batch.num_samples)
             raise
-        result = self.engine.update(token_ids)
         try:
-            return self._process(result, sampled)
+            result = self.engine.update(token_ids)
+            self._pending = _StepOutputs(
+                seq_ids=result.seq_ids.tolist(), token_ids=result.token_ids.tolist(),
+                finish_reasons=result.finish_reasons.tolist(), stop_reasons=result.stop_reasons.tolist(),
+                sampled_logprobs=sampled_lp, top=top,
+            )
+            self._engine_done.update(r for r in result.finished_request_ids if r in self._requests)
+            self._apply_late_stops()
         except BaseException:
-            for request_id in list(self._requests):  # their state can no longer be trusted
-                self.abort(request_id)
+            self._abort_all()
             raise
+
+    def _apply_late_stops(self) -> None:
+        """Finishes in the engine the sequences stop strings ended during the last
+        update's step (call only when no step is pending)."""
+        pending = self._pending
+        ended = {sid for sid, r in zip(pending.seq_ids, pending.finish_reasons) if r} if pending else set()
+        while self._late_stops:
+            seq_id = self._late_stops.pop()
+            if seq_id in ended:  # the updated step ended it too (EOS, length)
+                continue
+            owner = self._seq_owner.get(seq_id)
+            if self.engine.finish(seq_id) and owner is not None:
+                self._engine_done.add(owner[0].request_id)
+
+    def _fail_step(self, num_samples: int) -> None:
+        # NOTE: the engine waits for this step's tokens; give it placeholders
+        # and drop every request, whose outputs can no longer be trusted.
+        self._inflight = None
+        result = self.engine.update(np.zeros(num_samples, dtype=np.int32))
+        self._engine_done.update(r for r in result.finished_request_ids if r in self._requests)
+        self._pending = _StepOutputs(result.seq_ids.tolist(), [], result.finish_reasons.tolist(), [], [], None)
+        self._apply_late_stops()  # done in Python already: the engine must end them too
+        self._abort_all()
+
+    def _abort_all(self) -> None:
+        self._pending = None
+        self._late_stops.clear()
+        for request_id in list(self._requests):
+            self.abort(request_id)
+
+    def _process_pending(self, step_pending: bool) -> list[RequestOutput]:
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return []
+        outputs = self._process(pending)
+        if not step_pending:
+            self._apply_late_stops()
+        return outputs
 
     def _sampling_metadata(self, batch: _C.StepBatch) -> SamplingMetadata:
         slots = batch.sample_slots
@@ -502,12 +610,16 @@ class LLMEngine:
         for row in seeded.tolist():
             seq_id = int(seq_ids[row])
             gen = self._generators.get(seq_id)
-            if gen is None:
-                request, index = self._seq_owner[seq_id]
+            owner = self._seq_owner.get(seq_id)
+            if gen is None and (owner is None or owner[0].completions[owner[1]].finish_reason is not None):
+                # A row whose token will be dropped (see step()): its own throwaway
+                # generator, so that it draws from no one else's stream.
+                gen = torch.Generator(device=self.device)
+            elif gen is None:
                 # Sample i of a request draws from seed + i: the n samples differ,
                 # and each depends only on its own seed, not on the batch.
                 gen = torch.Generator(device=self.device)
-                gen.manual_seed(int(self._slots.seed[slots[row]]) + index)
+                gen.manual_seed(int(self._slots.seed[slots[row]]) + owner[1])
                 self._generators[seq_id] = gen
             generators[row] = gen
         return generators
@@ -518,7 +630,10 @@ class LLMEngine:
             return
         blocked_rows, blocked_tokens = [], []
         for row in rows.tolist():
-            request, _ = self._seq_owner[int(batch.sample_seq_ids[row])]
+            owner = self._seq_owner.get(int(batch.sample_seq_ids[row]))
+            if owner is None:  # its token will be dropped (see step())
+                continue
+            request = owner[0]
             stops = list(request.params.stop_token_ids or [])
             if not request.params.ignore_eos:
                 stops += self.eos_token_ids
@@ -536,8 +651,13 @@ class LLMEngine:
         prompt_mask = torch.zeros((rows.size, vocab), dtype=torch.bool)
         presence, frequency, repetition = [], [], []
         for i, row in enumerate(rows.tolist()):
-            seq_id = int(batch.sample_seq_ids[row])
-            request, index = self._seq_owner[seq_id]
+            owner = self._seq_owner.get(int(batch.sample_seq_ids[row]))
+            if owner is None:  # its token will be dropped (see step()): no penalties
+                presence.append(0.0)
+                frequency.append(0.0)
+                repetition.append(1.0)
+                continue
+            request, index = owner
             outputs = request.completions[index].token_ids
             if outputs:
                 counts[i].index_add_(0, torch.tensor(outputs), torch.ones(len(outputs)))
@@ -555,25 +675,21 @@ class LLMEngine:
 
     # ---- outputs ----------------------------------------------------------------
 
-    def _process(self, result: _C.StepResult, sampled: SamplerOutput | None) -> list[RequestOutput]:
+    def _process(self, out: _StepOutputs) -> list[RequestOutput]:
         finished: list[RequestOutput] = []
-        n = result.num_outputs
-        if n == 0:
-            return finished
-        seq_ids = result.seq_ids.tolist()
-        tokens = result.token_ids.tolist()
-        reasons = result.finish_reasons.tolist()
-        stop_tokens = result.stop_reasons.tolist()
-        sampled_lp = sampled.sampled_logprobs.tolist()
-        top = None
-        if sampled.logprobs is not None:
-            top = (sampled.logprob_token_ids.tolist(), sampled.logprobs.tolist(), sampled.sampled_rank.tolist())
+        seq_ids, tokens, reasons, stop_tokens = out.seq_ids, out.token_ids, out.finish_reasons, out.stop_reasons
+        sampled_lp, top = out.sampled_logprobs, out.top
         streamed: dict[str, _Request] = {}
-        for k in range(n):
-            request, index = self._seq_owner[seq_ids[k]]
+        for k in range(len(seq_ids)):
+            owner = self._seq_owner.get(seq_ids[k])
+            if owner is None:  # aborted, or done by a stop string while this step ran
+                continue
+            request, index = owner
+            c = request.completions[index]
+            if c.finish_reason is not None:  # a stop string ended it while this step ran
+                continue
             if request.stream:
                 streamed[request.request_id] = request
-            c = request.completions[index]
             token = tokens[k]
             c.token_ids.append(token)
             c.cumulative_logprob += sampled_lp[k]
@@ -589,8 +705,8 @@ class LLMEngine:
                     _, stop_str = c.detokenizer.append(
                         [token], check_stop=len(c.token_ids) >= request.params.min_tokens)
             if stop_str is not None:
-                if reason is None:
-                    self.engine.finish(seq_ids[k])
+                if reason is None:  # the engine finishes it once no step is pending
+                    self._late_stops.append(seq_ids[k])
                 reason, c.stop_reason = "stop", stop_str
             elif reason is not None and stop_tokens[k] >= 0:
                 c.stop_reason = stop_tokens[k]
@@ -646,6 +762,7 @@ class LLMEngine:
 
     def _finish_request(self, request: _Request) -> RequestOutput:
         del self._requests[request.request_id]
+        self._engine_done.discard(request.request_id)
         self._prompt_masks.pop(request.request_id, None)
         for seq_id in request.seq_ids:
             self._seq_owner.pop(seq_id, None)
