@@ -18,6 +18,7 @@ Usage: bench/bench_host_gap.py [--requests 256] [--output-tokens 64] [--stream]
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import shutil
@@ -82,7 +83,7 @@ def measure(path: str, args, async_output: bool) -> dict[str, float]:
         engine.step()
     wall = time.perf_counter() - start
     # Each forward after an update: the gap the device would sit through.
-    gaps = [t1 - t0 for (k0, t0), (k1, t1) in zip(marks, marks[1:]) if k0 == "update" and k1 == "forward"]
+    gaps = [t1 - t0 for (k0, t0), (k1, t1) in itertools.pairwise(marks) if k0 == "update" and k1 == "forward"]
     decode = gaps[len(gaps) // 4:]  # past the prefill steps
     engine.engine = inner
     return {"gap_ms": statistics.median(decode) * 1e3, "steps": len(gaps), "wall_s": wall}
@@ -103,8 +104,8 @@ def main() -> None:
         path = stand_in_model(root)
         runs = {False: [], True: []}
         for _ in range(args.repeats):  # alternate: a shared VM's speed drifts
-            for mode in runs:
-                runs[mode].append(measure(path, args, mode)["gap_ms"])
+            for mode, gaps in runs.items():
+                gaps.append(measure(path, args, mode)["gap_ms"])
     print(f"{args.requests} requests x {args.output_tokens} outputs, prompts {args.prompt_tokens}, "
           f"stream={args.stream}; median over decode steps, median of {args.repeats} runs")
     sync, overlapped = statistics.median(runs[False]), statistics.median(runs[True])
