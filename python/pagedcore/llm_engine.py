@@ -577,18 +577,13 @@ class LLMEngine:
     def _sampling_metadata(self, batch: _C.StepBatch) -> SamplingMetadata:
         slots = batch.sample_slots
         s = self._slots
-        device = self.device
-
-        def col(values: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(values[slots]).to(device)
-
         temperature = s.temperature[slots]
         top_k, top_p, min_p = s.top_k[slots], s.top_p[slots], s.min_p[slots]
         md = SamplingMetadata(
-            temperature=torch.from_numpy(temperature).to(device),
-            top_k=col(s.top_k),
-            top_p=col(s.top_p),
-            min_p=col(s.min_p),
+            temperature=self._to_device(torch.from_numpy(temperature)),
+            top_k=self._to_device(torch.from_numpy(top_k)),
+            top_p=self._to_device(torch.from_numpy(top_p)),
+            min_p=self._to_device(torch.from_numpy(min_p)),
             all_greedy=bool((temperature == 0).all()),
             all_random=bool((temperature != 0).all()),
             no_top_k=bool((top_k == 0).all()),
@@ -600,6 +595,15 @@ class LLMEngine:
         self._add_min_tokens(md, batch, slots)
         self._add_penalties(md, batch, slots)
         return md
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        """A host tensor's copy on the device, queued without waiting for the device."""
+        if self.device.type != "cuda":
+            return t
+        # NOTE: a copy from pageable memory waits for the work queued ahead of it (the
+        # forward pass this metadata is built beside); from pinned memory it does not,
+        # and the caching host allocator keeps the pinned block until the copy is done.
+        return t.pin_memory().to(self.device, non_blocking=True)
 
     def _row_generators(self, batch: _C.StepBatch, slots: np.ndarray) -> dict[int, torch.Generator]:
         seeded = np.nonzero(self._slots.seeded[slots])[0]
@@ -639,8 +643,8 @@ class LLMEngine:
                 stops += self.eos_token_ids
             blocked_rows += [row] * len(stops)
             blocked_tokens += stops
-        md.blocked_rows = torch.tensor(blocked_rows, dtype=torch.int64, device=self.device)
-        md.blocked_tokens = torch.tensor(blocked_tokens, dtype=torch.int64, device=self.device)
+        md.blocked_rows = self._to_device(torch.tensor(blocked_rows, dtype=torch.int64))
+        md.blocked_tokens = self._to_device(torch.tensor(blocked_tokens, dtype=torch.int64))
 
     def _add_penalties(self, md: SamplingMetadata, batch: _C.StepBatch, slots: np.ndarray) -> None:
         rows = np.nonzero(self._slots.penalized[slots])[0]
@@ -666,12 +670,12 @@ class LLMEngine:
             presence.append(p.presence_penalty)
             frequency.append(p.frequency_penalty)
             repetition.append(p.repetition_penalty)
-        md.penalty_rows = torch.from_numpy(rows.astype(np.int64)).to(self.device)
-        md.presence_penalty = torch.tensor(presence, dtype=torch.float32, device=self.device)
-        md.frequency_penalty = torch.tensor(frequency, dtype=torch.float32, device=self.device)
-        md.repetition_penalty = torch.tensor(repetition, dtype=torch.float32, device=self.device)
-        md.output_token_counts = counts.to(self.device)
-        md.prompt_token_mask = prompt_mask.to(self.device)
+        md.penalty_rows = self._to_device(torch.from_numpy(rows.astype(np.int64)))
+        md.presence_penalty = self._to_device(torch.tensor(presence, dtype=torch.float32))
+        md.frequency_penalty = self._to_device(torch.tensor(frequency, dtype=torch.float32))
+        md.repetition_penalty = self._to_device(torch.tensor(repetition, dtype=torch.float32))
+        md.output_token_counts = self._to_device(counts)
+        md.prompt_token_mask = self._to_device(prompt_mask)
 
     # ---- outputs ----------------------------------------------------------------
 

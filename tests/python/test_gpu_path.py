@@ -182,3 +182,27 @@ def test_fp8_kv_cache_end_to_end(tiny) -> None:
     outs = generate(fp8, ps, 40)
     assert all(len(o) == 40 for o in outs)
     assert fp8.stats()["num_free_blocks"] == fp8.stats()["num_blocks"]
+
+
+def test_async_output_processing_changes_no_output_on_gpu(tiny) -> None:
+    # On by default on CUDA: the same greedy, seeded (with penalties) and
+    # stop-string outputs as processing each step before the next, no block leaked.
+    ps = [{"prompt_token_ids": p} for p in prompts()]
+    kw = dict(model=str(tiny), device="cuda", dtype="float32", num_kv_blocks=256, max_model_len=256)
+    sync = LLM(**kw, async_output_proc=False)
+    overlapped = LLM(**kw)
+    assert overlapped.llm_engine._async_output and not sync.llm_engine._async_output
+    greedy = sync.generate(ps, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+    stops = [o.outputs[0].text[4:8] for o in greedy]
+    params = [SamplingParams(temperature=0.0, max_tokens=24, stop=[s]) for s in stops]
+    params += [SamplingParams(temperature=1.0, seed=5, n=2, max_tokens=24, presence_penalty=0.5,
+                              repetition_penalty=1.2, stop=[stops[0]])] * len(ps)
+
+    def run(llm: LLM) -> list:
+        outs = llm.generate(ps + ps, params, use_tqdm=False)
+        assert llm.stats()["num_free_blocks"] == llm.stats()["num_blocks"]
+        return [[(c.text, c.token_ids, c.finish_reason, c.stop_reason) for c in o.outputs] for o in outs]
+
+    expected = run(sync)
+    assert sum(c[3] == s for out, s in zip(expected, stops) for c in out) == len(stops)
+    assert run(overlapped) == expected
