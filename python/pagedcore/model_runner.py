@@ -136,6 +136,8 @@ class ModelRunner:
                 for _ in range(self.spec.num_layers)
             ]
         self.staging = _Staging.allocate(engine_config, pin=device.type == "cuda")
+        # CUDA: marks the end of the last step's copies out of the staging buffers.
+        self._staged: torch.cuda.Event | None = None
         self.graphs: dict[int, _DecodeGraph] = {}
         self.graph_replays = 0  # decode steps served by a graph
         if device.type == "cuda" and not enforce_eager:
@@ -189,6 +191,22 @@ class ModelRunner:
         hidden = self.model(self._g_input_ids[:b], self._g_positions[:b], md, self.kv_caches)
         return self.model.compute_logits(hidden)
 
+    def _staging_free(self) -> None:
+        """Waits until the previous step's copies have read the staging buffers.
+
+        NOTE: the copies are asynchronous and queued behind that step's
+        predecessor; steps without samples never synchronise, so without this
+        the host could overwrite the pinned buffers before a queued copy runs.
+        """
+        if self._staged is not None:
+            self._staged.synchronize()
+            self._staged = None
+
+    def _staging_copied(self) -> None:
+        if self.device.type == "cuda":
+            self._staged = torch.cuda.Event()
+            self._staged.record()
+
     def _replay_decode(self, batch: _C.StepBatch, width: int) -> torch.Tensor:
         n = batch.num_seqs
         b = next(size for size in self.graphs if size >= n)  # dict in ascending order
@@ -205,6 +223,7 @@ class ModelRunner:
         self._g_slot_mapping[:b].copy_(s.slot_mapping[:b], non_blocking=True)
         self._g_seq_lens[:b].copy_(s.seq_lens[:b], non_blocking=True)
         self._g_block_tables[:b, :width].copy_(s.block_tables[:b, :width], non_blocking=True)
+        self._staging_copied()
         entry = self.graphs[b]
         entry.graph.replay()
         self.graph_replays += 1
@@ -241,6 +260,7 @@ class ModelRunner:
         num_seqs = batch.num_seqs
         seq_lens_np = batch.seq_lens
         width = (int(seq_lens_np.max()) + self.block_size - 1) // self.block_size
+        self._staging_free()
         np.copyto(s.block_tables.numpy()[:num_seqs, :width], batch.block_tables[:, :width])
         if (self.graphs and batch.num_tokens == num_seqs == batch.num_samples
                 and num_seqs <= max(self.graphs)):
@@ -259,6 +279,7 @@ class ModelRunner:
         input_ids = self._to_device(_put(s.input_ids, batch.input_ids))
         positions = self._to_device(_put(s.positions, batch.positions))
         sample_indices = self._to_device(_put(s.sample_indices, batch.sample_indices))
+        self._staging_copied()
         hidden = self.model(input_ids, positions, md, self.kv_caches)
         return self.model.compute_logits(hidden[sample_indices.long()])
 
