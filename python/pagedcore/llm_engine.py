@@ -172,14 +172,15 @@ class _SlotArrays:
     def set(self, slot: int, p: SamplingParams) -> None:
         if slot >= self.size:
             self._grow(max(2 * self.size, slot + 1))
+        int32_max = np.iinfo(np.int32).max  # beyond any vocabulary or length: same meaning
         self.temperature[slot] = p.temperature
-        self.top_k[slot] = p.top_k
+        self.top_k[slot] = min(p.top_k, int32_max)
         self.top_p[slot] = p.top_p
         self.min_p[slot] = p.min_p
         self.num_logprobs[slot] = p.logprobs or 0
         self.seeded[slot] = p.seed is not None
         self.seed[slot] = p.seed or 0
-        self.min_tokens[slot] = p.min_tokens
+        self.min_tokens[slot] = min(p.min_tokens, int32_max)
         self.penalized[slot] = (
             p.presence_penalty != 0 or p.frequency_penalty != 0 or p.repetition_penalty != 1
         )
@@ -230,7 +231,7 @@ class LLMEngine:
         self._pending: _StepOutputs | None = None
         # Sequences a stop string finished while a step holding them was in flight:
         # the engine finishes them once that step is updated (its token is dropped).
-        self._late_stops: list[int] = []
+        self._late_stops: list[tuple[int, str]] = []  # (seq id, request id)
         # Requests the engine has forgotten (all sequences finished) whose last
         # outputs are not processed yet.
         self._engine_done: set[str] = set()
@@ -383,6 +384,12 @@ class LLMEngine:
                 raise ValueError("a prompt needs either text or prompt_token_ids")
             # NOTE: a chat-templated prompt holds its special tokens already.
             prompt_token_ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+        if request_id in self._requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        if any(owner == request_id for _, owner in self._late_stops):
+            # A stop string ended it while a step held it: the engine lets the id go
+            # once that step is updated.
+            self._complete_inflight()
         ids = [int(t) for t in prompt_token_ids]
         if not ids:
             raise ValueError("the prompt is empty (0 tokens)")
@@ -434,7 +441,8 @@ class LLMEngine:
             slot = self.engine.request_slot(request_id)
             self._slots.set(slot, params)
         except BaseException:
-            self.engine.abort(request_id)  # e.g. a value numpy cannot hold
+            self._complete_inflight()  # the engine takes no abort while a step is pending
+            self.engine.abort(request_id)
             raise
         request = _Request(
             request_id=request_id, prompt=prompt, prompt_token_ids=ids, params=params,
@@ -459,6 +467,10 @@ class LLMEngine:
                 c.finish_reason = "abort"
         return self._finish_request(request)
 
+    def has_request(self, request_id: str) -> bool:
+        """Whether the request is live (added, its final output not yet returned)."""
+        return request_id in self._requests
+
     def has_unfinished_requests(self) -> bool:
         # NOTE: a step in flight may hold only sequences whose requests are done
         # (stop strings found while it ran); the next step() settles it.
@@ -480,7 +492,7 @@ class LLMEngine:
         A sequence that a stop string ends this way was already scheduled
         once more; that step's token for it is dropped and the engine finishes
         it when the step is updated. Greedy and seeded outputs are the same
-        either way.
+        either way (up to the batch-size sensitivity of GPU kernels).
         """
         self._complete_inflight()
         batch = self.engine.schedule()
@@ -495,7 +507,11 @@ class LLMEngine:
         self._inflight = (batch, sampled)
         if not self._async_output or batch.num_samples == 0:
             self._complete_inflight()
-            outputs += self._process_pending(step_pending=False)
+            try:
+                outputs += self._process_pending(step_pending=False)
+            except BaseException:
+                self._abort_all()
+                raise
             if self._requests and not self.engine.has_unfinished_requests():
                 # An internal error, never expected: without this, callers looping on
                 # has_unfinished_requests() would spin forever.
@@ -542,7 +558,7 @@ class LLMEngine:
         pending = self._pending
         ended = {sid for sid, r in zip(pending.seq_ids, pending.finish_reasons) if r} if pending else set()
         while self._late_stops:
-            seq_id = self._late_stops.pop()
+            seq_id, _ = self._late_stops.pop()
             if seq_id in ended:  # the updated step ended it too (EOS, length)
                 continue
             owner = self._seq_owner.get(seq_id)
@@ -556,14 +572,17 @@ class LLMEngine:
         result = self.engine.update(np.zeros(num_samples, dtype=np.int32))
         self._engine_done.update(r for r in result.finished_request_ids if r in self._requests)
         self._pending = _StepOutputs(result.seq_ids.tolist(), [], result.finish_reasons.tolist(), [], [], None)
-        self._apply_late_stops()  # done in Python already: the engine must end them too
         self._abort_all()
 
     def _abort_all(self) -> None:
-        self._pending = None
-        self._late_stops.clear()
-        for request_id in list(self._requests):
-            self.abort(request_id)
+        """Drops every request (no step may be pending)."""
+        try:
+            self._apply_late_stops()  # done in Python already: the engine must end them too
+        finally:
+            self._pending = None
+            self._late_stops.clear()
+            for request_id in list(self._requests):
+                self.abort(request_id)
 
     def _process_pending(self, step_pending: bool) -> list[RequestOutput]:
         pending, self._pending = self._pending, None
@@ -710,7 +729,7 @@ class LLMEngine:
                         [token], check_stop=len(c.token_ids) >= request.params.min_tokens)
             if stop_str is not None:
                 if reason is None:  # the engine finishes it once no step is pending
-                    self._late_stops.append(seq_ids[k])
+                    self._late_stops.append((seq_ids[k], request.request_id))
                 reason, c.stop_reason = "stop", stop_str
             elif reason is not None and stop_tokens[k] >= 0:
                 c.stop_reason = stop_tokens[k]

@@ -203,3 +203,71 @@ def test_a_step_failing_after_a_late_stop_finishes_that_sequence_too(llms) -> No
     finally:
         engine.sampler = original
     assert_idle(llm)
+
+
+@pytest.mark.parametrize("mode", [False, True])
+def test_request_ids_are_free_once_the_final_output_is_returned(llms, mode) -> None:
+    llm = llms[mode]
+    engine = llm.llm_engine
+    base = llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)
+    stop = base[0].outputs[0].text[6:10]
+    engine.add_request("r", PROMPTS[0], None, SamplingParams(temperature=0, max_tokens=24, stop=[stop]))
+    engine.add_request("other", PROMPTS[1], None, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    with pytest.raises(ValueError, match="request_id 'other' is already in use"):
+        engine.add_request("other", PROMPTS[2], None, SamplingParams())
+    done = []
+    while not done:
+        done = [o for o in engine.step() if o.request_id == "r"]
+    assert done[0].outputs[0].stop_reason == stop
+    # With async processing the engine still holds "r" here (its sequence is in the
+    # step in flight); the id is the caller's again all the same.
+    engine.add_request("r", PROMPTS[2], None, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    outs = {}
+    while engine.has_unfinished_requests():
+        outs.update((o.request_id, o) for o in engine.step())
+    assert len(outs["r"].outputs[0].token_ids) == 4 and len(outs["other"].outputs[0].token_ids) == 24
+    assert_idle(llm)
+
+
+def test_server_loop_reports_a_step_that_fails_under_an_abort(llms) -> None:
+    # A client disconnects (abort) while the step in flight fails: the abort completes
+    # that step first, so its failure surfaces in the abort; the other stream must get
+    # the error, and the engine thread must live on.
+    import asyncio
+
+    from pagedcore.server.async_engine import AsyncEngine
+
+    llm = llms[True]
+    engine = llm.llm_engine
+    sampler, calls, holder = engine.sampler, [0], {}
+
+    def nan_on_the_third_step(*args, **kwargs):
+        out = sampler(*args, **kwargs)
+        calls[0] += 1
+        if calls[0] == 3:
+            out.sampled_token_ids[:] = -1  # the sampler's mark of NaN logits
+            holder["server"].abort("a")  # applied before the next step
+        return out
+
+    engine.sampler = nan_on_the_third_step
+
+    async def main() -> None:
+        server = holder["server"] = AsyncEngine(engine)
+        try:
+            params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+            await server.add("a", PROMPTS[0], None, params)
+            b = await server.add("b", PROMPTS[1], None, params)
+            with pytest.raises(RuntimeError, match="engine step failed: the model produced logits") as err:
+                async def drain():
+                    async for _ in b:
+                        pass
+                await asyncio.wait_for(drain(), 60)
+            assert server.alive() and server.errors == 1 and "NaN" in str(err.value)
+        finally:
+            server.shutdown()
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine.sampler = sampler
+    assert_idle(llm)

@@ -140,6 +140,7 @@ class AsyncEngine:
                     self.engine.add_request(request_id, prompt, ids, params, stream=True, add_special_tokens=special)
                 except Exception as e:  # bad input: nothing was queued
                     self._deliver(stream, e)
+                    self._fail_dropped(e)  # (or the step in flight failed while it waited)
                     continue
                 self._streams[request_id] = stream
                 self._deliver(stream, _ACCEPTED)
@@ -148,22 +149,27 @@ class AsyncEngine:
                 if self._streams.pop(request_id, None) is not None:
                     self.engine.abort(request_id)
 
+    def _fail_dropped(self, error: Exception) -> None:
+        """Tells the streams whose requests the engine dropped (a failed step aborts all)."""
+        for request_id in [r for r in self._streams if not self.engine.has_request(r)]:
+            self._deliver(self._streams.pop(request_id), RuntimeError(f"engine step failed: {error}"))
+
     def _run(self) -> None:
         while not self._stop.is_set():
-            self._apply_commands()
-            if not self.engine.has_unfinished_requests():
-                self.stats = self.engine.stats()
-                self._wake.wait(0.1)
-                self._wake.clear()
-                continue
             try:
+                # NOTE: an abort (and rarely an add) first completes the step in
+                # flight, so a failure of that step can surface here too.
+                self._apply_commands()
+                if not self.engine.has_unfinished_requests():
+                    self.stats = self.engine.stats()
+                    self._wake.wait(0.1)
+                    self._wake.clear()
+                    continue
                 outputs = self.engine.step()
             except Exception as e:  # the engine aborted every request; tell them
                 logger.exception("engine step failed")
                 self.errors += 1
-                for stream in self._streams.values():
-                    self._deliver(stream, RuntimeError(f"engine step failed: {e}"))
-                self._streams.clear()
+                self._fail_dropped(e)
                 continue
             for out in outputs:
                 stream = self._streams.get(out.request_id)
