@@ -271,3 +271,14 @@ def test_server_loop_reports_a_step_that_fails_under_an_abort(llms) -> None:
     finally:
         engine.sampler = sampler
     assert_idle(llm)
+
+
+def test_a_top_k_beyond_int32_means_no_top_k(llms) -> None:
+    # The slot arrays hold int32: a larger top_k is clamped (it keeps every token
+    # either way) instead of failing half-way through add_request.
+    llm = llms[False]
+    params = dict(temperature=0.9, seed=4, max_tokens=8, ignore_eos=True)
+    huge = llm.generate(PROMPTS[:2], SamplingParams(top_k=2**40, **params), use_tqdm=False)
+    plain = llm.generate(PROMPTS[:2], SamplingParams(**params), use_tqdm=False)
+    assert [as_tuple(o) for o in huge] == [as_tuple(o) for o in plain]
+    assert_idle(llm)
