@@ -211,7 +211,6 @@ def _fp8_cache(op: str, key_cache: torch.Tensor, name: str, t: torch.Tensor, k_s
         )
     if key_cache.device.type != "cuda":
         raise NotImplementedError(f"{op}: an fp8 (float8_e4m3fn) KV cache needs CUDA tensors, got {key_cache.device}")
-    return True
 
 
 def _block_mapping(op: str, block_mapping: object) -> torch.Tensor:
