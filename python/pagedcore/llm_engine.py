@@ -541,22 +541,25 @@ class LLMEngine:
             raise
         try:
             result = self.engine.update(token_ids)
-            self._pending = _StepOutputs(
+            out = self._pending = _StepOutputs(
                 seq_ids=result.seq_ids.tolist(), token_ids=result.token_ids.tolist(),
                 finish_reasons=result.finish_reasons.tolist(), stop_reasons=result.stop_reasons.tolist(),
                 sampled_logprobs=sampled_lp, top=top,
             )
-            self._engine_done.update(r for r in result.finished_request_ids if r in self._requests)
-            self._apply_late_stops()
+            self._apply_late_stops(self._note_update(out.seq_ids, out.finish_reasons, result.finished_request_ids))
         except BaseException:
             self._abort_all()
             raise
 
-    def _apply_late_stops(self) -> None:
-        """Finishes in the engine the sequences stop strings ended during the last
-        update's step (call only when no step is pending)."""
-        pending = self._pending
-        ended = {sid for sid, r in zip(pending.seq_ids, pending.finish_reasons) if r} if pending else set()
+    def _note_update(self, seq_ids: list[int], reasons: list[int], finished_request_ids: list[str]) -> set[int]:
+        """Notes the requests an update ended in the engine; returns the sequences it ended."""
+        self._engine_done.update(r for r in finished_request_ids if r in self._requests)
+        return {seq_id for seq_id, reason in zip(seq_ids, reasons) if reason}
+
+    def _apply_late_stops(self, ended: set[int] | frozenset[int] = frozenset()) -> None:
+        """Finishes in the engine the sequences stop strings ended while a step held
+        them, except those the update of that step ended (``ended``). Call only when
+        no step is pending."""
         while self._late_stops:
             seq_id, _ = self._late_stops.pop()
             if seq_id in ended:  # the updated step ended it too (EOS, length)
@@ -570,14 +573,13 @@ class LLMEngine:
         # and drop every request, whose outputs can no longer be trusted.
         self._inflight = None
         result = self.engine.update(np.zeros(num_samples, dtype=np.int32))
-        self._engine_done.update(r for r in result.finished_request_ids if r in self._requests)
-        self._pending = _StepOutputs(result.seq_ids.tolist(), [], result.finish_reasons.tolist(), [], [], None)
-        self._abort_all()
+        self._abort_all(self._note_update(result.seq_ids.tolist(), result.finish_reasons.tolist(),
+                                          result.finished_request_ids))
 
-    def _abort_all(self) -> None:
-        """Drops every request (no step may be pending)."""
+    def _abort_all(self, ended: set[int] | frozenset[int] = frozenset()) -> None:
+        """Drops every request (no step may be pending; ``ended``: see _apply_late_stops)."""
         try:
-            self._apply_late_stops()  # done in Python already: the engine must end them too
+            self._apply_late_stops(ended)  # done in Python already: the engine must end them too
         finally:
             self._pending = None
             self._late_stops.clear()
@@ -589,7 +591,7 @@ class LLMEngine:
         if pending is None:
             return []
         outputs = self._process(pending)
-        if not step_pending:
+        if not step_pending:  # (stop strings are looked for only in sequences the update left running)
             self._apply_late_stops()
         return outputs
 

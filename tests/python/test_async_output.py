@@ -186,13 +186,21 @@ def test_a_failed_step_aborts_everything_and_the_engine_stays_usable(llms, mode)
     assert [as_tuple(o) for o in again] == [as_tuple(o) for o in expected]
 
 
+def add_stopped_and_other(llm: LLM, request_id: str) -> str:
+    """Adds ``request_id``, which a stop string early in its greedy text ends, and
+    "other", which runs 24 tokens; returns the stop string."""
+    base = llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)
+    stop = base[0].outputs[0].text[6:10]
+    engine = llm.llm_engine
+    engine.add_request(request_id, PROMPTS[0], None, SamplingParams(temperature=0, max_tokens=24, stop=[stop]))
+    engine.add_request("other", PROMPTS[1], None, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    return stop
+
+
 def test_a_step_failing_after_a_late_stop_finishes_that_sequence_too(llms) -> None:
     llm = llms[True]
     engine = llm.llm_engine
-    base = llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)
-    stop = base[0].outputs[0].text[6:10]
-    engine.add_request("stopped", PROMPTS[0], None, SamplingParams(temperature=0, max_tokens=24, stop=[stop]))
-    engine.add_request("other", PROMPTS[1], None, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    add_stopped_and_other(llm, "stopped")
     # Raise in the step whose processing found the stop string: the sequence is done
     # in Python and still held by the step that fails.
     original = failing_sampler(llm, lambda call: bool(engine._late_stops))
@@ -209,10 +217,7 @@ def test_a_step_failing_after_a_late_stop_finishes_that_sequence_too(llms) -> No
 def test_request_ids_are_free_once_the_final_output_is_returned(llms, mode) -> None:
     llm = llms[mode]
     engine = llm.llm_engine
-    base = llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)
-    stop = base[0].outputs[0].text[6:10]
-    engine.add_request("r", PROMPTS[0], None, SamplingParams(temperature=0, max_tokens=24, stop=[stop]))
-    engine.add_request("other", PROMPTS[1], None, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    stop = add_stopped_and_other(llm, "r")
     with pytest.raises(ValueError, match="request_id 'other' is already in use"):
         engine.add_request("other", PROMPTS[2], None, SamplingParams())
     done = []
@@ -282,3 +287,19 @@ def test_a_top_k_beyond_int32_means_no_top_k(llms) -> None:
     plain = llm.generate(PROMPTS[:2], SamplingParams(**params), use_tqdm=False)
     assert [as_tuple(o) for o in huge] == [as_tuple(o) for o in plain]
     assert_idle(llm)
+
+
+def test_a_late_stop_of_a_sequence_the_next_step_ends_anyway(llms) -> None:
+    # The stop string completes one token before max_tokens: the step in flight
+    # also ends the sequence (length), so the engine must not be asked to finish it.
+    tok = llms[False].get_tokenizer()
+    base = llms[False].generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)
+    ids, text = base[0].outputs[0].token_ids, base[0].outputs[0].text
+    stop = text[6:10]
+    m = next(k for k in range(1, len(ids) + 1) if stop in tok.decode(ids[:k]))
+    params = SamplingParams(temperature=0, max_tokens=m + 1, stop=[stop])
+    outs = {mode: llm.generate(PROMPTS[:1], params, use_tqdm=False) for mode, llm in llms.items()}
+    assert [as_tuple(o) for o in outs[True]] == [as_tuple(o) for o in outs[False]]
+    assert outs[True][0].outputs[0].stop_reason == stop and len(outs[True][0].outputs[0].token_ids) == m
+    for llm in llms.values():
+        assert_idle(llm)
