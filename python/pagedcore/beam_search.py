@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from . import _C
@@ -117,22 +118,24 @@ def _run_wave(llm_engine, prompts: list[list[int]], params: BeamSearchParams) ->
     eos = [] if params.ignore_eos else list(llm_engine.eos_token_ids)
     keep = max(2, 1 + len(eos)) * width
     searches = []
-    for prompt in prompts:
-        max_tokens = min(params.max_tokens, llm_engine.max_model_len - len(prompt))
-        request_id = f"beam-{llm_engine.new_request_id()}"
-        # NOTE: the engine must not end beams on its own: EOS and length are
-        # decided here, so it gets ignore_eos and one token of slack.
-        first = engine.add_request(
-            request_id, prompt, _C.RequestParams(n=1, max_tokens=max_tokens + 1, ignore_eos=True)
-        )
-        searches.append(_Search(request_id, list(prompt), max_tokens, [_Beam(first, [], 0.0)]))
+    pending = None  # a scheduled step the engine has no tokens for yet
     try:
+        for prompt in prompts:
+            max_tokens = min(params.max_tokens, llm_engine.max_model_len - len(prompt))
+            request_id = f"beam-{llm_engine.new_request_id()}"
+            # NOTE: the engine must not end beams on its own: EOS and length are
+            # decided here, so it gets ignore_eos and one token of slack.
+            first = engine.add_request(
+                request_id, prompt, _C.RequestParams(n=1, max_tokens=max_tokens + 1, ignore_eos=True)
+            )
+            searches.append(_Search(request_id, list(prompt), max_tokens, [_Beam(first, [], 0.0)]))
         while any(not s.done for s in searches):
-            batch = engine.schedule()
+            batch = pending = engine.schedule()
             logits = llm_engine.runner.execute(batch)
             rows = {int(seq): r for r, seq in enumerate(batch.sample_seq_ids.tolist())}
             log_probs = torch.log_softmax(logits.float(), dim=-1).cpu()
             engine.update(log_probs.argmax(dim=-1).to(torch.int32).numpy())
+            pending = None
             for search in searches:
                 if search.done:
                     continue
@@ -142,6 +145,10 @@ def _run_wave(llm_engine, prompts: list[list[int]], params: BeamSearchParams) ->
                 elif any(present):
                     raise RuntimeError("beam search: the beams of a prompt were scheduled apart")
     finally:
+        if pending is not None:
+            # NOTE: the engine takes no abort while a step awaits its tokens
+            # (the forward pass failed): placeholders, then the aborts drop them.
+            engine.update(np.zeros(pending.num_samples, dtype=np.int32))
         for search in searches:
             if not search.done:
                 engine.abort(search.request_id)

@@ -303,14 +303,15 @@ class BeamSearchParams:
         Most output tokens per beam (>= 1).
     ignore_eos : bool
         Keep extending beams after EOS.
-    temperature : float
-        Temperature of the log-probabilities that rank the beams (>= 0; 0
-        ranks by the raw log-probabilities).
     length_penalty : float
         Exponent of the length normalization of a finished beam's score
-        (score / length ** length_penalty), as in vLLM and Hugging Face.
-    include_stop_str_in_output : bool
-        Keep the matched stop string in the output text.
+        (``cum_logprob / generated_len ** length_penalty``, EOS counted), as in
+        Hugging Face's ``num_beams`` search with ``early_stopping=False``.
+
+    ``temperature`` and ``include_stop_str_in_output`` exist only so that
+    vLLM's signature is accepted: beams are always ranked by the model's raw
+    log-probabilities and a finished beam's ``tokens`` always end with its EOS,
+    so only the defaults (0.0 and False) are taken; any other value raises.
 
     Raises
     ------
@@ -339,8 +340,16 @@ class BeamSearchParams:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
         self.ignore_eos = _bool("ignore_eos", self.ignore_eos)
         self.temperature = _float("temperature", self.temperature)
-        if self.temperature < 0.0:
-            raise ValueError(f"temperature must be non-negative, got {self.temperature}")
+        if self.temperature != 0.0:
+            # NOTE: vLLM hands it to the sampler of each step's candidates; here
+            # beams are ranked by the model's raw log-probabilities, as in
+            # transformers' beam search, so a value that would change nothing
+            # is refused rather than silently ignored.
+            raise ValueError(f"temperature must be 0.0 for beam search (beams are ranked by "
+                             f"the raw log-probabilities), got {self.temperature}")
         self.length_penalty = _float("length_penalty", self.length_penalty)
         self.include_stop_str_in_output = _bool("include_stop_str_in_output",
                                                 self.include_stop_str_in_output)
+        if self.include_stop_str_in_output:
+            raise ValueError("include_stop_str_in_output must be False for beam search (a "
+                             "finished beam's tokens always end with its EOS), got True")
