@@ -54,8 +54,11 @@ class LLM:
         The number of KV blocks, overriding what memory would give (any device).
     kv_cache_memory_bytes : int, optional
         KV-cache budget on the CPU; default ``$PAGEDCORE_KV_CACHE_BYTES`` or 1 GiB.
+        It holds ``budget // (block_size x layers x kv_heads x head_dim x 2 (K, V)
+        x bytes of the cache dtype)`` blocks.
     max_model_len : int, optional
-        Context length; default: the model's, capped by what the cache holds.
+        Context length; default: the model's, capped to what the cache holds
+        (``num_blocks x block_size``); an explicit one beyond that is refused.
     max_num_seqs, max_num_batched_tokens : int
         Sequences per step, tokens per step (default ``max(2048, max_num_seqs)``).
     enable_prefix_caching : bool

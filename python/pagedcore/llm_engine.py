@@ -13,6 +13,7 @@ loop over sequences.
 from __future__ import annotations
 
 import logging
+import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -34,6 +35,7 @@ logger = logging.getLogger("pagedcore")
 
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 KV_CACHE_BYTES_ENV = "PAGEDCORE_KV_CACHE_BYTES"
+BLOCK_SIZES = (8, 16, 32, 64, 128)  # those the attention kernels are built for
 # kv_cache_dtype names (vLLM's) -> the cache's dtype (None: the model's).
 # fp8 stores K and V as e4m3 with scales of 1 (no calibration), on CUDA.
 KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {
@@ -67,22 +69,44 @@ class EngineArgs:
     async_output_proc: bool | None = None  # None: on for CUDA, off for the CPU
 
     def validate(self) -> None:
+        """Checks every field before anything is loaded.
+
+        Raises
+        ------
+        ValueError
+            Naming the first invalid field and its value.
+        """
         def positive(name: str, value: Any, allow_none: bool = False) -> None:
             if value is None and allow_none:
                 return
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
+        def number(name: str, value: Any) -> float:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
+            return value
+
+        def flag(name: str, value: Any) -> None:
+            if not isinstance(value, bool):
+                raise ValueError(f"{name} must be True or False, got {value!r}")
+
         positive("block_size", self.block_size)
+        if self.block_size not in BLOCK_SIZES:
+            raise ValueError(f"block_size must be one of {', '.join(map(str, BLOCK_SIZES))}, got {self.block_size!r}")
         positive("num_kv_blocks", self.num_kv_blocks, allow_none=True)
         positive("kv_cache_memory_bytes", self.kv_cache_memory_bytes, allow_none=True)
         positive("max_model_len", self.max_model_len, allow_none=True)
         positive("max_num_seqs", self.max_num_seqs)
         positive("max_num_batched_tokens", self.max_num_batched_tokens, allow_none=True)
-        if not 0 < self.gpu_memory_utilization <= 1:
+        if not 0 < number("gpu_memory_utilization", self.gpu_memory_utilization) <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
-        if self.swap_space < 0:
+        if number("swap_space", self.swap_space) < 0:
             raise ValueError(f"swap_space must be >= 0 (GiB), got {self.swap_space!r}")
+        pass
+        flag("enforce_eager", self.enforce_eager)
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -283,14 +307,12 @@ class LLMEngine:
         elif self.device.type == "cuda":
             num_blocks = self._gpu_blocks(per_block, max_batched)
         else:
-            budget = a.kv_cache_memory_bytes
+            budget, source = a.kv_cache_memory_bytes, "kv_cache_memory_bytes"
             if budget is None:
-                budget = int(os.environ.get(KV_CACHE_BYTES_ENV, DEFAULT_CPU_KV_CACHE_BYTES))
+                budget, source = _env_kv_cache_bytes()
             num_blocks = budget // per_block
             if num_blocks < 1:
-                raise ValueError(
-                    f"kv_cache_memory_bytes {budget} holds no block of {per_block} bytes"
-                )
+                raise ValueError(f"{source} {budget} holds no block of {per_block} bytes")
         max_model_len = a.max_model_len or spec.max_position_embeddings
         if max_model_len > spec.max_position_embeddings:
             raise ValueError(
@@ -825,6 +847,21 @@ class LLMEngine:
             outputs=outputs,
             finished=True,
         )
+
+
+def _env_kv_cache_bytes() -> tuple[int, str]:
+    """The CPU KV-cache budget from ``$PAGEDCORE_KV_CACHE_BYTES`` (default 1 GiB),
+    and where it came from, for error messages."""
+    raw = os.environ.get(KV_CACHE_BYTES_ENV)
+    if raw is None:
+        return DEFAULT_CPU_KV_CACHE_BYTES, "the default KV-cache budget"
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"${KV_CACHE_BYTES_ENV} must be a positive integer (bytes), got {raw!r}")
+    return value, f"${KV_CACHE_BYTES_ENV}"
 
 
 def _C_stats(engine: _C.Engine) -> dict[str, Any]:
