@@ -103,7 +103,7 @@ class EngineArgs:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if number("swap_space", self.swap_space) < 0:
             raise ValueError(f"swap_space must be >= 0 (GiB), got {self.swap_space!r}")
-        pass
+        flag("enable_prefix_caching", self.enable_prefix_caching)
         flag("enforce_eager", self.enforce_eager)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
