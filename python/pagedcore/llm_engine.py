@@ -186,7 +186,7 @@ class _SlotArrays:
         self.top_k = resized("top_k", np.int32, 0)
         self.top_p = resized("top_p", np.float32, 1.0)
         self.min_p = resized("min_p", np.float32, 0.0)
-        self.num_logprobs = resized("num_logprobs", np.int32, 0)
+        self.num_logprobs = resized("num_logprobs", np.int32, -1)  # -1: no logprobs
         self.seeded = resized("seeded", np.bool_, False)
         self.seed = resized("seed", np.int64, 0)
         self.min_tokens = resized("min_tokens", np.int32, 0)
@@ -201,7 +201,7 @@ class _SlotArrays:
         self.top_k[slot] = min(p.top_k, int32_max)
         self.top_p[slot] = p.top_p
         self.min_p[slot] = p.min_p
-        self.num_logprobs[slot] = p.logprobs or 0
+        self.num_logprobs[slot] = -1 if p.logprobs is None else p.logprobs
         self.seeded[slot] = p.seed is not None
         self.seed[slot] = p.seed or 0
         self.min_tokens[slot] = min(p.min_tokens, int32_max)
@@ -622,6 +622,10 @@ class LLMEngine:
         s = self._slots
         temperature = s.temperature[slots]
         top_k, top_p, min_p = s.top_k[slots], s.top_p[slots], s.min_p[slots]
+        # NOTE: logprobs=0 still returns the sampled token's rank (vLLM); the sampler
+        # computes ranks only along a top-k of at least 1.
+        num_logprobs = int(s.num_logprobs[slots].max())
+        num_logprobs = max(num_logprobs, 1) if num_logprobs >= 0 else 0
         md = SamplingMetadata(
             temperature=self._to_device(torch.from_numpy(temperature)),
             top_k=self._to_device(torch.from_numpy(top_k)),
@@ -633,7 +637,7 @@ class LLMEngine:
             no_top_p=bool((top_p >= 1).all()),
             no_min_p=bool((min_p == 0).all()),
             generators=self._row_generators(batch, slots),
-            num_logprobs=int(s.num_logprobs[slots].max()),
+            num_logprobs=num_logprobs,
         )
         self._add_min_tokens(md, batch, slots)
         self._add_penalties(md, batch, slots)
@@ -796,7 +800,7 @@ class LLMEngine:
     def _logprob_entry(self, request: _Request, k: int, token: int, logprob: float, top: Any) -> dict[int, Logprob]:
         entry = {}
         num = request.params.logprobs or 0
-        if top is not None and num > 0:
+        if top is not None:
             ids, values, ranks = top
             for rank, (tid, value) in enumerate(zip(ids[k][:num], values[k][:num]), start=1):
                 entry[tid] = Logprob(value, rank, self.tokenizer.decode([tid]))

@@ -342,6 +342,21 @@ def test_logprobs_of_sampled_tokens_and_n_samples(llm, hf_model) -> None:
     assert outside_top_k >= 5  # sampled tokens outside the top-k did occur
 
 
+def test_logprobs_zero_gives_the_sampled_token_with_its_rank(llm, hf_model) -> None:
+    # logprobs=0 (vLLM): the sampled token alone, with its logprob and rank, also
+    # when no request of the batch asks for a top-k.
+    prompt = make_prompts()[1]
+    params = SamplingParams(n=2, temperature=2.0, seed=9, logprobs=0, max_tokens=8, ignore_eos=True)
+    for c in generate(llm, [(prompt, params)])[0].outputs:
+        ref = torch.log_softmax(step_logits(hf_model, prompt, c.token_ids), dim=-1)
+        for step, (token, entry) in enumerate(zip(c.token_ids, c.logprobs)):
+            assert list(entry) == [token]
+            assert abs(entry[token].logprob - ref[step, token]) < 2e-4
+            lo = int((ref[step] > ref[step, token] + TOL).sum()) + 1
+            hi = int((ref[step] >= ref[step, token] - TOL).sum())
+            assert entry[token].rank is not None and lo <= entry[token].rank <= hi, f"step {step}"
+
+
 # ---- max_tokens=None ---------------------------------------------------------------------
 
 
