@@ -363,12 +363,16 @@ def test_logprobs_zero_gives_the_sampled_token_with_its_rank(llm, hf_model) -> N
 def test_max_tokens_none_runs_to_eos_or_the_context_length(llm, checkpoint, hf_model) -> None:
     prompt = make_prompts()[1]
     stop_prompt = eos_prompt()
+    full_prompt = (make_prompts()[2] * 4)[:MAX_MODEL_LEN]
     requests = [
         (prompt, SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)),
         (prompt, SamplingParams(temperature=1.0, seed=3, max_tokens=None, ignore_eos=True)),
         (stop_prompt, SamplingParams(temperature=0.0, max_tokens=None)),
+        # A prompt that fills the context still gets the token its prefill samples
+        # (vLLM: one token, then the length cap).
+        (full_prompt, SamplingParams(temperature=0.0, max_tokens=None)),
     ]
-    greedy, sampled, stopped = (o.outputs[0] for o in generate(llm, requests))
+    greedy, sampled, stopped, full = (o.outputs[0] for o in generate(llm, requests))
     room = MAX_MODEL_LEN - len(prompt)
     assert len(greedy.token_ids) == len(sampled.token_ids) == room
     assert greedy.finish_reason == sampled.finish_reason == "length"
@@ -378,3 +382,4 @@ def test_max_tokens_none_runs_to_eos_or_the_context_length(llm, checkpoint, hf_m
     assert stopped.token_ids == hf_greedy_loop(hf_model, stop_prompt, EOS_POSITION + 1)
     assert stopped.token_ids[-1] == eos
     assert (stopped.finish_reason, stopped.stop_reason) == ("stop", None)
+    assert full.token_ids == hf_greedy_loop(hf_model, full_prompt, 1) and full.finish_reason == "length"
