@@ -40,12 +40,14 @@ auto snapshot(const Engine& e) {
 
 TEST(Engine, ParallelSamplingForksAfterThePromptAndSharesItsBlocks) {
   Engine e(config());
+  FakeModel m(e);
   const SeqId first = e.add_request("r", iota_tokens(12), params_max_tokens(3, /*n=*/3));
   EXPECT_EQ(first, 0);
   const StepBatch& b = e.schedule();
   ASSERT_EQ(b.num_samples, 3);
   EXPECT_EQ(std::vector<int64_t>(b.sample_seq_ids, b.sample_seq_ids + 3),
             (std::vector<int64_t>{0, 1, 2}));
+  m.run(b);  // the model reads and writes the cache; the test picks the tokens
   Transcript t;
   record(e.update(std::vector<TokenId>{7, 8, 9}.data(), 3), t);
   // Three sequences, one prompt: blocks {1, 2} shared three ways.
@@ -68,8 +70,11 @@ TEST(Engine, ParallelSamplingForksAfterThePromptAndSharesItsBlocks) {
   EXPECT_EQ(e.seq_block_table(2), (std::vector<BlockId>{1, 2}));
   EXPECT_EQ(std::vector<int32_t>(d.slot_mapping, d.slot_mapping + 3),
             (std::vector<int32_t>{3 * 8 + 4, 4 * 8 + 4, 2 * 8 + 4}));
+  // Blocks 3 and 4 must now hold block 2's first four positions.
+  m.run(d);
+  EXPECT_EQ(m.counts().copies, 2);
   record(e.update(std::vector<TokenId>{10, 11, 12}.data(), 3), t);
-  drain(e, t);
+  drain(e, m, t);
   EXPECT_EQ(t.outputs[0].size(), 3u);
   EXPECT_EQ(t.outputs[1].size(), 3u);
   EXPECT_EQ(t.outputs[2].size(), 3u);
@@ -81,14 +86,15 @@ TEST(Engine, ParallelSamplingForksAfterThePromptAndSharesItsBlocks) {
 
 TEST(Engine, PromptOfWholeBlocksForksWithoutCopies) {
   Engine e(config());
+  FakeModel m(e);
   e.add_request("r", iota_tokens(16), params_max_tokens(2, 2));
   Transcript t;
-  fake_step(e, t);
+  fake_step(e, m, t);
   const StepBatch& d = e.schedule();
   EXPECT_EQ(d.num_block_copies, 0);
   EXPECT_EQ(e.seq_block_table(0), (std::vector<BlockId>{1, 2, 3}));
   EXPECT_EQ(e.seq_block_table(1), (std::vector<BlockId>{1, 2, 4}));
-  const std::vector<TokenId> s = fake_sample(e, d);
+  const std::vector<TokenId> s = m.run(d);
   record(e.update(s.data(), 2), t);
   EXPECT_EQ(e.stats().num_free_blocks, 32);
 }
@@ -139,18 +145,20 @@ TEST(Engine, StopConditions) {
 
 TEST(Engine, PromptOfMaxModelLenGivesOneToken) {
   Engine e(config());
+  FakeModel m(e);
   e.add_request("full", iota_tokens(64), params_max_tokens(5));
   Transcript t;
-  drain(e, t);
+  drain(e, m, t);
   EXPECT_EQ(t.outputs[0].size(), 1u);
   EXPECT_EQ(t.finish[0], FinishReason::kLength);
 }
 
 TEST(Engine, FinishFromTheCallerAndFork) {
   Engine e(config());
+  FakeModel m(e);
   e.add_request("a", iota_tokens(5), params_max_tokens(10, 2));  // seqs 0, 1
   Transcript t;
-  fake_step(e, t);
+  fake_step(e, m, t);
   EXPECT_FALSE(e.finish(0));  // a stop string ended sample 0
   EXPECT_THROW(e.finish(0), NotFound);
   const SeqId child = e.fork(1);
@@ -170,24 +178,26 @@ TEST(Engine, ForkIsRefusedWhenItCannotProceed) {
   EngineConfig c = config();
   c.max_num_seqs = 2;
   Engine e(c);
+  FakeModel m(e);
   e.add_request("a", iota_tokens(5), params_max_tokens(10, 2));
   EXPECT_THROW(e.fork(0), InvalidArgument);  // waiting
   Transcript t;
-  fake_step(e, t);
+  fake_step(e, m, t);
   EXPECT_THROW(e.fork(0), InvalidArgument);  // no seat left
   e.add_request("b", iota_tokens(5), params_max_tokens(10, 2));
   const auto before = snapshot(e);
   EXPECT_THROW(e.fork(2), InvalidArgument);  // b's parent has not forked yet (and waits)
   EXPECT_EQ(snapshot(e), before);
   e.abort("a");
-  fake_step(e, t);
-  fake_step(e, t);  // b runs and forks
+  fake_step(e, m, t);
+  fake_step(e, m, t);  // b runs and forks
   EXPECT_THROW(e.fork(2), InvalidArgument);  // seats full again
   EXPECT_THROW(e.fork(99), NotFound);
 }
 
 TEST(Engine, PrefixCacheHitsAcrossRequests) {
   Engine e(config());
+  FakeModel m(e);
   const std::vector<TokenId> system = iota_tokens(24, 500);
   std::vector<TokenId> p1 = system, p2 = system;
   p1.push_back(1);
@@ -195,7 +205,7 @@ TEST(Engine, PrefixCacheHitsAcrossRequests) {
   p2.push_back(3);
   e.add_request("first", p1, params_max_tokens(2));
   Transcript t;
-  drain(e, t);
+  drain(e, m, t);
   // 27 tokens computed (26 prompt + 1 decode): three full blocks stay cached.
   EXPECT_EQ(e.stats().num_cached_blocks, 3);
   e.add_request("second", p2, params_max_tokens(2));
@@ -204,23 +214,24 @@ TEST(Engine, PrefixCacheHitsAcrossRequests) {
   EXPECT_EQ(b.num_tokens, 1);
   EXPECT_EQ(b.num_computed_tokens[0], 24);
   EXPECT_EQ(b.positions[0], 24);
-  const std::vector<TokenId> s = fake_sample(e, b);
+  const std::vector<TokenId> s = m.run(b);
   record(e.update(s.data(), 1), t);
   const EngineStats st = e.stats();
   EXPECT_EQ(st.prefix_cache_queries, 26 + 25);
   EXPECT_EQ(st.prefix_cache_hits, 24);
   EXPECT_DOUBLE_EQ(st.prefix_cache_hit_rate, 24.0 / 51.0);
-  drain(e, t);
+  drain(e, m, t);
   EXPECT_EQ(e.stats().num_free_blocks, 32);
 }
 
 TEST(Engine, CacheSaltSeparatesPrefixes) {
   Engine e(config());
+  FakeModel m(e);
   RequestParams salted = params_max_tokens(1);
   salted.cache_salt = 77;
   e.add_request("a", iota_tokens(17), params_max_tokens(1));
   Transcript t;
-  drain(e, t);
+  drain(e, m, t);
   e.add_request("b", iota_tokens(17), salted);
   EXPECT_EQ(e.schedule().num_tokens, 17);  // 1 without the salt
 }
@@ -229,13 +240,14 @@ TEST(Engine, ForcedHashCollisionsNeverServeWrongBlocks) {
   EngineConfig c = config();
   c.prefix_hash_bits = 0;  // every block hashes to the same value
   Engine e(c);
+  FakeModel m(e);
   e.add_request("a", iota_tokens(17, 1), params_max_tokens(1));
   Transcript t;
-  drain(e, t);
+  drain(e, m, t);
   e.add_request("b", iota_tokens(17, 100), params_max_tokens(1));
   const StepBatch& b = e.schedule();
   EXPECT_EQ(b.num_tokens, 17);  // nothing served from a's blocks
-  const std::vector<TokenId> s = fake_sample(e, b);
+  const std::vector<TokenId> s = m.run(b);
   e.update(s.data(), 1);
   // A true hit on a's first block. a's second block collided with the first
   // at registration (same hash, other content), so it was never cached.
@@ -243,6 +255,7 @@ TEST(Engine, ForcedHashCollisionsNeverServeWrongBlocks) {
   const StepBatch& b2 = e.schedule();
   EXPECT_EQ(b2.num_tokens, 9);
   EXPECT_EQ(b2.num_computed_tokens[0], 8);
+  m.run(b2);  // the hit block holds a's first 8 tokens
 }
 
 TEST(Engine, SlidingWindowBlockTablesHoldNullBlocks) {
@@ -250,18 +263,19 @@ TEST(Engine, SlidingWindowBlockTablesHoldNullBlocks) {
   c.sliding_window = 12;
   c.enable_prefix_caching = false;
   Engine e(c);
+  FakeModel m(e);
   e.add_request("w", iota_tokens(20), params_max_tokens(8));
   Transcript t;
-  fake_step(e, t);
+  fake_step(e, m, t);
   EXPECT_EQ(e.seq_block_table(0), (std::vector<BlockId>{1, 2, 3}));
   // Next query at position 20 sees 9..20: block 0 (0..7) is released.
   const StepBatch& b = e.schedule();
   EXPECT_EQ(b.block_tables[0], kNullBlock);
   EXPECT_EQ(b.block_tables[1], 2);
   EXPECT_EQ(e.stats().num_free_blocks, 32 - 2);
-  const std::vector<TokenId> s = fake_sample(e, b);
+  const std::vector<TokenId> s = m.run(b);
   e.update(s.data(), 1);
-  drain(e, t);
+  drain(e, m, t);
   EXPECT_EQ(e.stats().num_free_blocks, 32);
   // A window lets a request longer than the pool run.
   EngineConfig tiny = c;
@@ -269,8 +283,9 @@ TEST(Engine, SlidingWindowBlockTablesHoldNullBlocks) {
   tiny.max_model_len = 64;
   tiny.max_num_batched_tokens = 8;
   Engine f(tiny);
+  FakeModel mf(f);
   f.add_request("long", iota_tokens(40), params_max_tokens(20));
-  drain(f, t);
+  drain(f, mf, t);
   EXPECT_EQ(f.stats().num_free_blocks, 4);
 }
 
@@ -282,11 +297,12 @@ TEST(Engine, SlidingWindowTakesOnlyTheVisiblePartOfACachedPrefix) {
   c.max_num_batched_tokens = 32;
   c.max_model_len = 128;
   Engine e(c);
+  FakeModel m(e);
   const std::vector<TokenId> b = iota_tokens(80);
   const std::vector<TokenId> a(b.begin(), b.begin() + 40);
   Transcript t;
   e.add_request("a", a, params_max_tokens(1));
-  drain(e, t);
+  drain(e, m, t);
   EXPECT_EQ(e.stats().num_cached_blocks, 5);
   e.add_request("b", b, params_max_tokens(1));
   const StepBatch& first = e.schedule();
@@ -297,9 +313,9 @@ TEST(Engine, SlidingWindowTakesOnlyTheVisiblePartOfACachedPrefix) {
   for (int i = 0; i < 3; ++i) EXPECT_EQ(first.block_tables[i], kNullBlock) << i;
   EXPECT_NE(first.block_tables[3], kNullBlock);
   EXPECT_EQ(e.stats().prefix_cache_hits, 40);
-  const std::vector<TokenId> s = fake_sample(e, first);
+  const std::vector<TokenId> s = m.run(first);
   record(e.update(s.data(), static_cast<int32_t>(s.size())), t);
-  EXPECT_LE(drain(e, t), 2);
+  EXPECT_LE(drain(e, m, t), 2);
   EXPECT_EQ(t.finished_requests, (std::vector<std::string>{"a", "b"}));
   EXPECT_EQ(e.stats().num_free_blocks, 8);
 }
@@ -308,9 +324,10 @@ TEST(Engine, BadInputThrowsAndChangesNothing) {
   EngineConfig c = config(4);
   c.vocab_size = 1000;
   Engine e(c);
+  FakeModel m(e);
   e.add_request("existing", iota_tokens(5), params_max_tokens(3));
   Transcript t;
-  fake_step(e, t);
+  fake_step(e, m, t);
   const auto before = snapshot(e);
   auto expect_rejected = [&](auto&& call, const char* needle) {
     try {
@@ -361,10 +378,10 @@ TEST(Engine, BadInputThrowsAndChangesNothing) {
   EXPECT_THROW(e.update(std::vector<TokenId>{-3}.data(), 1), InvalidArgument);
   EXPECT_THROW(e.update(std::vector<TokenId>{1000}.data(), 1), InvalidArgument);
   EXPECT_EQ(snapshot(e), pending);
-  const std::vector<TokenId> s = fake_sample(e, b);
+  const std::vector<TokenId> s = m.run(b);
   record(e.update(s.data(), 1), t);
   EXPECT_THROW(e.abort("nope"), NotFound);
-  drain(e, t);
+  drain(e, m, t);
   EXPECT_EQ(t.outputs[0].size(), 3u);
   EXPECT_EQ(e.stats().num_free_blocks, 4);
 }
@@ -373,10 +390,11 @@ TEST(Engine, NeverFitsCheckCountsOnlyComputedTokens) {
   // The last sampled token is never computed: 8 prompt + 1 output fit one
   // block of 8; a second output needs a second block.
   Engine e(config(1));
+  FakeModel m(e);
   EXPECT_NO_THROW(e.add_request("fits", iota_tokens(8), params_max_tokens(1)));
   EXPECT_THROW(e.add_request("too_big", iota_tokens(8), params_max_tokens(2)), InvalidArgument);
   Transcript t;
-  drain(e, t);
+  drain(e, m, t);
   EXPECT_EQ(t.outputs[0].size(), 1u);
 }
 
@@ -395,6 +413,7 @@ TEST(Engine, SixtyFourBitIdsAreRangeChecked) {
 
 TEST(Engine, RequestSlotsAreSmallAndReused) {
   Engine e(config());
+  FakeModel m(e);
   e.add_request("a", iota_tokens(3), params_max_tokens(1));
   e.add_request("b", iota_tokens(3), params_max_tokens(5, 2));
   e.add_request("c", iota_tokens(3), params_max_tokens(5));
@@ -407,7 +426,7 @@ TEST(Engine, RequestSlotsAreSmallAndReused) {
   EXPECT_EQ(std::vector<int32_t>(b.sample_num_outputs, b.sample_num_outputs + 4),
             (std::vector<int32_t>{0, 0, 0, 0}));
   Transcript t;
-  const std::vector<TokenId> s = fake_sample(e, b);
+  const std::vector<TokenId> s = m.run(b);
   record(e.update(s.data(), 4), t);  // a finishes: slot 0 is free again
   EXPECT_THROW(e.request_slot("a"), NotFound);
   e.add_request("d", iota_tokens(3), params_max_tokens(1));
@@ -418,17 +437,18 @@ TEST(Engine, RequestSlotsAreSmallAndReused) {
   const StepBatch& b2 = e.schedule();
   EXPECT_EQ(b2.num_samples, 5);
   EXPECT_EQ(b2.sample_num_outputs[0], 1);  // b's samples decode now
-  const std::vector<TokenId> s2 = fake_sample(e, b2);
+  const std::vector<TokenId> s2 = m.run(b2);
   record(e.update(s2.data(), 5), t);
-  drain(e, t);
+  drain(e, m, t);
 }
 
 TEST(Engine, SetLastTokenRewritesOnlyTheUncomputedOutput) {
   Engine e(config());
+  FakeModel m(e);
   e.add_request("beam", iota_tokens(5), params_max_tokens(10));
   EXPECT_THROW(e.set_last_token(0, 9), InvalidArgument);  // nothing generated yet
   Transcript t;
-  fake_step(e, t);
+  fake_step(e, m, t);
   const SeqId child = e.fork(0);
   e.set_last_token(child, 42);
   e.set_last_token(0, 41);
@@ -439,9 +459,9 @@ TEST(Engine, SetLastTokenRewritesOnlyTheUncomputedOutput) {
   const StepBatch& b = e.schedule();
   EXPECT_EQ(std::vector<int32_t>(b.input_ids, b.input_ids + 2), (std::vector<int32_t>{41, 42}));
   EXPECT_THROW(e.set_last_token(0, 1), InvalidState);
-  const std::vector<TokenId> s = fake_sample(e, b);
+  const std::vector<TokenId> s = m.run(b);
   e.update(s.data(), 2);
-  drain(e, t);
+  drain(e, m, t);
 }
 
 TEST(Engine, ConfigIsValidated) {
@@ -478,6 +498,7 @@ TEST(Engine, StepArraysDescribeTheKVLayout) {
   EngineConfig c = config(64, 8);
   c.max_num_batched_tokens = 20;
   Engine e(c);
+  FakeModel m(e);
   for (int i = 0; i < 5; ++i) e.add_request("r" + std::to_string(i), iota_tokens(3 + 7 * i), params_max_tokens(6, 1 + i % 2));
   Transcript t;
   while (e.has_unfinished_requests()) {
@@ -493,7 +514,7 @@ TEST(Engine, StepArraysDescribeTheKVLayout) {
         EXPECT_EQ(b.input_ids[i], e.seq_token_ids(b.seq_ids[r])[pos]);
       }
     }
-    const std::vector<TokenId> s = fake_sample(e, b);
+    const std::vector<TokenId> s = m.run(b);
     record(e.update(s.data(), static_cast<int32_t>(s.size())), t);
   }
   EXPECT_EQ(t.outputs.size(), 7u);

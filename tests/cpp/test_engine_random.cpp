@@ -61,6 +61,9 @@ TEST_P(RandomOperations, InvariantsHoldAfterEveryOperation) {
     }
   });
   Engine e(c);
+  // Checks every row's cached history after every step (the tokens sampled
+  // below are random, not the model's).
+  FakeModel m(e);
   std::mt19937 rng(rc.seed);
   auto uniform = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };
   // A few shared prefixes so that the prefix cache sees hits.
@@ -107,6 +110,7 @@ TEST_P(RandomOperations, InvariantsHoldAfterEveryOperation) {
     } else if (r < 80) {
       const StepBatch& b = e.schedule();
       e.check_invariants();
+      m.run(b);
       std::vector<TokenId> sampled(b.num_samples);
       for (TokenId& t : sampled) t = uniform(0, 63);
       const StepResult& res = e.update(sampled.data(), b.num_samples);
@@ -155,7 +159,7 @@ TEST_P(RandomOperations, InvariantsHoldAfterEveryOperation) {
     ASSERT_EQ(s.num_requests, static_cast<int32_t>(live.size()));
   }
   Transcript t;
-  drain(e, t);
+  drain(e, m, t);
   e.check_invariants();
   set_log_sink(nullptr);
   const EngineStats s = e.stats();
@@ -172,6 +176,10 @@ TEST_P(RandomOperations, InvariantsHoldAfterEveryOperation) {
   if (rc.num_blocks <= 24) EXPECT_GT(s.num_preemptions, 0);
   if (rc.mode == PreemptionMode::kSwap && rc.num_blocks <= 24) EXPECT_GT(s.num_swap_preemptions, 0);
   if (rc.prefix_caching && rc.hash_bits == 64) EXPECT_GT(s.prefix_cache_hits, 0);
+  const FakeModel::Counts& kv = m.counts();
+  EXPECT_GT(kv.copies, 0);  // forks and n > 1 requests copy-on-write
+  if (rc.mode == PreemptionMode::kSwap && rc.num_blocks <= 24) EXPECT_GT(kv.swap_in, 0);
+  if (rc.sliding_window > 0) EXPECT_GT(kv.null_entries, 0);
 }
 
 std::vector<RandomCase> random_cases() {

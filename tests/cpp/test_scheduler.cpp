@@ -143,6 +143,7 @@ TEST(Scheduler, MaxNumSeqsCountsEverySampleOfARequest) {
   c.max_num_seqs = 2;
   c.max_num_batched_tokens = 64;
   Engine e(c);
+  FakeModel m(e);
   e.add_request("a", iota_tokens(3, 1), params_max_tokens(2));          // seq 0
   e.add_request("b", iota_tokens(3, 11), params_max_tokens(2, /*n=*/2));  // seqs 1, 2
   e.add_request("c", iota_tokens(3, 21), params_max_tokens(2));          // seq 3
@@ -150,10 +151,12 @@ TEST(Scheduler, MaxNumSeqsCountsEverySampleOfARequest) {
   // b needs two seats; with one taken it waits, and c waits behind it (FCFS).
   ASSERT_EQ(b1.num_seqs, 1);
   EXPECT_EQ(b1.seq_ids[0], 0);
+  m.run(b1);  // the model keeps the cache; the test picks the tokens
   Transcript t;
   record(e.update(std::vector<TokenId>{7}.data(), 1), t);
   const StepBatch& b2 = e.schedule();  // a decodes; still no room for b
   ASSERT_EQ(b2.num_seqs, 1);
+  m.run(b2);
   record(e.update(std::vector<TokenId>{8}.data(), 1), t);
   EXPECT_EQ(t.finished_requests, (std::vector<std::string>{"a"}));
   const StepBatch& b3 = e.schedule();
@@ -163,8 +166,9 @@ TEST(Scheduler, MaxNumSeqsCountsEverySampleOfARequest) {
   EXPECT_EQ(vec(b3.sample_seq_ids, 2), (std::vector<int64_t>{1, 2}));
   EXPECT_EQ(vec(b3.sample_indices, 2), (std::vector<int32_t>{2, 2}));
   EXPECT_EQ(e.stats().num_waiting_seqs, 1);
+  m.run(b3);
   record(e.update(std::vector<TokenId>{9, 10}.data(), 2), t);
-  drain(e, t);
+  drain(e, m, t);
   EXPECT_EQ(t.outputs.size(), 4u);
 }
 
@@ -173,6 +177,7 @@ TEST(Scheduler, FcfsHeadOfLineBlocksSmallerLaterRequests) {
   c.num_blocks = 4;
   c.max_num_batched_tokens = 64;
   Engine e(c);
+  FakeModel m(e);
   e.add_request("big", iota_tokens(24, 1), params_max_tokens(8));  // 3 blocks now, 4 at most
   e.add_request("mid", iota_tokens(16, 31), params_max_tokens(4));  // needs 2 blocks
   e.add_request("tiny", iota_tokens(2, 61), params_max_tokens(1));  // would fit in 1
@@ -180,12 +185,13 @@ TEST(Scheduler, FcfsHeadOfLineBlocksSmallerLaterRequests) {
   EXPECT_EQ(b.num_seqs, 1);
   EXPECT_EQ(b.seq_ids[0], 0);
   EXPECT_EQ(e.kv().gpu().num_free_blocks(), 1);
+  m.run(b);
   Transcript t;
   record(e.update(std::vector<TokenId>{5}.data(), 1), t);
   // tiny fits in the free block all along, but waits behind mid until big ends.
   std::map<SeqId, int> first_step;
   for (int step = 1; e.has_unfinished_requests(); ++step) {
-    const StepBatch& s = fake_step(e, t);
+    const StepBatch& s = fake_step(e, m, t);
     for (int32_t r = 0; r < s.num_seqs; ++r) first_step.emplace(s.seq_ids[r], step);
   }
   EXPECT_EQ(t.finished_requests.front(), "big");
@@ -199,6 +205,7 @@ TEST(Scheduler, PriorityOrdersAdmissionAndChoosesTheVictim) {
   c.max_num_seqs = 2;
   c.max_num_batched_tokens = 64;
   Engine e(c);
+  FakeModel m(e);
   auto with_priority = [](int32_t prio) {
     RequestParams p = params_max_tokens(2);
     p.priority = prio;
@@ -211,9 +218,10 @@ TEST(Scheduler, PriorityOrdersAdmissionAndChoosesTheVictim) {
   const StepBatch& b = e.schedule();
   ASSERT_EQ(b.num_seqs, 2);
   EXPECT_EQ(vec(b.seq_ids, 2), (std::vector<int64_t>{3, 1}));
+  m.run(b);
   Transcript t;
   record(e.update(std::vector<TokenId>{1, 2}.data(), 2), t);
-  drain(e, t);
+  drain(e, m, t);
   EXPECT_EQ(t.finished_requests, (std::vector<std::string>{"p0", "p1a", "p1b", "p5"}));
 
   // Victim choice: the running sequence with the largest priority value loses,
@@ -221,6 +229,7 @@ TEST(Scheduler, PriorityOrdersAdmissionAndChoosesTheVictim) {
   EngineConfig tight = c;
   tight.num_blocks = 4;
   Engine f(tight);
+  FakeModel mf(f);
   RequestParams low = params_max_tokens(16);
   low.priority = 9;
   RequestParams high = params_max_tokens(16);
@@ -230,25 +239,29 @@ TEST(Scheduler, PriorityOrdersAdmissionAndChoosesTheVictim) {
   Transcript u;
   std::vector<int64_t> first_rows;
   for (int step = 0; step < 10; ++step) {
-    const StepBatch& s = fake_step(f, u);
+    const StepBatch& s = fake_step(f, mf, u);
     first_rows.push_back(s.seq_ids[0]);
     EXPECT_EQ(f.stats().num_preemptions, step < 9 ? 0 : 1) << step;
   }
   // Step 10 computes position 16 of both, a fifth block: low is preempted.
   EXPECT_EQ(f.stats().num_waiting_seqs, 1);
   EXPECT_EQ(first_rows, std::vector<int64_t>(10, 1));
-  drain(f, u);
+  drain(f, mf, u);
   EXPECT_EQ(u.finished_requests, (std::vector<std::string>{"high", "low"}));
 }
 
 // Runs the same requests in a roomy engine and a cramped one; outputs must match.
+// The fake model reads every history back through the block tables, so a
+// wrong swap or copy pair fails the run even where the outputs would agree.
 struct PreemptionRun {
   Transcript transcript;
   EngineStats stats;
+  FakeModel::Counts model;
 };
 
 PreemptionRun run_workload(EngineConfig c, const std::function<void(const StepBatch&)>& observe) {
   Engine e(c);
+  FakeModel m(e);
   for (int i = 0; i < 6; ++i) {
     e.add_request("r" + std::to_string(i), iota_tokens(5 + 3 * i, 10 * i + 1),
                   params_max_tokens(10 + i, i % 3 == 0 ? 2 : 1));
@@ -257,11 +270,12 @@ PreemptionRun run_workload(EngineConfig c, const std::function<void(const StepBa
   int steps = 0;
   while (e.has_unfinished_requests()) {
     if (++steps > 10000) throw std::runtime_error("workload made no progress");
-    const StepBatch& b = fake_step(e, run.transcript);
+    const StepBatch& b = fake_step(e, m, run.transcript);
     if (observe) observe(b);
     e.check_invariants();
   }
   run.stats = e.stats();
+  run.model = m.counts();
   EXPECT_EQ(run.stats.num_free_blocks, c.num_blocks);
   EXPECT_EQ(run.stats.num_free_cpu_blocks, c.num_cpu_blocks);
   return run;
@@ -289,6 +303,7 @@ TEST(Scheduler, PreemptionByRecomputeLosesNothing) {
     EXPECT_GT(run.stats.num_recompute_preemptions, 0) << "caching " << caching;
     EXPECT_EQ(run.stats.num_swap_preemptions, 0);
     EXPECT_GT(recompute_rows, 0);
+    EXPECT_GT(run.model.copies, 0);  // the n = 2 requests fork mid-block
     EXPECT_EQ(run.transcript.outputs, reference.transcript.outputs) << "caching " << caching;
     EXPECT_EQ(run.transcript.finish, reference.transcript.finish);
   }
@@ -313,6 +328,8 @@ TEST(Scheduler, PreemptionBySwapLosesNothing) {
   EXPECT_GT(run.stats.num_swap_preemptions, 0);
   EXPECT_GT(swap_out_steps, 0);
   EXPECT_GT(swap_in_steps, 0);
+  EXPECT_GT(run.model.swap_in, 0);
+  EXPECT_GT(run.model.copies, 0);
   EXPECT_EQ(run.transcript.outputs, reference.transcript.outputs);
 
   // CPU pool too small for any victim: falls back to recompute.
@@ -329,11 +346,12 @@ TEST(Scheduler, SwapPairsAndResumptionAreExact) {
   c.preemption_mode = PreemptionMode::kSwap;
   c.num_cpu_blocks = 8;
   Engine e(c);
+  FakeModel m(e);
   e.add_request("r0", iota_tokens(8, 1), params_max_tokens(16));   // seq 0
   e.add_request("r1", iota_tokens(8, 11), params_max_tokens(16));  // seq 1
   Transcript t;
   // Steps 1-9 compute positions 0..15 of both: blocks r0 {1, 3}, r1 {2, 4}.
-  for (int i = 0; i < 9; ++i) fake_step(e, t);
+  for (int i = 0; i < 9; ++i) fake_step(e, m, t);
   EXPECT_EQ(e.seq_block_table(0), (std::vector<BlockId>{1, 3}));
   EXPECT_EQ(e.seq_block_table(1), (std::vector<BlockId>{2, 4}));
   const StepBatch& b = e.schedule();
@@ -343,7 +361,7 @@ TEST(Scheduler, SwapPairsAndResumptionAreExact) {
   EXPECT_EQ(b.num_swap_in, 0);
   ASSERT_EQ(b.num_seqs, 1);
   EXPECT_EQ(b.seq_ids[0], 0);
-  const std::vector<TokenId> s = fake_sample(e, b);
+  const std::vector<TokenId> s = m.run(b);
   record(e.update(s.data(), 1), t);
   EXPECT_EQ(e.stats().num_swapped_seqs, 1);
   EXPECT_EQ(e.stats().num_free_cpu_blocks, 6);
@@ -366,7 +384,7 @@ TEST(Scheduler, SwapPairsAndResumptionAreExact) {
       EXPECT_EQ(row[0], step.swap_in[1]);
       EXPECT_EQ(row[1], step.swap_in[3]);
     }
-    const std::vector<TokenId> sampled = fake_sample(e, step);
+    const std::vector<TokenId> sampled = m.run(step);
     record(e.update(sampled.data(), static_cast<int32_t>(sampled.size())), t);
   }
   EXPECT_TRUE(swapped_in);
@@ -380,18 +398,19 @@ TEST(Scheduler, NoAdmissionInAStepThatPreempts) {
   c.num_blocks = 4;
   c.max_num_batched_tokens = 64;
   Engine e(c);
+  FakeModel m(e);
   e.add_request("r0", iota_tokens(8, 1), params_max_tokens(16));
   e.add_request("r1", iota_tokens(8, 11), params_max_tokens(16));
   Transcript t;
-  for (int i = 0; i < 9; ++i) fake_step(e, t);
+  for (int i = 0; i < 9; ++i) fake_step(e, m, t);
   e.add_request("r2", iota_tokens(1, 21), params_max_tokens(1));
   const StepBatch& b = e.schedule();  // preempts r1, frees 2 blocks, 1 stays free
   EXPECT_EQ(e.stats().num_preemptions, 1);
   EXPECT_EQ(b.num_seqs, 1);  // r2 would fit, but waits for the next step
   EXPECT_EQ(e.kv().gpu().num_free_blocks(), 1);
-  const std::vector<TokenId> s = fake_sample(e, b);
+  const std::vector<TokenId> s = m.run(b);
   record(e.update(s.data(), 1), t);
-  drain(e, t);
+  drain(e, m, t);
 }
 
 TEST(Scheduler, EachPreemptionIsLogged) {
@@ -403,10 +422,11 @@ TEST(Scheduler, EachPreemptionIsLogged) {
   c.num_blocks = 4;
   c.max_num_batched_tokens = 64;
   Engine e(c);
+  FakeModel m(e);
   e.add_request("r0", iota_tokens(8, 1), params_max_tokens(16));
   e.add_request("r1", iota_tokens(8, 11), params_max_tokens(16));
   Transcript t;
-  drain(e, t);
+  drain(e, m, t);
   set_log_sink(nullptr);
   ASSERT_EQ(static_cast<int64_t>(warnings.size()), e.stats().num_preemptions);
   ASSERT_FALSE(warnings.empty());
@@ -427,10 +447,11 @@ TEST(Scheduler, AThrowingLogSinkLeavesTheEngineIntact) {
   EngineConfig c = small_config();
   c.num_blocks = 3;
   Engine e(c);
+  FakeModel m(e);
   e.add_request("r0", iota_tokens(7, 1), params_max_tokens(9));
   e.add_request("r1", iota_tokens(7, 11), params_max_tokens(9));
   Transcript t;
-  EXPECT_NO_THROW(drain(e, t));
+  EXPECT_NO_THROW(drain(e, m, t));
   set_log_sink(nullptr);
   EXPECT_GT(e.stats().num_preemptions, 0);
   EXPECT_EQ(calls, e.stats().num_preemptions);
@@ -463,6 +484,7 @@ TEST_P(AbortAtStage, FreesEverythingAndLeavesOthersIntact) {
   // Stages before preemption get room; the preemption stages a pool of 7.
   c.num_blocks = (stage == kSwappedOut || stage == kPreemptedRecompute) ? 4 : 32;
   Engine e(c);
+  FakeModel m(e);
   Transcript t;
   // "other" arrives first, so it is never the preemption victim.
   e.add_request("other", iota_tokens(3, 100), params_max_tokens(24));
@@ -473,20 +495,20 @@ TEST_P(AbortAtStage, FreesEverythingAndLeavesOthersIntact) {
       break;
     case kMidPrefill:
     case kAwaitingFork:
-      fake_step(e, t);  // 3 tokens of other, 3 of victim
+      fake_step(e, m, t);  // 3 tokens of other, 3 of victim
       break;
     case kDecoding:
-      for (int i = 0; i < 5; ++i) fake_step(e, t);
+      for (int i = 0; i < 5; ++i) fake_step(e, m, t);
       break;
     case kSwappedOut:
     case kPreemptedRecompute:
       for (int i = 0; e.stats().num_preemptions == 0; ++i) {
         ASSERT_LT(i, 100);
-        fake_step(e, t);
+        fake_step(e, m, t);
       }
       break;
     case kForked:
-      for (int i = 0; i < 4; ++i) fake_step(e, t);
+      for (int i = 0; i < 4; ++i) fake_step(e, m, t);
       break;
   }
   const Sequence* v = find_live(e, victim);
@@ -526,7 +548,7 @@ TEST_P(AbortAtStage, FreesEverythingAndLeavesOthersIntact) {
   EXPECT_THROW(e.seq_token_ids(victim), NotFound);
   EXPECT_EQ(e.num_unfinished_requests(), 1);
   EXPECT_EQ(e.stats().num_free_cpu_blocks, c.num_cpu_blocks);
-  drain(e, t);
+  drain(e, m, t);
   EXPECT_EQ(t.outputs[0].size(), 24u);
   EXPECT_EQ(e.stats().num_free_blocks, c.num_blocks);
   EXPECT_EQ(e.stats().num_requests, 0);
@@ -536,6 +558,7 @@ INSTANTIATE_TEST_SUITE_P(Stages, AbortAtStage, ::testing::Range(0, 7));
 
 TEST(Scheduler, CallsOutOfOrderAreRejected) {
   Engine e(small_config());
+  FakeModel m(e);
   e.add_request("r", iota_tokens(3), params_max_tokens(2));
   EXPECT_THROW(e.update(static_cast<const TokenId*>(nullptr), 0), InvalidState);
   const StepBatch& b = e.schedule();
@@ -545,7 +568,7 @@ TEST(Scheduler, CallsOutOfOrderAreRejected) {
   EXPECT_THROW(e.fork(0), InvalidState);
   // Adding while a step is pending is fine: it only queues.
   e.add_request("late", iota_tokens(2), params_max_tokens(1));
-  const std::vector<TokenId> s = fake_sample(e, b);
+  const std::vector<TokenId> s = m.run(b);
   e.update(s.data(), static_cast<int32_t>(s.size()));
   e.check_invariants();
 }
