@@ -6,6 +6,7 @@ float32) Llama weights:
   (high-temperature) generation samples lies inside the support that vLLM's
   definition gives at that step; the same seed without the parameter samples
   outside it, so the check is not vacuous;
+- temperature: seeded samples of one step follow softmax(logits / T);
 - repetition_penalty: greedy tokens equal transformers' ``generate``;
 - frequency_penalty and presence_penalty (vLLM's meaning: over the output
   tokens only): greedy tokens equal a reference loop over transformers'
@@ -186,6 +187,24 @@ def test_sampled_tokens_lie_in_the_filters_support(name, filtered_runs, hf_model
             outside_without_filter += not support(logits, temperature, **kwargs)[unfiltered[step]]
     # Without the filter the same seed does sample outside the support.
     assert outside_without_filter >= 3, name
+
+
+def test_temperature_gives_the_sampled_distribution(llm, hf_model) -> None:
+    # n seeded samples of the first token per prompt: each of the most likely
+    # tokens comes up as often as softmax(logits / T) says, within 5 standard
+    # deviations. (Temperature ignored, or doubled, moves some count further.)
+    n = 200
+    prompts = make_prompts()
+    requests = [(p, SamplingParams(n=n, temperature=t, seed=21, max_tokens=1, ignore_eos=True))
+                for t in (0.5, 2.0) for p in prompts]
+    for (prompt, params), out in zip(requests, generate(llm, requests)):
+        counts = torch.bincount(torch.tensor([c.token_ids[0] for c in out.outputs]), minlength=VOCAB)
+        probs = (step_logits(hf_model, prompt, [0])[0] / params.temperature).softmax(-1)
+        for token in probs.topk(8).indices.tolist():
+            p = probs[token].item()
+            assert abs(counts[token].item() - n * p) <= 5 * (n * p * (1 - p)) ** 0.5, (
+                f"T={params.temperature}, prompt of {len(prompt)}: token {token} sampled "
+                f"{int(counts[token])} times, expected {n * p:.1f}")
 
 
 # ---- penalties ---------------------------------------------------------------------------
