@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException
 
 from ..outputs import CompletionOutput, RequestOutput
-from .async_engine import AsyncEngine, QueueFullError
+from .async_engine import AsyncEngine, EngineDeadError, QueueFullError
 from .metrics import Metrics
 from .protocol import (
     MAX_BODY_BYTES,
@@ -125,6 +125,8 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
                     gen = await engine.add(f"{request_id}-{i}", text, ids, params, add_special_tokens=special)
                 except QueueFullError as e:
                     raise APIError(429, str(e), "rate_limit_error", code="queue_full") from None
+                except EngineDeadError as e:
+                    raise APIError(503, str(e), "service_unavailable") from None
                 except ValueError as e:
                     raise engine_error(e, prompt_field, body) from None
                 gens.append((i, gen))

@@ -30,6 +30,11 @@ class QueueFullError(RuntimeError):
     """The server holds max_queue_len waiting requests already."""
 
 
+class EngineDeadError(RuntimeError):
+    """The engine thread has stopped (shut down, or died of an error): nothing
+    more is generated."""
+
+
 @dataclass
 class _Stream:
     loop: asyncio.AbstractEventLoop
@@ -52,6 +57,10 @@ class AsyncEngine:
         self._stop = threading.Event()
         self._pending = 0  # adds enqueued but not applied yet
         self._lock = threading.Lock()
+        # NOTE: set under _lock by the engine thread as it ends; an add checks it
+        # under the same lock, so every add either sees it or is queued before
+        # the thread's last drain of the commands (which answers it).
+        self._dead = False
         self.stats: dict[str, Any] = engine.stats()
         self.errors = 0
         self._thread = threading.Thread(target=self._run, name="pagedcore-engine", daemon=True)
@@ -73,15 +82,18 @@ class AsyncEngine:
         """Queues a request and returns, once the engine has accepted it, an async
         iterator of its delta outputs (closing it early aborts the request).
 
-        Raises ValueError (bad request) or QueueFullError (no room); a caller
-        that never iterates the result must :meth:`abort` the request itself.
+        Raises ValueError (bad request), QueueFullError (no room) or
+        EngineDeadError (the engine thread has stopped); a caller that never
+        iterates the result must :meth:`abort` the request itself.
         """
         if self.max_queue_len is not None and self.num_waiting() >= self.max_queue_len:
             raise QueueFullError(f"the server has {self.num_waiting()} requests waiting (max_queue_len {self.max_queue_len})")
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:
+            if self._dead:
+                raise EngineDeadError("the engine loop has stopped")
             self._pending += 1
-        self._commands.put(("add", request_id, prompt, prompt_token_ids, params, add_special_tokens, stream))
+            self._commands.put(("add", request_id, prompt, prompt_token_ids, params, add_special_tokens, stream))
         self._wake.set()
         try:
             verdict = await stream.queue.get()
@@ -110,7 +122,7 @@ class AsyncEngine:
                 self.abort(request_id)
 
     def alive(self) -> bool:
-        return self._thread.is_alive()
+        return self._thread.is_alive() and not self._dead
 
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
@@ -124,7 +136,10 @@ class AsyncEngine:
     # ---- engine thread -----------------------------------------------------------
 
     def _deliver(self, stream: _Stream, item: Any) -> None:
-        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+        try:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+        except RuntimeError:  # its event loop is closed: nobody is waiting any more
+            pass
 
     def _apply_commands(self) -> None:
         while True:
@@ -155,6 +170,14 @@ class AsyncEngine:
             self._deliver(self._streams.pop(request_id), RuntimeError(f"engine step failed: {error}"))
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException:  # noqa: BLE001 - the thread ends; its callers must hear of it
+            logger.exception("the engine loop died")
+        finally:
+            self._close()
+
+    def _loop(self) -> None:
         while not self._stop.is_set():
             try:
                 # NOTE: an abort (and rarely an add) first completes the step in
@@ -179,7 +202,26 @@ class AsyncEngine:
                     del self._streams[out.request_id]
                 self._deliver(stream, out)
             self.stats = self.engine.stats()
-        # Shutting down: whatever is still running is aborted.
+
+    def _close(self) -> None:
+        """Ends every caller's wait as the thread stops: the adds still queued and
+        the running streams get an error (their requests are aborted)."""
+        with self._lock:
+            self._dead = True
+        why = "server shutting down" if self._stop.is_set() else "the engine loop has stopped"
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if command[0] == "add":
+                with self._lock:
+                    self._pending -= 1
+                self._deliver(command[-1], EngineDeadError(why))
         for request_id in list(self._streams):
-            self.engine.abort(request_id)
-            self._deliver(self._streams.pop(request_id), RuntimeError("server shutting down"))
+            stream = self._streams.pop(request_id)
+            try:
+                self.engine.abort(request_id)
+            except Exception:  # noqa: BLE001 - a broken engine must not keep the others waiting
+                logger.exception("aborting %s failed", request_id)
+            self._deliver(stream, RuntimeError(why))
