@@ -388,6 +388,20 @@ def test_a_step_failing_mid_stream_sends_an_error_event_then_done(server, http, 
     assert again.status_code == 200
 
 
+def test_a_step_failing_under_a_non_streamed_request_is_500(server, http, caplog) -> None:
+    server.faults.arm(2, nan_logits)
+    with caplog.at_level("ERROR", logger="uvicorn.error"):
+        r = http.post("/v1/completions",
+                      json={"model": MODEL, "prompt": PROMPT, "max_tokens": 10, "ignore_eos": True})
+    assert r.status_code == 500
+    assert r.json() == {"error": {
+        "message": "generation failed: engine step failed: the model produced logits with nothing to sample (NaN?)",
+        "type": "internal_error", "param": None, "code": None}}
+    # A handled error: no traceback from the ASGI server, and the connection stays open.
+    assert [rec.getMessage() for rec in caplog.records if rec.name == "uvicorn.error"] == []
+    assert http.get("/health").status_code == 200
+
+
 # ---- the engine thread dies ------------------------------------------------------------------------
 
 

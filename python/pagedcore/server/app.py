@@ -152,6 +152,11 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
                 i, item = await return_queue.get()
                 if item is None:
                     remaining -= 1
+                elif isinstance(item, Exception):  # the engine step failed, or the engine stopped
+                    # NOTE: as an APIError it is a handled 500 (an error event, mid-stream);
+                    # anything else would reach the ASGI server, which logs a traceback
+                    # and drops the client's keep-alive connection.
+                    raise APIError(500, f"generation failed: {item}", "internal_error") from item
                 elif isinstance(item, BaseException):
                     raise item
                 else:
@@ -417,8 +422,8 @@ async def _guarded(events):
         async for chunk in events:
             yield chunk
     except Exception as e:  # noqa: BLE001 - reported to the client in OpenAI's shape
-        body = APIError(500, f"generation failed: {e}", "internal_error").body()
-        yield f"data: {json.dumps(body)}\n\n"
+        error = e if isinstance(e, APIError) else APIError(500, f"generation failed: {e}", "internal_error")
+        yield f"data: {json.dumps(error.body())}\n\n"
         yield "data: [DONE]\n\n"
 
 
