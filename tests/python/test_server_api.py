@@ -333,6 +333,7 @@ def test_chat_content_as_text_parts_is_the_joined_string(client, llm) -> None:
     ({"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}, ["input_audio"]),
     ({"type": "image_url", "image_url": {"url": "http://x/y.png"}}, ["image_url"]),
     ({"text": "no type"}, ["None"]),
+    ({"type": "text", "text": 5}, ["text", "5"]),
 ])
 def test_chat_content_part_that_is_not_text_is_refused(http, part, words) -> None:
     body = {"model": MODEL, "max_tokens": 2,

@@ -329,7 +329,11 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
                 for part in content:
                     if part.get("type") != "text":
                         raise APIError(400, f"unsupported content part type {part.get('type')!r}", param="messages")
-                    parts.append(str(part.get("text", "")))
+                    text = part.get("text")
+                    if not isinstance(text, str):  # (str() would send `None` or `5` to the model)
+                        raise APIError(400, f"a text content part needs a string `text`, got {text!r}",
+                                       param="messages")
+                    parts.append(text)
                 content = "".join(parts)
             messages.append({"role": m.role, "content": content or ""})
         try:
