@@ -8,12 +8,27 @@ loading a pickle runs arbitrary code.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
-from collections.abc import Iterator
+import threading
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from torch import nn
+
+from .model_path import hf_hub_cache_dir, resolve_model_path
+
+logger = logging.getLogger("pagedcore")
+
+__all__ = [
+    "build_uninitialized", "checkpoint_size", "hf_hub_cache_dir", "iter_safetensors", "load_config_json",
+    "load_model_config", "load_tokenizer", "load_tokenizer_in_background", "resolve_dtype",
+    "resolve_model_path", "with_load_progress",
+]
 
 SAFETENSORS_FILE = "model.safetensors"
 SAFETENSORS_INDEX_FILE = "model.safetensors.index.json"
@@ -79,6 +94,185 @@ def load_model_config(path: str) -> Any:
         raise ValueError(f"cannot read config.json of model path '{path}': {e}") from e
 
 
+def load_config_json(path: str) -> dict[str, Any]:
+    """Read ``config.json`` of a local model directory as a plain dict.
+
+    The fast path of start-up: no transformers import (its config machinery takes
+    seconds). :func:`pagedcore.models.model_spec_from_config` and
+    :func:`resolve_dtype` take the dict's :func:`~pagedcore.models.spec.config_from_json`
+    view, which gives what ``transformers.AutoConfig`` gives for the supported
+    architectures.
+
+    Raises
+    ------
+    ValueError
+        As :func:`load_model_config`, and when ``config.json`` is not a JSON object.
+
+    Examples
+    --------
+    >>> from pagedcore.default_model import default_model_path
+    >>> load_config_json(default_model_path())["num_hidden_layers"]
+    30
+    """
+    _check_model_dir(path)
+    pickled = _pickled_only_files(path)
+    if pickled:
+        raise ValueError(_pickle_refusal(path, pickled))
+    config_path = os.path.join(path, "config.json")
+    if not os.path.isfile(config_path):
+        raise ValueError(
+            f"model path '{path}' has no config.json; expected a Hugging Face model "
+            "directory (config.json + *.safetensors)"
+        )
+    try:
+        with open(config_path, encoding="utf-8") as f:
+            raw = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot read config.json of model path '{path}': {e}") from e
+    if not isinstance(raw, dict):
+        raise ValueError(f"config.json of model path '{path}' is not a JSON object")
+    return raw
+
+
+def load_tokenizer(path: str) -> Any:
+    """``transformers.AutoTokenizer.from_pretrained(path)``, without its AutoConfig.
+
+    AutoTokenizer reads the model's config only for its ``model_type``, name and
+    ``tokenizer_class``; building it through AutoConfig imports transformers'
+    config machinery (2 s on two cores). When ``tokenizer_config.json`` names its
+    tokenizer class and neither file asks for remote code (``auto_map``), the
+    config passed in is a bare ``PreTrainedConfig`` carrying those fields of
+    ``config.json``; otherwise AutoTokenizer runs unchanged.
+    """
+    from transformers import AutoTokenizer
+
+    config = _tokenizer_config_stand_in(path)
+    if config is None:
+        return AutoTokenizer.from_pretrained(path)
+    return AutoTokenizer.from_pretrained(path, config=config)
+
+
+def _tokenizer_config_stand_in(path: str) -> Any:
+    try:
+        with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+            model_config = json.load(f)
+        with open(os.path.join(path, "tokenizer_config.json"), encoding="utf-8") as f:
+            tokenizer_config = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if (not isinstance(model_config, dict) or not isinstance(tokenizer_config, dict)
+            or not model_config.get("model_type") or not tokenizer_config.get("tokenizer_class")
+            or "auto_map" in model_config or "auto_map" in tokenizer_config):
+        return None
+    from transformers.configuration_utils import PreTrainedConfig
+
+    config = PreTrainedConfig()
+    config.model_type = model_config["model_type"]
+    config._name_or_path = path  # what AutoConfig.from_pretrained(path) records
+    for key in ("model_name", "tokenizer_class"):
+        if key in model_config:
+            setattr(config, key, model_config[key])
+    return config
+
+
+class _Background:
+    """Runs ``fn()`` in a thread; :meth:`result` joins it and returns its value or
+    raises its exception."""
+
+    def __init__(self, fn: Callable[[], Any], name: str) -> None:
+        self._value: Any = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(fn,), name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self, fn: Callable[[], Any]) -> None:
+        try:
+            self._value = fn()
+        except BaseException as e:  # re-raised in the caller's thread
+            self._error = e
+
+    def result(self) -> Any:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
+def load_tokenizer_in_background(path: str) -> _Background:
+    """Start :func:`load_tokenizer` in a thread (it is mostly Python: JSON and
+    imports, while loading weights is mostly torch copies that release the GIL,
+    so the two overlap); ``.result()`` returns the tokenizer."""
+    return _Background(lambda: load_tokenizer(path), name="pagedcore-tokenizer")
+
+
+# torch.nn.init's in-place initialisers, which modules' reset_parameters call.
+_INIT_FUNCTIONS = (
+    "uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_", "eye_", "dirac_",
+    "xavier_uniform_", "xavier_normal_", "kaiming_uniform_", "kaiming_normal_", "orthogonal_", "sparse_",
+)
+
+
+@contextlib.contextmanager
+def _uninitialized_parameters(dtype: torch.dtype, device: torch.device) -> Iterator[None]:
+    # NOTE: while this is active, in the constructing thread only, every parameter
+    # a module registers is replaced by an uninitialised torch.empty of its shape
+    # in `dtype` on `device`, and torch.nn.init's initialisers leave tensors
+    # untouched; buffers (the rotary inv_freq, any cos/sin table) are computed
+    # for real as the model's __init__ says. Not the meta device: the first
+    # normal_ on a meta tensor imports torch._dynamo (3 s).
+    register = nn.Module.register_parameter
+    originals = {name: getattr(nn.init, name) for name in _INIT_FUNCTIONS}
+    owner = threading.get_ident()
+
+    def empty_parameter(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and threading.get_ident() == owner:
+            kind = dtype if param.is_floating_point() else param.dtype
+            param = nn.Parameter(torch.empty(param.shape, dtype=kind, device=device),
+                                 requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    def skipped(original: Callable[..., Any]) -> Callable[..., Any]:
+        def init(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            return tensor if threading.get_ident() == owner else original(tensor, *args, **kwargs)
+        return init
+
+    nn.Module.register_parameter = empty_parameter  # type: ignore[method-assign]
+    for name, original in originals.items():
+        setattr(nn.init, name, skipped(original))
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register  # type: ignore[method-assign]
+        for name, original in originals.items():
+            setattr(nn.init, name, original)
+
+
+def build_uninitialized(
+    factory: Callable[[], nn.Module], dtype: torch.dtype, device: str | torch.device
+) -> nn.Module:
+    """Build a model whose parameters are allocated but not initialised.
+
+    Every parameter that ``factory()`` registers is allocated with ``torch.empty``
+    in ``dtype`` (floating ones) on ``device``, and ``torch.nn.init``'s
+    initialisers do nothing meanwhile: drawing the random initial weights of a
+    135M model that loading overwrites anyway costs a second on two cores.
+    Buffers are computed by ``factory`` as usual, then moved (and cast, floating
+    ones) as ``Module.to(device, dtype)`` does.
+
+    The caller must fill every parameter: :meth:`CausalLM.load_weights` raises
+    when the checkpoint misses one, :meth:`CausalLM.init_dummy_weights` draws them all.
+
+    Examples
+    --------
+    >>> model = build_uninitialized(lambda: CausalLM(spec), torch.bfloat16, "cpu")   # doctest: +SKIP
+    >>> model.load_weights(iter_safetensors(path, dtype=torch.bfloat16))             # doctest: +SKIP
+    """
+    device = torch.device(device)
+    with _uninitialized_parameters(dtype, device):
+        model = factory()
+    return model.to(device=device, dtype=dtype)
+
+
 def iter_safetensors(
     path: str,
     dtype: torch.dtype | None = None,
@@ -135,6 +329,58 @@ def iter_safetensors(
     # checkpoint fails at the call and never after part of a model was loaded.
     plan = _checkpoint_plan(path)
     return _iter_plan(plan, dtype, str(device) if isinstance(device, torch.device) else device)
+
+
+def checkpoint_size(path: str) -> tuple[int, int]:
+    """(bytes of the safetensors files, number of tensors) of a local model
+    directory; (0, 0) where it cannot tell (iter_safetensors explains why)."""
+    from safetensors import safe_open
+
+    index_path = os.path.join(path, SAFETENSORS_INDEX_FILE)
+    try:
+        if os.path.isfile(index_path):
+            with open(index_path) as f:
+                weight_map = json.load(f)["weight_map"]
+            files = {os.path.join(path, s) for s in weight_map.values()}
+            return sum(os.path.getsize(f) for f in files), len(weight_map)
+        single = os.path.join(path, SAFETENSORS_FILE)
+        with safe_open(single, framework="pt") as f:  # reads the header only
+            count = len(f.keys())
+        return os.path.getsize(single), count
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return 0, 0
+
+
+# Checkpoints at least this large show a progress bar while they load.
+PROGRESS_BAR_BYTES = 1 << 30
+
+
+def with_load_progress(
+    weights: Iterator[tuple[str, torch.Tensor]], path: str, desc: str = "Loading weights"
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Pass ``weights`` (those of the checkpoint at ``path``) through, showing
+    progress: a tqdm bar over its tensors when the checkpoint has
+    :data:`PROGRESS_BAR_BYTES` or more, and, at the end, an INFO line with the
+    bytes loaded, the time and the rate."""
+    nbytes, count = checkpoint_size(path)
+    bar = None
+    if nbytes >= PROGRESS_BAR_BYTES and count:
+        from tqdm import tqdm
+
+        bar = tqdm(total=count, desc=desc, unit="tensor", dynamic_ncols=True)
+    start, done = time.perf_counter(), 0
+    try:
+        for name, tensor in weights:
+            yield name, tensor
+            done += tensor.numel() * tensor.element_size()
+            if bar is not None:
+                bar.update(1)
+    finally:
+        if bar is not None:
+            bar.close()
+    elapsed = time.perf_counter() - start
+    logger.info("loaded %.2f GiB of weights in %.2f s (%.2f GiB/s)", done / 2**30, elapsed,
+                done / 2**30 / max(elapsed, 1e-9))
 
 
 def resolve_dtype(

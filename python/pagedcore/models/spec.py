@@ -8,7 +8,9 @@ q/k/v, q/k norms, rotary scaling, sliding window, tied embeddings.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -118,8 +120,107 @@ def _sliding_window(config: Any) -> int:
     return int(window)
 
 
+# What the transformers (5.x) config class of each architecture puts in place of a
+# field that config.json leaves out. NOTE: model_spec_from_config on a plain
+# config.json dict must give exactly the spec that transformers' AutoConfig gives
+# (tests/python/test_config_json.py checks it field by field): a default that
+# differs here silently changes the model (Qwen3's head_dim is 128, not
+# hidden_size // num_heads; Mistral's sliding_window is 4096, not none).
+_LLAMA_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+    "num_attention_heads": 32, "num_key_value_heads": None, "hidden_act": "silu",
+    "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "bos_token_id": 1, "eos_token_id": 2,
+    "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False, "head_dim": None,
+}
+_QWEN_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016, "num_hidden_layers": 32,
+    "num_attention_heads": 32, "num_key_value_heads": 32, "hidden_act": "silu",
+    "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+    "use_sliding_window": False, "sliding_window": 4096, "max_window_layers": 28, "layer_types": None,
+    "bos_token_id": None, "eos_token_id": None,
+}
+CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
+    "LlamaForCausalLM": _LLAMA_DEFAULTS,
+    "MistralForCausalLM": {
+        **{k: v for k, v in _LLAMA_DEFAULTS.items() if k not in ("attention_bias", "mlp_bias")},
+        "intermediate_size": 14336, "num_key_value_heads": 8, "max_position_embeddings": 4096 * 32,
+        "sliding_window": 4096,
+    },
+    "Qwen2ForCausalLM": _QWEN_DEFAULTS,
+    "Qwen3ForCausalLM": {**_QWEN_DEFAULTS, "head_dim": 128, "attention_bias": False},
+}
+_DEFAULT_ROPE_THETA = 10000.0
+# transformers' names for layer kinds written by older versions.
+_LEGACY_LAYER_TYPES = {"attention": "full_attention"}
+
+
+def config_from_json(raw: Mapping[str, Any]) -> SimpleNamespace:
+    """The attributes transformers' config class would have for a config.json dict.
+
+    Fills what the file leaves out with the class defaults of its architecture and
+    applies the normalisations of the class (``head_dim`` and
+    ``num_key_value_heads`` from the head count, Qwen's ``use_sliding_window`` and
+    ``layer_types``, rotary parameters gathered into ``rope_parameters`` with
+    ``rope_theta`` and ``rope_type``, ``torch_dtype`` read as ``dtype``), without
+    importing transformers (its config machinery takes seconds to import).
+    Fields of an architecture pagedcore does not support are taken as they are.
+
+    Parameters
+    ----------
+    raw : Mapping[str, Any]
+        The parsed ``config.json``.
+
+    Returns
+    -------
+    types.SimpleNamespace
+        One attribute per field, for :func:`model_spec_from_config` and
+        :func:`pagedcore.model_loader.resolve_dtype`.
+    """
+    architectures = list(raw.get("architectures") or [])
+    arch = next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
+    values = {**CONFIG_DEFAULTS.get(arch, {}), **raw}
+    if arch is None:
+        return SimpleNamespace(**values)
+    if values.get("head_dim") is None and arch in ("LlamaForCausalLM", "MistralForCausalLM"):
+        values["head_dim"] = values["hidden_size"] // values["num_attention_heads"]
+    if values.get("num_key_value_heads") is None:
+        values["num_key_value_heads"] = values["num_attention_heads"]
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        if not values["use_sliding_window"]:
+            values["sliding_window"] = None
+        if values["layer_types"] is None:
+            values["layer_types"] = [
+                "sliding_attention" if values["sliding_window"] is not None and i >= values["max_window_layers"]
+                else "full_attention"
+                for i in range(values["num_hidden_layers"])
+            ]
+    if values.get("layer_types") is not None:
+        values["layer_types"] = [_LEGACY_LAYER_TYPES.get(t, t) for t in values["layer_types"]]
+    values["rope_parameters"] = _standard_rope_parameters(values)
+    values["dtype"] = values.get("dtype") or values.get("torch_dtype")
+    return SimpleNamespace(**values)
+
+
+def _standard_rope_parameters(values: dict[str, Any]) -> dict[str, Any]:
+    # As transformers' RotaryEmbeddingConfigMixin: rope_scaling (the classic key)
+    # wins over rope_parameters; rope_theta and partial_rotary_factor are moved in;
+    # scaled types get original_max_position_embeddings.
+    params = dict(values.get("rope_scaling") or values.get("rope_parameters") or {})
+    params.setdefault("rope_theta", values.get("rope_theta", _DEFAULT_ROPE_THETA))
+    if values.get("partial_rotary_factor") is not None:
+        params.setdefault("partial_rotary_factor", values["partial_rotary_factor"])
+    params.setdefault("rope_type", params.get("type", "default"))
+    if params["rope_type"] in ("llama3", "yarn", "longrope"):
+        if "original_max_position_embeddings" in values:
+            params["original_max_position_embeddings"] = values["original_max_position_embeddings"]
+        else:
+            params.setdefault("original_max_position_embeddings", values.get("max_position_embeddings"))
+    return params
+
+
 def model_spec_from_config(config: Any) -> ModelSpec:
-    """Reads a ``transformers`` config into a :class:`ModelSpec`.
+    """Reads a ``transformers`` config, or a parsed ``config.json`` dict (through
+    :func:`config_from_json`), into a :class:`ModelSpec`.
 
     Raises
     ------
@@ -127,6 +228,8 @@ def model_spec_from_config(config: Any) -> ModelSpec:
         For an architecture outside :data:`SUPPORTED_ARCHITECTURES` (the message
         names the supported ones) or an unsupported rotary scaling.
     """
+    if isinstance(config, Mapping):
+        config = config_from_json(config)
     architectures = list(getattr(config, "architectures", None) or [])
     arch = next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
     if arch is None:
