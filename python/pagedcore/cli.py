@@ -9,11 +9,23 @@ import sys
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from .llm import LLM
+    # NOTE: every argument is checked before torch and the model load (seconds):
+    # a bad flag is refused at once.
     from .sampling_params import SamplingParams
 
-    llm = LLM(model=args.model, max_model_len=args.max_model_len, seed=args.seed)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens, seed=args.seed)
+    if args.max_model_len is not None and args.max_model_len < 1:
+        raise ValueError(f"--max-model-len must be a positive integer, got {args.max_model_len}")
+    if args.model is not None:
+        import os
+
+        if not os.path.isdir(args.model):
+            from .model_path import resolve_model_path
+
+            resolve_model_path(args.model)  # a cached hub id, or a clear refusal
+    from .llm import LLM
+
+    llm = LLM(model=args.model, max_model_len=args.max_model_len, seed=args.seed)
     if args.chat:
         outputs = llm.chat([{"role": "user", "content": args.prompt}], params, use_tqdm=False)
     else:
@@ -105,8 +117,10 @@ def main(argv: list[str] | None = None) -> int:
                      help="seconds SIGTERM waits for in-flight requests")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    if args.command == "serve":
-        logging.getLogger("pagedcore").setLevel(min(logging.INFO, logging.getLogger().level))
+    # The start-up lines the README shows (# KV cache blocks, the cache size, the
+    # weights loaded) are INFO: the pagedcore logger gets INFO, or what --log-level
+    # asks for when that is more verbose (DEBUG: the time of each start-up phase).
+    logging.getLogger("pagedcore").setLevel(min(logging.INFO, logging.getLogger().level))
     try:
         if args.command == "serve":
             return _serve(args)

@@ -168,8 +168,11 @@ def _ensure_converted(gguf_path: str, models_dir: str, name: str) -> tuple[str, 
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         _fsync_dir(models_dir)
+        elapsed = time.perf_counter() - start
+        size = os.path.getsize(os.path.join(final, "model.safetensors"))
         logger.info(
-            "converted %s in %.1f s", os.path.basename(gguf_path), time.perf_counter() - start
+            "converted %s in %.1f s (%.0f MiB of float32 weights, %.0f MiB/s)",
+            os.path.basename(gguf_path), elapsed, size / 2**20, size / 2**20 / max(elapsed, 1e-9),
         )
         return final, True
     finally:
@@ -400,8 +403,12 @@ def _llama_state_dict(
         "mlp.down_proj": (hidden, ffn),
     }
 
+    from tqdm import tqdm
+
     state_dict: dict[str, np.ndarray] = {}
-    for tensor in reader.tensors:
+    # The one-time conversion takes seconds: show it progress (tensors dequantized).
+    for tensor in tqdm(reader.tensors, desc="Converting the default model (once)", unit="tensor",
+                       dynamic_ncols=True):
         hf_name = _hf_tensor_name(tensor.name, num_layers, gguf_path)
         # NOTE: GGUF lists dimensions fastest-varying first (ne[0] = row length),
         # the reverse of torch's order: a [out, in] Linear weight is stored as

@@ -154,7 +154,7 @@ class LLM:
         sampling_params
             One for all prompts, or one per prompt; default ``SamplingParams()``.
         use_tqdm
-            Show a progress bar.
+            Show a progress bar (when there is more than one prompt).
 
         Returns
         -------
@@ -251,7 +251,9 @@ class LLM:
                 engine.abort(request_id)
             raise
         bar = None
-        if use_tqdm:
+        # NOTE: no bar for a single prompt (one chat turn): it would only flash
+        # 0/1 -> 1/1 over the reply.
+        if use_tqdm and len(ids) > 1:
             from tqdm import tqdm
 
             bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
