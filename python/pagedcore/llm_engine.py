@@ -28,7 +28,7 @@ from .model_loader import iter_safetensors, load_model_config, resolve_dtype
 from .model_runner import ModelRunner, kv_bytes_per_block, kv_cache_size_line, profile_peak_memory
 from .models import CausalLM, ModelSpec, model_spec_from_config
 from .outputs import CompletionOutput, Logprob, RequestOutput
-from .sampler import Sampler, SamplerOutput, SamplingMetadata
+from .sampler import HostSamplerOutput, Sampler, SamplerOutput, SamplingMetadata, pack_for_host, unpack_on_host
 from .sampling_params import SamplingParams
 
 logger = logging.getLogger("pagedcore")
@@ -163,8 +163,57 @@ class _StepOutputs:
     token_ids: list[int]
     finish_reasons: list[int]
     stop_reasons: list[int]
-    sampled_logprobs: list[float]
+    sampled_logprobs: list[float] | None  # None: no request of the step wants logprobs
     top: tuple[list, list, list] | None  # logprob token ids, logprobs, ranks
+
+
+class _HostCopy:
+    """One step's sampler output on its way to the host (see :class:`_HostCopies`)."""
+
+    def __init__(self, host: torch.Tensor, event: torch.cuda.Event | None, like: SamplerOutput) -> None:
+        self._host, self._event, self._like = host, event, like
+
+    def wait(self) -> HostSamplerOutput:
+        """Waits for the copy (CUDA) and unpacks it; the buffer is free again afterwards."""
+        if self._event is not None:
+            self._event.synchronize()
+        return unpack_on_host(self._host, self._like)
+
+
+class _HostCopies:
+    """Brings each step's sampler output to the host in one copy.
+
+    On CUDA the output is packed on the device (:func:`pack_for_host`: tokens,
+    sampled logprobs and, when asked for, the top-k ids, logprobs and ranks), copied
+    without blocking into a pinned buffer, and an event is recorded behind the copy;
+    the host waits on that event alone, instead of one synchronising ``.cpu()`` per
+    field. On the CPU the packed tensor is read where it is (no pinning, no copy).
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self._cuda = device.type == "cuda"
+        # NOTE: two buffers, used in turn, each with its event: a step's copy never
+        # lands in the buffer the host read last, so nothing the host may still be
+        # unpacking is overwritten (today at most one step is in flight and it is
+        # read before the next launch; the second buffer keeps that from mattering).
+        self._buffers: list[torch.Tensor | None] = [None, None]
+        self._events = [torch.cuda.Event(), torch.cuda.Event()] if self._cuda else []
+        self._next = 0
+
+    def launch(self, out: SamplerOutput) -> _HostCopy:
+        packed = pack_for_host(out)
+        if not self._cuda:
+            return _HostCopy(packed, None, out)
+        i, self._next = self._next, 1 - self._next
+        size = packed.numel()
+        buffer = self._buffers[i]
+        if buffer is None or buffer.numel() < size:  # grown rarely: reused across steps
+            old = 0 if buffer is None else buffer.numel()
+            buffer = self._buffers[i] = torch.empty(max(size, 2 * old), dtype=torch.float64, pin_memory=True)
+        host = buffer[:size]
+        host.copy_(packed, non_blocking=True)
+        self._events[i].record()
+        return _HostCopy(host, self._events[i], out)
 
 
 class _SlotArrays:
@@ -241,6 +290,7 @@ class LLMEngine:
         self.engine = _C.Engine(engine_config)
         self.runner = ModelRunner(self.model, engine_config, self.device, self.kv_dtype, args.enforce_eager)
         self.sampler = Sampler()
+        self._host_copies = _HostCopies(self.device)
         self._slots = _SlotArrays()
         self._requests: dict[str, _Request] = {}
         self._seq_owner: dict[int, tuple[_Request, int]] = {}
@@ -251,7 +301,7 @@ class LLMEngine:
         # turns step n's tokens into outputs (see step()).
         self._async_output = (self.device.type == "cuda" if args.async_output_proc is None
                               else args.async_output_proc)
-        self._inflight: tuple[_C.StepBatch, SamplerOutput | None] | None = None
+        self._inflight: tuple[_C.StepBatch, _HostCopy | None] | None = None
         self._pending: _StepOutputs | None = None
         # Sequences a stop string finished while a step holding them was in flight:
         # the engine finishes them once that step is updated (its token is dropped).
@@ -522,7 +572,10 @@ class LLMEngine:
             logits = self.runner.execute(batch)
             # NOTE: before the sampling metadata, whose penalties count the outputs so far.
             outputs = self._process_pending(step_pending=True)
-            sampled = self.sampler(logits, self._sampling_metadata(batch)) if batch.num_samples else None
+            sampled = None
+            if batch.num_samples:
+                # One copy of everything the host needs, waited for in _complete_inflight.
+                sampled = self._host_copies.launch(self.sampler(logits, self._sampling_metadata(batch)))
         except BaseException:
             self._fail_step(batch.num_samples)
             raise
@@ -548,16 +601,12 @@ class LLMEngine:
         self._inflight = None
         try:
             if sampled is not None:
-                token_ids = sampled.sampled_token_ids.to(torch.int32).cpu().numpy()
+                host = sampled.wait()
+                token_ids, sampled_lp, top = host.token_ids, host.sampled_logprobs, host.top
                 if (token_ids < 0).any():  # the sampler's mark of NaN / all -inf logits
                     raise RuntimeError("the model produced logits with nothing to sample (NaN?)")
-                sampled_lp = sampled.sampled_logprobs.cpu().tolist()
-                top = None
-                if sampled.logprobs is not None:
-                    top = (sampled.logprob_token_ids.cpu().tolist(), sampled.logprobs.cpu().tolist(),
-                           sampled.sampled_rank.cpu().tolist())
             else:
-                token_ids, sampled_lp, top = np.empty(0, dtype=np.int32), [], None
+                token_ids, sampled_lp, top = np.empty(0, dtype=np.int32), None, None
         except BaseException:
             self._fail_step(batch.num_samples)
             raise
@@ -626,10 +675,11 @@ class LLMEngine:
         # computes ranks only along a top-k of at least 1.
         num_logprobs = int(s.num_logprobs[slots].max())
         num_logprobs = max(num_logprobs, 1) if num_logprobs >= 0 else 0
+        host_top_k, host_top_p = torch.from_numpy(top_k), torch.from_numpy(top_p)
         md = SamplingMetadata(
             temperature=self._to_device(torch.from_numpy(temperature)),
-            top_k=self._to_device(torch.from_numpy(top_k)),
-            top_p=self._to_device(torch.from_numpy(top_p)),
+            top_k=self._to_device(host_top_k),
+            top_p=self._to_device(host_top_p),
             min_p=self._to_device(torch.from_numpy(min_p)),
             all_greedy=bool((temperature == 0).all()),
             all_random=bool((temperature != 0).all()),
@@ -637,7 +687,13 @@ class LLMEngine:
             no_top_p=bool((top_p >= 1).all()),
             no_min_p=bool((min_p == 0).all()),
             generators=self._row_generators(batch, slots),
+            host_top_k=host_top_k,
+            host_top_p=host_top_p,
             num_logprobs=num_logprobs,
+            # NOTE: the sampled tokens' logprobs feed logprobs and cumulative_logprob,
+            # which only requests with logprobs report (vLLM); without one in the step
+            # the sampler skips the raw log_softmax.
+            need_sampled_logprobs=num_logprobs > 0,
         )
         self._add_min_tokens(md, batch, slots)
         self._add_penalties(md, batch, slots)
@@ -743,7 +799,8 @@ class LLMEngine:
                 streamed[request.request_id] = request
             token = tokens[k]
             c.token_ids.append(token)
-            c.cumulative_logprob += sampled_lp[k]
+            if sampled_lp is not None:  # (None: no request of the step reports logprobs)
+                c.cumulative_logprob += sampled_lp[k]
             if c.logprobs is not None:
                 c.logprobs.append(self._logprob_entry(request, k, token, sampled_lp[k], top))
             reason = _FINISH.get(reasons[k])

@@ -15,6 +15,16 @@ per row. The order of operations is vLLM v1's:
 Everything is batched over rows; the only Python loop is over the seeded rows
 (one ``exponential_`` per seeded row), and nothing reads a device value back to
 the host. See :class:`Sampler` for the guarantees on ties and -inf rows.
+
+What a step costs follows what its rows ask for: a batch of greedy rows takes
+one max over the vocabulary (plus the raw ``log_softmax`` only when a row
+wants logprobs); top-k is a ``torch.topk`` of the batch's largest k, and
+top-p a search over those candidates when the row also has a top-k; only
+rows with top-p and no top-k sort their whole vocabulary. The host-side
+copies of top_k/top_p in :class:`SamplingMetadata` let the sampler choose
+without reading the device. :func:`pack_for_host` and :func:`unpack_on_host`
+put a step's results into one float64 buffer, so that the host needs one
+copy per step.
 """
 
 from __future__ import annotations
@@ -22,12 +32,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from .sampling_params import _SAMPLING_EPS, SamplingParams
 
 __all__ = [
+    "HostSamplerOutput",
     "Sampler",
     "SamplerOutput",
     "SamplingMetadata",
@@ -35,7 +47,9 @@ __all__ = [
     "apply_min_p",
     "apply_penalties",
     "apply_top_k_top_p",
+    "pack_for_host",
     "token_bin_counts",
+    "unpack_on_host",
 ]
 
 # NOTE: top_p is compared with float32 cumulative sums of float32 softmax
@@ -82,8 +96,20 @@ class SamplingMetadata:
         Row -> generator (on the logits' device) for seeded rows; the other
         rows use the global RNG. The caller owns the generators and keeps
         them across steps (one per seeded sequence).
+    host_top_k, host_top_p : Tensor or None
+        ``[S]`` on the host (CPU tensors): the same values as ``top_k`` and
+        ``top_p``. Optional; with them the sampler picks the cheapest exact
+        method per row without reading the device (``torch.topk`` of the
+        largest k; a full sort only for rows with top-p and no top-k). None:
+        every row that uses top-k or top-p sorts its vocabulary.
     num_logprobs : int
         Top-K log-probabilities to return, the max over rows; 0 = none.
+    need_sampled_logprobs : bool
+        Host-side: whether ``sampled_logprobs`` is wanted when
+        ``num_logprobs`` is 0. False saves the raw ``log_softmax`` pass over
+        ``[S, V]`` (the engine asks for it only when a request wants
+        logprobs: ``cumulative_logprob`` is reported only then, as in vLLM);
+        the output's ``sampled_logprobs`` is then None.
     penalty_rows : Tensor or None
         ``[P]`` int64: the rows (indices into S) that use penalties; None when
         no row does (then the four tensors below are None too).
@@ -109,7 +135,10 @@ class SamplingMetadata:
     no_top_p: bool
     no_min_p: bool
     generators: dict[int, torch.Generator] = field(default_factory=dict)
+    host_top_k: Tensor | None = None
+    host_top_p: Tensor | None = None
     num_logprobs: int = 0
+    need_sampled_logprobs: bool = True
     penalty_rows: Tensor | None = None
     presence_penalty: Tensor | None = None
     frequency_penalty: Tensor | None = None
@@ -189,10 +218,12 @@ class SamplingMetadata:
         def floats(values: list[float]) -> Tensor:
             return torch.tensor(values, dtype=torch.float32, device=device)
 
+        host_top_k = torch.tensor([p.top_k for p in params], dtype=torch.int64)
+        host_top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
         md = cls(
             temperature=floats([0.0 if g else p.temperature for p, g in zip(params, greedy)]),
-            top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device),
-            top_p=floats([p.top_p for p in params]),
+            top_k=host_top_k.to(device),
+            top_p=host_top_p.to(device),
             min_p=floats([p.min_p for p in params]),
             all_greedy=all(greedy),
             all_random=not any(greedy),
@@ -200,6 +231,8 @@ class SamplingMetadata:
             no_top_p=all(p.top_p >= 1.0 for p in params),
             no_min_p=all(p.min_p == 0.0 for p in params),
             generators=generators,
+            host_top_k=host_top_k,
+            host_top_p=host_top_p,
             num_logprobs=max((p.logprobs or 0 for p in params), default=0),
         )
 
@@ -285,11 +318,12 @@ class SamplerOutput:
         ``[S]`` int64. -1 for a row that has no sampleable token (every logit
         -inf after blocking and penalties) or a nan logit; the caller must
         finish such a request rather than pass -1 to the engine.
-    sampled_logprobs : Tensor
+    sampled_logprobs : Tensor or None
         ``[S]`` float32: log-prob of the sampled token under
         ``log_softmax`` of the raw logits (before blocking, penalties,
         temperature and truncation; vLLM v1's "raw_logprobs"). -inf for a
-        -1 row.
+        -1 row. None when the metadata asked for none
+        (``need_sampled_logprobs`` False and ``num_logprobs`` 0).
     logprob_token_ids : Tensor or None
         ``[S, K]`` int64, ``K = num_logprobs``: the K most likely tokens of
         the raw distribution, most likely first. None when K == 0.
@@ -303,7 +337,7 @@ class SamplerOutput:
     """
 
     sampled_token_ids: Tensor
-    sampled_logprobs: Tensor
+    sampled_logprobs: Tensor | None
     logprob_token_ids: Tensor | None = None
     logprobs: Tensor | None = None
     sampled_rank: Tensor | None = None
@@ -404,7 +438,9 @@ def apply_min_p(logits: Tensor, min_p: Tensor) -> Tensor:
     return logits.masked_fill_(logits < cutoff, float("-inf"))
 
 
-def apply_top_k_top_p(logits: Tensor, top_k: Tensor | None, top_p: Tensor | None) -> Tensor:
+def apply_top_k_top_p(logits: Tensor, top_k: Tensor | None, top_p: Tensor | None, *,
+                      host_top_k: Tensor | None = None,
+                      host_top_p: Tensor | None = None) -> Tensor:
     """Keeps the ``top_k`` most likely tokens, then the smallest set of those
     whose probability reaches ``top_p``; masks the rest to -inf, in place.
 
@@ -423,6 +459,13 @@ def apply_top_k_top_p(logits: Tensor, top_k: Tensor | None, top_p: Tensor | None
         ``[S]`` integer; 0 (or >= V) = off for that row; None = off for all.
     top_p : Tensor or None
         ``[S]`` float32; 1 = off for that row; None = off for all.
+    host_top_k, host_top_p : Tensor or None
+        The same values on the host (CPU tensors; a None argument above
+        needs none here). With them the cuts come from ``torch.topk`` of the
+        batch's largest k, and only rows with top_p and no top_k sort their
+        whole row; without them every row is sorted. The kept sets are the
+        same either way (up to float rounding of the cumulative sums, which
+        the 1e-6 tolerance absorbs).
 
     Returns
     -------
@@ -437,6 +480,16 @@ def apply_top_k_top_p(logits: Tensor, top_k: Tensor | None, top_p: Tensor | None
     """
     if top_k is None and top_p is None:
         return logits
+    hints = (host_top_k is not None or top_k is None) and (host_top_p is not None or top_p is None)
+    if hints:
+        threshold = _planned_thresholds(logits, top_k, top_p, host_top_k, host_top_p)
+    else:
+        threshold = _sorted_thresholds(logits, top_k, top_p)
+    return logits.masked_fill_(logits < threshold, float("-inf"))
+
+
+def _sorted_thresholds(logits: Tensor, top_k: Tensor | None, top_p: Tensor | None) -> Tensor:
+    """``[S, 1]``: the smallest kept value per row, from a full sort of each row."""
     vocab_size = logits.shape[-1]
     sorted_logits = logits.sort(dim=-1, descending=True).values
     threshold = None
@@ -460,7 +513,87 @@ def apply_top_k_top_p(logits: Tensor, top_k: Tensor | None, top_p: Tensor | None
         # sum rounds to 1 before the end.
         p_threshold.masked_fill_((top_p >= 1.0).unsqueeze(1), float("-inf"))
         threshold = p_threshold if threshold is None else torch.maximum(threshold, p_threshold)
-    return logits.masked_fill_(logits < threshold, float("-inf"))
+    return threshold
+
+
+def _planned_thresholds(logits: Tensor, top_k: Tensor | None, top_p: Tensor | None,
+                        host_top_k: Tensor | None, host_top_p: Tensor | None) -> Tensor:
+    """``[S, 1]``: the same thresholds as :func:`_sorted_thresholds`, sorting
+    only the rows with top_p and no top_k.
+
+    Rows with a top_k take ``torch.topk`` of the batch's largest k: the
+    k-th value is the k-th of a full sort. Their top_p (if any) needs only
+    those candidates: the renormalized distribution after top_k holds the
+    candidates down to the k-th value plus the tokens tied with it that
+    topk left out (counted over the row), which all have the k-th value; so
+    if the candidates' cumulative mass does not reach top_p, the cut falls
+    among those ties and the top_k threshold stands.
+    """
+    num_rows, vocab_size = logits.shape
+    neg_inf = float("-inf")
+    # The plan, from host values only (no device read).
+    if top_k is not None:
+        hk = host_top_k.long()
+        host_k_on = (hk > 0) & (hk < vocab_size)
+    else:
+        host_k_on = torch.zeros(num_rows, dtype=torch.bool)
+    host_p_on = host_top_p < 1.0 if top_p is not None else torch.zeros(num_rows, dtype=torch.bool)
+    max_k = int(host_top_k.long()[host_k_on].max()) if bool(host_k_on.any()) else 0
+    num_sorted = int((host_p_on & ~host_k_on).sum())
+    p_with_k = bool((host_p_on & host_k_on).any())
+
+    threshold = logits.new_full((num_rows, 1), neg_inf)
+    if max_k > 0:
+        k = top_k.long()
+        k_on = ((k > 0) & (k < vocab_size)).unsqueeze(1)
+        candidates = logits.topk(max_k, dim=-1).values  # [S, max_k], descending
+        k_threshold = candidates.gather(1, (k.clamp(1, max_k) - 1).unsqueeze(1))
+        threshold = k_threshold.masked_fill_(~k_on, neg_inf)
+        if p_with_k:
+            p_threshold = _top_p_over_candidates(logits, candidates, threshold, top_p)
+            p_threshold.masked_fill_(~k_on, neg_inf)  # rows without top_k: sorted below
+            threshold = torch.maximum(threshold, p_threshold)
+    if num_sorted > 0:
+        sort_rows = (top_p < 1.0).unsqueeze(1)
+        if top_k is not None:
+            k = top_k.long()
+            sort_rows &= ((k <= 0) | (k >= vocab_size)).unsqueeze(1)
+        if num_sorted == num_rows:
+            threshold = _sorted_thresholds(logits, None, top_p)
+        else:
+            # The rows to sort, in order, found on the device: a stable sort of
+            # the [S] mask puts them first (their number is known on the host).
+            rows = torch.sort(sort_rows.squeeze(1).to(torch.int8), descending=True,
+                              stable=True).indices[:num_sorted]
+            sorted_part = _sorted_thresholds(logits.index_select(0, rows), None,
+                                             top_p.index_select(0, rows))
+            threshold = threshold.index_copy_(0, rows, sorted_part)
+    return threshold
+
+
+def _top_p_over_candidates(logits: Tensor, candidates: Tensor, k_threshold: Tensor,
+                           top_p: Tensor) -> Tensor:
+    """``[S, 1]`` top_p threshold of rows with a top_k, from the top-k
+    candidates (see :func:`_planned_thresholds`); at most the top_k threshold
+    where the candidates' mass does not reach top_p, -inf for top_p == 1."""
+    neg_inf = float("-inf")
+    num_candidates = candidates.shape[1]
+    top = candidates[:, :1]
+    kept = candidates >= k_threshold
+    weights = torch.exp(candidates - top).masked_fill_(~kept, 0.0)
+    # Tokens tied with the k-th value beyond the candidates are kept by top_k
+    # too and belong to the renormalized mass.
+    num_kept = (logits >= k_threshold).sum(dim=-1, keepdim=True, dtype=torch.int32)
+    num_left_out = num_kept - kept.sum(dim=-1, keepdim=True, dtype=torch.int32)
+    tail = torch.where(num_left_out > 0, num_left_out * torch.exp(k_threshold - top), 0.0)
+    total = weights.sum(dim=-1, keepdim=True).add_(tail)
+    cumulative = weights.div_(total).cumsum_(dim=-1)
+    target = (top_p - _TOP_P_TOLERANCE).to(cumulative.dtype).unsqueeze(1)
+    below = torch.searchsorted(cumulative, target)
+    # Not reached (below == max_k): the last candidate, which is at most the top_k
+    # threshold, so that one decides.
+    p_threshold = candidates.gather(1, below.clamp_(max=num_candidates - 1))
+    return p_threshold.masked_fill_((top_p >= 1.0).unsqueeze(1), neg_inf)
 
 
 class Sampler:
@@ -510,7 +643,7 @@ class Sampler:
         # nan, so a row with a nan logit has none either).
         top_logits, greedy_ids = processed.max(dim=-1)
         valid = top_logits > float("-inf")
-        if md.all_greedy:
+        if md.all_greedy:  # nothing else over [S, V] unless logprobs are wanted
             sampled = greedy_ids
         else:
             random_logits = self._truncate(processed, md)
@@ -520,6 +653,8 @@ class Sampler:
             else:
                 sampled = torch.where(md.temperature < _SAMPLING_EPS, greedy_ids, random_ids)
         sampled = torch.where(valid, sampled, -1)
+        if md.num_logprobs == 0 and not md.need_sampled_logprobs:
+            return SamplerOutput(sampled_token_ids=sampled, sampled_logprobs=None)
         return _gather_logprobs(logits, sampled, valid, md.num_logprobs)
 
     def process_logits(self, logits: Tensor, md: SamplingMetadata,
@@ -565,7 +700,8 @@ class Sampler:
             apply_min_p(logits, md.min_p)
         if not (md.no_top_k and md.no_top_p):
             apply_top_k_top_p(logits, None if md.no_top_k else md.top_k,
-                              None if md.no_top_p else md.top_p)
+                              None if md.no_top_p else md.top_p,
+                              host_top_k=md.host_top_k, host_top_p=md.host_top_p)
         return logits
 
 
@@ -598,6 +734,95 @@ def _gather_logprobs(raw_logits: Tensor, sampled: Tensor, valid: Tensor,
         out.logprobs = top.values
         out.sampled_rank = (raw_logprobs >= sampled_raw).sum(dim=-1)
     return out
+
+
+@dataclass
+class HostSamplerOutput:
+    """A step's :class:`SamplerOutput` on the host, as the engine consumes it.
+
+    Attributes
+    ----------
+    token_ids : numpy.ndarray
+        ``[S]`` int32 (-1 marks a row with nothing to sample).
+    sampled_logprobs : list of float or None
+        ``S`` entries; None when the output had none.
+    top : tuple of (list, list, list) or None
+        ``(logprob_token_ids [S][K], logprobs [S][K], sampled_rank [S])`` as
+        nested lists; None when ``num_logprobs`` was 0.
+    """
+
+    token_ids: np.ndarray
+    sampled_logprobs: list[float] | None
+    top: tuple[list[list[int]], list[list[float]], list[int]] | None
+
+
+def pack_for_host(out: SamplerOutput) -> Tensor:
+    """Everything the host reads of a step, in one float64 tensor.
+
+    Layout: ``[sampled_token_ids (S) | sampled_logprobs (S) |
+    logprob_token_ids (S*K) | logprobs (S*K) | sampled_rank (S)]``, the
+    logprob parts only when present. float64 holds every float32 and every
+    integer below 2**53 exactly, so the round trip through
+    :func:`unpack_on_host` loses nothing. One buffer means one device-to-host
+    copy per step.
+
+    Parameters
+    ----------
+    out : SamplerOutput
+
+    Returns
+    -------
+    Tensor
+        ``[N]`` float64 on ``out``'s device, a new tensor.
+
+    Examples
+    --------
+    >>> out = SamplerOutput(torch.tensor([3, -1]), torch.tensor([-0.5, float("-inf")]))
+    >>> unpack_on_host(pack_for_host(out), out).sampled_logprobs
+    [-0.5, -inf]
+    """
+    parts = [out.sampled_token_ids]
+    if out.sampled_logprobs is not None:
+        parts.append(out.sampled_logprobs)
+    if out.logprobs is not None:
+        parts += [out.logprob_token_ids.flatten(), out.logprobs.flatten(), out.sampled_rank]
+    return torch.cat([p.to(torch.float64) for p in parts])
+
+
+def unpack_on_host(packed: Tensor, like: SamplerOutput) -> HostSamplerOutput:
+    """Reads a :func:`pack_for_host` buffer that is on the host.
+
+    Parameters
+    ----------
+    packed : Tensor
+        ``[N]`` float64 on the CPU (pinned or not), fully written: the caller
+        waits for the copy that fills it. Not kept: everything returned is a
+        copy, so the buffer may be reused at once.
+    like : SamplerOutput
+        The output that was packed; only its shapes are read (no device
+        access).
+
+    Returns
+    -------
+    HostSamplerOutput
+    """
+    num_rows = like.sampled_token_ids.shape[0]
+    token_ids = packed[:num_rows].to(torch.int32).numpy()
+    offset = num_rows
+    sampled_logprobs = None
+    if like.sampled_logprobs is not None:
+        sampled_logprobs = packed[offset:offset + num_rows].tolist()
+        offset += num_rows
+    top = None
+    if like.logprobs is not None:
+        width = like.logprobs.shape[1]
+        size = num_rows * width
+        ids = packed[offset:offset + size].view(num_rows, width).to(torch.int64).tolist()
+        values = packed[offset + size:offset + 2 * size].view(num_rows, width).tolist()
+        offset += 2 * size
+        ranks = packed[offset:offset + num_rows].to(torch.int64).tolist()
+        top = (ids, values, ranks)
+    return HostSamplerOutput(token_ids=token_ids, sampled_logprobs=sampled_logprobs, top=top)
 
 
 def _check_inputs(logits: Tensor, md: SamplingMetadata) -> None:
@@ -633,3 +858,8 @@ def _check_inputs(logits: Tensor, md: SamplingMetadata) -> None:
     for row in md.generators:
         if not 0 <= row < num_rows:
             raise ValueError(f"SamplingMetadata.generators has row {row}, outside [0, {num_rows})")
+    for name in ("host_top_k", "host_top_p"):
+        t = getattr(md, name)
+        if t is not None and (t.shape != (num_rows,) or t.device.type != "cpu"):
+            raise ValueError(f"SamplingMetadata.{name} must be a CPU tensor of shape ({num_rows},), "
+                             f"got {tuple(t.shape)} on {t.device}")

@@ -11,14 +11,18 @@ from __future__ import annotations
 import logging
 import math
 
+import numpy as np
 import pytest
 import torch
 from pagedcore.sampler import (
     Sampler,
+    SamplerOutput,
     SamplingMetadata,
     apply_penalties,
     apply_top_k_top_p,
+    pack_for_host,
     token_bin_counts,
+    unpack_on_host,
 )
 from pagedcore.sampling_params import MAX_LOGPROBS, BeamSearchParams, SamplingParams
 
@@ -394,6 +398,216 @@ def test_apply_top_k_top_p_direct_per_row_mix() -> None:
     assert out.isfinite().tolist() == [[True, False, False, False],
                                        [True, True, False, False],
                                        [True, True, True, True]]
+
+
+# --------------------------------------------------------------------------
+# The cheaper exact top-k / top-p paths against the full sort they replace
+
+
+def reference_top_k_top_p(logits: torch.Tensor, top_k, top_p) -> torch.Tensor:
+    """apply_top_k_top_p as it was before the topk paths (a full sort of every
+    row), kept here as the reference."""
+    if top_k is None and top_p is None:
+        return logits
+    vocab_size = logits.shape[-1]
+    sorted_logits = logits.sort(dim=-1, descending=True).values
+    threshold = None
+    if top_k is not None:
+        k = top_k.long()
+        k = torch.where((k <= 0) | (k > vocab_size), vocab_size, k)
+        threshold = sorted_logits.gather(1, (k - 1).unsqueeze(1))
+        sorted_logits.masked_fill_(sorted_logits < threshold, NEG_INF)
+    if top_p is not None:
+        cumulative = sorted_logits.softmax(dim=-1).cumsum_(dim=-1)
+        target = (top_p - 1e-6).to(cumulative.dtype).unsqueeze(1)
+        below = torch.searchsorted(cumulative, target)
+        num_kept = (below + 1).clamp_(max=vocab_size)
+        p_threshold = sorted_logits.gather(1, num_kept - 1)
+        p_threshold.masked_fill_((top_p >= 1.0).unsqueeze(1), NEG_INF)
+        threshold = p_threshold if threshold is None else torch.maximum(threshold, p_threshold)
+    return logits.masked_fill_(logits < threshold, NEG_INF)
+
+
+def tied_logits(rows: int, vocab: int, seed: int) -> torch.Tensor:
+    """Logits with many exact ties (half-integer steps, as low-precision logits
+    have), a few -inf (blocked or min_p-masked tokens), and every third row
+    continuous."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(-8, 8, (rows, vocab), generator=g).float() / 2
+    x[::3] = torch.randn(x[::3].shape, generator=g) * 3
+    x.masked_fill_(torch.rand(rows, vocab, generator=g) < 0.05, NEG_INF)
+    return x
+
+
+def mixed_rows(rows: int, vocab: int, seed: int, kind: str) -> tuple[list[int], list[float]]:
+    g = torch.Generator().manual_seed(seed)
+    ks = [0, 1, 2, 3, 7, 40, vocab // 2, vocab - 1, vocab, vocab + 5]
+    ps = [1.0, 1e-9, 0.05, 0.3, 0.5, 0.75, 0.9, 0.97, 0.999]
+    pick = lambda options: [options[i] for i in torch.randint(len(options), (rows,), generator=g).tolist()]
+    top_k = pick(ks) if kind != "top_p" else [0] * rows
+    top_p = pick(ps) if kind != "top_k" else [1.0] * rows
+    return top_k, top_p
+
+
+@pytest.mark.parametrize("vocab", [5, 97, 1000])
+@pytest.mark.parametrize("kind", ["top_k", "top_p", "both"])
+@pytest.mark.parametrize("seed", range(6))
+def test_planned_top_k_top_p_equals_the_full_sort(vocab: int, kind: str, seed: int) -> None:
+    rows = 24
+    logits = tied_logits(rows, vocab, seed)
+    top_k, top_p = mixed_rows(rows, vocab, seed, kind)
+    k = torch.tensor(top_k, dtype=torch.int32)
+    p = torch.tensor(top_p, dtype=torch.float32)
+    k_arg = None if kind == "top_p" else k
+    p_arg = None if kind == "top_k" else p
+    expected = reference_top_k_top_p(logits.clone(), k_arg, p_arg)
+    got = apply_top_k_top_p(logits.clone(), k_arg, p_arg,
+                            host_top_k=None if k_arg is None else k.clone(),
+                            host_top_p=None if p_arg is None else p.clone())
+    assert torch.equal(got, expected)
+    # And through the sampler, from SamplingParams (top_k and top_p both passed).
+    params = [SamplingParams(top_k=a, top_p=b) for a, b in zip(top_k, top_p)]
+    md = SamplingMetadata.from_params(params)
+    assert torch.equal(Sampler().process_logits(logits, md),
+                       reference_top_k_top_p(logits.clone(), None if md.no_top_k else k,
+                                             None if md.no_top_p else p))
+
+
+def test_top_p_with_top_k_counts_ties_left_out_of_the_candidates() -> None:
+    # top_k=2 keeps the 2.0 and all four tokens tied at 1.0 (value threshold): the
+    # renormalized mass is e^2 + 4e, so the 2.0 alone has 0.405 and top_p=0.5 needs
+    # the ties. Counting only the two topk candidates, the 2.0 alone would have 0.73.
+    logits = torch.tensor([[1.0, 2.0, 1.0, 0.0, 1.0, 1.0]])
+    assert kept(logits, [SamplingParams(top_k=2, top_p=0.5)]) == [[0, 1, 2, 4, 5]]
+    assert kept(logits, [SamplingParams(top_k=2, top_p=0.4)]) == [[1]]
+
+
+def test_top_p_after_top_k_reached_exactly_despite_rounding() -> None:
+    # Renormalized over the top 3, the first two have 0.79999995 in float32, one
+    # ulp below top_p: the 1e-6 tolerance holds on the topk path too.
+    logits = log_probs([0.45, 0.35, 0.2, 0.001])
+    assert kept(logits, [SamplingParams(top_k=3, top_p=0.8)]) == [[0, 1]]
+
+
+def test_only_rows_with_top_p_and_no_top_k_are_sorted(monkeypatch: pytest.MonkeyPatch) -> None:
+    import pagedcore.sampler as sampler_module
+
+    sorted_rows = []
+    full_sort = sampler_module._sorted_thresholds
+
+    def spy(logits, top_k, top_p):
+        sorted_rows.append(logits.shape[0])
+        return full_sort(logits, top_k, top_p)
+
+    monkeypatch.setattr(sampler_module, "_sorted_thresholds", spy)
+    logits = tied_logits(6, 50, 3)
+    params = [SamplingParams(top_k=5), SamplingParams(top_p=0.5), SamplingParams(temperature=0.0),
+              SamplingParams(top_k=3, top_p=0.7), SamplingParams(top_p=0.9), SamplingParams()]
+    out = Sampler().process_logits(logits, SamplingMetadata.from_params(params))
+    assert sorted_rows == [2]  # rows 1 and 4
+    k = torch.tensor([p.top_k for p in params])
+    p = torch.tensor([p.top_p for p in params])
+    assert torch.equal(out, reference_top_k_top_p(logits.clone(), k, p))
+    sorted_rows.clear()
+    Sampler().process_logits(logits, SamplingMetadata.from_params(
+        [SamplingParams(top_k=5, top_p=0.5), SamplingParams(top_k=9)] * 3))
+    assert sorted_rows == []
+    # Without the host copies (hand-built metadata) every row is sorted, as before.
+    md = SamplingMetadata.from_params(params)
+    md.host_top_k = md.host_top_p = None
+    assert torch.equal(Sampler().process_logits(logits, md), out) and sorted_rows == [6]
+
+
+def test_host_copies_of_top_k_top_p_are_checked() -> None:
+    md = SamplingMetadata.from_params([SamplingParams(top_k=2)] * 2)
+    md.host_top_k = torch.tensor([2, 2, 2])
+    with pytest.raises(ValueError, match=r"host_top_k must be a CPU tensor of shape \(2,\)"):
+        Sampler()(torch.zeros(2, 5), md)
+
+
+# --------------------------------------------------------------------------
+# What a step computes when nobody asks for logprobs, and the packed copy
+
+
+@pytest.mark.parametrize("params", [
+    [SamplingParams(temperature=0.0)] * 4,
+    [SamplingParams(temperature=0.0), SamplingParams(top_k=3, seed=1)] * 2,
+], ids=["greedy", "mixed"])
+def test_no_sampled_logprobs_when_none_are_needed(device: str, params) -> None:
+    logits = torch.tensor([[0.0, 5.0, 1.0, 5.0], [2.0, 1.0, NEG_INF, 0.0],
+                           [NEG_INF] * 4, [1.0, float("nan"), 0.0, 3.0]], device=device)
+    md = SamplingMetadata.from_params(params, device)
+    md.need_sampled_logprobs = False
+    out = Sampler()(logits, md)
+    assert out.sampled_logprobs is None and out.logprobs is None
+    ids = out.sampled_token_ids.tolist()
+    assert ids[2:] == [-1, -1]  # nothing to sample / nan
+    if params[0].is_greedy:
+        assert ids == [1, 0, -1, -1]  # first index of the max
+    # Asked for (the default), the same tokens with their raw logprobs.
+    md = SamplingMetadata.from_params(params, device)
+    full = Sampler()(logits, md)
+    if params[0].is_greedy:
+        assert full.sampled_token_ids.tolist() == ids
+        raw = torch.log_softmax(logits[:2], -1)
+        assert full.sampled_logprobs[:2].tolist() == [raw[0, 1].item(), raw[1, 0].item()]
+    assert full.sampled_logprobs[2].item() == NEG_INF
+
+
+@pytest.mark.parametrize("width", [0, 1, 3])
+@pytest.mark.parametrize("with_sampled", [False, True])
+def test_pack_for_host_round_trip_is_exact(width: int, with_sampled: bool) -> None:
+    g = torch.Generator().manual_seed(width)
+    rows = 5
+    # Ids beyond float32's 2**24 and float32 logprobs with full mantissas: float64
+    # carries both exactly.
+    ids = torch.tensor([3, -1, 2**24 + 1, 2**31 - 1, 0])  # (the host takes int32)
+    sampled_lp = torch.randn(rows, generator=g) * 7
+    sampled_lp[1] = NEG_INF
+    out = SamplerOutput(ids, sampled_lp if with_sampled else None)
+    if width:
+        out.logprob_token_ids = torch.randint(0, 2**31, (rows, width), generator=g)
+        out.logprob_token_ids[0, 0] = 2**40 + 3
+        out.logprobs = -torch.rand(rows, width, generator=g) * 20
+        out.sampled_rank = torch.randint(1, 200_000, (rows,), generator=g)
+    packed = pack_for_host(out)
+    assert packed.dtype == torch.float64 and packed.shape == (rows * (1 + with_sampled + 2 * width)
+                                                             + (rows if width else 0),)
+    host = unpack_on_host(packed, out)
+    assert host.token_ids.dtype == np.int32 and host.token_ids.tolist() == ids.to(torch.int32).tolist()
+    assert host.sampled_logprobs == (sampled_lp.tolist() if with_sampled else None)
+    if width:
+        assert host.top == (out.logprob_token_ids.tolist(), out.logprobs.tolist(),
+                            out.sampled_rank.tolist())
+    else:
+        assert host.top is None
+
+
+def test_engine_asks_for_sampled_logprobs_only_when_a_request_wants_them() -> None:
+    from types import SimpleNamespace
+
+    from pagedcore.llm_engine import LLMEngine, _SlotArrays
+
+    engine = object.__new__(LLMEngine)  # only what _sampling_metadata reads
+    engine._slots, engine.device, engine._generators, engine._seq_owner = _SlotArrays(), torch.device("cpu"), {}, {}
+    for slot, p in enumerate([SamplingParams(temperature=0.0), SamplingParams(top_k=7, top_p=0.5),
+                              SamplingParams(logprobs=0), SamplingParams(logprobs=3, top_p=0.8)]):
+        engine._slots.set(slot, p)
+
+    def metadata(slots: list[int]) -> SamplingMetadata:
+        batch = SimpleNamespace(sample_slots=np.array(slots, dtype=np.int32),
+                                sample_seq_ids=np.array(slots, dtype=np.int64),
+                                sample_num_outputs=np.zeros(len(slots), dtype=np.int32))
+        return engine._sampling_metadata(batch)
+
+    md = metadata([0, 1, 0])
+    assert (md.need_sampled_logprobs, md.num_logprobs) == (False, 0)
+    assert md.host_top_k.tolist() == [0, 7, 0] and md.host_top_p.tolist() == [1.0, 0.5, 1.0]
+    md = metadata([0, 2])
+    assert (md.need_sampled_logprobs, md.num_logprobs) == (True, 1)  # logprobs=0: the rank
+    md = metadata([1, 3])
+    assert (md.need_sampled_logprobs, md.num_logprobs) == (True, 3)
+    assert md.host_top_p.tolist() == [0.5, pytest.approx(0.8)]
 
 
 # --------------------------------------------------------------------------
