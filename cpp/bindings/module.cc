@@ -69,7 +69,7 @@ EngineConfig make_config(int32_t num_blocks, int32_t block_size, int32_t max_num
 RequestParams make_params(int32_t n, int32_t max_tokens, int32_t min_tokens, bool ignore_eos,
                           const std::vector<int64_t>& eos_token_ids,
                           const std::vector<int64_t>& stop_token_ids, int32_t priority,
-                          uint64_t cache_salt) {
+                          uint64_t cache_salt, bool prompt_logprobs) {
   RequestParams p;
   p.n = n;
   p.max_tokens = max_tokens;
@@ -79,6 +79,7 @@ RequestParams make_params(int32_t n, int32_t max_tokens, int32_t min_tokens, boo
   p.stop_token_ids = to_token_ids(stop_token_ids.data(), stop_token_ids.size(), "stop_token_ids");
   p.priority = priority;
   p.cache_salt = cache_salt;
+  p.prompt_logprobs = prompt_logprobs;
   return p;
 }
 
@@ -159,7 +160,7 @@ PYBIND11_MODULE(_C, m) {
       .def(py::init(&make_params), py::kw_only(), "n"_a = 1, "max_tokens"_a = 16,
            "min_tokens"_a = 0, "ignore_eos"_a = false,
            "eos_token_ids"_a = std::vector<int64_t>{}, "stop_token_ids"_a = std::vector<int64_t>{},
-           "priority"_a = 0, "cache_salt"_a = 0)
+           "priority"_a = 0, "cache_salt"_a = 0, "prompt_logprobs"_a = false)
       .def_readonly("n", &RequestParams::n)
       .def_readonly("max_tokens", &RequestParams::max_tokens)
       .def_readonly("min_tokens", &RequestParams::min_tokens)
@@ -167,7 +168,8 @@ PYBIND11_MODULE(_C, m) {
       .def_readonly("eos_token_ids", &RequestParams::eos_token_ids)
       .def_readonly("stop_token_ids", &RequestParams::stop_token_ids)
       .def_readonly("priority", &RequestParams::priority)
-      .def_readonly("cache_salt", &RequestParams::cache_salt);
+      .def_readonly("cache_salt", &RequestParams::cache_salt)
+      .def_readonly("prompt_logprobs", &RequestParams::prompt_logprobs);
 
   py::class_<StepBatch>(m, "StepBatch",
                         "One step's inputs as read-only numpy views into the engine's buffers, "
@@ -179,6 +181,8 @@ PYBIND11_MODULE(_C, m) {
       .def_readonly("num_block_copies", &StepBatch::num_block_copies)
       .def_readonly("num_swap_out", &StepBatch::num_swap_out)
       .def_readonly("num_swap_in", &StepBatch::num_swap_in)
+      .def_readonly("num_prompt_logprob_tokens", &StepBatch::num_prompt_logprob_tokens)
+      .def_readonly("num_prompt_logprob_seqs", &StepBatch::num_prompt_logprob_seqs)
       .def_readonly("block_size", &StepBatch::block_size)
       .def_readonly("max_blocks_per_seq", &StepBatch::max_blocks_per_seq)
       .def_property_readonly("input_ids", &field_view<&StepBatch::input_ids, &StepBatch::num_tokens>)
@@ -210,6 +214,24 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly(
           "sample_num_outputs",
           &field_view<&StepBatch::sample_num_outputs, &StepBatch::num_samples>)
+      .def_property_readonly("prompt_logprob_indices",
+                             &field_view<&StepBatch::prompt_logprob_indices,
+                                         &StepBatch::num_prompt_logprob_tokens>)
+      .def_property_readonly("prompt_logprob_token_ids",
+                             &field_view<&StepBatch::prompt_logprob_token_ids,
+                                         &StepBatch::num_prompt_logprob_tokens>)
+      .def_property_readonly("prompt_logprob_seq_ids",
+                             &field_view<&StepBatch::prompt_logprob_seq_ids,
+                                         &StepBatch::num_prompt_logprob_seqs>)
+      .def_property_readonly("prompt_logprob_start_loc",
+                             [](py::object self) {
+                               const auto& b = self.cast<const StepBatch&>();
+                               return view(b.prompt_logprob_start_loc,
+                                           {b.num_prompt_logprob_seqs + 1}, self);
+                             })
+      .def_property_readonly("prompt_logprob_first_positions",
+                             &field_view<&StepBatch::prompt_logprob_first_positions,
+                                         &StepBatch::num_prompt_logprob_seqs>)
       .def_property_readonly(
           "block_copies", &field_view<&StepBatch::block_copies, &StepBatch::num_block_copies, 2>)
       .def_property_readonly("swap_out",

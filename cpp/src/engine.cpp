@@ -232,6 +232,8 @@ void Engine::fill_batch() {
   int32_t tok = 0;
   int32_t row = 0;
   int32_t sample = 0;
+  int32_t scored = 0;   // prompt-logprob entries
+  int32_t num_runs = 0;  // prompt-logprob runs
   auto emit = [&](const ScheduledSeq& s) {
     const Sequence& seq = *s.seq;
     const std::vector<BlockId>& table = seq.blocks.block_table;
@@ -250,10 +252,29 @@ void Engine::fill_batch() {
     row_seq_[row] = seq.seq_id;
     row_version_[row] = seq.blocks.version;
     row_written_[row] = static_cast<int32_t>(table.size());
+    const int32_t row_start = tok;
     for (int32_t p = s.num_computed_before; p < s.num_computed_before + s.num_new; ++p, ++tok) {
       b.input_ids[tok] = seq.tokens[p];
       b.positions[tok] = p;
       b.slot_mapping[tok] = table[p / bs] * bs + p % bs;
+    }
+    Request& request = *seq.request;
+    if (request.needs_prompt_logprobs(seq.prompt_len)) {
+      // NOTE: positions listed before (a chunk recomputed after a preemption)
+      // are not listed again: the runner has sent their logprobs already.
+      const int32_t first = std::max(s.num_computed_before, request.prompt_logprobs_done);
+      const int32_t end = std::min(s.num_computed_before + s.num_new, seq.prompt_len - 1);
+      if (first < end) {
+        b.prompt_logprob_seq_ids[num_runs] = seq.seq_id;
+        b.prompt_logprob_start_loc[num_runs] = scored;
+        b.prompt_logprob_first_positions[num_runs] = first + 1;
+        ++num_runs;
+        for (int32_t p = first; p < end; ++p, ++scored) {
+          b.prompt_logprob_indices[scored] = row_start + (p - s.num_computed_before);
+          b.prompt_logprob_token_ids[scored] = seq.tokens[p + 1];
+        }
+        request.prompt_logprobs_done = end;
+      }
     }
     for (int32_t k = 0; k < s.num_samples; ++k, ++sample) {
       b.sample_indices[sample] = tok - 1;
@@ -275,6 +296,7 @@ void Engine::fill_batch() {
     if (s.num_new != 1) emit(s);
   }
   b.query_start_loc[row] = tok;
+  b.prompt_logprob_start_loc[num_runs] = scored;
 
   auto put_pairs = [](const std::vector<BlockPair>& pairs, std::vector<int32_t>& out) {
     for (size_t i = 0; i < pairs.size(); ++i) {
@@ -291,6 +313,8 @@ void Engine::fill_batch() {
   batch.num_seqs = row;
   batch.num_decode_seqs = num_decode;
   batch.num_samples = sample;
+  batch.num_prompt_logprob_tokens = scored;
+  batch.num_prompt_logprob_seqs = num_runs;
   PAGEDCORE_CHECK(tok == scheduler_.num_scheduled_tokens(), "batch has ", tok, " tokens, ",
                   scheduler_.num_scheduled_tokens(), " scheduled");
 }
@@ -585,6 +609,12 @@ void Engine::check_invariants() const {
                         slot_owner_[request->slot],
                     "request '", id, "' has slot ", request->slot, " not marked taken");
     PAGEDCORE_CHECK(++slot_users[request->slot] == 1, "slot ", request->slot, " shared");
+    const int32_t prompt_len = request->seqs[0]->prompt_len;
+    PAGEDCORE_CHECK(request->prompt_logprobs_done >= 0 &&
+                        request->prompt_logprobs_done <= std::max(0, prompt_len - 1) &&
+                        (request->params.prompt_logprobs || request->prompt_logprobs_done == 0),
+                    "request '", id, "' has prompt logprobs listed up to ",
+                    request->prompt_logprobs_done, " of a ", prompt_len, "-token prompt");
   }
   for (int32_t s : free_slots_) {
     PAGEDCORE_CHECK(!slot_owner_[s] && slot_users[s] == 0, "free slot ", s, " is taken");

@@ -122,8 +122,15 @@ bool Scheduler::try_admit(Sequence* seq, int32_t* budget) {
     PAGEDCORE_CHECK(seq->num_computed == 0 && blocks.block_table.empty(),
                     "waiting sequence ", seq->seq_id, " holds KV");
     int32_t num_revived = 0;
-    const int32_t hits = kv_.lookup_prefix(blocks, seq->tokens.data(), seq->num_tokens(),
-                                           seq->request->params.cache_salt, &num_revived);
+    // NOTE: prompt positions still owed prompt logprobs need their logits, so
+    // the lookup may not cover them (as vLLM v1 skips the cache for such
+    // requests); the blocks computed are registered for others all the same.
+    const Request& request = *seq->request;
+    const bool capped = request.needs_prompt_logprobs(seq->prompt_len);
+    const int32_t lookup_len =
+        capped ? std::min(seq->num_tokens(), request.prompt_logprobs_done + 1) : seq->num_tokens();
+    const int32_t hits = kv_.lookup_prefix(blocks, seq->tokens.data(), lookup_len,
+                                           request.params.cache_salt, &num_revived);
     const int32_t hit_tokens = hits * kv_.block_size();
     num_new = std::min(seq->num_tokens() - hit_tokens, *budget);
     const int32_t bs = kv_.block_size();
@@ -132,7 +139,7 @@ bool Scheduler::try_admit(Sequence* seq, int32_t* budget) {
     waiting_.remove(seq);
     kv_.commit_prefix(blocks, hits);
     seq->num_computed = hit_tokens;
-    if (seq->num_preemptions == 0) {
+    if (seq->num_preemptions == 0 && !capped) {  // (a capped lookup is no query of the cache)
       stats_.prefix_cache_queries += seq->num_tokens();
       stats_.prefix_cache_hits += hit_tokens;
     }

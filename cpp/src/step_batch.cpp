@@ -20,6 +20,12 @@ StepBuffers::StepBuffers(const EngineConfig& config) {
   sample_seq_ids.resize(seqs);
   sample_slots.resize(seqs);
   sample_num_outputs.resize(seqs);
+  // Every computed token but a sampled one may score a prompt token.
+  prompt_logprob_indices.resize(tokens);
+  prompt_logprob_token_ids.resize(tokens);
+  prompt_logprob_seq_ids.resize(seqs);
+  prompt_logprob_start_loc.resize(seqs + 1);
+  prompt_logprob_first_positions.resize(seqs);
   // At most one copy-on-write per scheduled sequence and step.
   block_copies.resize(2 * seqs);
   // NOTE: never empty, so data() is a real pointer even with no CPU pool
@@ -48,6 +54,11 @@ void StepBuffers::bind() {
   batch.sample_seq_ids = sample_seq_ids.data();
   batch.sample_slots = sample_slots.data();
   batch.sample_num_outputs = sample_num_outputs.data();
+  batch.prompt_logprob_indices = prompt_logprob_indices.data();
+  batch.prompt_logprob_token_ids = prompt_logprob_token_ids.data();
+  batch.prompt_logprob_seq_ids = prompt_logprob_seq_ids.data();
+  batch.prompt_logprob_start_loc = prompt_logprob_start_loc.data();
+  batch.prompt_logprob_first_positions = prompt_logprob_first_positions.data();
   batch.block_copies = block_copies.data();
   batch.swap_out = swap_out.data();
   batch.swap_in = swap_in.data();

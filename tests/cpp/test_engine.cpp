@@ -520,5 +520,123 @@ TEST(Engine, StepArraysDescribeTheKVLayout) {
   EXPECT_EQ(t.outputs.size(), 7u);
 }
 
+// ---- prompt logprobs ------------------------------------------------------
+
+struct Scored {
+  SeqId seq;
+  int32_t position;  // of the scored prompt token
+  TokenId token;
+  bool operator==(const Scored& o) const {
+    return seq == o.seq && position == o.position && token == o.token;
+  }
+};
+
+// The prompt-logprob entries of a batch, each checked against the batch's own
+// layout: its index lies in its sequence's row, at the position before the
+// scored one, and is never a sampled index.
+std::vector<Scored> scored_of(const StepBatch& b) {
+  std::vector<Scored> out;
+  EXPECT_EQ(b.prompt_logprob_start_loc[0], 0);
+  EXPECT_EQ(b.prompt_logprob_start_loc[b.num_prompt_logprob_seqs], b.num_prompt_logprob_tokens);
+  for (int32_t r = 0; r < b.num_prompt_logprob_seqs; ++r) {
+    const SeqId seq = b.prompt_logprob_seq_ids[r];
+    int32_t row = 0;
+    while (row < b.num_seqs && b.seq_ids[row] != seq) ++row;
+    EXPECT_LT(row, b.num_seqs) << "run of seq " << seq << " has no row";
+    for (int32_t k = b.prompt_logprob_start_loc[r]; k < b.prompt_logprob_start_loc[r + 1]; ++k) {
+      const int32_t position = b.prompt_logprob_first_positions[r] + k - b.prompt_logprob_start_loc[r];
+      const int32_t index = b.prompt_logprob_indices[k];
+      EXPECT_GE(index, b.query_start_loc[row]);
+      EXPECT_LT(index, b.query_start_loc[row + 1]);
+      EXPECT_EQ(b.positions[index], position - 1);
+      for (int32_t j = 0; j < b.num_samples; ++j) EXPECT_NE(b.sample_indices[j], index);
+      out.push_back({seq, position, b.prompt_logprob_token_ids[k]});
+    }
+  }
+  return out;
+}
+
+// Drains the engine, collecting every prompt-logprob entry.
+std::vector<Scored> drain_scored(Engine& e, FakeModel& m, Transcript& t) {
+  std::vector<Scored> all;
+  for (int steps = 0; e.has_unfinished_requests(); ++steps) {
+    if (steps > 1000) throw std::runtime_error("no progress");
+    const StepBatch& b = e.schedule();
+    for (const Scored& s : scored_of(b)) all.push_back(s);
+    const std::vector<TokenId> sampled = m.run(b);
+    record(e.update(sampled.data(), static_cast<int32_t>(sampled.size())), t);
+  }
+  return all;
+}
+
+std::vector<Scored> every_prompt_position(SeqId seq, const std::vector<TokenId>& prompt) {
+  std::vector<Scored> out;
+  for (int32_t p = 1; p < static_cast<int32_t>(prompt.size()); ++p) out.push_back({seq, p, prompt[p]});
+  return out;
+}
+
+RequestParams with_prompt_logprobs(RequestParams p) {
+  p.prompt_logprobs = true;
+  return p;
+}
+
+TEST(Engine, PromptLogprobsListEveryPromptPositionOnceOverChunks) {
+  EngineConfig c = config();
+  c.max_num_batched_tokens = 8;  // the 20-token prompt takes three chunks
+  Engine e(c);
+  FakeModel m(e);
+  const std::vector<TokenId> prompt = iota_tokens(20, 100);
+  const SeqId p = e.add_request("p", prompt, with_prompt_logprobs(params_max_tokens(3, /*n=*/2)));
+  e.add_request("q", iota_tokens(10, 300), params_max_tokens(3));
+  Transcript t;
+  // n = 2: the prompt is scored once, by the parent; "q" asked for nothing.
+  EXPECT_EQ(drain_scored(e, m, t), every_prompt_position(p, prompt));
+  EXPECT_EQ(t.finished_requests.size(), 2u);
+}
+
+TEST(Engine, PromptLogprobsSkipReadingThePrefixCacheButFillIt) {
+  Engine e(config());
+  FakeModel m(e);
+  std::vector<TokenId> prompt = iota_tokens(24, 500);
+  prompt.push_back(7);
+  Transcript t;
+  const SeqId a = e.add_request("a", prompt, with_prompt_logprobs(params_max_tokens(1)));
+  EXPECT_EQ(drain_scored(e, m, t), every_prompt_position(a, prompt));
+  // "a" filled the cache: a request without prompt logprobs reads 24 tokens from it.
+  e.add_request("b", prompt, params_max_tokens(1));
+  const StepBatch& hit = e.schedule();
+  EXPECT_EQ(hit.num_computed_tokens[0], 24);
+  EXPECT_EQ(hit.num_prompt_logprob_tokens, 0);
+  const std::vector<TokenId> sampled = m.run(hit);
+  record(e.update(sampled.data(), 1), t);
+  EXPECT_EQ(drain_scored(e, m, t).size(), 0u);
+  // One with prompt logprobs computes the whole prompt again.
+  const SeqId c = e.add_request("c", prompt, with_prompt_logprobs(params_max_tokens(1)));
+  const StepBatch& b = e.schedule();
+  EXPECT_EQ(b.num_computed_tokens[0], 0);
+  EXPECT_EQ(b.num_tokens, 25);
+  EXPECT_EQ(scored_of(b), every_prompt_position(c, prompt));
+  const std::vector<TokenId> s = m.run(b);
+  record(e.update(s.data(), 1), t);
+  // Only "b" queried the cache.
+  EXPECT_EQ(e.stats().prefix_cache_queries, 25);
+  EXPECT_EQ(e.stats().prefix_cache_hits, 24);
+}
+
+TEST(Engine, PromptLogprobsAreListedOnceAcrossARecomputePreemption) {
+  EngineConfig c = config(/*num_blocks=*/4, /*block_size=*/8);
+  c.max_num_batched_tokens = 8;
+  c.enable_prefix_caching = false;  // the preempted prompt is computed again from 0
+  Engine e(c);
+  FakeModel m(e);
+  e.add_request("a", iota_tokens(15, 1), params_max_tokens(18));
+  const std::vector<TokenId> prompt = iota_tokens(16, 200);
+  const SeqId b = e.add_request("b", prompt, with_prompt_logprobs(params_max_tokens(1)));
+  Transcript t;
+  EXPECT_EQ(drain_scored(e, m, t), every_prompt_position(b, prompt));
+  // "b" was preempted half-way through its prompt (positions 0..7 computed).
+  EXPECT_GE(e.stats().num_recompute_preemptions, 1);
+}
+
 }  // namespace
 }  // namespace pagedcore

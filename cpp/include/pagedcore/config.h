@@ -62,6 +62,13 @@ struct RequestParams {
   // Mixed into the prefix-cache hash of every block: requests with different
   // salts never share cached blocks.
   uint64_t cache_salt = 0;
+  // The runner needs the logits of every prompt position but the last (the
+  // log-probabilities of prompt tokens 1..prompt_len-1): each step lists the
+  // positions it computes for the first time (StepBatch::prompt_logprob_*),
+  // each exactly once over the request's life, chunks and recompute
+  // preemptions included. The prefix cache is not read for positions not
+  // listed yet (their logits must be computed), but it is still filled.
+  bool prompt_logprobs = false;
 };
 
 // Token ids given as 64-bit integers (Python ints, numpy int64), checked to be

@@ -68,6 +68,14 @@ struct Request {
   std::vector<std::unique_ptr<Sequence>> seqs;  // seqs[0] is the parent
   bool awaiting_fork = false;  // n > 1 and the prompt is not computed yet
   int32_t num_unfinished = 0;
+  // With params.prompt_logprobs: prompt positions [0, this) have been listed
+  // in a step batch for prompt logprobs (at most prompt_len - 1).
+  int32_t prompt_logprobs_done = 0;
+
+  // Whether prompt positions still wait to be listed for prompt logprobs.
+  bool needs_prompt_logprobs(int32_t prompt_len) const {
+    return params.prompt_logprobs && prompt_logprobs_done < prompt_len - 1;
+  }
 };
 
 }  // namespace pagedcore

@@ -30,6 +30,10 @@ struct StepBatch {
   int32_t num_block_copies = 0;
   int32_t num_swap_out = 0;
   int32_t num_swap_in = 0;
+  // Prompt logprobs (RequestParams::prompt_logprobs): logits rows besides the
+  // samples, grouped in runs, one run per sequence that has some.
+  int32_t num_prompt_logprob_tokens = 0;
+  int32_t num_prompt_logprob_seqs = 0;
   int32_t block_size = 0;
   int32_t max_blocks_per_seq = 0;  // row stride of block_tables
 
@@ -51,6 +55,17 @@ struct StepBatch {
   const int32_t* sample_slots = nullptr;
   // [num_samples] outputs the sequence has before this sample (min_tokens, ...).
   const int32_t* sample_num_outputs = nullptr;
+  // [num_prompt_logprob_tokens] token index whose logits score a prompt token,
+  // and that prompt token (the one at the next position, which may lie in a
+  // later chunk). Never a sampled index: the last prompt position is sampled.
+  const int32_t* prompt_logprob_indices = nullptr;
+  const int32_t* prompt_logprob_token_ids = nullptr;
+  const int64_t* prompt_logprob_seq_ids = nullptr;  // [num_prompt_logprob_seqs]
+  // [num_prompt_logprob_seqs + 1] first entry of each run in the arrays above.
+  const int32_t* prompt_logprob_start_loc = nullptr;
+  // [num_prompt_logprob_seqs] prompt position (>= 1) of the first token a run
+  // scores; a run scores consecutive positions.
+  const int32_t* prompt_logprob_first_positions = nullptr;
   const int32_t* block_copies = nullptr;      // [num_block_copies, 2] (src, dst) GPU blocks
   const int32_t* swap_out = nullptr;          // [num_swap_out, 2] (GPU src, CPU dst)
   const int32_t* swap_in = nullptr;           // [num_swap_in, 2] (CPU src, GPU dst)
@@ -78,8 +93,9 @@ class StepBuffers {
 
   std::vector<int32_t> input_ids, positions, slot_mapping, query_start_loc, num_computed_tokens,
       seq_lens, block_tables, sample_indices, sample_slots, sample_num_outputs, block_copies,
-      swap_out, swap_in;
-  std::vector<int64_t> seq_ids, sample_seq_ids;
+      swap_out, swap_in, prompt_logprob_indices, prompt_logprob_token_ids,
+      prompt_logprob_start_loc, prompt_logprob_first_positions;
+  std::vector<int64_t> seq_ids, sample_seq_ids, prompt_logprob_seq_ids;
 
   std::vector<int64_t> out_seq_ids;
   std::vector<int32_t> out_token_ids, out_stop_reasons;
