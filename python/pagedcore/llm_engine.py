@@ -12,9 +12,11 @@ loop over sequences.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,9 +26,18 @@ import torch
 
 from . import _C
 from .detokenizer import IncrementalDetokenizer
-from .model_loader import iter_safetensors, load_model_config, resolve_dtype
+from .model_loader import (
+    build_uninitialized,
+    iter_safetensors,
+    load_config_json,
+    load_tokenizer_in_background,
+    resolve_dtype,
+    resolve_model_path,
+    with_load_progress,
+)
 from .model_runner import ModelRunner, kv_bytes_per_block, kv_cache_size_line, profile_peak_memory
 from .models import CausalLM, ModelSpec, model_spec_from_config
+from .models.spec import config_from_json
 from .outputs import CompletionOutput, Logprob, RequestOutput
 from .sampler import HostSamplerOutput, Sampler, SamplerOutput, SamplingMetadata, pack_for_host, unpack_on_host
 from .sampling_params import SamplingParams
@@ -259,36 +270,65 @@ class _SlotArrays:
         )
 
 
+class _Phases:
+    """Wall time of each start-up phase, for the debug log."""
+
+    def __init__(self) -> None:
+        self.start = self.last = time.perf_counter()
+        self.times: list[tuple[str, float]] = []
+
+    def done(self, name: str) -> None:
+        now = time.perf_counter()
+        self.times.append((name, now - self.last))
+        logger.debug("start-up: %s in %.3f s", name, now - self.last)
+        self.last = now
+
+    def log(self) -> None:
+        logger.debug("start-up: ready in %.3f s (%s)", self.last - self.start,
+                     ", ".join(f"{name} {t:.3f} s" for name, t in self.times))
+
+
 class LLMEngine:
     """Generation over a paged KV cache; see :class:`pagedcore.LLM` for the arguments."""
 
     def __init__(self, args: EngineArgs) -> None:
         args.validate()
         self.args = args
+        phases = _Phases()
         self.device = self._pick_device(args.device)
-        hf_config = load_model_config(args.model)
+        model_path = resolve_model_path(args.model)
+        # NOTE: config.json is parsed directly (config_from_json gives what
+        # transformers' AutoConfig gives, tested field by field): importing
+        # transformers' config machinery takes ~2 s.
+        hf_config = config_from_json(load_config_json(model_path))
         self.spec: ModelSpec = model_spec_from_config(hf_config)
         self.dtype = resolve_dtype(args.dtype, hf_config, device=self.device.type)
         self.kv_dtype = self._kv_dtype(args.kv_cache_dtype)
-        from transformers import AutoTokenizer, GenerationConfig
-
-        self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model)
-        self.eos_token_ids = self._eos_token_ids(args.model, GenerationConfig)
+        # The tokenizer loads in a thread while the weights load (see load_tokenizer_in_background).
+        tokenizer = load_tokenizer_in_background(resolve_model_path(args.tokenizer) if args.tokenizer else model_path)
+        phases.done("config")
         torch.manual_seed(args.seed)
 
-        if args.load_format == "dummy":  # random weights, made on the device (benchmarks)
-            with torch.device(self.device):
-                model = CausalLM(self.spec).to(dtype=self.dtype)
+        # Parameters are allocated uninitialised in the model's dtype on its device,
+        # then every one is filled (load_weights raises for a missing weight).
+        model = build_uninitialized(lambda: CausalLM(self.spec), self.dtype, self.device)
+        phases.done("model")
+        if args.load_format == "dummy":  # random weights, drawn on the device (benchmarks)
             model.init_dummy_weights(args.seed)
         else:
-            model = CausalLM(self.spec)
-            model.load_weights(iter_safetensors(args.model, dtype=self.dtype))
-        self.model = model.to(device=self.device, dtype=self.dtype)
+            model.load_weights(with_load_progress(iter_safetensors(model_path, dtype=self.dtype), model_path))
+        self.model = model
         self.model.inv_freq.data = self.spec.inv_freq().to(self.device)  # kept in float32
+        phases.done("weights")
+        self.tokenizer = tokenizer.result()
+        self.eos_token_ids = self._eos_token_ids(model_path)
+        phases.done("tokenizer (rest)")
 
         engine_config = self._engine_config()
         self.engine = _C.Engine(engine_config)
         self.runner = ModelRunner(self.model, engine_config, self.device, self.kv_dtype, args.enforce_eager)
+        phases.done("KV cache" if self.device.type == "cpu" or args.enforce_eager else "KV cache, CUDA graphs")
+        phases.log()
         self.sampler = Sampler()
         self._host_copies = _HostCopies(self.device)
         self._slots = _SlotArrays()
@@ -336,16 +376,18 @@ class LLMEngine:
             )
         return KV_CACHE_DTYPES[name]
 
-    def _eos_token_ids(self, path: str, generation_config_cls: Any) -> list[int]:
+    def _eos_token_ids(self, path: str) -> list[int]:
         ids = set(self.spec.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             ids.add(int(self.tokenizer.eos_token_id))
+        # generation_config.json's eos_token_id (what GenerationConfig.from_pretrained
+        # reads), parsed directly: importing transformers' generation package is slow.
         try:
-            gen = generation_config_cls.from_pretrained(path)
-            eos = gen.eos_token_id
-            ids.update([eos] if isinstance(eos, int) else (eos or []))
-        except OSError:
-            pass  # no generation_config.json
+            with open(os.path.join(path, "generation_config.json"), encoding="utf-8") as f:
+                eos = json.load(f).get("eos_token_id")
+        except (OSError, ValueError, AttributeError):
+            eos = None  # none, or unreadable: the config's and the tokenizer's ids
+        ids.update([eos] if isinstance(eos, int) else (eos or []))
         return sorted(ids)
 
     def _engine_config(self) -> _C.EngineConfig:
@@ -354,6 +396,7 @@ class LLMEngine:
         max_batched = a.max_num_batched_tokens or max(8192 if self.device.type == "cuda" else 2048, a.max_num_seqs)
         if a.num_kv_blocks is not None:
             num_blocks = a.num_kv_blocks
+            logger.info("KV cache sized by num_kv_blocks=%d", num_blocks)
         elif self.device.type == "cuda":
             num_blocks = self._gpu_blocks(per_block, max_batched)
         else:
@@ -363,6 +406,13 @@ class LLMEngine:
             num_blocks = budget // per_block
             if num_blocks < 1:
                 raise ValueError(f"{source} {budget} holds no block of {per_block} bytes")
+            # NOTE: vLLM users pass gpu_memory_utilization everywhere; say that it
+            # does not size a CPU cache, and what does.
+            logger.info(
+                "KV cache on the CPU sized by %s: %d bytes (%.2f GiB); gpu_memory_utilization (%s) "
+                "applies to GPUs only (set kv_cache_memory_bytes, $%s or num_kv_blocks instead)",
+                source, budget, budget / 2**30, a.gpu_memory_utilization, KV_CACHE_BYTES_ENV,
+            )
         max_model_len = a.max_model_len or spec.max_position_embeddings
         if max_model_len > spec.max_position_embeddings:
             raise ValueError(
