@@ -39,6 +39,7 @@ from .model_runner import ModelRunner, kv_bytes_per_block, kv_cache_size_line, p
 from .models import CausalLM, ModelSpec, model_spec_from_config
 from .models.spec import config_from_json
 from .outputs import CompletionOutput, Logprob, RequestOutput
+from .prompt_logprobs import logprob_dicts, score_prompt_tokens
 from .sampler import HostSamplerOutput, Sampler, SamplerOutput, SamplingMetadata, pack_for_host, unpack_on_host
 from .sampling_params import SamplingParams
 
@@ -160,6 +161,10 @@ class _Request:
     completions: list[_Completion]
     num_finished: int = 0
     stream: bool = False  # outputs are deltas, emitted every step
+    # SamplingParams.prompt_logprobs: one entry per prompt token scored so far
+    # (None for the first); a streamed request sends them once, whole.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    prompt_logprobs_sent: bool = False
 
     @property
     def seq_ids(self) -> range:
@@ -537,6 +542,7 @@ class LLMEngine:
             ignore_eos=params.ignore_eos,
             eos_token_ids=self.eos_token_ids,
             stop_token_ids=stop_ids,
+            prompt_logprobs=params.prompt_logprobs is not None,
         )
         # Everything that can fail is built before the engine takes the request,
         # so that a failure leaves nothing half-admitted.
@@ -569,6 +575,7 @@ class LLMEngine:
         request = _Request(
             request_id=request_id, prompt=prompt, prompt_token_ids=ids, params=params,
             first_seq_id=first, slot=slot, completions=completions, stream=stream,
+            prompt_logprobs=None if params.prompt_logprobs is None else [None],
         )
         self._requests[request_id] = request
         for i in range(params.n):
@@ -626,6 +633,8 @@ class LLMEngine:
             if batch.num_samples:
                 # One copy of everything the host needs, waited for in _complete_inflight.
                 sampled = self._host_copies.launch(self.sampler(logits, self._sampling_metadata(batch)))
+            if batch.num_prompt_logprob_tokens:
+                self._score_prompts(batch)
         except BaseException:
             self._fail_step(batch.num_samples)
             raise
@@ -879,7 +888,8 @@ class LLMEngine:
             deltas = [d for d in (self._delta(request, c) for c in request.completions) if d is not None]
             if deltas:
                 finished.append(RequestOutput(request.request_id, request.prompt, request.prompt_token_ids,
-                                              deltas, finished=False))
+                                              deltas, finished=False,
+                                              prompt_logprobs=self._take_prompt_logprobs(request)))
         return finished
 
     def _delta(self, request: _Request, c: _Completion) -> CompletionOutput | None:
@@ -928,7 +938,7 @@ class LLMEngine:
         if request.stream:
             deltas = [d for d in (self._delta(request, c) for c in request.completions) if d is not None]
             return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, deltas,
-                                 finished=True)
+                                 finished=True, prompt_logprobs=self._take_prompt_logprobs(request))
         outputs = []
         skip = request.params.skip_special_tokens
         for c in request.completions:
@@ -957,7 +967,48 @@ class LLMEngine:
             prompt_token_ids=request.prompt_token_ids,
             outputs=outputs,
             finished=True,
+            prompt_logprobs=request.prompt_logprobs,
         )
+
+    # ---- prompt logprobs ----------------------------------------------------------
+
+    def _score_prompts(self, batch: _C.StepBatch) -> None:
+        """Appends the prompt logprobs of the step's runs to their requests.
+
+        The engine lists each prompt position once over a request's life, in
+        order, so a run continues its request's list exactly where it stopped.
+        """
+        owners = [self._seq_owner.get(int(seq_id)) for seq_id in batch.prompt_logprob_seq_ids]
+        live = [o[0] for o in owners if o is not None]
+        if not live:  # (aborted since they were scheduled)
+            return
+        num_top = max(r.params.prompt_logprobs for r in live)
+        token_ids = batch.prompt_logprob_token_ids.astype(np.int64)
+        scores = score_prompt_tokens(self.runner.prompt_hidden, self.runner.compute_logits,
+                                     torch.from_numpy(token_ids).to(self.device), num_top)
+        ids = np.unique(np.concatenate([token_ids, scores.top_ids.ravel()])).tolist()
+        texts = dict(zip(ids, self.tokenizer.batch_decode([[i] for i in ids])))
+        start_loc, first_positions = batch.prompt_logprob_start_loc, batch.prompt_logprob_first_positions
+        for run, owner in enumerate(owners):
+            if owner is None:
+                continue
+            request = owner[0]
+            if int(first_positions[run]) != len(request.prompt_logprobs):
+                raise RuntimeError(
+                    f"internal error: request {request.request_id!r} has prompt logprobs for "
+                    f"{len(request.prompt_logprobs)} tokens, the engine scores from position "
+                    f"{int(first_positions[run])}")
+            request.prompt_logprobs += logprob_dicts(scores, int(start_loc[run]), int(start_loc[run + 1]),
+                                                     token_ids, request.params.prompt_logprobs, texts)
+
+    @staticmethod
+    def _take_prompt_logprobs(request: _Request) -> list[dict[int, Logprob] | None] | None:
+        """A streamed request's prompt logprobs, the first time only (vLLM's
+        delta outputs carry them once, with the first output after the prompt)."""
+        if request.prompt_logprobs is None or request.prompt_logprobs_sent:
+            return None
+        request.prompt_logprobs_sent = True
+        return request.prompt_logprobs
 
 
 def _env_kv_cache_bytes() -> tuple[int, str]:

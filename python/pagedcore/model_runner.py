@@ -145,6 +145,10 @@ class ModelRunner:
         self.staging = _Staging.allocate(engine_config, pin=device.type == "cuda")
         # CUDA: marks the end of the last step's copies out of the staging buffers.
         self._staged: torch.cuda.Event | None = None
+        # Hidden states [num_prompt_logprob_tokens, hidden_size] of the last
+        # executed step's prompt-logprob rows (StepBatch.prompt_logprob_indices);
+        # None when it had none. compute_logits turns slices of it into logits.
+        self.prompt_hidden: torch.Tensor | None = None
         self.graphs: dict[int, _DecodeGraph] = {}
         self.graph_replays = 0  # decode steps served by a graph
         if device.type == "cuda" and not enforce_eager:
@@ -262,7 +266,13 @@ class ModelRunner:
         with ops.unchecked_indices():
             return self._execute(batch)
 
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits ``[rows, vocab]`` of final hidden states (e.g. of
+        :attr:`prompt_hidden`)."""
+        return self.model.compute_logits(hidden)
+
     def _execute(self, batch: _C.StepBatch) -> torch.Tensor:
+        self.prompt_hidden = None
         self._move_blocks(batch)
         if batch.num_tokens == 0:
             return torch.empty((0, self.spec.vocab_size), dtype=torch.float32, device=self.device)
@@ -272,8 +282,9 @@ class ModelRunner:
         width = (int(seq_lens_np.max()) + self.block_size - 1) // self.block_size
         self._staging_free()
         np.copyto(s.block_tables.numpy()[:num_seqs, :width], batch.block_tables[:, :width])
+        # (A step with prompt-logprob rows has prompt chunks: never a graph's.)
         if (self.graphs and batch.num_tokens == num_seqs == batch.num_samples
-                and num_seqs <= max(self.graphs)):
+                and batch.num_prompt_logprob_tokens == 0 and num_seqs <= max(self.graphs)):
             return self._replay_decode(batch, width)
         md = AttentionMetadata(
             slot_mapping=self._to_device(_put(s.slot_mapping, batch.slot_mapping)),
@@ -291,6 +302,11 @@ class ModelRunner:
         sample_indices = self._to_device(_put(s.sample_indices, batch.sample_indices))
         self._staging_copied()
         hidden = self.model(input_ids, positions, md, self.kv_caches)
+        if batch.num_prompt_logprob_tokens:
+            # Only the rows that score a prompt token; their logits are made later,
+            # a slice at a time (pagedcore.prompt_logprobs).
+            rows = torch.from_numpy(batch.prompt_logprob_indices.astype(np.int64))
+            self.prompt_hidden = hidden[self._to_device(rows)]
         return self.model.compute_logits(hidden[sample_indices.long()])
 
 

@@ -16,6 +16,9 @@ class Logprob:
 
 # One dict per generated token: token id -> Logprob (the sampled token and the top-k).
 SampleLogprobs = list[dict[int, Logprob]]
+# One entry per prompt token: None for the first (nothing comes before it), then a
+# dict token id -> Logprob holding that prompt token and the top-k.
+PromptLogprobs = list[dict[int, Logprob] | None]
 
 
 @dataclass
@@ -42,7 +45,14 @@ class CompletionOutput:
 
 @dataclass
 class RequestOutput:
-    """The result of one prompt: its completions in index order."""
+    """The result of one prompt: its completions in index order.
+
+    ``prompt_logprobs`` is None unless ``SamplingParams.prompt_logprobs`` was
+    set; then it has one entry per prompt token (see :data:`PromptLogprobs`),
+    raw log-probabilities (log-softmax of the model's logits) in float32. A
+    streamed request gets them once, with its first output after the prompt
+    was computed.
+    """
 
     request_id: str
     prompt: str | None
@@ -50,3 +60,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: dict[str, float] = field(default_factory=dict)
+    prompt_logprobs: PromptLogprobs | None = None

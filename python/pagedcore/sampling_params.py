@@ -114,6 +114,12 @@ class SamplingParams:
         Number of most likely tokens whose log-probabilities are returned per
         output token, in [0, 20]; the sampled token's is always returned too.
         None = no logprobs. ``True`` means 1, ``False`` None (as in vLLM).
+    prompt_logprobs : int or None
+        Number of most likely tokens whose log-probabilities are returned per
+        prompt token (``RequestOutput.prompt_logprobs``), in [0, 20]; the
+        prompt token's own is always returned too. None = none. vLLM's -1
+        (the whole vocabulary) is refused. Such a request computes its whole
+        prompt even when a prefix is cached (it still fills the cache).
     presence_penalty, frequency_penalty : float
         OpenAI penalties in [-2, 2] on tokens already in the output.
     repetition_penalty : float
@@ -151,6 +157,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -217,6 +224,17 @@ class SamplingParams:
             if self.logprobs > MAX_LOGPROBS:
                 raise ValueError(f"logprobs must be at most {MAX_LOGPROBS} (max_logprobs), "
                                  f"got {self.logprobs}")
+
+        if self.prompt_logprobs is not None:
+            self.prompt_logprobs = _int("prompt_logprobs", self.prompt_logprobs)
+            if self.prompt_logprobs == -1:
+                raise ValueError(f"prompt_logprobs=-1 (the whole vocabulary) is not supported: "
+                                 f"ask for at most {MAX_LOGPROBS} (max_logprobs)")
+            if self.prompt_logprobs < 0:
+                raise ValueError(f"prompt_logprobs must be non-negative, got {self.prompt_logprobs}")
+            if self.prompt_logprobs > MAX_LOGPROBS:
+                raise ValueError(f"prompt_logprobs must be at most {MAX_LOGPROBS} (max_logprobs), "
+                                 f"got {self.prompt_logprobs}")
 
         self.presence_penalty = _float("presence_penalty", self.presence_penalty)
         if not -2.0 <= self.presence_penalty <= 2.0:
