@@ -178,19 +178,43 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
     def sse(payload: dict[str, Any]) -> str:
         return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
-    def completion_logprobs(out: CompletionOutput, offset: int, top: int) -> dict[str, Any]:
+    def legacy_logprobs(token_ids: list[int], entries: list, offset: int, top: int) -> dict[str, Any]:
+        """OpenAI's legacy completion logprobs of tokens whose text starts at
+        character ``offset`` of the choice's text. An entry of None (the first
+        prompt token: nothing scores it) gives None logprob and top_logprobs."""
         tokens, token_logprobs, tops, offsets = [], [], [], []
-        for tid, entry in zip(out.token_ids, out.logprobs or []):
-            lp = entry[tid]
-            text = lp.decoded_token or ""
+        for tid, entry in zip(token_ids, entries):
+            if entry is None:
+                text = tokenizer.decode([tid])
+                token_logprobs.append(None)
+                tops.append(None)
+            else:
+                lp = entry[tid]
+                text = lp.decoded_token or ""
+                token_logprobs.append(_finite(lp.logprob))
+                # The `top` most likely tokens and the token itself (OpenAI: "up to
+                # logprobs + 1 elements"); the entry holds exactly those.
+                tops.append({(v.decoded_token or ""): _finite(v.logprob) for v in entry.values()
+                             if v is lp or (v.rank is not None and v.rank <= top)})
             tokens.append(text)
-            token_logprobs.append(lp.logprob)
-            # The entry holds the top `top` tokens, plus the sampled one when it ranks lower.
-            tops.append({(v.decoded_token or ""): v.logprob for v in entry.values()
-                         if v.rank is not None and v.rank <= top})
             offsets.append(offset)
             offset += len(text)
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+    def completion_logprobs(out: CompletionOutput, offset: int, top: int) -> dict[str, Any]:
+        return legacy_logprobs(out.token_ids, out.logprobs or [], offset, top)
+
+    def echo_logprobs(prompt_ids: list[int], prompt_lps: list | None, out: CompletionOutput | None,
+                      offset: int, top: int) -> dict[str, Any]:
+        """The prompt's tokens (text from character 0), then out's (from ``offset``)."""
+        if prompt_lps is None or len(prompt_lps) != len(prompt_ids):
+            # NOTE: never a silently shorter list: lm-eval indexes it by token count.
+            raise APIError(500, "internal error: the prompt's logprobs are missing", "internal_error")
+        merged = legacy_logprobs(prompt_ids, prompt_lps, 0, top)
+        if out is not None:
+            for key, values in completion_logprobs(out, offset, top).items():
+                merged[key] += values
+        return merged
 
     def chat_logprobs(out: CompletionOutput, top: int) -> dict[str, Any]:
         content = []
@@ -226,7 +250,17 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
             prompts = [(None, list(prompt))]
         else:
             prompts = [(None, list(p)) for p in prompt]
-        params = sampling_params(body, body.logprobs, body.max_tokens)
+        if body.prompt_logprobs is not None:
+            raise APIError(400, "prompt_logprobs is not supported by /v1/completions: ask for the prompt's "
+                                "logprobs with echo=true and logprobs=k", param="prompt_logprobs")
+        # NOTE: echo with max_tokens 0 returns the prompt alone (as vLLM does): the
+        # engine computes it and samples one token, which is dropped.
+        echo_only = body.echo and body.max_tokens == 0
+        if body.max_tokens == 0 and not body.echo:
+            raise APIError(400, "max_tokens must be at least 1 (0 only with echo=true), got 0", param="max_tokens")
+        echo_logprobs_k = body.logprobs if body.echo else None
+        params = sampling_params(body, body.logprobs, 1 if echo_only else body.max_tokens,
+                                 prompt_logprobs=echo_logprobs_k)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         n = params.n
         arrival = time.monotonic()
@@ -243,11 +277,16 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
             tokens: dict[tuple[int, int], list] = {}
             prompt_tokens = [0] * len(prompts)
             echo: dict[int, str] = {}
+            prompt_ids: dict[int, list[int]] = {}
+            prompt_lps: dict[int, list] = {}
             async for i, out in _chain(first, stream):
                 timer.observe(out)
                 prompt_tokens[i] = len(out.prompt_token_ids)
                 if body.echo and i not in echo:
                     echo[i] = prompt_text(i, out)
+                    prompt_ids[i] = out.prompt_token_ids
+                if out.prompt_logprobs is not None:
+                    prompt_lps[i] = out.prompt_logprobs
                 for c in out.outputs:
                     texts[i][c.index] += c.text
                     acc = tokens.setdefault((i, c.index), CompletionOutput(c.index, "", [], None, [] if c.logprobs is not None else None))
@@ -262,14 +301,26 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
             for i in range(len(prompts)):
                 for j in range(n):
                     acc, final = tokens.get((i, j)), finals.get((i, j))
-                    completion_tokens += len(acc.token_ids) if acc else 0
                     prefix = echo.get(i, "")
+                    if echo_only:  # the prompt alone; the token sampled for it is dropped
+                        text, acc = prefix, None
+                    else:
+                        text = prefix + texts[i][j]
+                        completion_tokens += len(acc.token_ids) if acc else 0
+                    if body.logprobs is None:
+                        logprobs = None
+                    elif body.echo:
+                        logprobs = echo_logprobs(prompt_ids[i], prompt_lps.get(i), acc, len(prefix), body.logprobs)
+                    else:
+                        logprobs = completion_logprobs(acc, 0, body.logprobs) if acc is not None else None
+                    if echo_only:  # (max_tokens 0 is reached, whatever token was dropped)
+                        finish_reason, stop_reason = "length", None
+                    else:
+                        finish_reason = final.finish_reason if final else None
+                        stop_reason = final.stop_reason if final else None
                     choices.append({
-                        "index": i * n + j, "text": prefix + texts[i][j],
-                        "logprobs": completion_logprobs(acc, len(prefix), body.logprobs or 0)
-                        if acc is not None and acc.logprobs is not None else None,
-                        "finish_reason": final.finish_reason if final else None,
-                        "stop_reason": final.stop_reason if final else None,
+                        "index": i * n + j, "text": text, "logprobs": logprobs,
+                        "finish_reason": finish_reason, "stop_reason": stop_reason,
                     })
             return JSONResponse({"id": request_id, "object": "text_completion", "created": int(time.time()),
                                  "model": served_model_name, "choices": choices,
@@ -282,23 +333,43 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
             completion_tokens = 0
             echoed: set[int] = set()
             offsets: dict[int, int] = {}  # choice -> characters sent so far (logprobs' text_offset)
+            prompt_lps: dict[int, list] = {}
             async for i, out in _chain(first, stream):
                 timer.observe(out)
                 prompt_tokens[i] = len(out.prompt_token_ids)
+                if out.prompt_logprobs is not None:  # (with the first output of the prompt)
+                    prompt_lps[i] = out.prompt_logprobs
                 for c in out.outputs:
+                    index = i * n + c.index
+                    if echo_only:
+                        # The prompt alone, once per choice; the sampled token is dropped.
+                        if (i, c.index) in echoed:
+                            continue
+                        echoed.add((i, c.index))
+                        logprobs = (echo_logprobs(out.prompt_token_ids, prompt_lps.get(i), None, 0, body.logprobs)
+                                    if body.logprobs is not None else None)
+                        yield sse({"id": request_id, "object": "text_completion", "created": int(time.time()),
+                                   "model": served_model_name, "choices": [{
+                                       "index": index, "text": prompt_text(i, out), "logprobs": logprobs,
+                                       "finish_reason": "length", "stop_reason": None}]})
+                        continue
                     completion_tokens += len(c.token_ids)
                     text = c.text
-                    if body.echo and (i, c.index) not in echoed:
+                    first_of_echo = body.echo and (i, c.index) not in echoed
+                    if first_of_echo:
                         echoed.add((i, c.index))
                         text = prompt_text(i, out) + text
-                    index = i * n + c.index
                     offset = offsets.get(index, 0) + len(text) - len(c.text)
                     offsets[index] = offset + len(c.text)
+                    if body.logprobs is None:
+                        logprobs = None
+                    elif first_of_echo:
+                        logprobs = echo_logprobs(out.prompt_token_ids, prompt_lps.get(i), c, offset, body.logprobs)
+                    else:
+                        logprobs = completion_logprobs(c, offset, body.logprobs)
                     yield sse({"id": request_id, "object": "text_completion", "created": int(time.time()),
                                "model": served_model_name, "choices": [{
-                                   "index": index, "text": text,
-                                   "logprobs": completion_logprobs(c, offset, body.logprobs or 0)
-                                   if c.logprobs is not None else None,
+                                   "index": index, "text": text, "logprobs": logprobs,
                                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]})
             timer.done()
             if include_usage:
@@ -319,6 +390,10 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
 
     async def _chat(body: ChatCompletionRequest) -> Response:
         check_model(body.model)
+        if body.echo:
+            raise APIError(400, "echo is not supported by /v1/chat/completions", param="echo")
+        if body.prompt_logprobs is not None:
+            raise APIError(400, "prompt_logprobs is not supported by /v1/chat/completions", param="prompt_logprobs")
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
         messages = []
@@ -411,6 +486,11 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
         return StreamingResponse(_guarded(events()), media_type="text/event-stream")
 
     return app
+
+
+def _finite(logprob: float) -> float:
+    """-inf as OpenAI sends it (JSON has no infinity)."""
+    return max(logprob, -9999.0)
 
 
 async def _disconnected(request: Request) -> None:

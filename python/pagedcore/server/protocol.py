@@ -62,7 +62,10 @@ class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
     max_tokens: int | None = 16
     logprobs: int | None = None
+    # echo + logprobs: the prompt's tokens with their logprobs come first (max_tokens 0:
+    # only them). vLLM's prompt_logprobs field is refused, not ignored: use these.
     echo: bool = False
+    prompt_logprobs: int | None = None
 
 
 class ChatMessage(_Body):
@@ -75,6 +78,9 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    # vLLM extensions that pagedcore does not serve for chat: refused with a 400.
+    echo: bool = False
+    prompt_logprobs: int | None = None
 
 
 def parse_body(raw: bytes, model_cls: type[_Body]) -> Any:
@@ -108,11 +114,13 @@ _INT32_MAX = 2**31 - 1
 _INT32_FIELDS = ("n", "max_tokens", "top_k", "min_tokens")
 
 
-def sampling_params(body: _SamplingFields, logprobs: int | None, max_tokens: int | None) -> SamplingParams:
+def sampling_params(body: _SamplingFields, logprobs: int | None, max_tokens: int | None,
+                    prompt_logprobs: int | None = None) -> SamplingParams:
     """SamplingParams from a request body; ValueError -> 400 naming the field."""
     kwargs: dict[str, Any] = dict(
         n=body.n, max_tokens=max_tokens, min_tokens=body.min_tokens, seed=body.seed, stop=body.stop,
         stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos, logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
         include_stop_str_in_output=body.include_stop_str_in_output,
         skip_special_tokens=body.skip_special_tokens,
     )
@@ -134,6 +142,8 @@ def sampling_params(body: _SamplingFields, logprobs: int | None, max_tokens: int
         param = match.group(1) if match and match.group(1) in kwargs else None
         if param == "logprobs" and isinstance(body, ChatCompletionRequest):
             param = "top_logprobs"
+        if param == "prompt_logprobs":  # (from echo's logprobs: /v1/completions has no such field)
+            param = "logprobs"
         raise APIError(400, str(e), param=param) from None
 
 
