@@ -1,7 +1,8 @@
 """SamplingParams.prompt_logprobs on the real default model (float32) against
 transformers' log-softmax over the same text and weights: values within 2e-4,
 top-k sets, ranks and decoded tokens exact; with a prefix cached by an earlier
-request, with chunked prefill, with n > 1 and across recompute preemptions."""
+request, with chunked prefill (and async output processing), with n > 1 and across
+recompute preemptions."""
 
 from __future__ import annotations
 
@@ -122,10 +123,11 @@ def test_n_samples_get_the_prompt_logprobs_once(llm, hf_model, tokenizer, prompt
 def test_chunked_prefill_and_preemption(model_dir, hf_model, tokenizer, prompts, monkeypatch) -> None:
     # 16 tokens a step: every prompt in 3+ chunks. 10 blocks of 16 for three
     # requests growing to ~60 tokens each: sequences are preempted and recomputed.
-    # Logits in slices of 5 rows: a chunk's rows span several slices.
+    # Logits in slices of 5 rows: a chunk's rows span several slices. Async output
+    # processing (the CUDA default): a step's outputs are made during the next step.
     monkeypatch.setattr(pagedcore.prompt_logprobs, "SLICE_ROWS", 5)
     small = LLM(model=model_dir, dtype="float32", num_kv_blocks=10, max_model_len=160, max_num_seqs=3,
-                max_num_batched_tokens=16)
+                max_num_batched_tokens=16, async_output_proc=True)
     outs = small.generate([{"prompt_token_ids": p} for p in prompts],
                           SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, prompt_logprobs=4),
                           use_tqdm=False)
