@@ -94,13 +94,18 @@ def main() -> None:
     load_before = os.getloadavg()
     llm_startup(args.source)  # warm-up
     runs = [llm_startup(args.source) for _ in range(args.repeat)]
+    # generate and run.sh alternate, so that a load changing over time affects both alike.
+    with_run_sh = not args.skip_run_sh and not args.source
     timed(generate, env)
-    gen = [timed(generate, env) for _ in range(args.repeat)]
-    gen_times = [w for w, _ in gen]
-    run: list[tuple[float, float]] = []
-    if not args.skip_run_sh and not args.source:
+    if with_run_sh:
         timed(run_sh)
-        run = [timed(run_sh) for _ in range(args.repeat)]
+    gen: list[tuple[float, float]] = []
+    run: list[tuple[float, float]] = []
+    for _ in range(args.repeat):
+        gen.append(timed(generate, env))
+        if with_run_sh:
+            run.append(timed(run_sh))
+    gen_times = [w for w, _ in gen]
     run_times = [w for w, _ in run]
     load_after = os.getloadavg()
 

@@ -217,3 +217,42 @@ def test_uninitialised_kv_cache_changes_no_output(llm, snapshot) -> None:
         expected = _hf_greedy(snapshot, prompt, 8)
         assert [c.token_ids for c in out.outputs] == [expected, expected]
     assert llm.stats()["prefix_cache_hits"] > 0
+
+
+# ---- the tokenizer without AutoConfig --------------------------------------------------
+
+
+@pytest.mark.parametrize("model_type,tokenizer_class", [
+    ("llama", None),                      # the default model's files as they are
+    ("llama", "LlamaTokenizerFast"),      # AutoTokenizer's llama + ByteLevel special case
+    ("qwen2", None),
+    ("mistral", "LlamaTokenizerFast"),
+])
+def test_tokenizer_without_autoconfig_is_autotokenizers(tmp_path, model_type, tokenizer_class) -> None:
+    from pagedcore import default_model_path
+    from pagedcore.model_loader import load_tokenizer
+
+    source = default_model_path()
+    for name in (*TOKENIZER_FILES, "config.json"):
+        if os.path.exists(os.path.join(source, name)):
+            shutil.copy(os.path.join(source, name), tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["model_type"] = model_type
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    if tokenizer_class is not None:
+        tokenizer_config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+        tokenizer_config["tokenizer_class"] = tokenizer_class
+        (tmp_path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+
+    ours = load_tokenizer(str(tmp_path))
+    reference = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    assert type(ours) is type(reference)
+    assert ours.get_vocab() == reference.get_vocab()
+    assert ours.all_special_tokens == reference.all_special_tokens
+    assert (ours.bos_token_id, ours.eos_token_id, ours.pad_token_id) == (
+        reference.bos_token_id, reference.eos_token_id, reference.pad_token_id)
+    for text in ("Hello world", " 自作PCで80万円", "<|im_start|>user\nHi<|im_end|>", "  spaces\tand\nlines "):
+        assert ours(text).input_ids == reference(text).input_ids, text
+    conversation = [{"role": "user", "content": "What is the capital of France?"}]
+    assert ours.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True) == \
+        reference.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
