@@ -18,10 +18,14 @@ check costs a device synchronisation) except inside :func:`unchecked_indices`,
 which the model runner uses: its indices come from the engine. The kernels
 never dereference an index out of range either way.
 
+The decoder layer's elementwise work runs in fused kernels too (:mod:`.layer`):
+RMSNorm (plain, per head, fused with the residual add), rotary embedding from a
+cos/sin table, SiLU-and-multiply.
+
 Modules by kernel family: :mod:`.attention` (paged attention), :mod:`.planning`
-(its CUDA work split), :mod:`.cache` (cache write, block copy, swap), :mod:`.cpu`
-(thread pool and instruction set of the CPU kernels) and :mod:`._checks`
-(argument checks shared by all wrappers).
+(its CUDA work split), :mod:`.cache` (cache write, block copy, swap),
+:mod:`.layer` (the fused layer ops), :mod:`.cpu` (thread pool and instruction set
+of the CPU kernels) and :mod:`._checks` (argument checks shared by all wrappers).
 """
 
 from __future__ import annotations
@@ -30,18 +34,24 @@ from ._checks import unchecked_indices
 from .attention import SUPPORTED_HEAD_DIMS, paged_attention
 from .cache import copy_blocks, reshape_and_cache, swap_blocks, swap_in, swap_out
 from .cpu import cpu_isa, get_num_threads, set_cpu_isa, set_num_threads
+from .layer import cos_sin_cache, fused_add_rms_norm, rms_norm, rotary_embedding, silu_and_mul
 from .planning import AttentionPlan, plan_attention, plan_decode
 
 __all__ = [
     "SUPPORTED_HEAD_DIMS",
     "AttentionPlan",
     "copy_blocks",
+    "cos_sin_cache",
     "cpu_isa",
+    "fused_add_rms_norm",
     "get_num_threads",
     "paged_attention",
     "plan_attention",
     "plan_decode",
     "reshape_and_cache",
+    "rms_norm",
+    "rotary_embedding",
+    "silu_and_mul",
     "unchecked_indices",
     "swap_in",
     "swap_out",
