@@ -212,8 +212,12 @@ class LLMEngine:
             model.load_weights(iter_safetensors(args.model, dtype=self.dtype))
         self.model = model.to(device=self.device, dtype=self.dtype)
         self.model.inv_freq.data = self.spec.inv_freq().to(self.device)  # kept in float32
+        max_positions = self.spec.max_position_embeddings
+        self.model.init_rotary(min(args.max_model_len or max_positions, max_positions))
 
         engine_config = self._engine_config()
+        if engine_config.max_model_len != self.model.max_positions:  # capped to the cache
+            self.model.init_rotary(engine_config.max_model_len)
         self.engine = _C.Engine(engine_config)
         self.runner = ModelRunner(self.model, engine_config, self.device, self.kv_dtype, args.enforce_eager)
         self.sampler = Sampler()
