@@ -120,10 +120,17 @@ void rotary_embedding_at(std::uintptr_t positions, bool positions_int64, std::ui
                          std::uintptr_t key, std::uintptr_t cos_sin_cache, DType dtype,
                          int32_t num_tokens, int32_t num_heads, int32_t num_kv_heads,
                          int32_t head_dim, int64_t query_stride, int64_t key_stride,
-                         int32_t max_position, std::uintptr_t stream) {
+                         int32_t max_position, std::uintptr_t value, std::uintptr_t key_cache,
+                         std::uintptr_t value_cache, std::uintptr_t slot_mapping,
+                         bool slot_mapping_int64, int32_t num_blocks, int32_t block_size,
+                         int64_t value_stride, DType cache_dtype, float k_scale, float v_scale,
+                         std::uintptr_t stream) {
   RotaryEmbeddingParams p{ptr<const void>(positions), positions_int64, ptr<void>(query), ptr<void>(key),
                           ptr<const float>(cos_sin_cache), num_tokens, num_heads, num_kv_heads, head_dim,
-                          query_stride, key_stride, max_position, dtype};
+                          query_stride, key_stride, max_position, dtype, ptr<const void>(value),
+                          ptr<void>(key_cache), ptr<void>(value_cache), ptr<const void>(slot_mapping),
+                          slot_mapping_int64, num_blocks, block_size, value_stride, cache_dtype, k_scale,
+                          v_scale};
   check(rotary_embedding(p, ptr<void>(stream)), "rotary_embedding");
 }
 

@@ -5,9 +5,11 @@
 // results would no longer equal the unfused arithmetic.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "pagedcore/cuda/layer_kernels.h"
 
@@ -173,26 +175,73 @@ int launch_rms_norm(const RmsNormParams& p, cudaStream_t s) {
 
 // ---- rotary ----------------------------------------------------------------------------
 
+// A value as the cache stores it: the same type, or fp8 e4m3 of value * inv_scale
+// (saturated; reshape_and_cache's arithmetic).
+template <typename T, typename C>
+__device__ __forceinline__ C to_cache(float v, float inv_scale) {
+  if constexpr (sizeof(C) == 1) {
+    return static_cast<C>(__nv_cvt_float_to_fp8(v * inv_scale, __NV_SATFINITE, __NV_E4M3));
+  } else {
+    return Num<T>::store(v);
+  }
+}
+
 // One CTA per token; thread j rotates pair (i, i + head_dim / 2) of one head, consecutive
-// threads on consecutive i (coalesced).
-template <typename T, typename Index>
+// threads on consecutive i (coalesced). C: the cache's element type (void: no cache
+// write); a thread writes the key elements it rotated, so no barrier is needed.
+template <typename T, typename Index, typename C>
 __global__ void rotary_kernel(RotaryEmbeddingParams p) {
+  constexpr bool kCache = !std::is_void_v<C>;
   const int64_t t = blockIdx.x;
   const int64_t pos = static_cast<int64_t>(static_cast<const Index*>(p.positions)[t]);
-  if (pos < 0 || pos >= p.max_position) return;
+  const bool rotate = pos >= 0 && pos < p.max_position;
   const int half = p.head_dim / 2;
-  const float* cos_sin = p.cos_sin_cache + pos * p.head_dim;
+  const int64_t kv_row = static_cast<int64_t>(p.num_kv_heads) * p.head_dim;
+  int64_t slot = -1;
+  if constexpr (kCache) {
+    slot = static_cast<int64_t>(static_cast<const Index*>(p.slot_mapping)[t]);
+    if (slot >= static_cast<int64_t>(p.num_blocks) * p.block_size) slot = -1;
+  }
+  if (!rotate && slot < 0) return;
+  const float* cos_sin = p.cos_sin_cache + (rotate ? pos : 0) * p.head_dim;
   T* q = static_cast<T*>(p.query) + t * p.query_stride;
   T* k = static_cast<T*>(p.key) + t * p.key_stride;
   const int pairs = (p.num_heads + p.num_kv_heads) * half;
   for (int j = threadIdx.x; j < pairs; j += blockDim.x) {
     const int head = j / half, i = j % half;
-    T* x = head < p.num_heads ? q + head * p.head_dim : k + (head - p.num_heads) * p.head_dim;
-    const float c = rnd<T>(cos_sin[i]), sn = rnd<T>(cos_sin[half + i]);
-    const float x1 = Num<T>::load(x[i]), x2 = Num<T>::load(x[half + i]);
-    // HF: x * cos + rotate_half(x) * sin, each product and the sum in the dtype.
-    x[i] = Num<T>::store(__fsub_rn(rnd<T>(__fmul_rn(x1, c)), rnd<T>(__fmul_rn(x2, sn))));
-    x[half + i] = Num<T>::store(__fadd_rn(rnd<T>(__fmul_rn(x2, c)), rnd<T>(__fmul_rn(x1, sn))));
+    const bool is_key = head >= p.num_heads;
+    T* x = is_key ? k + (head - p.num_heads) * p.head_dim : q + head * p.head_dim;
+    if (rotate) {
+      const float c = rnd<T>(cos_sin[i]), sn = rnd<T>(cos_sin[half + i]);
+      const float x1 = Num<T>::load(x[i]), x2 = Num<T>::load(x[half + i]);
+      // HF: x * cos + rotate_half(x) * sin, each product and the sum in the dtype.
+      x[i] = Num<T>::store(__fsub_rn(rnd<T>(__fmul_rn(x1, c)), rnd<T>(__fmul_rn(x2, sn))));
+      x[half + i] = Num<T>::store(__fadd_rn(rnd<T>(__fmul_rn(x2, c)), rnd<T>(__fmul_rn(x1, sn))));
+    }
+    if constexpr (kCache) {
+      if (is_key && slot >= 0) {
+        const float inv = 1.f / p.k_scale;
+        C* kc = static_cast<C*>(p.key_cache) + slot * kv_row + (head - p.num_heads) * p.head_dim;
+        kc[i] = to_cache<T, C>(Num<T>::load(x[i]), inv);
+        kc[half + i] = to_cache<T, C>(Num<T>::load(x[half + i]), inv);
+      }
+    }
+  }
+  if constexpr (kCache) {
+    if (slot < 0) return;
+    const T* v = static_cast<const T*>(p.value) + t * p.value_stride;
+    C* vc = static_cast<C*>(p.value_cache) + slot * kv_row;
+    const float inv = 1.f / p.v_scale;
+    for (int64_t e = threadIdx.x; e < kv_row; e += blockDim.x) vc[e] = to_cache<T, C>(Num<T>::load(v[e]), inv);
+  }
+}
+
+template <typename T, typename C>
+void launch_rotary_cache(const RotaryEmbeddingParams& p, int threads, cudaStream_t s) {
+  if (p.positions_int64) {
+    rotary_kernel<T, int64_t, C><<<p.num_tokens, threads, 0, s>>>(p);
+  } else {
+    rotary_kernel<T, int32_t, C><<<p.num_tokens, threads, 0, s>>>(p);
   }
 }
 
@@ -200,10 +249,15 @@ template <typename T>
 int launch_rotary(const RotaryEmbeddingParams& p, cudaStream_t s) {
   const int pairs = (p.num_heads + p.num_kv_heads) * (p.head_dim / 2);
   const int threads = pairs >= 512 ? 512 : round_up32(pairs);
-  if (p.positions_int64) {
-    rotary_kernel<T, int64_t><<<p.num_tokens, threads, 0, s>>>(p);
+  if (p.key_cache == nullptr) {
+    launch_rotary_cache<T, void>(p, threads, s);
+  } else if (p.cache_dtype == p.dtype) {
+    launch_rotary_cache<T, T>(p, threads, s);
+  } else if (p.cache_dtype == DType::kFloat8E4M3 && sizeof(T) == 2) {
+    if (!(p.k_scale > 0.f) || !(p.v_scale > 0.f)) return cudaErrorInvalidValue;
+    launch_rotary_cache<T, uint8_t>(p, threads, s);
   } else {
-    rotary_kernel<T, int32_t><<<p.num_tokens, threads, 0, s>>>(p);
+    return cudaErrorInvalidValue;
   }
   return cudaGetLastError();
 }

@@ -49,7 +49,8 @@ void register_ops(pybind11::module_& m) {
   m.def("cpu_rotary_embedding", &cpu::rotary_embedding_at, release_gil(), "positions"_a,
         "positions_type"_a, "query"_a, "key"_a, "cos_sin_cache"_a, "dtype"_a, "num_tokens"_a,
         "num_heads"_a, "num_kv_heads"_a, "head_dim"_a, "query_stride"_a, "key_stride"_a,
-        "max_position"_a);
+        "max_position"_a, "value"_a, "key_cache"_a, "value_cache"_a, "slot_mapping"_a,
+        "slot_mapping_type"_a, "num_blocks"_a, "block_size"_a, "value_stride"_a);
   m.def("cpu_silu_and_mul", &cpu::silu_and_mul_at, release_gil(), "out"_a, "input"_a, "dtype"_a,
         "num_tokens"_a, "intermediate_size"_a, "input_stride"_a, "out_stride"_a);
   m.def("cpu_set_num_threads", &cpu::set_num_threads, release_gil(), "n"_a);
@@ -91,6 +92,8 @@ void register_ops(pybind11::module_& m) {
   m.def("cuda_rotary_embedding", &cuda::rotary_embedding_at, "positions"_a, "positions_int64"_a,
         "query"_a, "key"_a, "cos_sin_cache"_a, "dtype"_a, "num_tokens"_a, "num_heads"_a,
         "num_kv_heads"_a, "head_dim"_a, "query_stride"_a, "key_stride"_a, "max_position"_a,
+        "value"_a, "key_cache"_a, "value_cache"_a, "slot_mapping"_a, "slot_mapping_int64"_a,
+        "num_blocks"_a, "block_size"_a, "value_stride"_a, "cache_dtype"_a, "k_scale"_a, "v_scale"_a,
         "stream"_a);
   m.def("cuda_silu_and_mul", &cuda::silu_and_mul_at, "out"_a, "input"_a, "dtype"_a, "num_tokens"_a,
         "intermediate_size"_a, "input_stride"_a, "out_stride"_a, "stream"_a);

@@ -223,6 +223,57 @@ def test_rotary_float32_equals_the_torch_ops_int32_positions(tokens):
     assert torch.equal(q, want_q) and torch.equal(k, want_k)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64])
+def test_rotary_with_the_cache_write(dtype, slot_dtype):
+    spec, _ = llama_spec(LLAMA3_SCALING, theta=500000.0, head_dim=128)
+    table = ops.cos_sin_cache(spec.inv_freq(), 2048)
+    tokens, heads, kv_heads, num_blocks, block_size = 6, 4, 2, 4, 16
+    qkv, q, k, v = qkv_views(tokens, heads, kv_heads, 128, dtype, "cpu", pad=8, seed=30)
+    positions = torch.tensor([0, 9, 100, 1500, 2047, 3])
+    slots = torch.tensor([5, 17, -1, 40, 3, 63], dtype=slot_dtype)
+    k_cache = torch.full((num_blocks, block_size, kv_heads, 128), NAN, dtype=dtype)
+    v_cache = torch.full_like(k_cache, NAN)
+    q_ref, k_ref, v_before = rotary_ref(q, positions, table), rotary_ref(k, positions, table), v.clone()
+    ops.rotary_embedding(positions, q, k, table, value=v, key_cache=k_cache, value_cache=v_cache,
+                         slot_mapping=slots)
+    check(q, q_ref, max_off=0.0)
+    check(k, k_ref, max_off=0.0)
+    assert_same_bits(v, v_before)
+    k_rows, v_rows = k_cache.view(-1, kv_heads, 128), v_cache.view(-1, kv_heads, 128)
+    written = [int(s) for s in slots if s >= 0]
+    for t, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            assert_same_bits(k_rows[slot], k_ref[t].to(dtype))
+            assert_same_bits(v_rows[slot], v_before[t])
+    untouched = torch.ones(num_blocks * block_size, dtype=torch.bool)
+    untouched[written] = False
+    assert torch.isnan(k_rows[untouched]).all() and torch.isnan(v_rows[untouched]).all()
+
+
+def test_rotary_cache_write_bad_input_writes_nothing():
+    spec, _ = llama_spec(head_dim=64)
+    table = ops.cos_sin_cache(spec.inv_freq(), 16)
+    qkv, q, k, v = qkv_views(2, 2, 1, 64, torch.float32, "cpu")
+    k_cache, v_cache = torch.zeros(2, 4, 1, 64), torch.zeros(2, 4, 1, 64)
+    before = qkv.clone()
+    positions = torch.tensor([1, 2])
+    with pytest.raises(pagedcore.InvalidArgumentError, match=r"rotary_embedding: slot_mapping\[1\] = 8 out of range \[0, 8\)"):
+        ops.rotary_embedding(positions, q, k, table, value=v, key_cache=k_cache, value_cache=v_cache,
+                             slot_mapping=torch.tensor([0, 8]))
+    with pytest.raises(ValueError, match="rotary_embedding: the cache write needs value, key_cache, value_cache and slot_mapping together"):
+        ops.rotary_embedding(positions, q, k, table, key_cache=k_cache, value_cache=v_cache,
+                             slot_mapping=torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match=r"rotary_embedding: key is \[num_tokens, 1, 64\] but the cache holds \[num_kv_heads, head_dim\] = \[2, 32\]"):
+        ops.rotary_embedding(positions, q, k, table, value=v, key_cache=torch.zeros(2, 4, 2, 32),
+                             value_cache=torch.zeros(2, 4, 2, 32), slot_mapping=torch.tensor([0, 1]))
+    with pytest.raises(TypeError, match="rotary_embedding: key_cache has dtype torch.bfloat16 but key has torch.float32"):
+        ops.rotary_embedding(positions, q, k, table, value=v, key_cache=k_cache.bfloat16(),
+                             value_cache=v_cache.bfloat16(), slot_mapping=torch.tensor([0, 1]))
+    assert_same_bits(qkv, before)
+    assert not k_cache.any() and not v_cache.any()
+
+
 # ---- SiLU and multiply --------------------------------------------------------------------
 
 

@@ -124,6 +124,46 @@ def test_rotary(dtype, head_dim, rope, tokens, positions_dtype):
     assert_same_bits(qkv[:, start:], before[:, start:])
 
 
+@pytest.mark.parametrize("dtype,cache", [(torch.float32, "same"), (torch.bfloat16, "same"), (torch.float16, "same"),
+                                         (torch.bfloat16, "fp8"), (torch.float16, "fp8")])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("tokens", [1, 17, 1000])
+def test_rotary_with_the_cache_write(dtype, cache, head_dim, tokens):
+    spec, _ = llama_spec(LLAMA3_SCALING, theta=500000.0, head_dim=head_dim)
+    table = ops.cos_sin_cache(spec.inv_freq().to(DEV), 4096)
+    heads, kv_heads, block_size = 8, 2, 16
+    num_blocks = (2 * tokens) // block_size + 2
+    qkv, q, k, v = qkv_views(tokens, heads, kv_heads, head_dim, dtype, DEV, pad=8, seed=tokens)
+    g = torch.Generator().manual_seed(head_dim)
+    positions = torch.randint(0, 4096, (tokens,), generator=g).to(DEV)
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:tokens]
+    slots[::5] = -1  # padding rows
+    cache_dtype = torch.float8_e4m3fn if cache == "fp8" else dtype
+    k_scale, v_scale = (2.0, 0.5) if cache == "fp8" else (1.0, 1.0)
+    k_cache = torch.full((num_blocks, block_size, kv_heads, head_dim), NAN, device=DEV).to(cache_dtype)
+    v_cache = torch.full_like(k_cache, NAN)
+    q_ref = rotary_ref(q.cpu(), positions.cpu(), table.cpu())
+    k_ref = rotary_ref(k.cpu(), positions.cpu(), table.cpu())
+    v_before = v.clone()
+    ops.rotary_embedding(positions, q, k, table, value=v, key_cache=k_cache, value_cache=v_cache,
+                         slot_mapping=slots.to(DEV), k_scale=k_scale, v_scale=v_scale)
+    check(q, q_ref, max_off=0.0)
+    check(k, k_ref, max_off=0.0)
+    assert_same_bits(v, v_before)
+    k_rows = k_cache.view(-1, kv_heads, head_dim).cpu()
+    v_rows = v_cache.view(-1, kv_heads, head_dim).cpu()
+    rows = slots >= 0
+    # The stored values: the rotated keys and the values in the cache's type (fp8: / scale,
+    # exact powers of two, so the scaling itself rounds nothing).
+    want_k = (k_ref[rows] / k_scale).to(cache_dtype)
+    want_v = (v_before.cpu()[rows].double() / v_scale).to(cache_dtype)
+    assert_same_bits(k_rows[slots[rows]], want_k)
+    assert_same_bits(v_rows[slots[rows]], want_v)
+    untouched = torch.ones(num_blocks * block_size, dtype=torch.bool)
+    untouched[slots[rows]] = False
+    assert torch.isnan(k_rows[untouched].float()).all() and torch.isnan(v_rows[untouched].float()).all()
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("size", [64, 1000, 1536, 8192, 14336, 3])
 @pytest.mark.parametrize("tokens", TOKENS)

@@ -179,6 +179,9 @@ void rms_norm(const RmsNormArgs& args);
 //   x[i] = x1 * c - x2 * s,   x[i + head_dim / 2] = x2 * c + x1 * s
 // (each product and sum rounded to dtype). Positions must lie in [0, max_position)
 // (checked before anything is written).
+// With key_cache set, the rotated key and the value of every token t with slot =
+// slot_mapping[t] >= 0 are also written to the paged caches (reshape_and_cache's
+// semantics: slots < num_blocks * block_size, checked first; negative slots skipped).
 struct RotaryEmbeddingArgs {
   const void* positions = nullptr;      // [num_tokens], positions_type
   IndexType positions_type = IndexType::kInt64;
@@ -193,6 +196,15 @@ struct RotaryEmbeddingArgs {
   int64_t query_stride = 0;             // elements between tokens, >= num_heads * head_dim
   int64_t key_stride = 0;               // >= num_kv_heads * head_dim
   int64_t max_position = 0;
+  // Optional cache write (key_cache == nullptr: none).
+  const void* value = nullptr;          // [num_tokens, num_kv_heads, head_dim], see value_stride
+  void* key_cache = nullptr;            // [num_blocks, block_size, num_kv_heads, head_dim], dtype
+  void* value_cache = nullptr;          // same
+  const void* slot_mapping = nullptr;   // [num_tokens], slot_mapping_type
+  IndexType slot_mapping_type = IndexType::kInt64;
+  int64_t num_blocks = 0;
+  int64_t block_size = 0;
+  int64_t value_stride = 0;             // >= num_kv_heads * head_dim
 };
 void rotary_embedding(const RotaryEmbeddingArgs& args);
 
@@ -256,11 +268,15 @@ void rms_norm_at(std::uintptr_t out, std::uintptr_t input, std::uintptr_t residu
                  int64_t hidden_size, int64_t input_stride, int64_t out_stride,
                  int64_t residual_stride, float eps);
 
+// key_cache 0: no cache write (value, value_cache, slot_mapping and the sizes after it unused).
 void rotary_embedding_at(std::uintptr_t positions, IndexType positions_type, std::uintptr_t query,
                          std::uintptr_t key, std::uintptr_t cos_sin_cache, DType dtype,
                          int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads,
                          int64_t head_dim, int64_t query_stride, int64_t key_stride,
-                         int64_t max_position);
+                         int64_t max_position, std::uintptr_t value, std::uintptr_t key_cache,
+                         std::uintptr_t value_cache, std::uintptr_t slot_mapping,
+                         IndexType slot_mapping_type, int64_t num_blocks, int64_t block_size,
+                         int64_t value_stride);
 
 void silu_and_mul_at(std::uintptr_t out, std::uintptr_t input, DType dtype, int64_t num_tokens,
                      int64_t intermediate_size, int64_t input_stride, int64_t out_stride);

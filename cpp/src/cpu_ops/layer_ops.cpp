@@ -197,9 +197,17 @@ void rotate_heads(typename E::T* base, int64_t heads, int64_t head_dim, const fl
   }
 }
 
-int64_t position_at(const RotaryEmbeddingArgs& a, int64_t t) {
-  return a.positions_type == IndexType::kInt32 ? int64_t{static_cast<const int32_t*>(a.positions)[t]}
-                                               : static_cast<const int64_t*>(a.positions)[t];
+int64_t index_at(const void* data, IndexType type, int64_t i) {
+  return type == IndexType::kInt32 ? int64_t{static_cast<const int32_t*>(data)[i]}
+                                   : static_cast<const int64_t*>(data)[i];
+}
+
+int64_t position_at(const RotaryEmbeddingArgs& a, int64_t t) { return index_at(a.positions, a.positions_type, t); }
+
+void check_index_type(const char* op, const char* field, IndexType type) {
+  if (type != IndexType::kInt32 && type != IndexType::kInt64) {
+    throw InvalidArgument(detail::concat(op, ": unsupported ", field, " index type: ", static_cast<int>(type)));
+  }
 }
 
 // ---- SiLU and multiply -----------------------------------------------------------------
@@ -259,13 +267,27 @@ void rotary_embedding(const RotaryEmbeddingArgs& a) {
   if (a.head_dim <= 0 || a.head_dim % 2 != 0) {
     throw InvalidArgument(detail::concat(op, ": head_dim must be even and > 0, got ", a.head_dim));
   }
-  if (a.positions_type != IndexType::kInt32 && a.positions_type != IndexType::kInt64) {
-    throw InvalidArgument(detail::concat(op, ": unsupported positions index type: ",
-                                         static_cast<int>(a.positions_type)));
-  }
+  check_index_type(op, "positions", a.positions_type);
+  const int64_t kv_row = a.num_kv_heads * a.head_dim;
   if (a.num_tokens > 1) {
     check_stride(op, "query_stride", a.query_stride, a.num_heads * a.head_dim);
-    check_stride(op, "key_stride", a.key_stride, a.num_kv_heads * a.head_dim);
+    check_stride(op, "key_stride", a.key_stride, kv_row);
+  }
+  const bool write_cache = a.key_cache != nullptr;
+  if (write_cache) {
+    check_index_type(op, "slot_mapping", a.slot_mapping_type);
+    if (a.block_size <= 0 || a.num_blocks < 0) {
+      throw InvalidArgument(detail::concat(op, ": bad cache shape [", a.num_blocks, ", ", a.block_size, "]"));
+    }
+    if (a.num_tokens > 1) check_stride(op, "value_stride", a.value_stride, kv_row);
+    const int64_t num_slots = a.num_blocks * a.block_size;
+    for (int64_t t = 0; t < a.num_tokens; ++t) {
+      const int64_t slot = index_at(a.slot_mapping, a.slot_mapping_type, t);
+      if (slot >= num_slots) {
+        throw InvalidArgument(detail::concat(op, ": slot_mapping[", t, "] = ", slot, " out of range [0, ",
+                                             num_slots, ") (negative slots are skipped)"));
+      }
+    }
   }
   for (int64_t t = 0; t < a.num_tokens; ++t) {  // everything checked before anything is written
     const int64_t p = position_at(a, t);
@@ -281,7 +303,14 @@ void rotary_embedding(const RotaryEmbeddingArgs& a) {
       for (int64_t t = begin; t < end; ++t) {
         const float* cos_sin = a.cos_sin_cache + position_at(a, t) * a.head_dim;
         rotate_heads<E>(static_cast<T*>(a.query) + t * a.query_stride, a.num_heads, a.head_dim, cos_sin);
-        rotate_heads<E>(static_cast<T*>(a.key) + t * a.key_stride, a.num_kv_heads, a.head_dim, cos_sin);
+        T* key = static_cast<T*>(a.key) + t * a.key_stride;
+        rotate_heads<E>(key, a.num_kv_heads, a.head_dim, cos_sin);
+        if (!write_cache) continue;
+        const int64_t slot = index_at(a.slot_mapping, a.slot_mapping_type, t);
+        if (slot < 0) continue;  // padding
+        std::memcpy(static_cast<T*>(a.key_cache) + slot * kv_row, key, kv_row * sizeof(T));
+        std::memcpy(static_cast<T*>(a.value_cache) + slot * kv_row,
+                    static_cast<const T*>(a.value) + t * a.value_stride, kv_row * sizeof(T));
       }
     });
   });
@@ -328,8 +357,19 @@ void rotary_embedding_at(std::uintptr_t positions, IndexType positions_type, std
                          std::uintptr_t key, std::uintptr_t cos_sin_cache, DType dtype,
                          int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads,
                          int64_t head_dim, int64_t query_stride, int64_t key_stride,
-                         int64_t max_position) {
+                         int64_t max_position, std::uintptr_t value, std::uintptr_t key_cache,
+                         std::uintptr_t value_cache, std::uintptr_t slot_mapping,
+                         IndexType slot_mapping_type, int64_t num_blocks, int64_t block_size,
+                         int64_t value_stride) {
   RotaryEmbeddingArgs a;
+  a.value = reinterpret_cast<const void*>(value);
+  a.key_cache = reinterpret_cast<void*>(key_cache);
+  a.value_cache = reinterpret_cast<void*>(value_cache);
+  a.slot_mapping = reinterpret_cast<const void*>(slot_mapping);
+  a.slot_mapping_type = slot_mapping_type;
+  a.num_blocks = num_blocks;
+  a.block_size = block_size;
+  a.value_stride = value_stride;
   a.positions = reinterpret_cast<const void*>(positions);
   a.positions_type = positions_type;
   a.query = reinterpret_cast<void*>(query);

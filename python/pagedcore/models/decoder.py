@@ -93,8 +93,8 @@ class DecoderLayer(nn.Module):
         """One layer, vLLM's way: returns ``(hidden, residual)`` with the layer's
         residual add left to the next norm (``hidden + residual`` is HF's output).
         ``residual`` is None for the first layer (``hidden`` is then the embeddings).
-        A decode step runs about ten kernels here: norm, qkv GEMM, (q/k norm,)
-        rotary, cache write, attention, o GEMM, add+norm, gate_up GEMM, SiLU-mul,
+        A decode step runs about nine kernels here: norm, qkv GEMM, (q/k norm,)
+        rotary + cache write, attention, o GEMM, add+norm, gate_up GEMM, SiLU-mul,
         down GEMM."""
         spec = self.spec
         t = hidden.shape[0]
@@ -111,8 +111,9 @@ class DecoderLayer(nn.Module):
         if spec.qk_norm:  # Qwen3: per head, in place inside qkv
             self.q_norm(q, out=q)
             self.k_norm(k, out=k)
-        ops.rotary_embedding(positions, q, k, cos_sin_cache)
-        ops.reshape_and_cache(k, v, key_cache, value_cache, md.slot_mapping)
+        # Rotary on q and k in place, and the cache write of k and v, in one kernel.
+        ops.rotary_embedding(positions, q, k, cos_sin_cache, value=v, key_cache=key_cache,
+                             value_cache=value_cache, slot_mapping=md.slot_mapping)
         attn = ops.paged_attention(
             q, key_cache, value_cache, md.block_tables, md.seq_lens, md.query_start_loc,
             scale=self.scale, sliding_window=spec.sliding_window, plan=md.plan,

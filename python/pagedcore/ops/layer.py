@@ -20,10 +20,12 @@ from .. import _C
 from ._checks import (
     _CUDA_DTYPES,
     _INDEX_TYPES,
+    _cache_pair,
     _check_range,
     _contiguous,
     _dim,
     _float_dtype,
+    _fp8_cache,
     _index,
     _same_device,
     _same_dtype,
@@ -234,13 +236,29 @@ def cos_sin_cache(inv_freq: torch.Tensor, max_positions: int) -> torch.Tensor:
     return torch.cat((freqs.cos(), freqs.sin()), dim=-1).contiguous()
 
 
-def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
-                     cos_sin_cache: torch.Tensor) -> None:
-    """Rotary embedding (rotate-half layout), in place on ``query`` and ``key``.
+def rotary_embedding(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    *,
+    value: torch.Tensor | None = None,
+    key_cache: torch.Tensor | None = None,
+    value_cache: torch.Tensor | None = None,
+    slot_mapping: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> None:
+    """Rotary embedding (rotate-half layout), in place on ``query`` and ``key``, and
+    optionally the paged cache write of the rotated keys and the values in the same
+    kernel.
 
     With ``c, s = cos_sin_cache[positions[t]].chunk(2)`` rounded to the dtype, every
     head ``x`` of token ``t`` becomes ``x * cat(c, c) + rotate_half(x) * cat(s, s)``
     with each product and the sum rounded to the dtype, as Hugging Face computes it.
+    With ``key_cache`` given, the rotated keys and the values are then written as
+    :func:`~pagedcore.ops.reshape_and_cache` writes them (same arguments, same
+    semantics: slots ``< 0`` skipped, fp8 caches on CUDA).
 
     Parameters
     ----------
@@ -255,6 +273,11 @@ def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Te
         lie. They must not share an element.
     cos_sin_cache : torch.Tensor
         ``[max_positions, head_dim]`` float32, contiguous (:func:`cos_sin_cache`).
+    value, key_cache, value_cache, slot_mapping : torch.Tensor, optional
+        All four or none: the cache write, as for ``reshape_and_cache(key, value,
+        key_cache, value_cache, slot_mapping)``.
+    k_scale, v_scale : float, optional
+        fp8 caches only: the per-tensor scales (positive).
 
     Examples
     --------
@@ -262,8 +285,13 @@ def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Te
     >>> from pagedcore import ops
     >>> qkv = torch.randn(2, (4 + 2 + 2) * 64)
     >>> q, k = qkv[:, :256].view(2, 4, 64), qkv[:, 256:384].view(2, 2, 64)
+    >>> v = qkv[:, 384:].view(2, 2, 64)
     >>> table = ops.cos_sin_cache(1.0 / 10000 ** (torch.arange(0, 64, 2) / 64), 16)
-    >>> ops.rotary_embedding(torch.tensor([0, 7]), q, k, table)
+    >>> k_cache, v_cache = torch.zeros(4, 16, 2, 64), torch.zeros(4, 16, 2, 64)
+    >>> ops.rotary_embedding(torch.tensor([0, 7]), q, k, table, value=v, key_cache=k_cache,
+    ...                      value_cache=v_cache, slot_mapping=torch.tensor([16, -1]))
+    >>> bool(torch.equal(k_cache[1, 0], k[0]))
+    True
     """
     op = "rotary_embedding"
     for name, t in (("positions", positions), ("query", query), ("key", key), ("cos_sin_cache", cos_sin_cache)):
@@ -273,6 +301,7 @@ def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Te
     dtype = _float_dtype(op, "query", query)
     _same_dtype(op, "key", key, "query", query)
     tokens, heads, head_dim = query.shape
+    kv_heads = key.shape[1]
     if key.shape[0] != tokens or key.shape[2] != head_dim:
         raise ValueError(f"{op}: key shape {tuple(key.shape)} does not match query shape {tuple(query.shape)} "
                          f"(num_tokens and head_dim)")
@@ -290,23 +319,58 @@ def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Te
         raise ValueError(f"{op}: cos_sin_cache must be [max_positions, head_dim = {head_dim}], got shape "
                          f"{tuple(cos_sin_cache.shape)}")
     _contiguous(op, "cos_sin_cache", cos_sin_cache)
-    device = _same_device(op, positions=positions, query=query, key=key, cos_sin_cache=cos_sin_cache)
+    cache_args = (value, key_cache, value_cache, slot_mapping)
+    write = {"value": 0, "key_cache": 0, "value_cache": 0, "slot_mapping": 0, "num_blocks": 0, "block_size": 1,
+             "value_stride": 0}
+    tensors = {"positions": positions, "query": query, "key": key, "cos_sin_cache": cos_sin_cache}
+    if any(t is not None for t in cache_args):
+        if any(t is None for t in cache_args):
+            raise ValueError(f"{op}: the cache write needs value, key_cache, value_cache and slot_mapping together")
+        _tensor(op, "value", value)
+        _tensor(op, "slot_mapping", slot_mapping)
+        _cache_pair(op, key_cache, value_cache)
+        if value.shape != key.shape:
+            raise ValueError(f"{op}: value shape {tuple(value.shape)} != key shape {tuple(key.shape)}")
+        _same_dtype(op, "value", value, "key", key)
+        num_blocks, block_size, cache_heads, cache_head_dim = key_cache.shape
+        if (cache_heads, cache_head_dim) != (kv_heads, head_dim):
+            raise ValueError(f"{op}: key is [num_tokens, {kv_heads}, {head_dim}] but the cache holds "
+                             f"[num_kv_heads, head_dim] = [{cache_heads}, {cache_head_dim}]")
+        _fp8_cache(op, key_cache, "key", key, k_scale, v_scale)
+        _index(op, "slot_mapping", slot_mapping, (torch.int32, torch.int64))
+        if slot_mapping.shape != (tokens,):
+            raise ValueError(f"{op}: slot_mapping must be [num_tokens] = [{tokens}], got shape "
+                             f"{tuple(slot_mapping.shape)}")
+        _contiguous(op, "slot_mapping", slot_mapping)
+        write = {"value": value.data_ptr(), "key_cache": key_cache.data_ptr(), "value_cache": value_cache.data_ptr(),
+                 "slot_mapping": slot_mapping.data_ptr(), "num_blocks": num_blocks, "block_size": block_size,
+                 "value_stride": _token_stride(op, "value", value)}
+        tensors.update(value=value, key_cache=key_cache, value_cache=value_cache, slot_mapping=slot_mapping)
+    device = _same_device(op, **tensors)
     max_position = cos_sin_cache.shape[0]
     if device.type == "cuda":
         _check_range(op, "positions", positions, 0, max_position)
+        cache_dtype = _CUDA_DTYPES[query.dtype]
+        if key_cache is not None:
+            _check_range(op, "slot_mapping", slot_mapping, 0, write["num_blocks"] * write["block_size"],
+                         allow_negative=True)
+            cache_dtype = _CUDA_DTYPES[key_cache.dtype]
         _C.cuda_rotary_embedding(
             positions=positions.data_ptr(), positions_int64=positions.dtype == torch.int64,
             query=query.data_ptr(), key=key.data_ptr(), cos_sin_cache=cos_sin_cache.data_ptr(),
-            dtype=_CUDA_DTYPES[query.dtype], num_tokens=tokens, num_heads=heads, num_kv_heads=key.shape[1],
+            dtype=_CUDA_DTYPES[query.dtype], num_tokens=tokens, num_heads=heads, num_kv_heads=kv_heads,
             head_dim=head_dim, query_stride=query_stride, key_stride=key_stride, max_position=max_position,
-            stream=_stream(device),
+            slot_mapping_int64=slot_mapping is not None and slot_mapping.dtype == torch.int64,
+            cache_dtype=cache_dtype, k_scale=float(k_scale), v_scale=float(v_scale), stream=_stream(device),
+            **write,
         )
         return
     _C.cpu_rotary_embedding(
         positions=positions.data_ptr(), positions_type=_INDEX_TYPES[positions.dtype], query=query.data_ptr(),
         key=key.data_ptr(), cos_sin_cache=cos_sin_cache.data_ptr(), dtype=dtype, num_tokens=tokens,
-        num_heads=heads, num_kv_heads=key.shape[1], head_dim=head_dim, query_stride=query_stride,
+        num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, query_stride=query_stride,
         key_stride=key_stride, max_position=max_position,
+        slot_mapping_type=_INDEX_TYPES[slot_mapping.dtype if slot_mapping is not None else torch.int64], **write,
     )
 
 

@@ -45,6 +45,10 @@ int rms_norm(const RmsNormParams& p, void* stream);
 // i]), x1 = x[i], x2 = x[d/2 + i]:  x[i] = x1 c - x2 s,  x[d/2 + i] = x2 c + x1 s (each
 // product and sum rounded to dtype). Tokens whose position is outside [0, max_position)
 // are left as they are.
+// With key_cache set, the rotated key and the value of every token t with slot =
+// slot_mapping[t] in [0, num_blocks * block_size) are also written to the paged caches
+// (reshape_and_cache's semantics, fp8 e4m3 included: value / scale, saturated); other
+// slots are skipped. The cache write of a decoder layer then costs no launch of its own.
 struct RotaryEmbeddingParams {
   const void* positions;       // [num_tokens] int32 or int64
   bool positions_int64;
@@ -58,7 +62,19 @@ struct RotaryEmbeddingParams {
   int64_t query_stride;        // elements
   int64_t key_stride;
   int32_t max_position;
-  DType dtype;                 // of query and key
+  DType dtype;                 // of query, key and value
+  // Optional cache write (key_cache == nullptr: none).
+  const void* value;           // [num_tokens, num_kv_heads, head_dim], token stride value_stride
+  void* key_cache;             // [num_blocks, block_size, num_kv_heads, head_dim]
+  void* value_cache;           // same
+  const void* slot_mapping;    // [num_tokens] int32 or int64
+  bool slot_mapping_int64;
+  int32_t num_blocks;
+  int32_t block_size;
+  int64_t value_stride;
+  DType cache_dtype;           // dtype, or kFloat8E4M3 (bf16/fp16 inputs)
+  float k_scale;               // fp8: stored = value / scale
+  float v_scale;
 };
 int rotary_embedding(const RotaryEmbeddingParams& p, void* stream);
 
@@ -84,7 +100,11 @@ void rotary_embedding_at(std::uintptr_t positions, bool positions_int64, std::ui
                          std::uintptr_t key, std::uintptr_t cos_sin_cache, DType dtype,
                          int32_t num_tokens, int32_t num_heads, int32_t num_kv_heads,
                          int32_t head_dim, int64_t query_stride, int64_t key_stride,
-                         int32_t max_position, std::uintptr_t stream);
+                         int32_t max_position, std::uintptr_t value, std::uintptr_t key_cache,
+                         std::uintptr_t value_cache, std::uintptr_t slot_mapping,
+                         bool slot_mapping_int64, int32_t num_blocks, int32_t block_size,
+                         int64_t value_stride, DType cache_dtype, float k_scale, float v_scale,
+                         std::uintptr_t stream);
 void silu_and_mul_at(std::uintptr_t out, std::uintptr_t input, DType dtype, int32_t num_tokens,
                      int32_t intermediate_size, int64_t input_stride, int64_t out_stride,
                      std::uintptr_t stream);
