@@ -141,7 +141,7 @@ def test_rotary_with_the_cache_write(dtype, cache, head_dim, tokens):
     cache_dtype = torch.float8_e4m3fn if cache == "fp8" else dtype
     k_scale, v_scale = (2.0, 0.5) if cache == "fp8" else (1.0, 1.0)
     k_cache = torch.full((num_blocks, block_size, kv_heads, head_dim), NAN, device=DEV).to(cache_dtype)
-    v_cache = torch.full_like(k_cache, NAN)
+    v_cache = k_cache.clone()
     q_ref = rotary_ref(q.cpu(), positions.cpu(), table.cpu())
     k_ref = rotary_ref(k.cpu(), positions.cpu(), table.cpu())
     v_before = v.clone()

@@ -138,22 +138,23 @@ void check_stride(const char* op, const char* field, int64_t stride, int64_t min
 
 // ---- RMSNorm ---------------------------------------------------------------------------
 
-// Sum of squares with 8 independent partial sums (which the compiler can vectorize).
+// Sum of squares with 8 independent partial sums (which the compiler can vectorize), in
+// double: the rounding of a long float sum would cost rows of 8k elements a few ulps.
 template <typename E>
 float sum_squares(const typename E::T* x, int64_t n) {
-  float acc[8] = {};
+  double acc[8] = {};
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
     for (int l = 0; l < 8; ++l) {
-      const float v = E::load(x[i + l]);
+      const double v = E::load(x[i + l]);
       acc[l] += v * v;
     }
   }
   for (; i < n; ++i) {
-    const float v = E::load(x[i]);
+    const double v = E::load(x[i]);
     acc[0] += v * v;
   }
-  return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+  return static_cast<float>(((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7])));
 }
 
 template <typename E>
