@@ -147,7 +147,7 @@ void swap_blocks(const SwapBlocksArgs& args);
 // ---- layer ops (cpu_ops/layer_ops.cpp) ---------------------------------------------------
 // Elementwise ops of a decoder layer, each one pass over its rows. Intermediates are
 // rounded to dtype where Hugging Face's modules round them (they compute op by op in the
-// activation dtype); reductions and products run in fp32.
+// activation dtype); products run in fp32, the sum of squares of RMSNorm in double.
 
 // rms_norm: for each row (token t, head h) of hidden_size elements,
 //   x   = input row                       (residual == nullptr)
