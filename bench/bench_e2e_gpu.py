@@ -28,8 +28,14 @@ With ``--shared-prefix``: 256 requests behind one 1,000-token system prompt (tai
 20-200 tokens, 128 outputs), prefix caching on against off: hit rate and the ratio of
 output tokens per second.
 
+With ``--kernels``: the CUDA kernels one model forward launches, counted with
+torch.profiler for a batch-1 decode step (128 tokens cached) and a 512-token
+prefill step, in all and per decoder layer (the difference between the model with
+all its layers and with one, over the layers removed), with one layer's kernel
+names.
+
 Usage: python bench/bench_e2e_gpu.py --shape smollm2 [--peers generate,generate_batch]
-       [--latency | --overhead | --shared-prefix]
+       [--latency | --overhead | --shared-prefix | --kernels]
 """
 
 from __future__ import annotations
@@ -365,6 +371,71 @@ def shared_prefix(path: Path, fields: dict, args) -> None:
     print(f"on / off: {rows[0][1] / rows[1][1]:.2f}x output tokens/s")
 
 
+def kernel_counts(path: Path, fields: dict, args) -> None:
+    """CUDA kernels per forward and per layer: batch-1 decode step and 512-token prefill."""
+    from collections import Counter
+
+    from torch import nn
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    from pagedcore import LLM, ops
+    from pagedcore.models import AttentionMetadata
+
+    llm = LLM(model=str(path), load_format="dummy", dtype="bfloat16", device=args.device,
+              max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
+              max_num_seqs=args.max_num_seqs, enforce_eager=True)
+    runner = llm.llm_engine.runner
+    model, spec, dev, bs = runner.model, runner.spec, runner.device, runner.block_size
+
+    def step(q_len: int, cached: int):
+        seq = cached + q_len
+        table = torch.arange(1, -(-seq // bs) + 1, dtype=torch.int32, device=dev)[None]
+        positions = torch.arange(cached, seq, dtype=torch.int32, device=dev)
+        slots = (table[0, positions.long() // bs] * bs + positions % bs).to(torch.int32)
+        md = AttentionMetadata(slot_mapping=slots, block_tables=table,
+                               seq_lens=torch.tensor([seq], dtype=torch.int32, device=dev),
+                               query_start_loc=torch.tensor([0, q_len], dtype=torch.int32, device=dev))
+        if dev.type == "cuda":
+            md.plan = ops.plan_attention(np.array([0, q_len]), np.array([seq]), spec.num_heads, spec.num_kv_heads,
+                                         dev, spec.head_dim, model.dtype)
+        ids = torch.randint(3, spec.vocab_size, (q_len,), dtype=torch.int32, device=dev)
+
+        def run() -> None:
+            with ops.unchecked_indices():
+                model.compute_logits(model(ids, positions, md, runner.kv_caches)[-1:])
+        return run
+
+    def kernels(fn) -> list[str]:
+        fn()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        return [e.name for e in prof.events() if e.device_type == DeviceType.CUDA
+                and not e.name.startswith(("Memcpy", "Memset"))]
+
+    layers = model.layers
+    print(f"\n{args.shape}: CUDA kernels of one forward (bf16, eager), {len(layers)} layers")
+    print(f"{'step':<28}{'kernels':>9}{'per layer':>11}{'outside layers':>16}")
+    one_layer: list[str] = []
+    for name, q_len, cached in (("decode, batch 1", 1, 128), ("prefill, 512 tokens", 512, 0)):
+        run = step(q_len, cached)
+        full = kernels(run)
+        model.layers = nn.ModuleList(layers[:1])
+        try:
+            single = kernels(run)
+        finally:
+            model.layers = layers
+        per_layer = (len(full) - len(single)) / max(1, len(layers) - 1)
+        print(f"{name:<28}{len(full):>9}{per_layer:>11.1f}{len(single) - per_layer:>16.1f}")
+        if not one_layer:
+            one_layer = single
+    print("kernels of a decode step with one layer (name: count):")
+    for kname, n in Counter(one_layer).most_common():
+        print(f"  {n:3d}  {kname[:110]}")
+
+
 def _peak(device: str) -> float:
     return torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan")
 
@@ -394,13 +465,15 @@ def main() -> None:
     parser.add_argument("--latency", action="store_true", help="the latency cases instead of throughput")
     parser.add_argument("--overhead", action="store_true", help="the GPU idle fraction between decode steps")
     parser.add_argument("--shared-prefix", action="store_true", help="prefix caching on against off")
+    parser.add_argument("--kernels", action="store_true", help="CUDA kernels per layer of a decode and a prefill step")
     args = parser.parse_args()
     fields, n, mean_prompt, out = SHAPES[args.shape]
     n = args.requests or n
     mean_prompt = args.mean_prompt or mean_prompt
     out = args.output_tokens or out
     torch.manual_seed(args.seed)
-    mode = latency if args.latency else overhead if args.overhead else shared_prefix if args.shared_prefix else None
+    mode = (latency if args.latency else overhead if args.overhead else shared_prefix if args.shared_prefix
+            else kernel_counts if args.kernels else None)
     if mode is not None:
         with tempfile.TemporaryDirectory() as tmp:
             mode(checkpoint_dir(fields, Path(tmp)), fields, args)

@@ -3,7 +3,9 @@
 
 Decode attention over a paged bf16 cache vs torch SDPA on the same keys laid out
 contiguously (the memory-bandwidth bound the issue compares with); prefill; cache
-write, block copy and swap bandwidth. Each case: warm-up, then CUDA-graph replays
+write, block copy and swap bandwidth; the fused layer ops (RMSNorm, add + RMSNorm,
+rotary, SiLU-and-multiply) vs the unfused torch arithmetic they replace, at the
+SmolLM2 and Llama-3-8B shapes for one token and 4096. Each case: warm-up, then CUDA-graph replays
 timed with events, median of repeats; achieved GB/s against the copy bandwidth
 measured in the same run. Prints a table last.
 
@@ -180,6 +182,74 @@ def prefill_case(tokens: int, heads: int, kv_heads: int, head_dim: int, block_si
     return ours, theirs, float(err)
 
 
+def _torch_rms_norm(x, w, eps, residual=None):
+    if residual is not None:
+        x = residual + x
+    x32 = x.float()
+    return w * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _torch_rotary(q, k, positions, inv_freq):
+    # The decoder's rotary before the fused kernel: cos/sin from positions every step.
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos().to(q.dtype)[:, None, :], emb.sin().to(q.dtype)[:, None, :]
+    half = q.shape[-1] // 2
+
+    def rotate(x):
+        return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+    return rotate(q), rotate(k)
+
+
+def layer_op_rows(quick: bool) -> list[tuple]:
+    """(name, ours us, torch us, GB/s, rel err) of the fused layer ops."""
+    rows = []
+    dtype, eps = torch.bfloat16, 1e-5
+    shapes = {"SmolLM2": (576, 1536, 9, 3, 64), "8B": (4096, 14336, 32, 8, 128)}
+    for shape, (hidden, inter, heads, kv_heads, d) in shapes.items():
+        for tokens in ((1, 4096) if not quick else (1,)):
+            x = torch.randn(tokens, hidden, dtype=dtype, device="cuda")
+            res = torch.randn_like(x)
+            w = torch.randn(hidden, dtype=dtype, device="cuda")
+            out = torch.empty_like(x)
+            ref = _torch_rms_norm(x, w, eps)
+            err = ((ops.rms_norm(x, w, eps, out=out).float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+            ours = time_graph(lambda: ops.rms_norm(x, w, eps, out=out))
+            theirs = time_graph(lambda: _torch_rms_norm(x, w, eps))
+            rows.append((f"rms_norm {shape} T={tokens}", ours, theirs, 2 * x.numel() * 2 / ours / 1e3, err))
+            xs, rs = x.clone(), res.clone()
+            ours = time_graph(lambda: ops.fused_add_rms_norm(xs, rs, w, eps))
+            theirs = time_graph(lambda: _torch_rms_norm(x, w, eps, residual=res))
+            rows.append((f"add + rms_norm {shape} T={tokens}", ours, theirs, 4 * x.numel() * 2 / ours / 1e3, 0.0))
+
+            qkv = torch.randn(tokens, (heads + 2 * kv_heads) * d, dtype=dtype, device="cuda")
+            q = qkv[:, : heads * d].view(tokens, heads, d)
+            k = qkv[:, heads * d : (heads + kv_heads) * d].view(tokens, kv_heads, d)
+            inv_freq = 1.0 / (500000.0 ** (torch.arange(0, d, 2, device="cuda").float() / d))
+            table = ops.cos_sin_cache(inv_freq, 8192)
+            positions = torch.randint(0, 8192, (tokens,), dtype=torch.int32, device="cuda")
+            want_q, _ = _torch_rotary(q, k, positions, inv_freq)
+            q0 = q.clone()
+            ops.rotary_embedding(positions, q, k, table)
+            err = ((q.float() - want_q.float()).abs().max() / want_q.float().abs().max()).item()
+            q.copy_(q0)
+            ours = time_graph(lambda: ops.rotary_embedding(positions, q, k, table))
+            theirs = time_graph(lambda: _torch_rotary(q, k, positions, inv_freq))
+            nbytes = 2 * tokens * (heads + kv_heads) * d * 2 + tokens * d * 4
+            rows.append((f"rotary {shape} T={tokens} ({heads}/{kv_heads}, d{d})", ours, theirs, nbytes / ours / 1e3, err))
+
+            gate_up = torch.randn(tokens, 2 * inter, dtype=dtype, device="cuda")
+            act = torch.empty(tokens, inter, dtype=dtype, device="cuda")
+            want = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+            err = ((ops.silu_and_mul(gate_up, out=act).float() - want.float()).abs().max()
+                   / want.float().abs().max()).item()
+            ours = time_graph(lambda: ops.silu_and_mul(gate_up, out=act))
+            theirs = time_graph(lambda: F.silu(gate_up[:, :inter]) * gate_up[:, inter:])
+            rows.append((f"silu_and_mul {shape} T={tokens}", ours, theirs, 3 * act.numel() * 2 / ours / 1e3, err))
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
@@ -231,6 +301,8 @@ def run(args) -> None:
     rows.append(("swap-in 1024 blocks x 8 caches (H2D)", us, None, swap_bytes / us / 1e3, 0.0))
     us = time_host(lambda: ops.swap_out(layers, cpu, out_pairs))
     rows.append(("swap-out 1024 blocks x 8 caches (D2H)", us, None, swap_bytes / us / 1e3, 0.0))
+
+    rows += layer_op_rows(args.quick)
 
     prefill_ours, prefill_sdpa, prefill_err = prefill_case(8192 if not args.quick else 2048, 32, 8, 128)
     prefill_flops = 4 * 8192 * 8192 / 2 * 32 * 128 if not args.quick else 4 * 2048 * 2048 / 2 * 32 * 128

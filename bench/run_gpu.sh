@@ -6,8 +6,8 @@
 #
 #   bench/run_gpu.sh              kernels: tests, memcheck (a kernel subset; the whole
 #                                 suite with PAGEDCORE_MEMCHECK_ALL=1), kernel benchmark
-#   bench/run_gpu.sh e2e SHAPE    end to end (smollm2 or llama3-8b): throughput
-#                                 against transformers, latency, GPU idle time
+#   bench/run_gpu.sh e2e SHAPE    end to end (smollm2 or llama3-8b): kernels per layer,
+#                                 throughput against transformers, latency, GPU idle time
 set -uo pipefail
 mode="${1:-kernels}"
 shape="${2:-smollm2}"
@@ -44,7 +44,8 @@ if compgen -G ".peers/*.whl" >/dev/null; then  # FlashInfer as a kernel peer, wh
   export PYTHONPATH="/tmp/pagedcore-peers${PYTHONPATH:+:$PYTHONPATH}" FLASHINFER_CUDA_ARCH_LIST=9.0a
 fi
 if [[ "$mode" == e2e ]]; then
-  checks=(build cuda_info e2e_throughput e2e_latency e2e_overhead e2e_shared_prefix e2e_memory)
+  checks=(build cuda_info e2e_kernels e2e_throughput e2e_latency e2e_overhead e2e_shared_prefix e2e_memory)
+  step e2e_kernels "$py" bench/bench_e2e_gpu.py --shape "$shape" --kernels
   step e2e_throughput "$py" bench/bench_e2e_gpu.py --shape "$shape" --json "$out/e2e_$shape.json"
   step e2e_latency "$py" bench/bench_e2e_gpu.py --shape "$shape" --latency
   step e2e_overhead "$py" bench/bench_e2e_gpu.py --shape "$shape" --overhead
@@ -61,6 +62,9 @@ if [[ -n "${PAGEDCORE_MEMCHECK_ALL:-}" ]]; then  # the whole cuda suite under me
 else
   step memcheck compute-sanitizer --tool memcheck --error-exitcode 1 \
     "$py" -m pytest -q -p no:cacheprovider -x tests/python/test_ops_cuda.py -k "grid and bf16 and 128 or splits or swap or copy or reshape or fp8"
+  checks+=(memcheck_layer)
+  step memcheck_layer compute-sanitizer --tool memcheck --error-exitcode 1 \
+    "$py" -m pytest -q -p no:cacheprovider -x tests/python/test_layer_ops_cuda.py -k "not 4096 and not 8192 and not 14336"
 fi
 step bench "$py" bench/bench_kernels_gpu.py
 if [[ -n "${PAGEDCORE_NCU:-}" ]]; then  # a profile of the attention kernels (decode, then prefill)
@@ -70,7 +74,7 @@ if [[ -n "${PAGEDCORE_NCU:-}" ]]; then  # a profile of the attention kernels (de
     "$py" bench/profile_attention.py
 fi
 echo
-tail -n 31 "$out/bench.log"
+tail -n 47 "$out/bench.log"
 fi
 echo
 echo "commit ${PAGEDCORE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo '?')}  $(cat "$out/gpu.txt")"

@@ -4,6 +4,7 @@
 
 #include "pagedcore/cuda/device_info.h"
 #include "pagedcore/cuda/kernels.h"
+#include "pagedcore/cuda/layer_kernels.h"
 
 namespace pagedcore::cuda {
 
@@ -104,6 +105,41 @@ void paged_attention_at(std::uintptr_t out, std::uintptr_t query, std::uintptr_t
   p.k_scale = k_scale;
   p.v_scale = v_scale;
   check(paged_attention(p, ptr<void>(stream)), "paged_attention");
+}
+
+void rms_norm_at(std::uintptr_t out, std::uintptr_t input, std::uintptr_t residual,
+                 std::uintptr_t weight, DType dtype, int32_t num_tokens, int32_t num_heads,
+                 int32_t hidden_size, int64_t input_stride, int64_t out_stride,
+                 int64_t residual_stride, float eps, std::uintptr_t stream) {
+  RmsNormParams p{ptr<void>(out), ptr<const void>(input), ptr<void>(residual), ptr<const void>(weight),
+                  num_tokens, num_heads, hidden_size, input_stride, out_stride, residual_stride, eps, dtype};
+  check(rms_norm(p, ptr<void>(stream)), residual != 0 ? "fused_add_rms_norm" : "rms_norm");
+}
+
+void rotary_embedding_at(std::uintptr_t positions, bool positions_int64, std::uintptr_t query,
+                         std::uintptr_t key, std::uintptr_t cos_sin_cache, DType dtype,
+                         int32_t num_tokens, int32_t num_heads, int32_t num_kv_heads,
+                         int32_t head_dim, int64_t query_stride, int64_t key_stride,
+                         int32_t max_position, std::uintptr_t value, std::uintptr_t key_cache,
+                         std::uintptr_t value_cache, std::uintptr_t slot_mapping,
+                         bool slot_mapping_int64, int32_t num_blocks, int32_t block_size,
+                         int64_t value_stride, DType cache_dtype, float k_scale, float v_scale,
+                         std::uintptr_t stream) {
+  RotaryEmbeddingParams p{ptr<const void>(positions), positions_int64, ptr<void>(query), ptr<void>(key),
+                          ptr<const float>(cos_sin_cache), num_tokens, num_heads, num_kv_heads, head_dim,
+                          query_stride, key_stride, max_position, dtype, ptr<const void>(value),
+                          ptr<void>(key_cache), ptr<void>(value_cache), ptr<const void>(slot_mapping),
+                          slot_mapping_int64, num_blocks, block_size, value_stride, cache_dtype, k_scale,
+                          v_scale};
+  check(rotary_embedding(p, ptr<void>(stream)), "rotary_embedding");
+}
+
+void silu_and_mul_at(std::uintptr_t out, std::uintptr_t input, DType dtype, int32_t num_tokens,
+                     int32_t intermediate_size, int64_t input_stride, int64_t out_stride,
+                     std::uintptr_t stream) {
+  SiluAndMulParams p{ptr<void>(out), ptr<const void>(input), num_tokens, intermediate_size, input_stride,
+                     out_stride, dtype};
+  check(silu_and_mul(p, ptr<void>(stream)), "silu_and_mul");
 }
 
 }  // namespace pagedcore::cuda

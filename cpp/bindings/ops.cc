@@ -7,6 +7,7 @@
 #include "pagedcore/cpu_ops.h"
 #ifdef PAGEDCORE_WITH_CUDA
 #include "pagedcore/cuda/kernels.h"
+#include "pagedcore/cuda/layer_kernels.h"
 #endif
 
 namespace py = pybind11;
@@ -42,6 +43,16 @@ void register_ops(pybind11::module_& m) {
   m.def("cpu_swap_blocks", &cpu::swap_blocks_at, release_gil(), "src"_a, "dst"_a,
         "block_mapping"_a, "block_mapping_type"_a, "dtype"_a, "num_pairs"_a, "num_src_blocks"_a,
         "num_dst_blocks"_a, "block_numel"_a);
+  m.def("cpu_rms_norm", &cpu::rms_norm_at, release_gil(), "out"_a, "input"_a, "residual"_a,
+        "weight"_a, "dtype"_a, "num_tokens"_a, "num_heads"_a, "hidden_size"_a, "input_stride"_a,
+        "out_stride"_a, "residual_stride"_a, "eps"_a);
+  m.def("cpu_rotary_embedding", &cpu::rotary_embedding_at, release_gil(), "positions"_a,
+        "positions_type"_a, "query"_a, "key"_a, "cos_sin_cache"_a, "dtype"_a, "num_tokens"_a,
+        "num_heads"_a, "num_kv_heads"_a, "head_dim"_a, "query_stride"_a, "key_stride"_a,
+        "max_position"_a, "value"_a, "key_cache"_a, "value_cache"_a, "slot_mapping"_a,
+        "slot_mapping_type"_a, "num_blocks"_a, "block_size"_a, "value_stride"_a);
+  m.def("cpu_silu_and_mul", &cpu::silu_and_mul_at, release_gil(), "out"_a, "input"_a, "dtype"_a,
+        "num_tokens"_a, "intermediate_size"_a, "input_stride"_a, "out_stride"_a);
   m.def("cpu_set_num_threads", &cpu::set_num_threads, release_gil(), "n"_a);
   m.def("cpu_get_num_threads", &cpu::get_num_threads);
   m.def("cpu_isa", &cpu::cpu_isa);
@@ -75,6 +86,17 @@ void register_ops(pybind11::module_& m) {
         "tile_tokens"_a, "num_heads"_a, "num_kv_heads"_a, "head_dim"_a, "block_size"_a,
         "num_blocks"_a, "query_stride"_a, "block_tables_stride"_a, "scale"_a, "softcap"_a,
         "sliding_window"_a, "dtype"_a, "kv_dtype"_a, "k_scale"_a, "v_scale"_a, "stream"_a);
+  m.def("cuda_rms_norm", &cuda::rms_norm_at, "out"_a, "input"_a, "residual"_a, "weight"_a, "dtype"_a,
+        "num_tokens"_a, "num_heads"_a, "hidden_size"_a, "input_stride"_a, "out_stride"_a,
+        "residual_stride"_a, "eps"_a, "stream"_a);
+  m.def("cuda_rotary_embedding", &cuda::rotary_embedding_at, "positions"_a, "positions_int64"_a,
+        "query"_a, "key"_a, "cos_sin_cache"_a, "dtype"_a, "num_tokens"_a, "num_heads"_a,
+        "num_kv_heads"_a, "head_dim"_a, "query_stride"_a, "key_stride"_a, "max_position"_a,
+        "value"_a, "key_cache"_a, "value_cache"_a, "slot_mapping"_a, "slot_mapping_int64"_a,
+        "num_blocks"_a, "block_size"_a, "value_stride"_a, "cache_dtype"_a, "k_scale"_a, "v_scale"_a,
+        "stream"_a);
+  m.def("cuda_silu_and_mul", &cuda::silu_and_mul_at, "out"_a, "input"_a, "dtype"_a, "num_tokens"_a,
+        "intermediate_size"_a, "input_stride"_a, "out_stride"_a, "stream"_a);
 #endif
 }
 

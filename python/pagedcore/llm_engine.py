@@ -324,12 +324,16 @@ class LLMEngine:
             model.load_weights(with_load_progress(iter_safetensors(model_path, dtype=self.dtype), model_path))
         self.model = model
         self.model.inv_freq.data = self.spec.inv_freq().to(self.device)  # kept in float32
+        max_positions = self.spec.max_position_embeddings
+        self.model.init_rotary(min(args.max_model_len or max_positions, max_positions))
         phases.done("weights")
         self.tokenizer = tokenizer.result()
         self.eos_token_ids = self._eos_token_ids(model_path)
         phases.done("tokenizer (rest)")
 
         engine_config = self._engine_config()
+        if engine_config.max_model_len != self.model.max_positions:  # capped to the cache
+            self.model.init_rotary(engine_config.max_model_len)
         self.engine = _C.Engine(engine_config)
         self.runner = ModelRunner(self.model, engine_config, self.device, self.kv_dtype, args.enforce_eager)
         phases.done("KV cache" if self.device.type == "cpu" or args.enforce_eager else "KV cache, CUDA graphs")

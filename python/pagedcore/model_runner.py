@@ -327,6 +327,7 @@ def profile_peak_memory(model: CausalLM, num_tokens: int, num_samples: int, bloc
     lens = [per_seq] * (seqs - 1) + [num_tokens - per_seq * (seqs - 1)]
     qsl = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
     positions = np.concatenate([np.arange(n) for n in lens]).astype(np.int32)
+    rotary_positions = (positions % model.max_positions).astype(np.int32)  # inside the rotary table
     tables = (1 + np.arange(seqs * blocks_per_seq, dtype=np.int32)).reshape(seqs, blocks_per_seq)
     rows = np.repeat(np.arange(seqs), lens)
     slots = tables[rows, positions // block_size] * block_size + positions % block_size
@@ -341,7 +342,7 @@ def profile_peak_memory(model: CausalLM, num_tokens: int, num_samples: int, bloc
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     ids = torch.zeros(num_tokens, dtype=torch.int32, device=device)
-    hidden = model(ids, torch.from_numpy(positions).to(device), md, caches)
+    hidden = model(ids, torch.from_numpy(rotary_positions).to(device), md, caches)
     model.compute_logits(hidden[:num_samples])
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device)

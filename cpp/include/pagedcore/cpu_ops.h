@@ -1,5 +1,6 @@
-// CPU kernels of pagedcore.ops: paged attention over the block-structured KV cache and
-// the cache operations around it (write, copy-on-write block copy, swap). Framework-free:
+// CPU kernels of pagedcore.ops: paged attention over the block-structured KV cache, the
+// cache operations around it (write, copy-on-write block copy, swap) and the decoder
+// layer's fused elementwise ops (RMSNorm, rotary embedding, SiLU-and-multiply). Framework-free:
 // plain structs of pointers, sizes and strides; no torch, no pybind11.
 //
 // Three layers (STYLE.md item 3):
@@ -143,6 +144,83 @@ struct SwapBlocksArgs {
 };
 void swap_blocks(const SwapBlocksArgs& args);
 
+// ---- layer ops (cpu_ops/layer_ops.cpp) ---------------------------------------------------
+// Elementwise ops of a decoder layer, each one pass over its rows. Intermediates are
+// rounded to dtype where Hugging Face's modules round them (they compute op by op in the
+// activation dtype); products run in fp32, the sum of squares of RMSNorm in double.
+
+// rms_norm: for each row (token t, head h) of hidden_size elements,
+//   x   = input row                       (residual == nullptr)
+//   x   = residual[t] = residual[t] + input[t]   (in dtype; residual != nullptr, num_heads == 1)
+//   out = weight * dtype(x * 1 / sqrt(mean(x^2) + eps))
+// Head h of token t starts at t * stride + h * hidden_size (a [num_tokens, num_heads,
+// hidden_size] view with dense heads, e.g. the q or k part of a fused qkv output: Qwen3's
+// per-head q/k norm). out may be input (in place); residual overlaps neither.
+struct RmsNormArgs {
+  void* out = nullptr;          // [num_tokens, num_heads, hidden_size], see out_stride
+  const void* input = nullptr;  // [num_tokens, num_heads, hidden_size], see input_stride
+  void* residual = nullptr;     // optional: [num_tokens, hidden_size], see residual_stride
+  const void* weight = nullptr; // [hidden_size], contiguous
+  DType dtype = DType::kFloat32;  // of out, input, residual and weight
+  int64_t num_tokens = 0;
+  int64_t num_heads = 1;
+  int64_t hidden_size = 0;
+  int64_t input_stride = 0;     // elements between tokens, >= num_heads * hidden_size
+  int64_t out_stride = 0;
+  int64_t residual_stride = 0;
+  float eps = 1e-6f;            // finite, >= 0
+};
+void rms_norm(const RmsNormArgs& args);
+
+// rotary_embedding: rotate-half (GPT-NeoX) rotary embedding, in place on every head of
+// query and key. With p = positions[t], c = cos_sin_cache[p][i], s =
+// cos_sin_cache[p][head_dim / 2 + i] (both rounded to dtype) and x1 = x[i], x2 = x[i +
+// head_dim / 2] for i < head_dim / 2:
+//   x[i] = x1 * c - x2 * s,   x[i + head_dim / 2] = x2 * c + x1 * s
+// (each product and sum rounded to dtype). Positions must lie in [0, max_position)
+// (checked before anything is written).
+// With key_cache set, the rotated key and the value of every token t with slot =
+// slot_mapping[t] >= 0 are also written to the paged caches (reshape_and_cache's
+// semantics: slots < num_blocks * block_size, checked first; negative slots skipped).
+struct RotaryEmbeddingArgs {
+  const void* positions = nullptr;      // [num_tokens], positions_type
+  IndexType positions_type = IndexType::kInt64;
+  void* query = nullptr;                // [num_tokens, num_heads, head_dim], see query_stride
+  void* key = nullptr;                  // [num_tokens, num_kv_heads, head_dim], see key_stride
+  const float* cos_sin_cache = nullptr; // [max_position, head_dim]: cos | sin, contiguous
+  DType dtype = DType::kFloat32;        // of query and key
+  int64_t num_tokens = 0;
+  int64_t num_heads = 0;
+  int64_t num_kv_heads = 0;
+  int64_t head_dim = 0;                 // even
+  int64_t query_stride = 0;             // elements between tokens, >= num_heads * head_dim
+  int64_t key_stride = 0;               // >= num_kv_heads * head_dim
+  int64_t max_position = 0;
+  // Optional cache write (key_cache == nullptr: none).
+  const void* value = nullptr;          // [num_tokens, num_kv_heads, head_dim], see value_stride
+  void* key_cache = nullptr;            // [num_blocks, block_size, num_kv_heads, head_dim], dtype
+  void* value_cache = nullptr;          // same
+  const void* slot_mapping = nullptr;   // [num_tokens], slot_mapping_type
+  IndexType slot_mapping_type = IndexType::kInt64;
+  int64_t num_blocks = 0;
+  int64_t block_size = 0;
+  int64_t value_stride = 0;             // >= num_kv_heads * head_dim
+};
+void rotary_embedding(const RotaryEmbeddingArgs& args);
+
+// silu_and_mul: out[t][i] = dtype(silu(input[t][i])) * input[t][intermediate_size + i]
+// (the gate and up halves of a fused gate_up projection). out overlaps no input.
+struct SiluAndMulArgs {
+  void* out = nullptr;          // [num_tokens, intermediate_size], see out_stride
+  const void* input = nullptr;  // [num_tokens, 2 * intermediate_size], see input_stride
+  DType dtype = DType::kFloat32;
+  int64_t num_tokens = 0;
+  int64_t intermediate_size = 0;
+  int64_t input_stride = 0;     // >= 2 * intermediate_size
+  int64_t out_stride = 0;       // >= intermediate_size
+};
+void silu_and_mul(const SiluAndMulArgs& args);
+
 // Threads used by the launchers, the calling thread included: n >= 1 (InvalidArgument
 // otherwise). Default: std::thread::hardware_concurrency(). Takes effect for the next
 // launch; safe to call at any time.
@@ -183,5 +261,24 @@ void copy_blocks_at(const std::vector<std::uintptr_t>& key_caches,
 void swap_blocks_at(std::uintptr_t src, std::uintptr_t dst, std::uintptr_t block_mapping,
                     IndexType block_mapping_type, DType dtype, int64_t num_pairs,
                     int64_t num_src_blocks, int64_t num_dst_blocks, int64_t block_numel);
+
+// residual: 0 for a plain RMSNorm.
+void rms_norm_at(std::uintptr_t out, std::uintptr_t input, std::uintptr_t residual,
+                 std::uintptr_t weight, DType dtype, int64_t num_tokens, int64_t num_heads,
+                 int64_t hidden_size, int64_t input_stride, int64_t out_stride,
+                 int64_t residual_stride, float eps);
+
+// key_cache 0: no cache write (value, value_cache, slot_mapping and the sizes after it unused).
+void rotary_embedding_at(std::uintptr_t positions, IndexType positions_type, std::uintptr_t query,
+                         std::uintptr_t key, std::uintptr_t cos_sin_cache, DType dtype,
+                         int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads,
+                         int64_t head_dim, int64_t query_stride, int64_t key_stride,
+                         int64_t max_position, std::uintptr_t value, std::uintptr_t key_cache,
+                         std::uintptr_t value_cache, std::uintptr_t slot_mapping,
+                         IndexType slot_mapping_type, int64_t num_blocks, int64_t block_size,
+                         int64_t value_stride);
+
+void silu_and_mul_at(std::uintptr_t out, std::uintptr_t input, DType dtype, int64_t num_tokens,
+                     int64_t intermediate_size, int64_t input_stride, int64_t out_stride);
 
 }  // namespace pagedcore::cpu

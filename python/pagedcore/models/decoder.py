@@ -8,7 +8,11 @@ Inputs are flat: the tokens of every sequence of the step one after another
 (no batch dimension, no padding). Attention reads and writes the paged cache
 through :mod:`pagedcore.ops`. The arithmetic follows Hugging Face's modules
 operation for operation (RMSNorm in float32, rotate-half rotary, the same
-residual order), so that float32 results agree with transformers.
+residual order, the same rounding points in the activation dtype), so that
+float32 results agree with transformers. The elementwise work runs in the fused
+kernels of :mod:`pagedcore.ops` (RMSNorm fused with the residual add, rotary from
+a table computed once, SiLU-and-multiply); the residual is carried between layers
+as vLLM does (each layer returns ``(hidden, residual)`` and the next norm adds them).
 """
 
 from __future__ import annotations
@@ -41,23 +45,20 @@ class AttentionMetadata:
 
 
 class RMSNorm(nn.Module):
+    """Hugging Face's RMSNorm through :func:`pagedcore.ops.rms_norm` (one kernel)."""
+
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.to(torch.float32)
-        variance = x32.pow(2).mean(-1, keepdim=True)
-        return self.weight * (x32 * torch.rsqrt(variance + self.eps)).to(dtype)
+    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        return ops.rms_norm(x, self.weight, self.eps, out=out)
 
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x [T, heads, head_dim]; cos/sin [T, 1, head_dim]; rotate-half convention.
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """``residual += x`` then ``x = norm(residual)``, in place (one kernel); returns ``x``."""
+        ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+        return x
 
 
 class DecoderLayer(nn.Module):
@@ -81,37 +82,45 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self,
+        positions: torch.Tensor,
         hidden: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos_sin_cache: torch.Tensor,
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
         md: AttentionMetadata,
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer, vLLM's way: returns ``(hidden, residual)`` with the layer's
+        residual add left to the next norm (``hidden + residual`` is HF's output).
+        ``residual`` is None for the first layer (``hidden`` is then the embeddings).
+        A decode step runs about nine kernels here: norm, qkv GEMM, (q/k norm,)
+        rotary + cache write, attention, o GEMM, add+norm, gate_up GEMM, SiLU-mul,
+        down GEMM."""
         spec = self.spec
         t = hidden.shape[0]
-        residual = hidden
-        x = self.input_layernorm(hidden)
+        if residual is None:
+            residual = hidden
+            x = self.input_layernorm(hidden)
+        else:
+            x = self.input_layernorm.add_forward(hidden, residual)
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([spec.q_size, spec.kv_size, spec.kv_size], dim=-1)
         q = q.view(t, spec.num_heads, spec.head_dim)
         k = k.view(t, spec.num_kv_heads, spec.head_dim)
         v = v.view(t, spec.num_kv_heads, spec.head_dim)
-        if spec.qk_norm:
-            q = self.q_norm(q)
-            k = self.k_norm(k)
-        q = _rotate(q, cos, sin)
-        k = _rotate(k, cos, sin)
-        ops.reshape_and_cache(k, v, key_cache, value_cache, md.slot_mapping)
+        if spec.qk_norm:  # Qwen3: per head, in place inside qkv
+            self.q_norm(q, out=q)
+            self.k_norm(k, out=k)
+        # Rotary on q and k in place, and the cache write of k and v, in one kernel.
+        ops.rotary_embedding(positions, q, k, cos_sin_cache, value=v, key_cache=key_cache,
+                             value_cache=value_cache, slot_mapping=md.slot_mapping)
         attn = ops.paged_attention(
             q, key_cache, value_cache, md.block_tables, md.seq_lens, md.query_start_loc,
             scale=self.scale, sliding_window=spec.sliding_window, plan=md.plan,
         )
-        hidden = residual + self.o_proj(attn.view(t, spec.q_size))
-        residual = hidden
-        x = self.post_attention_layernorm(hidden)
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return residual + self.down_proj(F.silu(gate) * up)
+        hidden = self.o_proj(attn.view(t, spec.q_size))
+        x = self.post_attention_layernorm.add_forward(hidden, residual)
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x))), residual
 
 
 class CausalLM(nn.Module):
@@ -134,6 +143,9 @@ class CausalLM(nn.Module):
         if not spec.tie_word_embeddings:
             self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         self.register_buffer("inv_freq", spec.inv_freq(), persistent=False)
+        # Rotary cos/sin table (float32; a plain attribute, so that .to(dtype) keeps
+        # it float32): made by init_rotary, else at the first forward.
+        self.cos_sin_cache: torch.Tensor | None = None
         for p in self.parameters():
             p.requires_grad_(False)
 
@@ -152,6 +164,22 @@ class CausalLM(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
 
+    @property
+    def max_positions(self) -> int:
+        """Positions the rotary table covers (``spec.max_position_embeddings`` until
+        :meth:`init_rotary` is called)."""
+        table = self.cos_sin_cache
+        return self.spec.max_position_embeddings if table is None else table.shape[0]
+
+    def init_rotary(self, max_positions: int) -> None:
+        """Computes the rotary cos/sin table the layers read (float32 ``[max_positions,
+        head_dim]``, :func:`pagedcore.ops.cos_sin_cache`) once, on the weights' device,
+        from :meth:`ModelSpec.inv_freq` (rope scaling applied) with the arithmetic of
+        :meth:`rotary`. Positions must stay below ``max_positions``; call before CUDA
+        graphs are captured (they hold its address)."""
+        device = self.embed_tokens.weight.device
+        self.cos_sin_cache = ops.cos_sin_cache(self.spec.inv_freq().to(device), max_positions)
+
     @torch.inference_mode()
     def forward(
         self,
@@ -166,11 +194,17 @@ class CausalLM(nn.Module):
         one ``(key_cache, value_cache)`` pair per layer, each ``[num_blocks,
         block_size, num_kv_heads, head_dim]``.
         """
+        table = self.cos_sin_cache
+        if table is None or table.device != self.embed_tokens.weight.device:
+            self.init_rotary(self.spec.max_position_embeddings)
+            table = self.cos_sin_cache
         hidden = self.embed_tokens(input_ids)
-        cos, sin = self.rotary(positions, hidden.dtype)
+        residual = None
         for layer, (key_cache, value_cache) in zip(self.layers, kv_caches):
-            hidden = layer(hidden, cos, sin, key_cache, value_cache, md)
-        return self.norm(hidden)
+            hidden, residual = layer(positions, hidden, residual, table, key_cache, value_cache, md)
+        if residual is None:  # no layers
+            return self.norm(hidden)
+        return self.norm.add_forward(hidden, residual)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

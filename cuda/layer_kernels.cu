@@ -1,0 +1,362 @@
+// The decoder layer's elementwise kernels (contract: pagedcore/cuda/layer_kernels.h).
+//
+// NOTE: products and sums go through __fmul_rn / __fadd_rn: nvcc would otherwise
+// contract a * b + c into an FMA and skip a rounding that torch performs, and float32
+// results would no longer equal the unfused arithmetic.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "pagedcore/cuda/layer_kernels.h"
+
+namespace pagedcore::cuda {
+
+namespace {
+
+template <typename T>
+struct Num;
+template <>
+struct Num<float> {
+  static __device__ __forceinline__ float load(float v) { return v; }
+  static __device__ __forceinline__ float store(float f) { return f; }
+};
+template <>
+struct Num<__nv_bfloat16> {
+  static __device__ __forceinline__ float load(__nv_bfloat16 v) { return __bfloat162float(v); }
+  static __device__ __forceinline__ __nv_bfloat16 store(float f) { return __float2bfloat16_rn(f); }
+};
+template <>
+struct Num<__half> {
+  static __device__ __forceinline__ float load(__half v) { return __half2float(v); }
+  static __device__ __forceinline__ __half store(float f) { return __float2half_rn(f); }
+};
+
+// f rounded to T and widened again.
+template <typename T>
+__device__ __forceinline__ float rnd(float f) {
+  return Num<T>::load(Num<T>::store(f));
+}
+
+// 16 bytes of T.
+template <typename T>
+struct alignas(16) Vec {
+  static constexpr int kSize = 16 / sizeof(T);
+  T v[kSize];
+};
+
+template <typename T>
+__device__ __forceinline__ Vec<T> load_vec(const T* p) {
+  Vec<T> r;
+  *reinterpret_cast<uint4*>(&r) = *reinterpret_cast<const uint4*>(p);
+  return r;
+}
+
+template <typename T>
+__device__ __forceinline__ void store_vec(T* p, const Vec<T>& v) {
+  *reinterpret_cast<uint4*>(p) = *reinterpret_cast<const uint4*>(&v);
+}
+
+bool aligned16(const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; }
+
+int round_up32(int64_t n) { return static_cast<int>((n + 31) / 32 * 32); }
+
+// ---- RMSNorm ---------------------------------------------------------------------------
+
+// blockDim.x threads serve one row, blockDim.y rows per CTA. kVec: the rows start on 16
+// bytes, and the first hidden_size / V elements of a row go as vectors, the rest scalar.
+template <typename T, bool kVec>
+__global__ void rms_norm_kernel(RmsNormParams p, int64_t num_rows) {
+  constexpr int V = Vec<T>::kSize;
+  __shared__ float partial[32];
+  __shared__ float row_inv[32];
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
+  const bool active = row < num_rows;
+  const int n = p.hidden_size;
+  const int64_t t = active ? row / p.num_heads : 0;
+  const int64_t h = active ? row % p.num_heads : 0;
+  const T* in = static_cast<const T*>(p.input) + t * p.input_stride + h * n;
+  T* out = static_cast<T*>(p.out) + t * p.out_stride + h * n;
+  T* res = p.residual != nullptr ? static_cast<T*>(p.residual) + t * p.residual_stride : nullptr;
+  const T* w = static_cast<const T*>(p.weight);
+  const int vec_end = kVec ? n / V * V : 0;
+
+  float acc = 0.f;
+  if (active) {
+    if (res != nullptr) {
+      // HF: hidden = residual + hidden, rounded to the dtype; the sum is normalised.
+      for (int i = threadIdx.x * V; i < vec_end; i += blockDim.x * V) {
+        Vec<T> a = load_vec(in + i), b = load_vec(res + i);
+#pragma unroll
+        for (int j = 0; j < V; ++j) {
+          const float s = rnd<T>(__fadd_rn(Num<T>::load(b.v[j]), Num<T>::load(a.v[j])));
+          b.v[j] = Num<T>::store(s);
+          acc = __fadd_rn(acc, __fmul_rn(s, s));
+        }
+        store_vec(res + i, b);
+      }
+      for (int i = vec_end + threadIdx.x; i < n; i += blockDim.x) {
+        const float s = rnd<T>(__fadd_rn(Num<T>::load(res[i]), Num<T>::load(in[i])));
+        res[i] = Num<T>::store(s);
+        acc = __fadd_rn(acc, __fmul_rn(s, s));
+      }
+    } else {
+      for (int i = threadIdx.x * V; i < vec_end; i += blockDim.x * V) {
+        const Vec<T> a = load_vec(in + i);
+#pragma unroll
+        for (int j = 0; j < V; ++j) {
+          const float x = Num<T>::load(a.v[j]);
+          acc = __fadd_rn(acc, __fmul_rn(x, x));
+        }
+      }
+      for (int i = vec_end + threadIdx.x; i < n; i += blockDim.x) {
+        const float x = Num<T>::load(in[i]);
+        acc = __fadd_rn(acc, __fmul_rn(x, x));
+      }
+    }
+  }
+  // Sum over the row's threads: within each warp, then over the row's warps.
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, offset);
+  const int warps_per_row = blockDim.x / 32;
+  const int warp = threadIdx.y * warps_per_row + threadIdx.x / 32;
+  if (threadIdx.x % 32 == 0) partial[warp] = acc;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float sum = 0.f;
+    for (int k = 0; k < warps_per_row; ++k) sum += partial[threadIdx.y * warps_per_row + k];
+    // torch: x * rsqrt(mean + eps) with mean = sum / n; rsqrt as 1 / sqrt, both rounded.
+    const float variance = __fdiv_rn(sum, static_cast<float>(n));
+    row_inv[threadIdx.y] = __fdiv_rn(1.f, __fsqrt_rn(__fadd_rn(variance, p.eps)));
+  }
+  __syncthreads();
+  if (!active) return;
+  const float inv = row_inv[threadIdx.y];
+  const T* x = res != nullptr ? res : in;
+  for (int i = threadIdx.x * V; i < vec_end; i += blockDim.x * V) {
+    const Vec<T> a = load_vec(x + i), g = load_vec(w + i);
+    Vec<T> o;
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      o.v[j] = Num<T>::store(__fmul_rn(Num<T>::load(g.v[j]), rnd<T>(__fmul_rn(Num<T>::load(a.v[j]), inv))));
+    }
+    store_vec(out + i, o);
+  }
+  for (int i = vec_end + threadIdx.x; i < n; i += blockDim.x) {
+    out[i] = Num<T>::store(__fmul_rn(Num<T>::load(w[i]), rnd<T>(__fmul_rn(Num<T>::load(x[i]), inv))));
+  }
+}
+
+template <typename T>
+int launch_rms_norm(const RmsNormParams& p, cudaStream_t s) {
+  constexpr int V = Vec<T>::kSize;
+  const int64_t eb = sizeof(T);
+  // Vectors need every row to start on 16 bytes.
+  bool vec = aligned16(p.input) && aligned16(p.out) && aligned16(p.weight) &&
+             (p.input_stride * eb) % 16 == 0 && (p.out_stride * eb) % 16 == 0 &&
+             (p.num_heads == 1 || (p.hidden_size * eb) % 16 == 0);
+  if (p.residual != nullptr) vec = vec && aligned16(p.residual) && (p.residual_stride * eb) % 16 == 0;
+  const int64_t units = vec ? (p.hidden_size + V - 1) / V : p.hidden_size;
+  const int threads = units >= 1024 ? 1024 : round_up32(units);
+  const int rows_per_cta = threads >= 256 ? 1 : 256 / threads;
+  const int64_t num_rows = static_cast<int64_t>(p.num_tokens) * p.num_heads;
+  const int64_t blocks = (num_rows + rows_per_cta - 1) / rows_per_cta;
+  const dim3 block(threads, rows_per_cta);
+  if (vec) {
+    rms_norm_kernel<T, true><<<blocks, block, 0, s>>>(p, num_rows);
+  } else {
+    rms_norm_kernel<T, false><<<blocks, block, 0, s>>>(p, num_rows);
+  }
+  return cudaGetLastError();
+}
+
+// ---- rotary ----------------------------------------------------------------------------
+
+// A value as the cache stores it: the same type, or fp8 e4m3 of value * inv_scale
+// (saturated; reshape_and_cache's arithmetic).
+template <typename T, typename C>
+__device__ __forceinline__ C to_cache(float v, float inv_scale) {
+  if constexpr (sizeof(C) == 1) {
+    return static_cast<C>(__nv_cvt_float_to_fp8(v * inv_scale, __NV_SATFINITE, __NV_E4M3));
+  } else {
+    return Num<T>::store(v);
+  }
+}
+
+// One CTA per token; thread j rotates pair (i, i + head_dim / 2) of one head, consecutive
+// threads on consecutive i (coalesced). C: the cache's element type (void: no cache
+// write); a thread writes the key elements it rotated, so no barrier is needed.
+template <typename T, typename Index, typename C>
+__global__ void rotary_kernel(RotaryEmbeddingParams p) {
+  constexpr bool kCache = !std::is_void_v<C>;
+  const int64_t t = blockIdx.x;
+  const int64_t pos = static_cast<int64_t>(static_cast<const Index*>(p.positions)[t]);
+  const bool rotate = pos >= 0 && pos < p.max_position;
+  const int half = p.head_dim / 2;
+  const int64_t kv_row = static_cast<int64_t>(p.num_kv_heads) * p.head_dim;
+  int64_t slot = -1;
+  if constexpr (kCache) {
+    slot = static_cast<int64_t>(static_cast<const Index*>(p.slot_mapping)[t]);
+    if (slot >= static_cast<int64_t>(p.num_blocks) * p.block_size) slot = -1;
+  }
+  if (!rotate && slot < 0) return;
+  const float* cos_sin = p.cos_sin_cache + (rotate ? pos : 0) * p.head_dim;
+  T* q = static_cast<T*>(p.query) + t * p.query_stride;
+  T* k = static_cast<T*>(p.key) + t * p.key_stride;
+  const int pairs = (p.num_heads + p.num_kv_heads) * half;
+  for (int j = threadIdx.x; j < pairs; j += blockDim.x) {
+    const int head = j / half, i = j % half;
+    const bool is_key = head >= p.num_heads;
+    T* x = is_key ? k + (head - p.num_heads) * p.head_dim : q + head * p.head_dim;
+    if (rotate) {
+      const float c = rnd<T>(cos_sin[i]), sn = rnd<T>(cos_sin[half + i]);
+      const float x1 = Num<T>::load(x[i]), x2 = Num<T>::load(x[half + i]);
+      // HF: x * cos + rotate_half(x) * sin, each product and the sum in the dtype.
+      x[i] = Num<T>::store(__fsub_rn(rnd<T>(__fmul_rn(x1, c)), rnd<T>(__fmul_rn(x2, sn))));
+      x[half + i] = Num<T>::store(__fadd_rn(rnd<T>(__fmul_rn(x2, c)), rnd<T>(__fmul_rn(x1, sn))));
+    }
+    if constexpr (kCache) {
+      if (is_key && slot >= 0) {
+        const float inv = 1.f / p.k_scale;
+        C* kc = static_cast<C*>(p.key_cache) + slot * kv_row + (head - p.num_heads) * p.head_dim;
+        kc[i] = to_cache<T, C>(Num<T>::load(x[i]), inv);
+        kc[half + i] = to_cache<T, C>(Num<T>::load(x[half + i]), inv);
+      }
+    }
+  }
+  if constexpr (kCache) {
+    if (slot < 0) return;
+    const T* v = static_cast<const T*>(p.value) + t * p.value_stride;
+    C* vc = static_cast<C*>(p.value_cache) + slot * kv_row;
+    const float inv = 1.f / p.v_scale;
+    for (int64_t e = threadIdx.x; e < kv_row; e += blockDim.x) vc[e] = to_cache<T, C>(Num<T>::load(v[e]), inv);
+  }
+}
+
+template <typename T, typename C>
+void launch_rotary_cache(const RotaryEmbeddingParams& p, int threads, cudaStream_t s) {
+  if (p.positions_int64) {
+    rotary_kernel<T, int64_t, C><<<p.num_tokens, threads, 0, s>>>(p);
+  } else {
+    rotary_kernel<T, int32_t, C><<<p.num_tokens, threads, 0, s>>>(p);
+  }
+}
+
+template <typename T>
+int launch_rotary(const RotaryEmbeddingParams& p, cudaStream_t s) {
+  const int pairs = (p.num_heads + p.num_kv_heads) * (p.head_dim / 2);
+  const int threads = pairs >= 512 ? 512 : round_up32(pairs);
+  if (p.key_cache == nullptr) {
+    launch_rotary_cache<T, void>(p, threads, s);
+  } else if (p.cache_dtype == p.dtype) {
+    launch_rotary_cache<T, T>(p, threads, s);
+  } else if (p.cache_dtype == DType::kFloat8E4M3 && sizeof(T) == 2) {
+    if (!(p.k_scale > 0.f) || !(p.v_scale > 0.f)) return cudaErrorInvalidValue;
+    launch_rotary_cache<T, uint8_t>(p, threads, s);
+  } else {
+    return cudaErrorInvalidValue;
+  }
+  return cudaGetLastError();
+}
+
+// ---- SiLU and multiply -------------------------------------------------------------------
+
+template <typename T>
+__device__ __forceinline__ float silu_mul(T gate, T up) {
+  const float g = Num<T>::load(gate);
+  // HF: act_fn(gate) * up: silu rounded to the dtype, then the product.
+  const float silu = rnd<T>(__fdiv_rn(g, __fadd_rn(1.f, expf(-g))));
+  return __fmul_rn(silu, Num<T>::load(up));
+}
+
+// grid (tokens, chunks of the row); each thread one vector (kVec) or one element.
+template <typename T, bool kVec>
+__global__ void silu_and_mul_kernel(SiluAndMulParams p) {
+  constexpr int V = kVec ? Vec<T>::kSize : 1;
+  const int64_t t = blockIdx.x;
+  const int64_t i = (static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x) * V;
+  if (i >= p.intermediate_size) return;
+  const T* gate = static_cast<const T*>(p.input) + t * p.input_stride;
+  const T* up = gate + p.intermediate_size;
+  T* out = static_cast<T*>(p.out) + t * p.out_stride;
+  if constexpr (kVec) {
+    const Vec<T> g = load_vec(gate + i), u = load_vec(up + i);
+    Vec<T> o;
+#pragma unroll
+    for (int j = 0; j < V; ++j) o.v[j] = Num<T>::store(silu_mul(g.v[j], u.v[j]));
+    store_vec(out + i, o);
+  } else {
+    out[i] = Num<T>::store(silu_mul(gate[i], up[i]));
+  }
+}
+
+template <typename T>
+int launch_silu_and_mul(const SiluAndMulParams& p, cudaStream_t s) {
+  constexpr int V = Vec<T>::kSize;
+  const int64_t eb = sizeof(T);
+  const bool vec = aligned16(p.input) && aligned16(p.out) && p.intermediate_size % V == 0 &&
+                   (p.input_stride * eb) % 16 == 0 && (p.out_stride * eb) % 16 == 0;
+  const int64_t units = vec ? p.intermediate_size / V : p.intermediate_size;
+  const int threads = units >= 256 ? 256 : round_up32(units);
+  const int64_t chunks = (units + threads - 1) / threads;
+  if (chunks > 65535) return cudaErrorInvalidValue;
+  const dim3 grid(p.num_tokens, static_cast<unsigned>(chunks));
+  if (vec) {
+    silu_and_mul_kernel<T, true><<<grid, threads, 0, s>>>(p);
+  } else {
+    silu_and_mul_kernel<T, false><<<grid, threads, 0, s>>>(p);
+  }
+  return cudaGetLastError();
+}
+
+// Calls launch<T>() with the activation type of dtype; fp8 is a cache type only.
+template <template <typename> class L, typename P>
+int dispatch(const P& p, cudaStream_t s) {
+  switch (p.dtype) {
+    case DType::kFloat32: return L<float>::run(p, s);
+    case DType::kBFloat16: return L<__nv_bfloat16>::run(p, s);
+    case DType::kFloat16: return L<__half>::run(p, s);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+template <typename T>
+struct RmsNormLaunch {
+  static int run(const RmsNormParams& p, cudaStream_t s) { return launch_rms_norm<T>(p, s); }
+};
+template <typename T>
+struct RotaryLaunch {
+  static int run(const RotaryEmbeddingParams& p, cudaStream_t s) { return launch_rotary<T>(p, s); }
+};
+template <typename T>
+struct SiluAndMulLaunch {
+  static int run(const SiluAndMulParams& p, cudaStream_t s) { return launch_silu_and_mul<T>(p, s); }
+};
+
+}  // namespace
+
+int rms_norm(const RmsNormParams& p, void* stream) {
+  if (p.num_tokens == 0) return cudaSuccess;
+  if (p.num_tokens < 0 || p.num_heads <= 0 || p.hidden_size <= 0) return cudaErrorInvalidValue;
+  if (p.residual != nullptr && p.num_heads != 1) return cudaErrorInvalidValue;
+  return dispatch<RmsNormLaunch>(p, static_cast<cudaStream_t>(stream));
+}
+
+int rotary_embedding(const RotaryEmbeddingParams& p, void* stream) {
+  if (p.num_tokens == 0) return cudaSuccess;
+  if (p.num_tokens < 0 || p.num_heads <= 0 || p.num_kv_heads < 0 || p.head_dim <= 0 || p.head_dim % 2 != 0) {
+    return cudaErrorInvalidValue;
+  }
+  return dispatch<RotaryLaunch>(p, static_cast<cudaStream_t>(stream));
+}
+
+int silu_and_mul(const SiluAndMulParams& p, void* stream) {
+  if (p.num_tokens == 0) return cudaSuccess;
+  if (p.num_tokens < 0 || p.intermediate_size <= 0) return cudaErrorInvalidValue;
+  return dispatch<SiluAndMulLaunch>(p, static_cast<cudaStream_t>(stream));
+}
+
+}  // namespace pagedcore::cuda

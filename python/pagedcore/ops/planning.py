@@ -1,0 +1,137 @@
+"""How :func:`~pagedcore.ops.paged_attention` splits a step over CUDA thread
+blocks: :class:`AttentionPlan`, made once per step on the host
+(:func:`plan_attention`, :func:`plan_decode`) and shared by every layer."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .. import _C
+from ._checks import _sm_count
+
+
+class AttentionPlan:
+    """How :func:`paged_attention` splits one step's rows over CUDA thread blocks.
+
+    Rows with one query (decode) go to the decode kernel, one thread block per
+    (row, kv head) streaming the row's keys, when the shape allows
+    (``cuda_decode_supported``); other rows are cut into work items, tiles of
+    consecutive query tokens (as many as fill ``cuda_attention_tile_vectors``
+    query vectors with the heads of one kv head). With few blocks and long
+    contexts, keys are also split (``num_splits`` / ``decode_splits``) and
+    merged by a second kernel. Made once per step on the host
+    (:func:`plan_attention`) and reused by every layer.
+    """
+
+    def __init__(self, work_seq, work_q_start, tile_tokens, num_splits, decode_seq, decode_splits, device) -> None:
+        self.num_work = int(work_seq.shape[0])
+        self.num_decode = int(decode_seq.shape[0])
+        self.tile_tokens = tile_tokens
+        self.num_splits = num_splits
+        self.decode_splits = decode_splits
+        self.device = device
+        self.work_seq = torch.from_numpy(work_seq).to(device, non_blocking=True)
+        self.work_q_start = torch.from_numpy(work_q_start).to(device, non_blocking=True)
+        self.decode_seq = torch.from_numpy(decode_seq).to(device, non_blocking=True)
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def _buffer(self, name: str, size: int, dtype: torch.dtype = torch.float32) -> int:
+        buf = self._buffers.get(name)
+        if buf is None or buf.numel() < size:
+            # NOTE: counters must start at zero; the kernels leave them at zero.
+            buf = self._buffers[name] = torch.zeros(size, dtype=dtype, device=self.device)
+        return buf.data_ptr()
+
+    def partial_ptrs(self, num_kv_heads: int, head_dim: int) -> dict[str, int]:
+        """Scratch for split keys: the tiles' and the decode rows' partial outputs,
+        and the counters with which the last split of each merges them."""
+        v = _C.cuda_attention_partial_vectors
+        ptrs = {"partial_out": 0, "partial_lse": 0, "decode_partial_out": 0, "decode_partial_lse": 0,
+                "split_counters": 0, "decode_split_counters": 0}
+        if self.num_splits > 1 and self.num_work:
+            n = self.num_work * num_kv_heads * self.num_splits * v
+            ptrs["partial_out"] = self._buffer("partial_out", n * head_dim)
+            ptrs["partial_lse"] = self._buffer("partial_lse", n * 2)
+            ptrs["split_counters"] = self._buffer("split_counters", self.num_work * num_kv_heads, torch.int32)
+        if self.decode_splits > 1 and self.num_decode:
+            n = self.num_decode * num_kv_heads * self.decode_splits * v
+            ptrs["decode_partial_out"] = self._buffer("decode_partial_out", n * head_dim)
+            ptrs["decode_partial_lse"] = self._buffer("decode_partial_lse", n * 2)
+            ptrs["decode_split_counters"] = self._buffer(
+                "decode_split_counters", self.num_decode * num_kv_heads, torch.int32)
+        return ptrs
+
+
+def _splits(blocks: int, longest: int, sms: int) -> int:
+    # Split keys when the blocks alone leave most multiprocessors idle.
+    if blocks >= sms or longest < 512:
+        return 1
+    return int(max(1, min(-(-2 * sms // blocks), longest // 256, 64)))
+
+
+def plan_attention(
+    query_start_loc: np.ndarray,
+    seq_lens: np.ndarray,
+    num_heads: int,
+    num_kv_heads: int,
+    device: torch.device,
+    head_dim: int | None = None,
+    dtype: torch.dtype | None = None,
+) -> AttentionPlan:
+    """Plans :func:`paged_attention` on CUDA for one step (host arrays in, no sync).
+
+    Parameters
+    ----------
+    query_start_loc : np.ndarray
+        ``[num_seqs + 1]`` the step's row starts (host copy).
+    seq_lens : np.ndarray
+        ``[num_seqs]`` tokens cached per row after the step (host copy).
+    head_dim, dtype : optional
+        The head size and the query's dtype; when given, tiles are sized for the
+        kernel that serves that dtype and rows with a single query go to the
+        decode kernel where it supports them.
+    """
+    group = num_heads // num_kv_heads
+    element_size = dtype.itemsize if dtype is not None else 4
+    vectors = _C.cuda_attention_tile_vectors(element_size)
+    if group > vectors:
+        raise ValueError(f"plan_attention: {group} query heads per kv head; at most {vectors} supported")
+    tile = max(1, vectors // group)
+    q_lens = np.diff(np.asarray(query_start_loc, dtype=np.int64))
+    seq_lens = np.asarray(seq_lens, dtype=np.int64)
+    rows = np.arange(q_lens.shape[0], dtype=np.int32)
+    fast = (
+        head_dim is not None and dtype is not None
+        and _C.cuda_decode_supported(group, head_dim, element_size)
+    )
+    is_decode = (q_lens == 1) if fast else np.zeros(q_lens.shape[0], dtype=bool)
+    decode_seq = rows[is_decode]
+    tiles = np.where(is_decode, 0, (q_lens + tile - 1) // tile)
+    total = int(tiles.sum())
+    work_seq = np.repeat(rows, tiles)
+    first_of_row = np.repeat(np.cumsum(tiles) - tiles, tiles)
+    work_q_start = ((np.arange(total) - first_of_row) * tile).astype(np.int32)
+    if total > 1:
+        # Longest first (keys a tile reads: its last position + 1), so that the
+        # short tiles fill the GPU's tail instead of the long ones.
+        keys = seq_lens[work_seq] - q_lens[work_seq] + np.minimum(work_q_start + tile, q_lens[work_seq])
+        order = np.argsort(-keys, kind="stable")
+        work_seq, work_q_start = work_seq[order], work_q_start[order]
+    sms = _sm_count(device)
+    longest_tile = int(seq_lens[~is_decode].max()) if total else 0
+    longest_decode = int(seq_lens[is_decode].max()) if decode_seq.size else 0
+    return AttentionPlan(
+        work_seq, work_q_start, tile, _splits(max(1, total * num_kv_heads), longest_tile, sms),
+        decode_seq, _splits(max(1, decode_seq.size * num_kv_heads), longest_decode, sms), device,
+    )
+
+
+def plan_decode(num_rows: int, num_kv_heads: int, device: torch.device, max_seq_len: int) -> AttentionPlan:
+    """A plan for ``num_rows`` decode rows (row ``i`` = query token ``i``) that does
+    not depend on their lengths: key splits chosen for ``max_seq_len``, so one
+    plan serves every step of that batch size (what a CUDA graph replays)."""
+    empty = np.zeros(0, dtype=np.int32)
+    rows = np.arange(num_rows, dtype=np.int32)
+    splits = _splits(num_rows * num_kv_heads, max_seq_len, _sm_count(device))
+    return AttentionPlan(empty, empty, 1, 1, rows, splits, device)
