@@ -253,9 +253,11 @@ def latency(path: Path, fields: dict, args) -> None:
 
     cases = [("TPOT batch 1", 1, 128), ("TPOT batch 16", 16, 128), ("TTFT prompt 512", 1, 512),
              ("TTFT prompt 4096", 1, 4096)]
+    # NOTE: no prefix caching: every timed call repeats its case's prompts, and a cached
+    # prompt would make the time to first token that of a single token.
     llm = LLM(model=str(path), load_format="dummy", dtype="bfloat16", device=args.device,
               max_model_len=args.max_model_len + 256, gpu_memory_utilization=args.gpu_memory_utilization,
-              max_num_seqs=args.max_num_seqs, enforce_eager=args.enforce_eager)
+              max_num_seqs=args.max_num_seqs, enforce_eager=args.enforce_eager, enable_prefix_caching=False)
     model = None
     rows = []
     for name, batch, length in cases:

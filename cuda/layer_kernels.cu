@@ -71,7 +71,7 @@ int round_up32(int64_t n) { return static_cast<int>((n + 31) / 32 * 32); }
 template <typename T, bool kVec>
 __global__ void rms_norm_kernel(RmsNormParams p, int64_t num_rows) {
   constexpr int V = Vec<T>::kSize;
-  __shared__ float partial[32];
+  __shared__ double partial[32];
   __shared__ float row_inv[32];
   const int64_t row = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
   const bool active = row < num_rows;
@@ -84,7 +84,9 @@ __global__ void rms_norm_kernel(RmsNormParams p, int64_t num_rows) {
   const T* w = static_cast<const T*>(p.weight);
   const int vec_end = kVec ? n / V * V : 0;
 
-  float acc = 0.f;
+  // NOTE: the sum of squares in double (as the CPU kernel): a float sum over rows of 8k
+  // elements drifts by a few ulps from the exact one. Bandwidth-bound, so it costs nothing.
+  double acc = 0.0;
   if (active) {
     if (res != nullptr) {
       // HF: hidden = residual + hidden, rounded to the dtype; the sum is normalised.
@@ -94,27 +96,27 @@ __global__ void rms_norm_kernel(RmsNormParams p, int64_t num_rows) {
         for (int j = 0; j < V; ++j) {
           const float s = rnd<T>(__fadd_rn(Num<T>::load(b.v[j]), Num<T>::load(a.v[j])));
           b.v[j] = Num<T>::store(s);
-          acc = __fadd_rn(acc, __fmul_rn(s, s));
+          acc += static_cast<double>(s) * s;
         }
         store_vec(res + i, b);
       }
       for (int i = vec_end + threadIdx.x; i < n; i += blockDim.x) {
         const float s = rnd<T>(__fadd_rn(Num<T>::load(res[i]), Num<T>::load(in[i])));
         res[i] = Num<T>::store(s);
-        acc = __fadd_rn(acc, __fmul_rn(s, s));
+        acc += static_cast<double>(s) * s;
       }
     } else {
       for (int i = threadIdx.x * V; i < vec_end; i += blockDim.x * V) {
         const Vec<T> a = load_vec(in + i);
 #pragma unroll
         for (int j = 0; j < V; ++j) {
-          const float x = Num<T>::load(a.v[j]);
-          acc = __fadd_rn(acc, __fmul_rn(x, x));
+          const double x = Num<T>::load(a.v[j]);
+          acc += x * x;
         }
       }
       for (int i = vec_end + threadIdx.x; i < n; i += blockDim.x) {
-        const float x = Num<T>::load(in[i]);
-        acc = __fadd_rn(acc, __fmul_rn(x, x));
+        const double x = Num<T>::load(in[i]);
+        acc += x * x;
       }
     }
   }
@@ -126,8 +128,9 @@ __global__ void rms_norm_kernel(RmsNormParams p, int64_t num_rows) {
   if (threadIdx.x % 32 == 0) partial[warp] = acc;
   __syncthreads();
   if (threadIdx.x == 0) {
-    float sum = 0.f;
-    for (int k = 0; k < warps_per_row; ++k) sum += partial[threadIdx.y * warps_per_row + k];
+    double total = 0.0;
+    for (int k = 0; k < warps_per_row; ++k) total += partial[threadIdx.y * warps_per_row + k];
+    const float sum = static_cast<float>(total);
     // torch: x * rsqrt(mean + eps) with mean = sum / n; rsqrt as 1 / sqrt, both rounded.
     const float variance = __fdiv_rn(sum, static_cast<float>(n));
     row_inv[threadIdx.y] = __fdiv_rn(1.f, __fsqrt_rn(__fadd_rn(variance, p.eps)));
