@@ -1,6 +1,7 @@
 // Randomized operation sequences; every invariant is checked after every step.
 #include <gtest/gtest.h>
 
+#include <map>
 #include <random>
 #include <set>
 #include <string>
@@ -75,6 +76,16 @@ TEST_P(RandomOperations, InvariantsHoldAfterEveryOperation) {
   }
   std::set<std::string> live;
   int next_id = 0, steps = 0, aborts = 0, finishes = 0, forks = 0;
+  // Requests with prompt logprobs: their prompt and the next position the
+  // engine must list (each prompt position after the first exactly once).
+  std::map<std::string, std::pair<std::vector<TokenId>, int32_t>> scored;
+  int64_t num_scored = 0;
+  auto request_of = [&](SeqId seq_id) -> std::string {
+    for (const Sequence* s : e.scheduler().running()) {
+      if (s->seq_id == seq_id) return s->request->request_id;
+    }
+    return "";
+  };
   auto live_seqs = [&](bool running_only) {
     std::vector<SeqId> ids;
     for (const Sequence* s : e.scheduler().running()) {
@@ -100,16 +111,32 @@ TEST_P(RandomOperations, InvariantsHoldAfterEveryOperation) {
       if (uniform(0, 1)) p.stop_token_ids = {uniform(0, 63), uniform(0, 63)};
       p.ignore_eos = uniform(0, 4) == 0;
       if (rc.policy == SchedulingPolicy::kPriority) p.priority = uniform(-2, 2);
+      p.prompt_logprobs = uniform(0, 2) == 0;
       const std::string id = "r" + std::to_string(next_id++);
       try {
         e.add_request(id, prompt, p);
         live.insert(id);
+        if (p.prompt_logprobs) scored[id] = {prompt, 1};
       } catch (const InvalidArgument&) {
         // Could never fit in a tiny pool: rejected, nothing changed.
       }
     } else if (r < 80) {
       const StepBatch& b = e.schedule();
       e.check_invariants();
+      for (int32_t run = 0; run < b.num_prompt_logprob_seqs; ++run) {
+        // (A run's sequence was scheduled: it is running.)
+        auto it = scored.find(request_of(b.prompt_logprob_seq_ids[run]));
+        ASSERT_NE(it, scored.end()) << "a run for a request without prompt logprobs";
+        auto& [prompt, next] = it->second;
+        ASSERT_EQ(b.prompt_logprob_first_positions[run], next);
+        for (int32_t k = b.prompt_logprob_start_loc[run]; k < b.prompt_logprob_start_loc[run + 1]; ++k) {
+          ASSERT_LT(next, static_cast<int32_t>(prompt.size()));
+          ASSERT_EQ(b.prompt_logprob_token_ids[k], prompt[next]);
+          ASSERT_EQ(b.positions[b.prompt_logprob_indices[k]], next - 1);
+          ++next;
+          ++num_scored;
+        }
+      }
       m.run(b);
       std::vector<TokenId> sampled(b.num_samples);
       for (TokenId& t : sampled) t = uniform(0, 63);
@@ -120,7 +147,14 @@ TEST_P(RandomOperations, InvariantsHoldAfterEveryOperation) {
         ASSERT_EQ(res.seq_ids[k], b.sample_seq_ids[k]);
         ASSERT_EQ(res.token_ids[k], sampled[k]);
       }
-      for (const auto& id : res.finished_request_ids) ASSERT_EQ(live.erase(id), 1u);
+      for (const auto& id : res.finished_request_ids) {
+        ASSERT_EQ(live.erase(id), 1u);
+        // A request that sampled has its whole prompt listed.
+        auto it = scored.find(id);
+        if (it != scored.end()) {
+          ASSERT_EQ(it->second.second, static_cast<int32_t>(it->second.first.size())) << id;
+        }
+      }
       ++steps;
     } else if (r < 86) {
       if (live.empty()) continue;
@@ -173,6 +207,7 @@ TEST_P(RandomOperations, InvariantsHoldAfterEveryOperation) {
   EXPECT_GT(aborts, 50);
   EXPECT_GT(finishes, 50);
   EXPECT_GT(forks, 50);
+  EXPECT_GT(num_scored, 500);
   if (rc.num_blocks <= 24) EXPECT_GT(s.num_preemptions, 0);
   if (rc.mode == PreemptionMode::kSwap && rc.num_blocks <= 24) EXPECT_GT(s.num_swap_preemptions, 0);
   if (rc.prefix_caching && rc.hash_bits == 64) EXPECT_GT(s.prefix_cache_hits, 0);
