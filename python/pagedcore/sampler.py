@@ -438,6 +438,10 @@ def apply_min_p(logits: Tensor, min_p: Tensor) -> Tensor:
     return logits.masked_fill_(logits < cutoff, float("-inf"))
 
 
+#: Fewest rows for which CUDA takes the planned (topk-based) thresholds instead of a sort.
+_PLANNED_MIN_CUDA_ROWS = 128
+
+
 def apply_top_k_top_p(logits: Tensor, top_k: Tensor | None, top_p: Tensor | None, *,
                       host_top_k: Tensor | None = None,
                       host_top_p: Tensor | None = None) -> Tensor:
@@ -463,7 +467,8 @@ def apply_top_k_top_p(logits: Tensor, top_k: Tensor | None, top_p: Tensor | None
         The same values on the host (CPU tensors; a None argument above
         needs none here). With them the cuts come from ``torch.topk`` of the
         batch's largest k, and only rows with top_p and no top_k sort their
-        whole row; without them every row is sorted. The kept sets are the
+        whole row (on CUDA from 128 rows on: fewer rows sort); without them
+        every row is sorted. The kept sets are the
         same either way (up to float rounding of the cumulative sums, which
         the 1e-6 tolerance absorbs).
 
@@ -481,7 +486,10 @@ def apply_top_k_top_p(logits: Tensor, top_k: Tensor | None, top_p: Tensor | None
     if top_k is None and top_p is None:
         return logits
     hints = (host_top_k is not None or top_k is None) and (host_top_p is not None or top_p is None)
-    if hints:
+    # NOTE: on CUDA a few rows are bound by launch latency, and the plan's extra launches
+    # cost more than the sort they avoid (H200, vocab 49k-128k: slower at 1 and 16 rows,
+    # faster at 256; bench/RESULTS.md). Both give the same thresholds.
+    if hints and not (logits.is_cuda and logits.shape[0] < _PLANNED_MIN_CUDA_ROWS):
         threshold = _planned_thresholds(logits, top_k, top_p, host_top_k, host_top_p)
     else:
         threshold = _sorted_thresholds(logits, top_k, top_p)
