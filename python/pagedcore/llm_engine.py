@@ -38,6 +38,7 @@ from .model_loader import (
 from .model_runner import ModelRunner, kv_bytes_per_block, kv_cache_size_line, profile_peak_memory
 from .models import CausalLM, ModelSpec, model_spec_from_config
 from .models.spec import config_from_json
+from .ops import SUPPORTED_HEAD_DIMS
 from .outputs import CompletionOutput, Logprob, RequestOutput
 from .prompt_logprobs import logprob_dicts, score_prompt_tokens
 from .sampler import HostSamplerOutput, Sampler, SamplerOutput, SamplingMetadata, pack_for_host, unpack_on_host
@@ -307,6 +308,11 @@ class LLMEngine:
         # transformers' config machinery takes ~2 s.
         hf_config = config_from_json(load_config_json(model_path))
         self.spec: ModelSpec = model_spec_from_config(hf_config)
+        if self.spec.head_dim not in SUPPORTED_HEAD_DIMS:
+            # NOTE: refused here, before any weight loads; the first forward pass
+            # would otherwise fail inside the attention op.
+            raise ValueError(f"unsupported head_dim: {self.spec.head_dim} (config.json of {model_path}); "
+                             f"the attention kernels serve head dims {SUPPORTED_HEAD_DIMS}")
         self.dtype = resolve_dtype(args.dtype, hf_config, device=self.device.type)
         self.kv_dtype = self._kv_dtype(args.kv_cache_dtype)
         # The tokenizer loads in a thread while the weights load (see load_tokenizer_in_background).

@@ -305,3 +305,23 @@ def test_prefix_cache_counters_count_first_admissions_only(checkpoint, hf_model)
         hf_greedy(hf_model, p, 10) for p in (a, b)
     ]
     engine_is_empty(llm)
+
+
+def test_an_unsupported_head_dim_is_refused_before_loading(checkpoint, tmp_path, monkeypatch) -> None:
+    # head_dim 16 (64 hidden / 4 heads): no attention kernel serves it. The LLM is
+    # refused with the value and the supported ones, before any weight is read.
+    import json
+    import shutil
+
+    path = tmp_path / "head16"
+    shutil.copytree(checkpoint, path)
+    config = json.loads((path / "config.json").read_text())
+    config.update(num_attention_heads=4, head_dim=16)
+    (path / "config.json").write_text(json.dumps(config))
+    read = []
+    import pagedcore.llm_engine as llm_engine
+
+    monkeypatch.setattr(llm_engine, "iter_safetensors", lambda *a, **k: read.append(a) or iter(()))
+    with pytest.raises(ValueError, match=r"unsupported head_dim: 16 .*\(32, 64, 80, 96, 128, 256\)"):
+        LLM(model=str(path), num_kv_blocks=16)
+    assert read == []
