@@ -7,7 +7,10 @@ preallocated buffers (no per-sequence Python work).
 
 On CUDA, steps made only of decode rows replay CUDA graphs captured at start-up
 for a ladder of batch sizes (the batch padded up to the next size; padding rows
-write no cache slot and read the null block), unless ``enforce_eager``.
+write no cache slot and read the null block), unless ``enforce_eager``. Other steps
+(prefill chunks, mixed) replay piecewise graphs for a ladder of token counts: one
+graph per layer boundary holding everything but attention, which runs eagerly
+between them with the step's own plan (padding tokens write no cache slot).
 """
 
 from __future__ import annotations
@@ -81,6 +84,24 @@ class _Staging:
 GRAPH_BATCH_SIZES = (1, 2, 4, 8) + tuple(range(16, 257, 16)) + tuple(range(288, 513, 32))
 
 
+# Token counts of the steps whose layer bodies replay CUDA graphs (prefill and mixed
+# steps; the ones below max_num_batched_tokens, and that budget): the step padded up
+# to the next size.
+PREFILL_GRAPH_TOKENS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+
+@dataclass
+class _PrefillGraphs:
+    """One token count's piecewise graphs: ``graphs[0]`` embeds the tokens and runs
+    layer 0 up to attention; ``graphs[i]`` (i >= 1) runs layer i - 1 after attention
+    and layer i up to attention (the last one: the final norm into ``hidden``).
+    Attention runs eagerly between them, from the shared qkv buffer into the shared
+    attention buffer (its work split depends on the step's lengths)."""
+
+    graphs: list[torch.cuda.CUDAGraph]
+    hidden: torch.Tensor  # [tokens, hidden_size], the final norm's output, written by the last graph
+
+
 @dataclass
 class _DecodeGraph:
     graph: torch.cuda.CUDAGraph
@@ -151,8 +172,11 @@ class ModelRunner:
         self.prompt_hidden: torch.Tensor | None = None
         self.graphs: dict[int, _DecodeGraph] = {}
         self.graph_replays = 0  # decode steps served by a graph
+        self.prefill_graphs: dict[int, _PrefillGraphs | None] = {}  # None: run_prefill_in_pieces
+        self.prefill_graph_replays = 0  # other steps whose layer bodies replayed graphs
         if device.type == "cuda" and not enforce_eager:
             self._capture_decode_graphs(engine_config)
+            self._capture_prefill_graphs(engine_config)
 
     # ---- CUDA graphs for decode steps ------------------------------------------
 
@@ -200,6 +224,113 @@ class ModelRunner:
         self.graphs = dict(sorted(self.graphs.items()))  # ascending: replay picks the first that fits
         torch.cuda.synchronize(dev)
         logger.info("CUDA graphs captured for decode batch sizes %s in %.1f s", sizes, time.perf_counter() - start)
+
+    # ---- piecewise CUDA graphs for prefill and mixed steps ------------------------
+
+    def _capture_prefill_graphs(self, config: _C.EngineConfig) -> None:
+        """Captures the layer bodies of steps of each size of PREFILL_GRAPH_TOKENS
+        below max_num_batched_tokens, and of that budget: everything but attention, whose plan depends on
+        the step's lengths (vLLM v1's piecewise graphs). A prefill step otherwise
+        launches ~10 kernels per layer from Python, which costs more host time than
+        the GPU spends on a short prompt."""
+        # The ladder below the token budget, then the budget itself: every step fits one.
+        top = config.max_num_batched_tokens
+        sizes = [t for t in PREFILL_GRAPH_TOKENS if t < top] + [top]
+        spec, dev = self.spec, self.device
+        self._allocate_prefill_buffers(sizes[-1])
+        pool = torch.cuda.graph_pool_handle()
+        start = time.perf_counter()
+        with ops.unchecked_indices():
+            for t in reversed(sizes):  # largest first: the smaller ones reuse its pool
+                side = torch.cuda.Stream(dev)
+                side.wait_stream(torch.cuda.current_stream(dev))
+                with torch.cuda.stream(side):  # warm-up: lazily made buffers exist before capture
+                    for i in range(spec.num_layers + 1):
+                        self._prefill_segment(t, i)
+                torch.cuda.current_stream(dev).wait_stream(side)
+                graphs, hidden = [], None
+                for i in range(spec.num_layers + 1):
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool):
+                        hidden = self._prefill_segment(t, i)
+                    graphs.append(graph)
+                self.prefill_graphs[t] = _PrefillGraphs(graphs, hidden)
+        self.prefill_graphs = dict(sorted(self.prefill_graphs.items()))
+        torch.cuda.synchronize(dev)
+        logger.info("CUDA graphs captured for prefill steps of %s tokens (%d pieces each) in %.1f s", sizes,
+                    spec.num_layers + 1, time.perf_counter() - start)
+
+    def _allocate_prefill_buffers(self, top: int) -> None:
+        """Static inputs and the buffers attention reads and writes, shared by every
+        size and layer (pieces run one at a time, attention between them)."""
+        spec, dtype, dev = self.spec, self.model.dtype, self.device
+        self._p_input_ids = torch.zeros(top, dtype=torch.int32, device=dev)
+        self._p_positions = torch.zeros(top, dtype=torch.int32, device=dev)
+        self._p_slot_mapping = torch.full((top,), -1, dtype=torch.int32, device=dev)
+        self._p_qkv = torch.zeros((top, spec.q_size + 2 * spec.kv_size), dtype=dtype, device=dev)
+        self._p_attn = torch.zeros((top, spec.num_heads, spec.head_dim), dtype=dtype, device=dev)
+        self._p_residual = torch.zeros((top, spec.hidden_size), dtype=dtype, device=dev)
+
+    def run_prefill_in_pieces(self, sizes: tuple[int, ...]) -> None:
+        """Runs prefill and mixed steps of up to ``max(sizes)`` tokens the way their
+        CUDA graphs do, piece by piece, but eagerly and on any device: a test hook
+        that checks the split of the layers and the padding on the CPU, where no
+        graph is captured."""
+        if max(sizes) > self.staging.input_ids.shape[0]:
+            raise ValueError(f"run_prefill_in_pieces: sizes up to {max(sizes)} exceed the token budget "
+                             f"{self.staging.input_ids.shape[0]}")
+        self._allocate_prefill_buffers(max(sizes))
+        self.prefill_graphs = {t: None for t in sorted(sizes)}
+
+    def _prefill_segment(self, t: int, i: int) -> torch.Tensor | None:
+        """Piece ``i`` of a ``t``-token step (see _PrefillGraphs); returns the final
+        hidden states from the last piece."""
+        model, layers = self.model, self.model.layers
+        table = model.cos_sin_cache
+        positions, slots = self._p_positions[:t], self._p_slot_mapping[:t]
+        qkv, residual = self._p_qkv[:t], self._p_residual[:t]
+        if i == 0:
+            torch.index_select(model.embed_tokens.weight, 0, self._p_input_ids[:t], out=residual)
+            key_cache, value_cache = self.kv_caches[0]
+            layers[0].pre_attention(positions, residual, None, table, key_cache, value_cache, slots, qkv_out=qkv)
+            return None
+        hidden, _ = layers[i - 1].post_attention(self._p_attn[:t], residual)
+        if i == len(layers):
+            return model.norm.add_forward(hidden, residual)
+        key_cache, value_cache = self.kv_caches[i]
+        layers[i].pre_attention(positions, hidden, residual, table, key_cache, value_cache, slots, qkv_out=qkv)
+        return None
+
+    def _replay_prefill(self, batch: _C.StepBatch, md: AttentionMetadata) -> torch.Tensor:
+        """The step's final hidden states ``[num_tokens, hidden_size]`` from the
+        graphs of the next size up (padding tokens: id 0, position 0, no cache slot)."""
+        n = batch.num_tokens
+        t = next(size for size in self.prefill_graphs if size >= n)
+        entry, spec, s = self.prefill_graphs[t], self.spec, self.staging
+        ids, pos, slots = s.input_ids.numpy(), s.positions.numpy(), s.slot_mapping.numpy()
+        ids[:n], pos[:n], slots[:n] = batch.input_ids, batch.positions, batch.slot_mapping
+        ids[n:t], pos[n:t], slots[n:t] = 0, 0, -1
+        self._p_input_ids[:t].copy_(s.input_ids[:t], non_blocking=True)
+        self._p_positions[:t].copy_(s.positions[:t], non_blocking=True)
+        self._p_slot_mapping[:t].copy_(s.slot_mapping[:t], non_blocking=True)
+        self._staging_copied()
+        q = self._p_qkv[:n, :spec.q_size].view(n, spec.num_heads, spec.head_dim)
+        attn = self._p_attn[:n]
+        scale, window = self.model.layers[0].scale, spec.sliding_window
+
+        def piece(i: int) -> torch.Tensor | None:
+            if entry is None:  # run_prefill_in_pieces: eagerly
+                return self._prefill_segment(t, i)
+            entry.graphs[i].replay()
+            return entry.hidden if i == spec.num_layers else None
+
+        piece(0)
+        for i, (key_cache, value_cache) in enumerate(self.kv_caches):
+            ops.paged_attention(q, key_cache, value_cache, md.block_tables, md.seq_lens, md.query_start_loc,
+                                scale=scale, sliding_window=window, plan=md.plan, out=attn)
+            hidden = piece(i + 1)
+        self.prefill_graph_replays += 1
+        return hidden[:n]
 
     def _decode_forward(self, b: int, md: AttentionMetadata) -> torch.Tensor:
         hidden = self.model(self._g_input_ids[:b], self._g_positions[:b], md, self.kv_caches)
@@ -297,11 +428,14 @@ class ModelRunner:
                 batch.query_start_loc, seq_lens_np, self.spec.num_heads, self.spec.num_kv_heads, self.device,
                 self.spec.head_dim, self.model.dtype,
             )
-        input_ids = self._to_device(_put(s.input_ids, batch.input_ids))
-        positions = self._to_device(_put(s.positions, batch.positions))
         sample_indices = self._to_device(_put(s.sample_indices, batch.sample_indices))
-        self._staging_copied()
-        hidden = self.model(input_ids, positions, md, self.kv_caches)
+        if self.prefill_graphs and batch.num_tokens <= max(self.prefill_graphs):
+            hidden = self._replay_prefill(batch, md)
+        else:
+            input_ids = self._to_device(_put(s.input_ids, batch.input_ids))
+            positions = self._to_device(_put(s.positions, batch.positions))
+            self._staging_copied()
+            hidden = self.model(input_ids, positions, md, self.kv_caches)
         if batch.num_prompt_logprob_tokens:
             # Only the rows that score a prompt token; their logits are made later,
             # a slice at a time (pagedcore.prompt_logprobs).

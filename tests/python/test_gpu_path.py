@@ -203,3 +203,21 @@ def test_chunked_prefill_of_long_prompts_equals_transformers_on_gpu(tiny) -> Non
               max_num_seqs=4, max_num_batched_tokens=32)
     assert generate(llm, ps, 8) == hf_greedy_gpu(tiny, ps, 8)
     assert llm.stats()["num_free_blocks"] == llm.stats()["num_blocks"]
+
+
+def test_prefill_graphs_replay_prefill_and_mixed_steps(tiny) -> None:
+    # Steps that are not pure decode replay the layer pieces captured for their padded
+    # token count (attention eagerly between them): 48-token chunks, mixed steps and
+    # steps above the decode graphs' sizes. float32 tokens equal transformers'.
+    gen = torch.Generator().manual_seed(5)
+    ps = prompts() + [torch.randint(3, 384, (150,), generator=gen).tolist()]
+    llm = LLM(model=str(tiny), device="cuda", dtype="float32", num_kv_blocks=256, max_model_len=256,
+              max_num_batched_tokens=48)
+    runner = llm.llm_engine.runner
+    assert sorted(runner.prefill_graphs) == [16, 32, 48]
+    assert generate(llm, ps, 24) == hf_greedy_gpu(tiny, ps, 24)
+    assert runner.prefill_graph_replays >= 4
+    assert llm.stats()["num_free_blocks"] == llm.stats()["num_blocks"]
+    eager = LLM(model=str(tiny), device="cuda", dtype="float32", num_kv_blocks=256, max_model_len=256,
+                max_num_batched_tokens=48, enforce_eager=True)
+    assert not eager.llm_engine.runner.prefill_graphs

@@ -96,6 +96,29 @@ class DecoderLayer(nn.Module):
         A decode step runs about nine kernels here: norm, qkv GEMM, (q/k norm,)
         rotary + cache write, attention, o GEMM, add+norm, gate_up GEMM, SiLU-mul,
         down GEMM."""
+        q, residual = self.pre_attention(positions, hidden, residual, cos_sin_cache, key_cache, value_cache,
+                                         md.slot_mapping)
+        attn = ops.paged_attention(
+            q, key_cache, value_cache, md.block_tables, md.seq_lens, md.query_start_loc,
+            scale=self.scale, sliding_window=self.spec.sliding_window, plan=md.plan,
+        )
+        return self.post_attention(attn, residual)
+
+    def pre_attention(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos_sin_cache: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        qkv_out: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer up to attention: input norm (with the previous layer's residual
+        add), qkv GEMM (into ``qkv_out`` ``[T, q_size + 2 * kv_size]`` when given),
+        q/k norm, rotary and the cache write of k and v. Returns ``(q [T, heads,
+        head_dim], residual)``; q is a view into the qkv output."""
         spec = self.spec
         t = hidden.shape[0]
         if residual is None:
@@ -103,7 +126,12 @@ class DecoderLayer(nn.Module):
             x = self.input_layernorm(hidden)
         else:
             x = self.input_layernorm.add_forward(hidden, residual)
-        qkv = self.qkv_proj(x)
+        if qkv_out is None:
+            qkv = self.qkv_proj(x)
+        elif self.qkv_proj.bias is not None:  # (what F.linear runs, into a given buffer)
+            qkv = torch.addmm(self.qkv_proj.bias, x, self.qkv_proj.weight.t(), out=qkv_out)
+        else:
+            qkv = torch.mm(x, self.qkv_proj.weight.t(), out=qkv_out)
         q, k, v = qkv.split([spec.q_size, spec.kv_size, spec.kv_size], dim=-1)
         q = q.view(t, spec.num_heads, spec.head_dim)
         k = k.view(t, spec.num_kv_heads, spec.head_dim)
@@ -113,12 +141,13 @@ class DecoderLayer(nn.Module):
             self.k_norm(k, out=k)
         # Rotary on q and k in place, and the cache write of k and v, in one kernel.
         ops.rotary_embedding(positions, q, k, cos_sin_cache, value=v, key_cache=key_cache,
-                             value_cache=value_cache, slot_mapping=md.slot_mapping)
-        attn = ops.paged_attention(
-            q, key_cache, value_cache, md.block_tables, md.seq_lens, md.query_start_loc,
-            scale=self.scale, sliding_window=spec.sliding_window, plan=md.plan,
-        )
-        hidden = self.o_proj(attn.view(t, spec.q_size))
+                             value_cache=value_cache, slot_mapping=slot_mapping)
+        return q, residual
+
+    def post_attention(self, attn: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer after attention (``attn`` ``[T, heads, head_dim]``): o GEMM,
+        add+norm, gate_up GEMM, SiLU-mul, down GEMM. Returns ``(hidden, residual)``."""
+        hidden = self.o_proj(attn.reshape(attn.shape[0], self.spec.q_size))
         x = self.post_attention_layernorm.add_forward(hidden, residual)
         return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x))), residual
 
