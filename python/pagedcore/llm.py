@@ -3,33 +3,18 @@
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Sequence
 from typing import Any
 
 from .beam_search import BeamSearchOutput, run_beam_search
 from .llm_engine import EngineArgs, LLMEngine
+from .logging_setup import configure_default_logging
 from .outputs import RequestOutput
 from .sampling_params import BeamSearchParams, SamplingParams
 
 logger = logging.getLogger("pagedcore")
 
 PromptType = str | dict[str, Any]
-
-
-def _configure_default_logging() -> None:
-    # Like vLLM, show INFO start-up lines (# KV cache blocks ...) by default,
-    # unless the application set up logging itself or
-    # PAGEDCORE_CONFIGURE_LOGGING=0.
-    if os.environ.get("PAGEDCORE_CONFIGURE_LOGGING", "1") == "0":
-        return
-    if logging.getLogger().handlers or logger.handlers:
-        return
-    handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s %(name)s: %(message)s", "%H:%M:%S"))
-    logger.addHandler(handler)
-    if logger.level == logging.NOTSET:
-        logger.setLevel(logging.INFO)
 
 
 class LLM:
@@ -111,7 +96,7 @@ class LLM:
         load_format: str = "auto",
         async_output_proc: bool | None = None,
     ) -> None:
-        _configure_default_logging()
+        configure_default_logging()
         if model is None:
             from .default_model import default_model_path
 
