@@ -43,6 +43,7 @@ from .outputs import CompletionOutput, Logprob, RequestOutput
 from .prompt_logprobs import logprob_dicts, score_prompt_tokens
 from .sampler import HostSamplerOutput, Sampler, SamplerOutput, SamplingMetadata, pack_for_host, unpack_on_host
 from .sampling_params import SamplingParams
+from .structured_outputs import StructuredOutputManager
 
 logger = logging.getLogger("pagedcore")
 
@@ -149,6 +150,10 @@ class _Completion:
     sent_text: int = 0
     sent_tokens: int = 0
     sent_done: bool = False
+    # Structured outputs: the llguidance matcher (None when unconstrained) and
+    # whether the grammar's completion ended it (its last token is text, not EOS).
+    matcher: Any = None
+    grammar_ended: bool = False
 
 
 @dataclass
@@ -351,6 +356,8 @@ class LLMEngine:
         self._seq_owner: dict[int, tuple[_Request, int]] = {}
         self._prompt_masks: dict[str, torch.Tensor] = {}
         self._generators: dict[int, torch.Generator] = {}
+        self._structured: StructuredOutputManager | None = None  # built on first use
+        self._matchers: dict[int, Any] = {}  # seq id -> matcher of a live constrained sequence
         self._next_id = 0
         # Async output processing: step() launches step n+1 on the device before it
         # turns step n's tokens into outputs (see step()).
@@ -574,6 +581,12 @@ class LLMEngine:
             _Completion(index=i, logprobs=[] if logprobs else None, detokenizer=detokenizers[i])
             for i in range(params.n)
         ]
+        if params.structured_outputs is not None:
+            if self._structured is None:
+                self._structured = StructuredOutputManager(self.tokenizer, self.spec.vocab_size,
+                                                           self.eos_token_ids)
+            for c in completions:  # each sample its own matcher
+                c.matcher = self._structured.new_matcher(params.structured_outputs)
         first = self.engine.add_request(request_id, ids, engine_params)
         try:
             slot = self.engine.request_slot(request_id)
@@ -590,6 +603,8 @@ class LLMEngine:
         self._requests[request_id] = request
         for i in range(params.n):
             self._seq_owner[first + i] = (request, i)
+            if completions[i].matcher is not None:
+                self._matchers[first + i] = completions[i].matcher
         if mask is not None:
             self._prompt_masks[request_id] = mask
 
@@ -766,7 +781,28 @@ class LLMEngine:
         )
         self._add_min_tokens(md, batch, slots)
         self._add_penalties(md, batch, slots)
+        if self._matchers:
+            self._add_token_bitmask(md, batch)
         return md
+
+    def _add_token_bitmask(self, md: SamplingMetadata, batch: _C.StepBatch) -> None:
+        """The grammar bitmasks of the step's constrained rows.
+
+        Every matcher has consumed all tokens sampled before this step: step()
+        updates the previous step and processes its outputs (which advance the
+        matchers) before it builds this metadata, so this holds with async
+        output processing too; the masks are computed while the device runs
+        the forward pass launched just before.
+        """
+        rows, matchers = [], []
+        for row, seq_id in enumerate(batch.sample_seq_ids.tolist()):
+            matcher = self._matchers.get(seq_id)
+            if matcher is not None:  # (a finished sequence's row is dropped: no mask)
+                rows.append(row)
+                matchers.append(matcher)
+        if rows:
+            md.bitmask_rows = self._to_device(torch.tensor(rows, dtype=torch.int64))
+            md.token_bitmask = self._to_device(self._structured.bitmask(matchers))
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         """A host tensor's copy on the device, queued without waiting for the device."""
@@ -887,6 +923,8 @@ class LLMEngine:
                 reason, c.stop_reason = "stop", stop_str
             elif reason is not None and stop_tokens[k] >= 0:
                 c.stop_reason = stop_tokens[k]
+            if c.matcher is not None:
+                reason = self._advance_matcher(seq_ids[k], request, c, token, reason)
             if reason is not None:
                 c.finish_reason = reason
                 request.num_finished += 1
@@ -901,6 +939,26 @@ class LLMEngine:
                                               deltas, finished=False,
                                               prompt_logprobs=self._take_prompt_logprobs(request)))
         return finished
+
+    def _advance_matcher(self, seq_id: int, request: _Request, c: _Completion, token: int,
+                         reason: str | None) -> str | None:
+        """Feeds a constrained sequence's token to its matcher; returns its finish reason."""
+        if not c.matcher.consume_token(token):
+            # Never expected: the sampler only returns allowed tokens.
+            logger.error("request %r: token %d is outside its grammar (%s); aborting the sequence",
+                         request.request_id, token, c.matcher.get_error())
+            if reason is None:
+                self._late_stops.append((seq_id, request.request_id))
+            reason = "abort"
+        elif c.matcher.is_stopped() and reason != "stop":
+            # The grammar is complete and admits nothing more (EOS included): done,
+            # also when max_tokens ran out on this very token.
+            if reason is None:  # the engine finishes it once no step is pending
+                self._late_stops.append((seq_id, request.request_id))
+            reason, c.grammar_ended = "stop", True
+        if reason is not None:
+            self._matchers.pop(seq_id, None)
+        return reason
 
     def _delta(self, request: _Request, c: _Completion) -> CompletionOutput | None:
         """What a streamed completion produced since its last delta (None if nothing)."""
@@ -945,6 +1003,7 @@ class LLMEngine:
         for seq_id in request.seq_ids:
             self._seq_owner.pop(seq_id, None)
             self._generators.pop(seq_id, None)
+            self._matchers.pop(seq_id, None)
         if request.stream:
             deltas = [d for d in (self._delta(request, c) for c in request.completions) if d is not None]
             return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, deltas,
@@ -957,7 +1016,7 @@ class LLMEngine:
                 text = c.detokenizer.text
             else:
                 ids = c.token_ids
-                if c.finish_reason == "stop":
+                if c.finish_reason == "stop" and not c.grammar_ended:
                     ids = ids[:-1]  # the EOS or stop token that ended it is not text
                 text = self.tokenizer.decode(ids, skip_special_tokens=skip)
             outputs.append(

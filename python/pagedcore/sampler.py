@@ -123,6 +123,10 @@ class SamplingMetadata:
     blocked_rows, blocked_tokens : Tensor or None
         ``[M]`` int64 each: (row, token) pairs whose logits are set to -inf
         before anything else (min_tokens). None or empty = none.
+    bitmask_rows, token_bitmask : Tensor or None
+        ``[B]`` int64 rows and their ``[B, ceil(V / 32)]`` int32 bitmasks
+        (structured outputs): a token whose bit is 0 is blocked (-inf) before
+        anything else. None = no row is constrained.
     """
 
     temperature: Tensor
@@ -147,6 +151,8 @@ class SamplingMetadata:
     prompt_token_mask: Tensor | None = None
     blocked_rows: Tensor | None = None
     blocked_tokens: Tensor | None = None
+    bitmask_rows: Tensor | None = None
+    token_bitmask: Tensor | None = None
 
     @classmethod
     def from_params(
@@ -363,6 +369,38 @@ def apply_blocked_tokens(logits: Tensor, rows: Tensor | None, tokens: Tensor | N
         # host scalar to the device, which synchronizes.
         logits.index_put_((rows, tokens), logits.new_full((), float("-inf")))
     return logits
+
+
+def apply_token_bitmask(logits: Tensor, rows: Tensor, bitmask: Tensor) -> Tensor:
+    """Sets ``logits[rows[i], t] = -inf`` in place for every token ``t`` whose bit
+    (bit ``t % 32`` of word ``t // 32`` of ``bitmask[i]``) is 0; columns beyond
+    the bitmask's ``32 * W`` are blocked too.
+
+    Parameters
+    ----------
+    logits : Tensor
+        ``[S, V]`` float32, modified in place.
+    rows : Tensor
+        ``[B]`` int64.
+    bitmask : Tensor
+        ``[B, W]`` int32 on the logits' device.
+
+    Returns
+    -------
+    Tensor
+        ``logits``.
+
+    >>> logits = torch.zeros(2, 3)
+    >>> apply_token_bitmask(logits, torch.tensor([1]), torch.tensor([[0b101]], dtype=torch.int32))[1].tolist()
+    [0.0, -inf, 0.0]
+    """
+    vocab = logits.shape[1]
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).flatten(1).bool()  # [B, 32 W]
+    if allowed.shape[1] < vocab:
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
+    sub = logits.index_select(0, rows).masked_fill_(~allowed[:, :vocab], float("-inf"))
+    return logits.index_copy_(0, rows, sub)
 
 
 def apply_penalties(logits: Tensor, md: SamplingMetadata) -> Tensor:
@@ -687,11 +725,14 @@ class Sampler:
             itself when nothing applies.
         """
         has_blocked = md.blocked_rows is not None and md.blocked_rows.numel() > 0
-        if has_blocked or md.penalty_rows is not None:
-            # One private copy for both in-place passes; the caller's logits
+        has_bitmask = md.bitmask_rows is not None and md.bitmask_rows.numel() > 0
+        if has_blocked or has_bitmask or md.penalty_rows is not None:
+            # One private copy for the in-place passes; the caller's logits
             # stay untouched (they feed the raw logprobs).
             logits = logits.clone()
             apply_blocked_tokens(logits, md.blocked_rows, md.blocked_tokens)
+            if has_bitmask:
+                apply_token_bitmask(logits, md.bitmask_rows, md.token_bitmask)
             if md.penalty_rows is not None:
                 _apply_penalties_(logits, md)
         return self._truncate(logits, md) if for_random else logits

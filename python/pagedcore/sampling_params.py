@@ -17,6 +17,8 @@ import numbers
 from dataclasses import dataclass
 from typing import Any
 
+from .structured_outputs import StructuredOutputsParams
+
 logger = logging.getLogger(__name__)
 
 #: Largest ``logprobs`` a request may ask for (vLLM's default ``max_logprobs``).
@@ -129,6 +131,9 @@ class SamplingParams:
         Keep the matched stop string in the output text.
     skip_special_tokens : bool
         Drop special tokens when detokenizing.
+    structured_outputs : StructuredOutputsParams or None
+        Constrain the output to a JSON schema, regex, choice or grammar (see
+        :mod:`pagedcore.structured_outputs`).
 
     Raises
     ------
@@ -163,8 +168,13 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs,
+                                                                  StructuredOutputsParams):
+            raise ParamTypeError(f"structured_outputs must be a StructuredOutputsParams, got "
+                                 f"{type(self.structured_outputs).__name__}")
         self.n = _int("n", self.n)
         if self.n < 1:
             raise ValueError(f"n must be at least 1, got {self.n}")

@@ -590,6 +590,7 @@ def test_engine_asks_for_sampled_logprobs_only_when_a_request_wants_them() -> No
 
     engine = object.__new__(LLMEngine)  # only what _sampling_metadata reads
     engine._slots, engine.device, engine._generators, engine._seq_owner = _SlotArrays(), torch.device("cpu"), {}, {}
+    engine._matchers = {}  # no structured-output rows
     for slot, p in enumerate([SamplingParams(temperature=0.0), SamplingParams(top_k=7, top_p=0.5),
                               SamplingParams(logprobs=0), SamplingParams(logprobs=3, top_p=0.8)]):
         engine._slots.set(slot, p)

@@ -1,0 +1,211 @@
+"""Structured outputs (vLLM's ``StructuredOutputsParams``) on llguidance.
+
+A request constrained by a JSON schema, a regex, a list of choices or a
+grammar gets, per sampled sequence, an ``llguidance.LLMatcher``: before each
+sampling step the matcher's token bitmask (one bit per vocabulary entry, 1 =
+allowed) marks what may come next, the sampler sets the other logits to -inf
+(:func:`pagedcore.sampler.apply_token_bitmask`), and the sampled token
+advances the matcher. When the grammar is complete and admits nothing more
+(``is_stopped``) the sequence finishes with ``stop``; if ``max_tokens`` ends it
+first, it finishes with ``length``.
+
+llguidance was picked over xgrammar for its footprint on CPU installs: one
+3 MB wheel with no dependencies, where xgrammar requires torch (unpinned),
+triton and apache-tvm-ffi. It is imported only when a request uses
+structured outputs.
+
+Each spec compiles once: the compiled matcher is kept in an LRU keyed by the
+spec, and every sequence starts from a ``deep_copy`` of it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+#: How many compiled grammars :class:`StructuredOutputManager` keeps.
+GRAMMAR_CACHE_SIZE = 128
+
+_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+def _llguidance() -> Any:
+    try:
+        import llguidance
+    except ImportError as e:  # pragma: no cover - depends on the install
+        raise ValueError("structured_outputs needs the llguidance package "
+                         "(pip install llguidance==1.9.1)") from e
+    return llguidance
+
+
+@dataclass(kw_only=True, slots=True)
+class StructuredOutputsParams:
+    """Constrains a request's output, as vLLM's ``StructuredOutputsParams``.
+
+    Exactly one of:
+
+    json : dict or str
+        A JSON schema (a dict, or its JSON text); the output is a JSON value
+        that validates against it.
+    regex : str
+        The output fully matches this regular expression (Rust ``regex`` syntax).
+    choice : list of str
+        The output is one of these strings.
+    grammar : str
+        A Lark grammar, or a GBNF (llama.cpp) grammar.
+    json_object : bool
+        True: the output is any JSON object (OpenAI's ``{"type": "json_object"}``).
+
+    Raises ValueError naming the field for an invalid schema, regex or grammar,
+    or when none or several are given.
+
+    >>> StructuredOutputsParams(regex="[0-9]+").kind
+    'regex'
+    """
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        given = [k for k in _KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError("structured_outputs needs exactly one of json, regex, choice, grammar, "
+                             f"json_object; got {given or 'none'}")
+        kind = given[0]
+        if kind == "json":
+            if isinstance(self.json, str):
+                try:
+                    parsed = json.loads(self.json)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
+            else:
+                parsed = self.json
+            if not isinstance(parsed, (dict, bool)):
+                raise ValueError(f"structured_outputs.json must be a JSON schema (an object), "
+                                 f"got {type(parsed).__name__}")
+        elif kind in ("regex", "grammar"):
+            value = getattr(self, kind)
+            if not isinstance(value, str) or not value:
+                raise ValueError(f"structured_outputs.{kind} must be a non-empty string, got {value!r}")
+        elif kind == "choice":
+            if (not isinstance(self.choice, (list, tuple)) or not self.choice
+                    or not all(isinstance(c, str) for c in self.choice)):
+                raise ValueError(f"structured_outputs.choice must be a non-empty list of strings, "
+                                 f"got {self.choice!r}")
+            self.choice = list(self.choice)
+        elif self.json_object is not True:
+            raise ValueError(f"structured_outputs.json_object must be a bool, got {self.json_object!r}")
+        error = _validate(self.key)
+        if error:
+            raise ValueError(f"structured_outputs.{kind} is invalid: {error.strip()}")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in _KINDS if getattr(self, k) not in (None, False))
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """Hashable and canonical: (kind, text); equal specs give equal keys."""
+        kind = self.kind
+        if kind == "json":
+            value = self.json if isinstance(self.json, str) else json.dumps(self.json, sort_keys=True)
+            return kind, json.dumps(json.loads(value), sort_keys=True)
+        if kind == "choice":
+            return kind, json.dumps(self.choice)
+        if kind == "json_object":
+            return kind, ""
+        return kind, getattr(self, kind)
+
+
+def _grammar_text(key: tuple[str, str]) -> str:
+    """The llguidance grammar for a spec key."""
+    llg = _llguidance()
+    kind, text = key
+    if kind == "json":
+        return llg.LLMatcher.grammar_from_json_schema(text)
+    if kind == "json_object":
+        return llg.LLMatcher.grammar_from_json_schema('{"type": "object"}')
+    if kind == "regex":
+        return llg.LLMatcher.grammar_from_regex(text)
+    if kind == "choice":
+        # Each choice a JSON string literal, which Lark's string syntax reads.
+        alternatives = " | ".join(json.dumps(c) for c in json.loads(text))
+        return llg.LLMatcher.grammar_from_lark(f"start: {alternatives}")
+    from llguidance.gbnf_to_lark import any_to_lark  # Lark passes through unchanged
+
+    try:
+        lark = any_to_lark(text)
+    except Exception as e:  # noqa: BLE001 - the converter raises assorted errors for bad input
+        raise ValueError(f"structured_outputs.grammar is invalid: {e}") from None
+    return llg.LLMatcher.grammar_from_lark(lark)
+
+
+@lru_cache(maxsize=GRAMMAR_CACHE_SIZE)
+def _validate(key: tuple[str, str]) -> str:
+    """'' for a valid spec, else llguidance's error (cached: the server validates every request)."""
+    try:
+        grammar = _grammar_text(key)
+    except ValueError as e:
+        return str(e)
+    return _llguidance().LLMatcher.validate_grammar(grammar, None)
+
+
+class StructuredOutputManager:
+    """Compiles specs against the model's tokenizer (cached) and hands out matchers.
+
+    Parameters
+    ----------
+    tokenizer
+        A fast Hugging Face tokenizer (its ``backend_tokenizer`` is what llguidance reads).
+    vocab_size : int
+        The model's vocabulary (logits columns); may exceed the tokenizer's.
+    eos_token_ids : list of int
+        Tokens that end a sequence; the grammar allows them once it is complete.
+    """
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: list[int]) -> None:
+        llg = _llguidance()
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is None:
+            raise ValueError("structured_outputs needs a fast (Rust) Hugging Face tokenizer")
+        self.vocab_size = vocab_size
+        self._llg = llg
+        self._tokenizer = llg.LLTokenizer(backend.to_str(), n_vocab=vocab_size, eos_token=list(eos_token_ids))
+        self._compiled: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        self.num_words = (vocab_size + 31) // 32
+
+    def new_matcher(self, spec: StructuredOutputsParams) -> Any:
+        """A fresh matcher for ``spec``; raises ValueError naming the field if it does not compile."""
+        key = spec.key
+        template = self._compiled.get(key)
+        if template is None:
+            template = self._llg.LLMatcher(self._tokenizer, _grammar_text(key), log_level=0)
+            if template.is_error():
+                raise ValueError(f"structured_outputs.{key[0]} is invalid: {template.get_error().strip()}")
+            self._compiled[key] = template
+            if len(self._compiled) > GRAMMAR_CACHE_SIZE:
+                self._compiled.popitem(last=False)
+        else:
+            self._compiled.move_to_end(key)
+        return template.deep_copy()
+
+    def bitmask(self, matchers: list[Any]) -> torch.Tensor:
+        """``[len(matchers), ceil(V / 32)]`` int32: bit ``t % 32`` of word ``t // 32``
+        of a row is set iff its matcher allows token ``t`` next."""
+        import torch
+
+        out = torch.empty((len(matchers), self.num_words), dtype=torch.int32)
+        nbytes = self.num_words * 4
+        for row, matcher in enumerate(matchers):
+            v = out[row]
+            matcher.unsafe_compute_mask_ptr(v.data_ptr(), nbytes)
+        return out
