@@ -62,6 +62,13 @@ class StructuredOutputsParams:
     json_object : bool
         True: the output is any JSON object (OpenAI's ``{"type": "json_object"}``).
 
+    and optionally
+
+    disable_any_whitespace : bool
+        JSON only: no whitespace between tokens of the JSON value (compact
+        separators). By default any whitespace is allowed, as in vLLM; a model
+        that has not learnt the format may then fill its output with it.
+
     Raises ValueError naming the field for an invalid schema, regex or grammar,
     or when none or several are given.
 
@@ -74,8 +81,12 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    disable_any_whitespace: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.disable_any_whitespace, bool):
+            raise ValueError(f"structured_outputs.disable_any_whitespace must be a bool, "
+                             f"got {self.disable_any_whitespace!r}")
         given = [k for k in _KINDS if getattr(self, k) not in (None, False)]
         if len(given) != 1:
             raise ValueError("structured_outputs needs exactly one of json, regex, choice, grammar, "
@@ -107,6 +118,9 @@ class StructuredOutputsParams:
         error = _validate(self.key)
         if error:
             raise ValueError(f"structured_outputs.{kind} is invalid: {error.strip()}")
+        if self.disable_any_whitespace and kind not in ("json", "json_object"):
+            raise ValueError(f"structured_outputs.disable_any_whitespace applies to json and json_object only, "
+                             f"not to {kind}")
 
     @property
     def kind(self) -> str:
@@ -116,13 +130,15 @@ class StructuredOutputsParams:
     def key(self) -> tuple[str, str]:
         """Hashable and canonical: (kind, text); equal specs give equal keys."""
         kind = self.kind
-        if kind == "json":
-            value = self.json if isinstance(self.json, str) else json.dumps(self.json, sort_keys=True)
-            return kind, json.dumps(json.loads(value), sort_keys=True)
+        if kind in ("json", "json_object"):
+            if kind == "json_object":
+                value = '{"type": "object"}'
+            else:
+                value = self.json if isinstance(self.json, str) else json.dumps(self.json, sort_keys=True)
+            return ("json_compact" if self.disable_any_whitespace else "json",
+                    json.dumps(json.loads(value), sort_keys=True))
         if kind == "choice":
             return kind, json.dumps(self.choice)
-        if kind == "json_object":
-            return kind, ""
         return kind, getattr(self, kind)
 
 
@@ -130,10 +146,9 @@ def _grammar_text(key: tuple[str, str]) -> str:
     """The llguidance grammar for a spec key."""
     llg = _llguidance()
     kind, text = key
-    if kind == "json":
-        return llg.LLMatcher.grammar_from_json_schema(text)
-    if kind == "json_object":
-        return llg.LLMatcher.grammar_from_json_schema('{"type": "object"}')
+    if kind in ("json", "json_compact"):
+        return llg.LLMatcher.grammar_from_json_schema(
+            text, defaults={"whitespace_flexible": kind == "json"})
     if kind == "regex":
         return llg.LLMatcher.grammar_from_regex(text)
     if kind == "choice":
@@ -190,7 +205,7 @@ class StructuredOutputManager:
         if template is None:
             template = self._llg.LLMatcher(self._tokenizer, _grammar_text(key), log_level=0)
             if template.is_error():
-                raise ValueError(f"structured_outputs.{key[0]} is invalid: {template.get_error().strip()}")
+                raise ValueError(f"structured_outputs.{spec.kind} is invalid: {template.get_error().strip()}")
             self._compiled[key] = template
             if len(self._compiled) > GRAMMAR_CACHE_SIZE:
                 self._compiled.popitem(last=False)

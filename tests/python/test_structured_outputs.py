@@ -132,6 +132,7 @@ def test_streaming_deltas_concatenate_to_valid_json(llm: LLM) -> None:
     (dict(grammar="start: foo"), "grammar"),
     (dict(regex="a", choice=["a"]), "exactly one"),
     (dict(), "exactly one"),
+    (dict(regex="a", disable_any_whitespace=True), "disable_any_whitespace"),
 ])
 def test_invalid_specs_are_refused(kwargs, field) -> None:
     with pytest.raises(ValueError, match=re.escape(field)):

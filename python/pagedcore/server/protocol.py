@@ -12,6 +12,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
 from ..sampling_params import SamplingParams
+from ..structured_outputs import StructuredOutputsParams
 
 MAX_BODY_BYTES = 8 << 20
 
@@ -35,6 +36,32 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Body):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None  # (the schema is always enforced)
+
+
+class ResponseFormat(_Body):
+    """OpenAI's ``response_format``."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsField(_Body):
+    """vLLM's ``structured_outputs`` request field (its StructuredOutputsParams)."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    # May come alone, with response_format or guided_json: it applies to that.
+    disable_any_whitespace: bool = False
+
+
 class _SamplingFields(_Body):
     model: str
     n: int = 1
@@ -55,6 +82,14 @@ class _SamplingFields(_Body):
     skip_special_tokens: bool = True
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs, and
+    # vLLM's older guided_* fields; at most one of them.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -114,6 +149,43 @@ _INT32_MAX = 2**31 - 1
 _INT32_FIELDS = ("n", "max_tokens", "top_k", "min_tokens")
 
 
+def structured_outputs(body: _SamplingFields) -> StructuredOutputsParams | None:
+    """The request's output constraint, or None; an invalid or doubled one is a 400
+    naming the request field it came from."""
+    sources: list[tuple[str, dict[str, Any]]] = []
+    rf = body.response_format
+    if rf is not None and rf.type == "json_object":
+        sources.append(("response_format", dict(json_object=True)))
+    elif rf is not None and rf.type == "json_schema":
+        if rf.json_schema is None or rf.json_schema.schema_ is None:
+            raise APIError(400, "response_format of type json_schema needs json_schema.schema",
+                           param="response_format")
+        sources.append(("response_format", dict(json=rf.json_schema.schema_)))
+    so = body.structured_outputs
+    if so is not None:
+        kinds = {k: v for k, v in (("json", so.json_), ("regex", so.regex), ("choice", so.choice),
+                                   ("grammar", so.grammar), ("json_object", so.json_object)) if v is not None}
+        if kinds or not so.disable_any_whitespace:
+            sources.append(("structured_outputs", kinds))
+    for name, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                       ("guided_grammar", "grammar")):
+        value = getattr(body, name)
+        if value is not None:
+            sources.append((name, {kind: value}))
+    if not sources:
+        return None
+    if len(sources) > 1:
+        names = ", ".join(name for name, _ in sources)
+        raise APIError(400, f"give at most one structured-output constraint, got {names}", param=sources[1][0])
+    name, kwargs = sources[0]
+    if so is not None and so.disable_any_whitespace:
+        kwargs = {**kwargs, "disable_any_whitespace": True}
+    try:
+        return StructuredOutputsParams(**kwargs)
+    except ValueError as e:
+        raise APIError(400, f"{name}: {e}", param=name) from None
+
+
 def sampling_params(body: _SamplingFields, logprobs: int | None, max_tokens: int | None,
                     prompt_logprobs: int | None = None) -> SamplingParams:
     """SamplingParams from a request body; ValueError -> 400 naming the field."""
@@ -123,6 +195,7 @@ def sampling_params(body: _SamplingFields, logprobs: int | None, max_tokens: int
         prompt_logprobs=prompt_logprobs,
         include_stop_str_in_output=body.include_stop_str_in_output,
         skip_special_tokens=body.skip_special_tokens,
+        structured_outputs=structured_outputs(body),
     )
     for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
         value = getattr(body, name)
