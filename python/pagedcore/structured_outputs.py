@@ -128,15 +128,15 @@ class StructuredOutputsParams:
 
     @property
     def key(self) -> tuple[str, str]:
-        """Hashable and canonical: (kind, text); equal specs give equal keys."""
+        """Hashable: (kind, text); equal specs (same key order) give equal keys."""
         kind = self.kind
         if kind in ("json", "json_object"):
             if kind == "json_object":
                 value = '{"type": "object"}'
             else:
-                value = self.json if isinstance(self.json, str) else json.dumps(self.json, sort_keys=True)
+                value = self.json if isinstance(self.json, str) else json.dumps(self.json)
             return ("json_compact" if self.disable_any_whitespace else "json",
-                    json.dumps(json.loads(value), sort_keys=True))
+                    json.dumps(json.loads(value)))  # (key order kept: it orders the output)
         if kind == "choice":
             return kind, json.dumps(self.choice)
         return kind, getattr(self, kind)
@@ -196,6 +196,7 @@ class StructuredOutputManager:
         self._llg = llg
         self._tokenizer = llg.LLTokenizer(backend.to_str(), n_vocab=vocab_size, eos_token=list(eos_token_ids))
         self._compiled: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        self._executor: Any = None  # llguidance's thread pool, for batches of masks
         self.num_words = (vocab_size + 31) // 32
 
     def new_matcher(self, spec: StructuredOutputsParams) -> Any:
@@ -220,7 +221,13 @@ class StructuredOutputManager:
 
         out = torch.empty((len(matchers), self.num_words), dtype=torch.int32)
         nbytes = self.num_words * 4
-        for row, matcher in enumerate(matchers):
-            v = out[row]
-            matcher.unsafe_compute_mask_ptr(v.data_ptr(), nbytes)
+        if len(matchers) < 4:
+            for row, matcher in enumerate(matchers):
+                matcher.unsafe_compute_mask_ptr(out[row].data_ptr(), nbytes)
+            return out
+        # Larger batches: llguidance computes the rows on its own threads (without the GIL).
+        if self._executor is None:
+            self._executor = self._llg.LLExecutor()
+        self._executor.unsafe_compute_mask_ptr([(m, row) for row, m in enumerate(matchers)],
+                                               out.data_ptr(), nbytes, len(matchers))
         return out

@@ -77,6 +77,7 @@ def test_json_regex_choice_grammar_in_one_batch(llm: LLM) -> None:
         for c in out.outputs:
             assert c.finish_reason == "stop", c
             Person.model_validate_json(c.text)  # raises if invalid
+            assert list(json.loads(c.text)) == ["name", "age"]  # the schema's order
     for c in outs[2].outputs:
         assert c.finish_reason == "stop" and re.fullmatch(REGEX, c.text), c
     for c in outs[3].outputs:
