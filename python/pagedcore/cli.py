@@ -97,7 +97,7 @@ def _serve_on(sock, args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=args.enable_prefix_caching,
         preemption_mode=args.preemption_mode, swap_space=args.swap_space, kv_cache_dtype=args.kv_cache_dtype,
-        seed=args.seed, enforce_eager=args.enforce_eager,
+        seed=args.seed, enforce_eager=args.enforce_eager, load_format=args.load_format,
         async_output_proc=False if args.disable_async_output_proc else None,
     ))
     async_engine = AsyncEngine(engine, max_queue_len=args.max_queue_len)
@@ -192,6 +192,10 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--disable-async-output-proc", action="store_true",
                      help="CUDA: make a step's outputs before launching the next step "
                           "(default: during the next step)")
+    srv.add_argument("--load-format", choices=["auto", "safetensors", "dummy"], default="auto",
+                     help="where the weights come from: the checkpoint's safetensors (auto, safetensors), or "
+                          "random ones in its shape (dummy: config.json and the tokenizer are all that is read; "
+                          "for benchmarks)")
     srv.add_argument("--dtype", default="auto",
                      help="weights and activations: auto (float32 on the CPU; on a GPU the checkpoint's "
                           "half type, bfloat16 for a float32 one), float32, bfloat16, float16")

@@ -152,6 +152,9 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
                 i, item = await return_queue.get()
                 if item is None:
                     remaining -= 1
+                elif isinstance(item, EngineDeadError):  # cut by the server's shutdown
+                    raise APIError(503, f"request cut: {item}", "service_unavailable",
+                                   code="server_shutting_down") from item
                 elif isinstance(item, Exception):  # the engine step failed, or the engine stopped
                     # NOTE: as an APIError it is a handled 500 (an error event, mid-stream);
                     # anything else would reach the ASGI server, which logs a traceback

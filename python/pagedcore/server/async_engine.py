@@ -218,10 +218,14 @@ class AsyncEngine:
                 with self._lock:
                     self._pending -= 1
                 self._deliver(command[-1], EngineDeadError(why))
+        # NOTE: a request cut by a shutdown gets EngineDeadError (the routes answer
+        # 503: the server is going away, the request may be retried elsewhere);
+        # one whose engine loop died gets a RuntimeError (500, a server fault).
+        cut = EngineDeadError if self._stop.is_set() else RuntimeError
         for request_id in list(self._streams):
             stream = self._streams.pop(request_id)
             try:
                 self.engine.abort(request_id)
             except Exception:  # noqa: BLE001 - a broken engine must not keep the others waiting
                 logger.exception("aborting %s failed", request_id)
-            self._deliver(stream, RuntimeError(why))
+            self._deliver(stream, cut(why))
