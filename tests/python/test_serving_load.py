@@ -217,3 +217,45 @@ def test_sigterm_drains_short_streams_and_cuts_the_rest_with_503(server) -> None
     text = server.text()
     assert "Traceback" not in text, text
     assert "cutting 2 requests (the 3 s shutdown timeout)" in text, text
+
+
+# ---- the benchmark's own arithmetic (no server) ----------------------------------------------
+
+
+def test_the_bench_figures_follow_vllm_bench_serve_definitions() -> None:
+    import numpy as np
+
+    R = bench_serving.Result
+    results = [
+        R(prompt_len=10, ok=True, status=200, ttft=0.1, e2e=1.0, output_tokens=10, itl=[0.1] * 9),
+        R(prompt_len=30, ok=True, status=200, ttft=0.3, e2e=0.9, output_tokens=4, itl=[0.2, 0.1, 0.3]),
+        R(prompt_len=5, ok=False, status=200, cancelled=True, ttft=0.2, e2e=0.3, output_tokens=2, itl=[0.1]),
+        R(prompt_len=7, ok=False, status=503, error="HTTP 503: cut"),
+        R(prompt_len=8, ok=False, status=200, error="APIError: generation failed", output_tokens=1),
+    ]
+    s = bench_serving.summarize(results, duration=2.0)
+    assert (s["completed"], s["failed"], s["cancelled"], s["http_5xx"], s["error_events"]) == (2, 2, 1, 1, 1)
+    assert s["total_input_tokens"] == 40 and s["total_output_tokens"] == 14
+    assert s["request_throughput"] == 1.0 and s["output_throughput"] == 7.0 and s["total_token_throughput"] == 27.0
+    tpot = [(1.0 - 0.1) / 9 * 1e3, (0.9 - 0.3) / 3 * 1e3]  # excluding the first token
+    itl = [x * 1e3 for x in [0.1] * 9 + [0.2, 0.1, 0.3]]  # every gap of the completed requests
+    for name, values in (("ttft", [100.0, 300.0]), ("tpot", tpot), ("itl", itl)):
+        assert s[f"mean_{name}_ms"] == pytest.approx(np.mean(values))
+        assert s[f"median_{name}_ms"] == pytest.approx(np.median(values))
+        assert s[f"p99_{name}_ms"] == pytest.approx(np.percentile(values, 99))
+
+
+def test_the_bench_workload_shapes() -> None:
+    import numpy as np
+
+    prompts = bench_serving.make_prompts(400, 1, 1000, 50, 0.5, 120, shared_fraction=0.25, num_shared=2,
+                                         shared_len=64)
+    heads = [tuple(p[:64]) for p in prompts]
+    shared = [h for h in set(heads) if heads.count(h) > 1]
+    assert len(shared) == 2 and sum(heads.count(h) for h in shared) == 100  # a quarter, two system prompts
+    assert all(4 <= len(p) <= 120 and min(p) >= 3 and max(p) < 1000 for p in prompts)
+    own = [len(p) for p, h in zip(prompts, heads) if h not in shared]
+    assert 40 < np.median(own) < 62  # lognormal, median 50
+    gaps = np.diff(bench_serving.arrival_times(20000, 8.0, 0))
+    assert np.mean(gaps) == pytest.approx(1 / 8.0, rel=0.03) and np.std(gaps) == pytest.approx(1 / 8.0, rel=0.05)
+    assert bench_serving.arrival_times(5, float("inf"), 0) == [0.0] * 5
