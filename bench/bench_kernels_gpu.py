@@ -113,7 +113,7 @@ def flashinfer_decode(q, kc, vc, tables, ctx: int, block_size: int):
 
 
 def decode_case(batch: int, ctx: int, heads: int, kv_heads: int, head_dim: int, block_size: int,
-                fp8: bool = False):
+                fp8: bool = False, graph_plan_len: int = 0):
     dtype = torch.bfloat16
     g = torch.Generator(device="cuda").manual_seed(0)
     blocks_per_seq = -(-ctx // block_size)
@@ -129,6 +129,8 @@ def decode_case(batch: int, ctx: int, heads: int, kv_heads: int, head_dim: int, 
     qsl_np = np.arange(batch + 1, dtype=np.int32)
     qsl = torch.from_numpy(qsl_np).cuda()
     plan = ops.plan_attention(qsl_np, np.full(batch, ctx), heads, kv_heads, torch.device("cuda"), head_dim, dtype)
+    if graph_plan_len:  # the plan the model's decode graphs hold: splits for their longest row
+        plan = ops.plan_decode(batch, kv_heads, torch.device("cuda"), graph_plan_len)
     out = torch.empty_like(q)
     scale = head_dim**-0.5
     ours = time_graph(lambda: ops.paged_attention(q, kc, vc, tables, seq_lens, qsl, scale=scale, out=out, plan=plan))
@@ -262,15 +264,19 @@ def main() -> None:
 def run(args) -> None:
     bw = copy_bandwidth()
     rows = []
-    cases = [(1, 4096), (1, 32768), (64, 1024), (64, 4096)]
+    cases = [(1, 256), (1, 4096), (1, 32768), (64, 1024), (64, 4096)]
     if args.quick:
-        cases = [(1, 4096), (64, 4096)]
+        cases = [(1, 256), (1, 4096), (64, 4096)]
     for block_size in (16, 128):
         for batch, ctx in cases:
             ours, theirs, nbytes, err = decode_case(batch, ctx, 32, 8, 128, block_size)
             rows.append((f"decode B={batch} L={ctx} bs={block_size} (32/8, d128)", ours, theirs, nbytes / ours / 1e3, err))
     ours, theirs, nbytes, err = decode_case(64, 1024, 9, 3, 64, 16)
     rows.append(("decode SmolLM2 B=64 L=1k (9/3, d64)", ours, theirs, nbytes / ours / 1e3, err))
+    # A batch-1 decode step early in a generation, under the decode graphs' plan (max_model_len 8192).
+    for name, shape in (("8B", (32, 8, 128)), ("SmolLM2", (9, 3, 64))):
+        ours, theirs, nbytes, err = decode_case(1, 160, *shape, 16, graph_plan_len=8192)
+        rows.append((f"decode {name} B=1 L=160, graph plan (max 8192)", ours, theirs, nbytes / ours / 1e3, err))
     bf16_us = next(r[1] for r in rows if r[0].startswith("decode B=64 L=4096 bs=16"))
     ours, theirs, nbytes, err = decode_case(64, 4096, 32, 8, 128, 16, fp8=True)
     rows.append(("decode fp8 KV B=64 L=4096 bs=16 (32/8, d128)", ours, theirs, nbytes / ours / 1e3, err))
