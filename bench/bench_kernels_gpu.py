@@ -113,7 +113,7 @@ def flashinfer_decode(q, kc, vc, tables, ctx: int, block_size: int):
 
 
 def decode_case(batch: int, ctx: int, heads: int, kv_heads: int, head_dim: int, block_size: int,
-                fp8: bool = False):
+                fp8: bool = False, graph_plan_len: int = 0, label: str = ""):
     dtype = torch.bfloat16
     g = torch.Generator(device="cuda").manual_seed(0)
     blocks_per_seq = -(-ctx // block_size)
@@ -129,6 +129,8 @@ def decode_case(batch: int, ctx: int, heads: int, kv_heads: int, head_dim: int, 
     qsl_np = np.arange(batch + 1, dtype=np.int32)
     qsl = torch.from_numpy(qsl_np).cuda()
     plan = ops.plan_attention(qsl_np, np.full(batch, ctx), heads, kv_heads, torch.device("cuda"), head_dim, dtype)
+    if graph_plan_len:  # the plan the model's decode graphs hold: splits for their longest row
+        plan = ops.plan_decode(batch, kv_heads, torch.device("cuda"), graph_plan_len)
     out = torch.empty_like(q)
     scale = head_dim**-0.5
     ours = time_graph(lambda: ops.paged_attention(q, kc, vc, tables, seq_lens, qsl, scale=scale, out=out, plan=plan))
@@ -145,13 +147,14 @@ def decode_case(batch: int, ctx: int, heads: int, kv_heads: int, head_dim: int, 
         fi_us, fi_out = flashinfer_decode(q, kc, vc, tables, ctx, block_size)
         if fi_us is not None:
             fi_err = (fi_out.float().view_as(ref) - ref.float()).norm() / ref.float().norm()
-            FLASHINFER[(batch, ctx, heads, head_dim, block_size)] = (fi_us, float(fi_err))
+            FLASHINFER[label or f"decode B={batch} L={ctx} bs={block_size} ({heads}/{kv_heads}, d{head_dim})"] = (
+                fi_us, float(fi_err))
         else:
             FLASHINFER["error"] = fi_out
     return ours, theirs, kv_bytes, float(err)
 
 
-FLASHINFER: dict = {}  # (batch, ctx, heads, head_dim, block) -> (us, rel err), or "error" -> why
+FLASHINFER: dict = {}  # the case's row name -> (us, rel err), or "error" -> why
 
 
 def prefill_case(tokens: int, heads: int, kv_heads: int, head_dim: int, block_size: int = 16):
@@ -262,15 +265,20 @@ def main() -> None:
 def run(args) -> None:
     bw = copy_bandwidth()
     rows = []
-    cases = [(1, 4096), (1, 32768), (64, 1024), (64, 4096)]
+    cases = [(1, 256), (1, 4096), (1, 32768), (64, 1024), (64, 4096)]
     if args.quick:
-        cases = [(1, 4096), (64, 4096)]
+        cases = [(1, 256), (1, 4096), (64, 4096)]
     for block_size in (16, 128):
         for batch, ctx in cases:
             ours, theirs, nbytes, err = decode_case(batch, ctx, 32, 8, 128, block_size)
             rows.append((f"decode B={batch} L={ctx} bs={block_size} (32/8, d128)", ours, theirs, nbytes / ours / 1e3, err))
-    ours, theirs, nbytes, err = decode_case(64, 1024, 9, 3, 64, 16)
+    ours, theirs, nbytes, err = decode_case(64, 1024, 9, 3, 64, 16, label="decode SmolLM2 B=64 L=1k (9/3, d64)")
     rows.append(("decode SmolLM2 B=64 L=1k (9/3, d64)", ours, theirs, nbytes / ours / 1e3, err))
+    # A batch-1 decode step early in a generation, under the decode graphs' plan (max_model_len 8192).
+    for name, shape in (("8B", (32, 8, 128)), ("SmolLM2", (9, 3, 64))):
+        label = f"decode {name} B=1 L=160, graph plan (max 8192)"
+        ours, theirs, nbytes, err = decode_case(1, 160, *shape, 16, graph_plan_len=8192, label=label)
+        rows.append((label, ours, theirs, nbytes / ours / 1e3, err))
     bf16_us = next(r[1] for r in rows if r[0].startswith("decode B=64 L=4096 bs=16"))
     ours, theirs, nbytes, err = decode_case(64, 4096, 32, 8, 128, 16, fp8=True)
     rows.append(("decode fp8 KV B=64 L=4096 bs=16 (32/8, d128)", ours, theirs, nbytes / ours / 1e3, err))
@@ -317,11 +325,10 @@ def run(args) -> None:
     print(f"fp8 KV / bf16 KV time at B=64 L=4k bs=16: {fp8_ratio:.2f}x")
     if "error" in FLASHINFER:
         print(f"FlashInfer 0.6.13 peer: {FLASHINFER['error']}")
-    for (b, ctx, h, d, bs), (us, err) in FLASHINFER.items() if "error" not in FLASHINFER else []:
-        ours = next(r[1] for r in rows if (r[0].startswith("decode SmolLM2") if h == 9
-                                            else r[0].startswith(f"decode B={b} L={ctx} bs={bs} ")))
-        print(f"FlashInfer decode B={b} L={ctx} bs={bs} heads {h} d{d}: {us:.1f} us (ours {ours:.1f}, "
-              f"FlashInfer / ours {us / ours:.2f}x, rel err vs SDPA {err:.1e})")
+    for label, (us, err) in FLASHINFER.items() if "error" not in FLASHINFER else []:
+        ours = next(r[1] for r in rows if r[0] == label)
+        print(f"FlashInfer {label}: {us:.1f} us (ours {ours:.1f}, FlashInfer / ours {us / ours:.2f}x, "
+              f"rel err vs SDPA {err:.1e})")
 
 
 if __name__ == "__main__":

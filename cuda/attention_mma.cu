@@ -202,7 +202,8 @@ __global__ void __launch_bounds__(DECODE ? kThreads : 32 * kPrefillWarps) mma_at
     row = p.decode_seq[work];
     t0 = 0;
     tile_tokens = 1;
-    splits = p.decode_splits;
+    splits = merge::decode_active_splits(p, merge::decode_keys(p, row));
+    if (split >= splits) return;  // a short row: fewer splits than planned
   } else {
     row = p.work_seq[work];
     t0 = p.work_q_start[work];
@@ -575,7 +576,8 @@ __global__ void __launch_bounds__(DECODE ? kThreads : 32 * kPrefillWarps) mma_at
             static_cast<T>(o);
       } else {
         const int64_t slot =
-            ((static_cast<int64_t>(work) * p.num_kv_heads + kv_head) * splits + split) * kAttentionPartialVectors + h;
+            ((static_cast<int64_t>(work) * p.num_kv_heads + kv_head) * p.decode_splits + split) *
+                kAttentionPartialVectors + h;
         p.decode_partial_out[slot * HD + d] = o;
         if (d == 0) {
           p.decode_partial_lse[2 * slot] = gmax * kLn2;

@@ -70,6 +70,11 @@ int scatter_blocks(const GatherBlocksParams& p, void* stream);
 
 // Work plan of one attention call, computed on the host once per step and
 // reused by every layer (see plan_attention in pagedcore.ops).
+// Decode rows (and their fast kernels) use at most one key split per this
+// many keys of the row: a plan's decode_splits is an upper bound (a CUDA graph
+// plans for the longest row it may meet), and a shorter row runs fewer splits:
+// a row under twice this runs unsplit, with no partials and no merge.
+constexpr int32_t kAttentionDecodeSplitKeys = 256;
 struct PagedAttentionParams {
   void* out;                      // [num_tokens, num_heads, head_dim], contiguous
   const void* query;              // [num_tokens, num_heads, head_dim], token stride query_stride
@@ -112,6 +117,9 @@ struct PagedAttentionParams {
   DType kv_dtype;                 // the cache: dtype, or kFloat8E4M3 with bf16/fp16 queries
   float k_scale;                  // fp8 cache: stored = value / scale (1 otherwise)
   float v_scale;
+  // Keys per decode split at least (see kAttentionDecodeSplitKeys); 0: always
+  // decode_splits.
+  int32_t decode_split_keys = kAttentionDecodeSplitKeys;
 };
 // Query vectors (query tokens x heads of one kv head) a work item may hold:
 // kAttentionMmaTileVectors on the tensor-core path (2-byte queries), 16 for
