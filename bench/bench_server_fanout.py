@@ -82,7 +82,18 @@ class StubEngine:
         return outs
 
 
-def serve(sock: socket.socket, step_s: float, gil_releases: int, switch_interval: float | None, step_time) -> None:
+class StubFactory:
+    """Makes the stub in the engine's process (``serve --engine-process``'s layout)."""
+
+    def __init__(self, step_s: float, gil_releases: int, step_time) -> None:
+        self.args = (step_s, gil_releases, step_time)
+
+    def __call__(self, engine_args) -> StubEngine:
+        return StubEngine(*self.args)
+
+
+def serve(sock: socket.socket, step_s: float, gil_releases: int, switch_interval: float | None, step_time,
+          engine_process: bool) -> None:
     import sys
 
     import uvicorn
@@ -92,7 +103,12 @@ def serve(sock: socket.socket, step_s: float, gil_releases: int, switch_interval
 
     if switch_interval is not None:
         sys.setswitchinterval(switch_interval)
-    engine = AsyncEngine(StubEngine(step_s, gil_releases, step_time))
+    if engine_process:
+        from pagedcore.server.engine_process import EngineProcess
+
+        engine = EngineProcess(None, engine_factory=StubFactory(step_s, gil_releases, step_time))
+    else:
+        engine = AsyncEngine(StubEngine(step_s, gil_releases, step_time))
     config = uvicorn.Config(build_app(engine, "stub"), log_level="warning", access_log=False)
     uvicorn.Server(config).run(sockets=[sock])
 
@@ -126,6 +142,7 @@ def main() -> int:
     p.add_argument("--gil-releases", type=int, default=1,
                    help="a step releases and retakes the GIL this many times (launches, synchronisations)")
     p.add_argument("--switch-interval", type=float, default=None, help="sys.setswitchinterval of the server")
+    p.add_argument("--engine-process", action="store_true", help="the stub in a process of its own")
     p.add_argument("--repeat", type=int, default=3)
     args = p.parse_args()
     sock = socket.socket()
@@ -134,9 +151,9 @@ def main() -> int:
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"
     # (fork: the child starts with this process's imports and sys.path)
     ctx = multiprocessing.get_context("fork")
-    step_time = ctx.Array("d", 2)
+    step_time = multiprocessing.get_context("spawn").Array("d", 2)  # (shared with a spawned engine process too)
     child = ctx.Process(target=serve, args=(sock, args.step_ms / 1e3, args.gil_releases, args.switch_interval,
-                                            step_time), daemon=True)
+                                            step_time, args.engine_process))
     child.start()
     sock.close()
     asyncio.run(load(url, 8, 4))  # warm-up
@@ -153,7 +170,7 @@ def main() -> int:
     child.terminate()
     floor = args.max_tokens * args.step_ms / 1e3
     wall = statistics.median(walls)
-    print(f"{args.streams} streams x {args.max_tokens} tokens, stub steps of {args.step_ms:g} ms "
+    print(f"engine {'in a process of its own' if args.engine_process else 'thread'}: {args.streams} streams x {args.max_tokens} tokens, stub steps of {args.step_ms:g} ms "
           f"(floor {floor:.2f} s): server CPU {statistics.median(per_token):.1f} us per token "
           f"(runs: {', '.join(f'{x:.1f}' for x in per_token)}), wall {wall:.2f} s "
           f"({wall / floor:.2f}x the floor), {args.streams * args.max_tokens / wall:.0f} tokens/s; "
