@@ -159,8 +159,10 @@ def test_64_openai_streams_a_quarter_hanging_up_leave_every_block_free(server) -
     generated = after["pagedcore_generation_tokens_total"] - before["pagedcore_generation_tokens_total"]
     finished = 48 * max_tokens
     received = sum(c for c in cancel if c is not None)
-    # The 16 that hung up were aborted within a few steps of closing (not run to 48 tokens).
-    assert finished + received <= generated <= finished + received + 16 * 12, generated
+    # The 16 that hung up were aborted soon after closing, not run to 48 tokens: within
+    # 24 tokens on average (the abort crosses the event loop, with --engine-process a
+    # pipe too, while a step of this tiny model takes a millisecond or two).
+    assert finished + received <= generated <= finished + received + 16 * 24, generated
     assert "Traceback" not in server.text()
 
 

@@ -26,6 +26,7 @@ import threading
 from types import SimpleNamespace
 from typing import Any
 
+from ..outputs import CompletionOutput, RequestOutput
 from .async_engine import (
     _ACCEPTED,
     AsyncEngine,
@@ -48,13 +49,43 @@ class _PipeEngine(AsyncEngine):
     def __init__(self, engine, out, send_lock: threading.Lock) -> None:
         self._out, self._send_lock = out, send_lock
         self._sent_stats: dict | None = None
+        self._started: set[str] = set()  # requests whose prompt went over already
         super().__init__(engine)
+
+    def _encode(self, request_id: str, item: Any) -> Any:
+        """An item as it crosses the pipe. NOTE: pickling a RequestOutput costs
+        ~3 us (its prompt's ids each step, far more), a tuple ~0.1 us: on the
+        engine's path, once per stream and step. So the prompt goes once, with
+        the request's first output, and a plain delta (one completion, no
+        logprobs) as a tuple; the other side rebuilds the RequestOutput."""
+        if item is _ACCEPTED:
+            return _ACCEPTED_MARK
+        if not isinstance(item, RequestOutput):
+            return item  # an exception
+        first = request_id not in self._started
+        if item.finished:
+            self._started.discard(request_id)
+        elif first:
+            self._started.add(request_id)
+        if first:
+            return item
+        if len(item.outputs) == 1 and item.prompt_logprobs is None and not item.metrics:
+            c = item.outputs[0]
+            if c.logprobs is None:
+                return (c.index, c.text, c.token_ids, c.cumulative_logprob, c.finish_reason, c.stop_reason,
+                        item.finished)
+        item.prompt, item.prompt_token_ids = None, None  # (a delta of this step: nobody else holds it)
+        return item
+
+    def abort(self, request_id: str) -> None:
+        self._started.discard(request_id)
+        super().abort(request_id)
 
     def _flush(self) -> None:
         stats = self.engine.stats()
         if not self._outbox and stats == self._sent_stats:
             return
-        items = [(rid, _ACCEPTED_MARK if item is _ACCEPTED else item) for rid, item in self._outbox]
+        items = [(rid, self._encode(rid, item)) for rid, item in self._outbox]
         self._outbox = []
         self._sent_stats = stats
         try:
@@ -149,6 +180,7 @@ class EngineProcess:
         self.stats: dict[str, Any] = message[1]["stats"]
         self.errors = 0
         self._streams: dict[str, _Stream] = {}
+        self._prompts: dict[str, tuple] = {}  # request id -> (prompt text, ids), from its first output
         self._pending = 0  # adds sent, not answered yet
         self._send_lock = threading.Lock()
         self._dead = False
@@ -194,6 +226,7 @@ class EngineProcess:
         return RequestStream(self, request_id, stream)
 
     def abort(self, request_id: str) -> None:
+        self._prompts.pop(request_id, None)
         if self._streams.pop(request_id, None) is not None and not self._dead:
             try:
                 self._send(("abort", request_id))
@@ -223,6 +256,19 @@ class EngineProcess:
 
     # ---- the pipe's reader (thread) --------------------------------------------------
 
+    def _decode(self, request_id: str, item: Any) -> RequestOutput:
+        """The RequestOutput that _PipeEngine._encode sent (see there)."""
+        if isinstance(item, RequestOutput) and item.prompt_token_ids is not None:
+            self._prompts[request_id] = (item.prompt, item.prompt_token_ids)  # (its first output)
+            return item
+        prompt, ids = self._prompts.get(request_id, (None, []))
+        if isinstance(item, RequestOutput):
+            item.prompt, item.prompt_token_ids = prompt, ids
+            return item
+        index, text, token_ids, cumulative, finish_reason, stop_reason, finished = item
+        return RequestOutput(request_id, prompt, ids, [CompletionOutput(
+            index, text, token_ids, cumulative, None, finish_reason, stop_reason)], finished)
+
     def _read(self) -> None:
         try:
             while True:
@@ -235,12 +281,18 @@ class EngineProcess:
                 self.errors = errors
                 by_loop: dict[asyncio.AbstractEventLoop, list] = {}
                 for request_id, item in items:
-                    if item == _ACCEPTED_MARK:
+                    if isinstance(item, str):  # _ACCEPTED_MARK
                         stream, item = self._streams.get(request_id), _ACCEPTED
-                    elif isinstance(item, BaseException) or item.finished:
+                    elif isinstance(item, BaseException):
                         stream = self._streams.pop(request_id, None)
+                        self._prompts.pop(request_id, None)
                     else:
-                        stream = self._streams.get(request_id)
+                        item = self._decode(request_id, item)
+                        if item.finished:
+                            stream = self._streams.pop(request_id, None)
+                            self._prompts.pop(request_id, None)
+                        else:
+                            stream = self._streams.get(request_id)
                     if stream is not None:
                         by_loop.setdefault(stream.loop, []).append((stream, item))
                 for loop, deliveries in by_loop.items():
