@@ -61,10 +61,11 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 
-try:  # the openai client of some environments ships httpx as `httpx2`
-    import httpx
-except ImportError:
+try:  # httpx2 where the openai client brought it (the GPU machine's carried wheels: it does
+    # not lean on that image's own httpx and httpcore), httpx otherwise
     import httpx2 as httpx
+except ImportError:
+    import httpx
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
