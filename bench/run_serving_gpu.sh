@@ -27,33 +27,47 @@ t0=$SECONDS
 if [[ -x /usr/bin/g++ ]]; then
   export CC=/usr/bin/gcc CXX=/usr/bin/g++ CUDAHOSTCXX=/usr/bin/g++
 fi
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
+if command -v nvidia-smi >/dev/null; then
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
+else
+  echo "no GPU" | tee "$out/gpu.txt"
+fi
 
-if ! compgen -G ".gpuwheels/*.whl" >/dev/null; then
+# (a dry run of this script on a CPU machine: SKIP_SETUP=1 PYTHON=.venv/bin/python ... tiny)
+if [[ -n "${SKIP_SETUP:-}" ]]; then
+  :
+elif ! compgen -G ".gpuwheels/*.whl" >/dev/null; then
   echo "no .gpuwheels/*.whl: run bench/fetch_serving_wheels.sh here and carry .gpuwheels" | tee "$out/FAILED"
   exit 1
 fi
-"$py" -m pip install -q --no-index --no-deps --target /tmp/pagedcore-site .gpuwheels/*.whl >"$out/wheels.log" 2>&1 \
-  || { tail -20 "$out/wheels.log"; exit 1; }
-export PYTHONPATH="/tmp/pagedcore-site${PYTHONPATH:+:$PYTHONPATH}"
-"$py" -c "import fastapi, uvicorn, pydantic, openai; print('fastapi', fastapi.__version__, 'uvicorn', uvicorn.__version__,
-'pydantic', pydantic.__version__, 'openai', openai.__version__)" | tee -a "$out/wheels.log"
+if [[ -z "${SKIP_SETUP:-}" ]]; then
+  "$py" -m pip install -q --no-index --no-deps --target /tmp/pagedcore-site .gpuwheels/*.whl >"$out/wheels.log" 2>&1 \
+    || { tail -20 "$out/wheels.log"; exit 1; }
+  export PYTHONPATH="/tmp/pagedcore-site${PYTHONPATH:+:$PYTHONPATH}"
+  "$py" -c "import fastapi, uvicorn, pydantic, openai; print('fastapi', fastapi.__version__, 'uvicorn',
+uvicorn.__version__, 'pydantic', pydantic.__version__, 'openai', openai.__version__)" | tee -a "$out/wheels.log"
 
-echo "== build ($((SECONDS - t0)) s)"
-if ! PAGEDCORE_CUDA=ON CMAKE_BUILD_PARALLEL_LEVEL=16 "$py" -m pip install -v --no-build-isolation --no-deps \
-    --break-system-packages -C cmake.define.PAGEDCORE_CUDA_ARCHITECTURES=90 . >"$out/build.log" 2>&1; then
-  tail -30 "$out/build.log"
-  exit 1
+  echo "== build ($((SECONDS - t0)) s)"
+  if ! PAGEDCORE_CUDA=ON CMAKE_BUILD_PARALLEL_LEVEL=16 "$py" -m pip install -v --no-build-isolation --no-deps \
+      --break-system-packages -C cmake.define.PAGEDCORE_CUDA_ARCHITECTURES=90 . >"$out/build.log" 2>&1; then
+    tail -30 "$out/build.log"
+    exit 1
+  fi
+  echo "built in $((SECONDS - t0)) s"
 fi
-echo "built in $((SECONDS - t0)) s"
 
 declare -A status
 for shape in "${shapes[@]}"; do
+  streams=512
   case "$shape" in
     smollm2)  # 512 requests, own parts ~200 tokens, half behind 4 system prompts of 512; 128 out
       flags=(--num-requests 512 --max-tokens 128 --prompt-len-median 200 --max-num-seqs 512) ;;
     llama3-8b)  # 256 requests, own parts ~300 tokens, half behind 4 system prompts of 512; 256 out
       flags=(--num-requests 256 --max-tokens 256 --prompt-len-median 300 --max-num-seqs 256) ;;
+    tiny)  # the script's own dry run on a CPU
+      flags=(--num-requests 32 --max-tokens 16 --prompt-len-median 64 --max-num-seqs 64 --device cpu
+             --dtype float32)
+      streams=32 ;;
     *) echo "unknown shape $shape"; continue ;;
   esac
   common=(--shape "$shape" --dtype bfloat16 "${flags[@]}" --max-model-len 2048 --shared-prefix-len 512
@@ -62,7 +76,7 @@ for shape in "${shapes[@]}"; do
   # The server with its engine in a process of its own: every check.
   echo "== $shape, --engine-process ($((SECONDS - t0)) s)"
   if "$py" bench/bench_serving.py "${common[@]}" --server-arg=--engine-process --offline \
-      --disconnect-fraction 0.25 --disconnect-streams 512 --sigterm-streams 64 --shutdown-timeout 30 \
+      --disconnect-fraction 0.25 --disconnect-streams "$streams" --sigterm-streams 64 --shutdown-timeout 30 \
       --json "$out/serving_$shape.json" >"$out/serving_$shape.log" 2>&1; then
     status[$shape]=pass
   else
