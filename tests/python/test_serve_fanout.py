@@ -180,3 +180,38 @@ def test_a_request_refused_by_the_engine_raises_from_add() -> None:
             asyncio.run(server.add("r", None, [1], params(2)))
     finally:
         server.shutdown()
+
+
+def test_outputs_cross_the_engine_process_pipe_unchanged() -> None:
+    # What _PipeEngine._encode sends, EngineProcess._decode rebuilds: the prompt once (with
+    # a request's first output), later plain deltas as tuples, anything else whole.
+    import copy
+    import pickle
+
+    from pagedcore.outputs import Logprob
+    from pagedcore.server import engine_process as ep
+
+    def out(rid, text, ids, finished=False, n=1, logprobs=None, reason=None):
+        return RequestOutput(rid, "the prompt", [5, 6, 7], [
+            CompletionOutput(j, text, ids, -1.5, logprobs, reason, None) for j in range(n)], finished)
+
+    sequence = [
+        ("a", out("a", " x", [11])),                      # a's first output: whole, with the prompt
+        ("b", out("b", " y", [12], finished=True, reason="length")),  # first and last at once
+        ("a", out("a", " z", [13])),                      # a plain delta
+        ("c", out("c", " u", [14], n=2)),
+        ("c", out("c", " v", [15], n=2)),                 # two completions: whole, prompt dropped
+        ("d", out("d", " w", [16])),
+        ("d", out("d", " q", [17], logprobs=[{17: Logprob(-0.5, 1, " q")}])),  # logprobs: whole
+        ("a", out("a", "", [2], finished=True, reason="stop")),
+    ]
+    sender = ep._PipeEngine.__new__(ep._PipeEngine)  # (its encoder alone: no engine thread)
+    sender._started = set()
+    receiver = ep.EngineProcess.__new__(ep.EngineProcess)
+    receiver._prompts = {}
+    sent_tuples = 0
+    for rid, item in sequence:
+        wire = pickle.loads(pickle.dumps(sender._encode(rid, copy.deepcopy(item))))
+        sent_tuples += isinstance(wire, tuple)
+        assert receiver._decode(rid, wire) == item, rid
+    assert sent_tuples == 2  # a's second and last outputs
