@@ -112,6 +112,12 @@ def _serve_on(sock, args: argparse.Namespace) -> int:
         config = uvicorn.Config(app, log_config=None, log_level=args.log_level.lower(), access_log=False)
         Server(config, async_engine, name, args.shutdown_timeout).run(sockets=[sock])
     finally:
+        # NOTE: the server has given the signals back; one more during this
+        # (bounded) clean-up would end the process with a traceback or 143.
+        import signal
+
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
         async_engine.shutdown()
     return 0
 

@@ -241,7 +241,8 @@ class EngineProcess:
             self._send(("stop",))
         except EngineDeadError:
             pass
-        self._reader.join(timeout + 60)
+        # (the child ends the step in flight, then every request left)
+        self._reader.join(timeout + 10)
         self._proc.join(timeout)
         if self._proc.is_alive():
             self._proc.terminate()
