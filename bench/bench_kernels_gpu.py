@@ -253,6 +253,30 @@ def layer_op_rows(quick: bool) -> list[tuple]:
     return rows
 
 
+def linear_rows(quick: bool) -> list[tuple]:
+    """(name, ours us, cuBLAS us, GB/s, rel err) of the decode steps' products."""
+    rows = []
+    dtype = torch.bfloat16
+    shapes = {
+        "SmolLM2": {"qkv": (576, 960), "o": (576, 576), "gate_up": (576, 3072), "down": (1536, 576),
+                    "lm_head": (576, 49152)},
+        "8B": {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096),
+               "lm_head": (4096, 128256)},
+    }
+    for shape, layers in shapes.items():
+        for tokens in ((1, 8) if not quick else (1,)):
+            for name, (k, n) in layers.items():
+                x = torch.randn(tokens, k, dtype=dtype, device="cuda")
+                w = torch.randn(n, k, dtype=dtype, device="cuda") * k**-0.5
+                out = torch.empty(tokens, n, dtype=dtype, device="cuda")
+                ref = F.linear(x, w)
+                err = ((ops.linear(x, w, out=out).float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+                ours = time_graph(lambda: ops.linear(x, w, out=out))
+                theirs = time_graph(lambda: F.linear(x, w))
+                rows.append((f"linear {shape} {name} M={tokens} ({k}->{n})", ours, theirs, w.numel() * 2 / ours / 1e3, err))
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
@@ -311,6 +335,7 @@ def run(args) -> None:
     rows.append(("swap-out 1024 blocks x 8 caches (D2H)", us, None, swap_bytes / us / 1e3, 0.0))
 
     rows += layer_op_rows(args.quick)
+    rows += linear_rows(args.quick)
 
     prefill_ours, prefill_sdpa, prefill_err = prefill_case(8192 if not args.quick else 2048, 32, 8, 128)
     prefill_flops = 4 * 8192 * 8192 / 2 * 32 * 128 if not args.quick else 4 * 2048 * 2048 / 2 * 32 * 128
