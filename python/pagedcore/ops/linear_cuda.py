@@ -18,7 +18,7 @@ from .. import _C
 from ._checks import _CUDA_DTYPES, _stream, _tensor
 from .layer import _overlap
 
-__all__ = ["CUDA_LINEAR_MAX_ROWS", "cuda_linear_eligible"]
+__all__ = ["CUDA_LINEAR_MAX_ROWS", "cuda_linear_eligible", "linear"]
 
 #: Token rows up to which the model sends a CUDA bfloat16/float16 product to
 #: :func:`~pagedcore.ops.linear`'s kernel; above it cuBLAS.
@@ -89,3 +89,14 @@ def linear_cuda(op: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
             out_stride=out.stride(0) if tokens > 1 else out_features, stream=_stream(x.device),
         )
     return out
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           out: torch.Tensor | None = None) -> torch.Tensor:
+    """``out = x @ weight.T (+ bias)`` (CUDA, bfloat16/float16, 1..8 rows)."""
+    op = "linear"
+    _tensor(op, "x", x)
+    _tensor(op, "weight", weight)
+    if x.device.type != "cuda":
+        raise ValueError(f"{op}: x must be a CUDA tensor here, got {x.device}")
+    return linear_cuda(op, x, weight, bias, out)
