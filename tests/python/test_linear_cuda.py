@@ -41,7 +41,7 @@ def _check(x, w, b, out):
 ])
 def test_linear_against_float64(dtype, rows, in_features, out_features):
     x, w, b = _case(rows, in_features, out_features, dtype, bias=False)
-    assert ops.cuda_linear_eligible(x, w)
+    assert ops.cuda_linear_eligible(x, w) == (rows == 1)  # the model uses it at one row (measured faster)
     out = ops.linear(x, w)
     _check(x, w, b, out)
 

@@ -20,9 +20,13 @@ from .layer import _overlap
 
 __all__ = ["CUDA_LINEAR_MAX_ROWS", "cuda_linear_eligible", "linear"]
 
-#: Token rows up to which the model sends a CUDA bfloat16/float16 product to
-#: :func:`~pagedcore.ops.linear`'s kernel; above it cuBLAS.
+#: Token rows the kernel takes at most.
 CUDA_LINEAR_MAX_ROWS = int(getattr(_C, "CUDA_LINEAR_MAX_ROWS", 0))
+#: Token rows up to which the model sends a CUDA product to the kernel (else cuBLAS).
+#: Measured on the H200 (bench_kernels_gpu.py, bf16): at one row 1.3-1.9x cuBLAS's
+#: speed on the SmolLM2 shape's products and 0.97-1.25x on the 8B shape's; at eight
+#: rows 0.3-0.5x (each warp re-reads the input rows per weight vector).
+CUDA_LINEAR_MODEL_ROWS = min(1, CUDA_LINEAR_MAX_ROWS)
 _ENABLED = os.environ.get("PAGEDCORE_CUDA_LINEAR", "1") != "0"
 
 
@@ -31,11 +35,11 @@ def _aligned_rows(x: torch.Tensor) -> bool:
 
 
 def cuda_linear_eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether the model's ``linear`` takes these CUDA tensors (else ``F.linear``):
-    1..:data:`CUDA_LINEAR_MAX_ROWS` rows, bfloat16/float16 like the weight,
+    """Whether the model sends this product to :func:`linear` (else ``F.linear``): CUDA,
+    1..:data:`CUDA_LINEAR_MODEL_ROWS` rows, bfloat16/float16 like the weight,
     ``in_features`` a multiple of 8, 16-byte aligned dense rows, a contiguous weight."""
     return (
-        _ENABLED and x.device.type == "cuda" and x.dim() == 2 and 1 <= x.shape[0] <= CUDA_LINEAR_MAX_ROWS
+        _ENABLED and x.device.type == "cuda" and x.dim() == 2 and 1 <= x.shape[0] <= CUDA_LINEAR_MODEL_ROWS
         and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
         and x.shape[1] % 8 == 0 and _aligned_rows(x) and weight.is_contiguous() and weight.data_ptr() % 16 == 0
     )
