@@ -534,6 +534,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--client", choices=["openai", "httpx"], default="openai")
     p.add_argument("--client-processes", type=int, default=1)
     p.add_argument("--offline", action="store_true", help="LLM.generate on the inf run's requests, for the ratio")
+    p.add_argument("--offline-from", default=None,
+                   help="take the offline figures from this --json of an earlier run (same requests)")
     p.add_argument("--disconnect-fraction", type=float, default=0.0,
                    help="run S streams of which this fraction hang up mid-stream (S: --disconnect-streams)")
     p.add_argument("--disconnect-streams", type=int, default=512)
@@ -662,7 +664,11 @@ def main(argv: list[str] | None = None) -> int:
 
     summary: dict = {"args": vars(args), "runs": {}}
     offline = None
-    if args.offline and args.base_url is None:
+    if args.offline_from:
+        with open(args.offline_from) as f:
+            offline = json.load(f)["offline"]
+        summary["offline"] = offline
+    elif args.offline and args.base_url is None:
         out_path = os.path.join(tmp.name, "offline.json")
         argv_child = [a for a in (argv if argv is not None else sys.argv[1:])]
         subprocess.run([sys.executable, os.path.abspath(__file__), *argv_child, "--offline-worker", out_path],

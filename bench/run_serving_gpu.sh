@@ -2,9 +2,13 @@
 # Issue 14 on the GPU machine in one device call: build pagedcore with its CUDA
 # kernels, install the carried wheels of the server and the openai client, and
 # run bench/bench_serving.py for the SmolLM2 shape and the Llama-3-8B shape
-# (random weights, bf16, CUDA graphs): offline LLM.generate, then the server at
-# 0.5x saturation and at saturation, 512 streams with a quarter hanging up,
-# SIGTERM with 64 streams in flight. Logs and JSON go to $OUT (or
+# (random weights, bf16, CUDA graphs): offline LLM.generate, then the server
+# (--engine-process) at 0.5x saturation and at saturation, 512 streams with a
+# quarter hanging up, SIGTERM with 64 streams in flight; then the server with
+# its engine as a thread (the default) at the same rates, for the comparison
+# (SERVING_THREAD_MODE=0 skips it). If one call runs past its 10 minutes, run
+# one shape a call: `bash bench/run_serving_gpu.sh smollm2`, then llama3-8b
+# (the build directory is kept on a warm machine). Logs and JSON go to $OUT (or
 # /tmp/pagedcore-serving); a table of the issue's targets is printed last.
 #
 # Here, once:   bench/fetch_serving_wheels.sh        (fills .gpuwheels/, ignored by git)
@@ -52,10 +56,12 @@ for shape in "${shapes[@]}"; do
       flags=(--num-requests 256 --max-tokens 256 --prompt-len-median 300 --max-num-seqs 256) ;;
     *) echo "unknown shape $shape"; continue ;;
   esac
-  echo "== $shape ($((SECONDS - t0)) s)"
-  if "$py" bench/bench_serving.py --shape "$shape" --dtype bfloat16 "${flags[@]}" --max-model-len 2048 \
-      --shared-prefix-len 512 --shared-prefix-fraction 0.5 --num-shared-prefixes 4 \
-      --request-rate 0.5x inf --offline --client openai --client-processes 4 \
+  common=(--shape "$shape" --dtype bfloat16 "${flags[@]}" --max-model-len 2048 --shared-prefix-len 512
+          --shared-prefix-fraction 0.5 --num-shared-prefixes 4 --request-rate 0.5x inf --client openai
+          --client-processes 4)
+  # The server with its engine in a process of its own: every check.
+  echo "== $shape, --engine-process ($((SECONDS - t0)) s)"
+  if "$py" bench/bench_serving.py "${common[@]}" --server-arg=--engine-process --offline \
       --disconnect-fraction 0.25 --disconnect-streams 512 --sigterm-streams 64 --shutdown-timeout 30 \
       --json "$out/serving_$shape.json" >"$out/serving_$shape.log" 2>&1; then
     status[$shape]=pass
@@ -63,6 +69,14 @@ for shape in "${shapes[@]}"; do
     status[$shape]="FAIL (see serving_$shape.log)"
   fi
   grep -v "^INFO\|^DEBUG" "$out/serving_$shape.log" | tail -n 70
+  # The engine as a thread of the server's process (the default): the same rates.
+  if [[ "${SERVING_THREAD_MODE:-1}" == 1 && -f "$out/serving_$shape.json" ]]; then
+    echo "== $shape, engine thread ($((SECONDS - t0)) s)"
+    "$py" bench/bench_serving.py "${common[@]}" --offline-from "$out/serving_$shape.json" \
+      --json "$out/serving_${shape}_thread.json" >"$out/serving_${shape}_thread.log" 2>&1 \
+      || status[${shape}_thread]="FAIL (see serving_${shape}_thread.log)"
+    grep -v "^INFO\|^DEBUG" "$out/serving_${shape}_thread.log" | tail -n 4
+  fi
 done
 
 echo
@@ -70,22 +84,27 @@ echo "== summary ($((SECONDS - t0)) s in all)"
 "$py" - "$out" "${shapes[@]}" <<'EOF'
 import json, os, sys
 out, shapes = sys.argv[1], sys.argv[2:]
-print(f"{'shape':<11}{'offline tok/s':>14}{'online tok/s':>13}{'ratio':>7}{'TTFT p50/p99 ms':>18}"
+print(f"{'shape':<20}{'offline tok/s':>14}{'online tok/s':>13}{'ratio':>7}{'TTFT p50/p99 ms':>18}"
       f"{'ITL p50/p99 ms @0.5x':>22}{'p99/p50':>8}{'disconnect':>11}{'SIGTERM':>9}")
-for shape in shapes:
-    path = os.path.join(out, f"serving_{shape}.json")
+def verdict(s, check):
+    return "-" if check not in s else "PASS" if s[check].get("pass") else "FAIL"
+
+
+rows = [(f"{shape}", f"serving_{shape}.json") for shape in shapes]
+rows += [(f"{shape} (thread)", f"serving_{shape}_thread.json") for shape in shapes]
+for shape, name in rows:
+    path = os.path.join(out, name)
     if not os.path.exists(path):
-        print(f"{shape:<11} no result"); continue
+        print(f"{shape:<20} no result"); continue
     s = json.load(open(path))
     inf, half = s["runs"].get("inf", {}), s["runs"].get("0.5x", {})
     off = s.get("offline", {}).get("output_throughput", float("nan"))
-    print(f"{shape:<11}{off:>14.0f}{inf.get('output_throughput', float('nan')):>13.0f}"
+    print(f"{shape:<20}{off:>14.0f}{inf.get('output_throughput', float('nan')):>13.0f}"
           f"{s.get('online_offline_ratio', float('nan')):>7.3f}"
           f"{inf.get('median_ttft_ms', float('nan')):>10.1f}/{inf.get('p99_ttft_ms', float('nan')):<7.1f}"
           f"{half.get('median_itl_ms', float('nan')):>14.2f}/{half.get('p99_itl_ms', float('nan')):<7.2f}"
           f"{s.get('itl_p99_over_median_at_half', float('nan')):>8.2f}"
-          f"{'PASS' if s.get('disconnect', {}).get('pass') else 'FAIL':>11}"
-          f"{'PASS' if s.get('sigterm', {}).get('pass') else 'FAIL':>9}")
+          f"{verdict(s, 'disconnect'):>11}{verdict(s, 'sigterm'):>9}")
 print("targets: ratio >= 0.9; ITL p99/p50 <= 2 at 0.5x saturation; disconnect: 0 5xx, all KV blocks free, "
       "/health 200; SIGTERM: every stream drained, exit 0 within --shutdown-timeout")
 EOF

@@ -3,7 +3,9 @@ clients (bench/bench_serving.py: AsyncOpenAI in an asyncio loop): a model given
 as config.json + tokenizer only; 64 streams at once of which a quarter hang up
 mid-stream (every KV block comes back, no 5xx, /health OK); SIGTERM with streams
 in flight: the short ones drain, the ones still running at --shutdown-timeout
-are cut with a 503 in OpenAI's error shape (an error event in a stream).
+are cut with a 503 in OpenAI's error shape (an error event in a stream). Each
+with the engine as a thread of the server process and in a process of its own
+(--engine-process).
 
 The model: a tiny random float32 Llama config (no weight file) with the default
 model's tokenizer files; one server process serves every test of the module and
@@ -63,7 +65,7 @@ def model_dir(tmp_path_factory) -> str:
 
 
 class Serve:
-    def __init__(self, log: Path, model_dir: str) -> None:
+    def __init__(self, log: Path, model_dir: str, *extra: str) -> None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
@@ -72,7 +74,7 @@ class Serve:
         cmd = [sys.executable, "-m", "pagedcore", "serve", "--model", model_dir, "--load-format", "dummy",
                "--seed", str(SEED), "--port", str(self.port), "--device", "cpu", "--num-kv-blocks",
                str(NUM_KV_BLOCKS), "--max-model-len", str(MAX_MODEL_LEN), "--shutdown-timeout",
-               str(SHUTDOWN_TIMEOUT_S), "--log-level", "INFO"]
+               str(SHUTDOWN_TIMEOUT_S), "--log-level", "INFO", *extra]
         with open(log, "wb") as f:
             self.proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT,
                                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -91,9 +93,11 @@ class Serve:
         return self.log.read_text(errors="replace")
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory, model_dir):
-    srv = Serve(tmp_path_factory.mktemp("serve") / "serve.log", model_dir)
+@pytest.fixture(scope="module", params=["engine-thread", "engine-process"])
+def server(request, tmp_path_factory, model_dir):
+    # The engine as a thread of the server's process (the default), or in a process of its own.
+    extra = ("--engine-process",) if request.param == "engine-process" else ()
+    srv = Serve(tmp_path_factory.mktemp("serve") / "serve.log", model_dir, *extra)
     try:
         yield srv
     finally:

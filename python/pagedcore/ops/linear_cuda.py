@@ -1,4 +1,4 @@
-"""The CUDA half of :func:`pagedcore.ops.linear`: ``x @ weight.T (+ bias)`` for the
+"""The CUDA half of :func:`pagedcore.ops.linear` (:mod:`.matmul`): ``x @ weight.T (+ bias)`` for the
 1..:data:`CUDA_LINEAR_MAX_ROWS` token rows of a decode step, bfloat16/float16, in a
 matrix-vector kernel that streams each weight row once (``cuda/linear_kernels.cu``).
 
@@ -18,7 +18,7 @@ from .. import _C
 from ._checks import _CUDA_DTYPES, _stream, _tensor
 from .layer import _overlap
 
-__all__ = ["CUDA_LINEAR_MAX_ROWS", "cuda_linear_eligible", "linear"]
+__all__ = ["CUDA_LINEAR_MAX_ROWS", "CUDA_LINEAR_MODEL_ROWS", "cuda_linear_eligible"]
 
 #: Token rows the kernel takes at most.
 CUDA_LINEAR_MAX_ROWS = int(getattr(_C, "CUDA_LINEAR_MAX_ROWS", 0))
@@ -94,13 +94,3 @@ def linear_cuda(op: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
         )
     return out
 
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           out: torch.Tensor | None = None) -> torch.Tensor:
-    """``out = x @ weight.T (+ bias)`` (CUDA, bfloat16/float16, 1..8 rows)."""
-    op = "linear"
-    _tensor(op, "x", x)
-    _tensor(op, "weight", weight)
-    if x.device.type != "cuda":
-        raise ValueError(f"{op}: x must be a CUDA tensor here, got {x.device}")
-    return linear_cuda(op, x, weight, bias, out)
