@@ -154,6 +154,36 @@ def decode_case(batch: int, ctx: int, heads: int, kv_heads: int, head_dim: int, 
     return ours, theirs, kv_bytes, float(err)
 
 
+def multi_query_case(batch: int, queries: int, ctx: int, heads: int, kv_heads: int, head_dim: int) -> tuple:
+    """Rows of a few queries each (speculative decoding): the decode kernel's time, and
+    the prefill kernel's on the same rows (the plan without the decode path)."""
+    dtype, block_size = torch.bfloat16, 16
+    g = torch.Generator(device="cuda").manual_seed(2)
+    blocks_per_seq = -(-ctx // block_size)
+    num_blocks = batch * blocks_per_seq + 1
+    kc = torch.randn((num_blocks, block_size, kv_heads, head_dim), generator=g, device="cuda", dtype=dtype)
+    vc = torch.randn_like(kc)
+    tables = (torch.randperm(num_blocks - 1, generator=g, device="cuda").to(torch.int32) + 1)[
+        : batch * blocks_per_seq].view(batch, blocks_per_seq).contiguous()
+    q = torch.randn((batch * queries, heads, head_dim), generator=g, device="cuda", dtype=dtype)
+    seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+    qsl_np = np.arange(batch + 1, dtype=np.int32) * queries
+    qsl = torch.from_numpy(qsl_np).cuda()
+    scale = head_dim**-0.5
+    lens = np.full(batch, ctx)
+    times, outs = [], []
+    for fast in (True, False):
+        plan = (ops.plan_attention(qsl_np, lens, heads, kv_heads, torch.device("cuda"), head_dim, dtype) if fast
+                else ops.plan_attention(qsl_np, lens, heads, kv_heads, torch.device("cuda")))
+        assert (plan.num_decode == batch) == fast
+        out = torch.empty_like(q)
+        times.append(time_graph(lambda: ops.paged_attention(q, kc, vc, tables, seq_lens, qsl, scale=scale, out=out,
+                                                            plan=plan)))
+        outs.append(out)
+    err = ((outs[0].float() - outs[1].float()).norm() / outs[1].float().norm()).item()
+    return times[0], times[1], 2 * batch * ctx * kv_heads * head_dim * 2, err
+
+
 FLASHINFER: dict = {}  # the case's row name -> (us, rel err), or "error" -> why
 
 
@@ -253,6 +283,30 @@ def layer_op_rows(quick: bool) -> list[tuple]:
     return rows
 
 
+def linear_rows(quick: bool) -> list[tuple]:
+    """(name, ours us, cuBLAS us, GB/s, rel err) of the decode steps' products."""
+    rows = []
+    dtype = torch.bfloat16
+    shapes = {
+        "SmolLM2": {"qkv": (576, 960), "o": (576, 576), "gate_up": (576, 3072), "down": (1536, 576),
+                    "lm_head": (576, 49152)},
+        "8B": {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096),
+               "lm_head": (4096, 128256)},
+    }
+    for shape, layers in shapes.items():
+        for tokens in ((1, 8) if not quick else (1,)):
+            for name, (k, n) in layers.items():
+                x = torch.randn(tokens, k, dtype=dtype, device="cuda")
+                w = torch.randn(n, k, dtype=dtype, device="cuda") * k**-0.5
+                out = torch.empty(tokens, n, dtype=dtype, device="cuda")
+                ref = F.linear(x, w)
+                err = ((ops.linear(x, w, out=out).float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+                ours = time_graph(lambda: ops.linear(x, w, out=out))
+                theirs = time_graph(lambda: F.linear(x, w))
+                rows.append((f"linear {shape} {name} M={tokens} ({k}->{n})", ours, theirs, w.numel() * 2 / ours / 1e3, err))
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
@@ -279,6 +333,10 @@ def run(args) -> None:
         label = f"decode {name} B=1 L=160, graph plan (max 8192)"
         ours, theirs, nbytes, err = decode_case(1, 160, *shape, 16, graph_plan_len=8192, label=label)
         rows.append((label, ours, theirs, nbytes / ours / 1e3, err))
+    for batch, queries, ctx in ((1, 4, 4096), (64, 4, 1024)):
+        ours, prefill_kernel, nbytes, err = multi_query_case(batch, queries, ctx, 32, 8, 128)
+        rows.append((f"decode {queries} queries/row B={batch} L={ctx} vs prefill kernel", ours, prefill_kernel,
+                     nbytes / ours / 1e3, err))
     bf16_us = next(r[1] for r in rows if r[0].startswith("decode B=64 L=4096 bs=16"))
     ours, theirs, nbytes, err = decode_case(64, 4096, 32, 8, 128, 16, fp8=True)
     rows.append(("decode fp8 KV B=64 L=4096 bs=16 (32/8, d128)", ours, theirs, nbytes / ours / 1e3, err))
@@ -311,6 +369,7 @@ def run(args) -> None:
     rows.append(("swap-out 1024 blocks x 8 caches (D2H)", us, None, swap_bytes / us / 1e3, 0.0))
 
     rows += layer_op_rows(args.quick)
+    rows += linear_rows(args.quick)
 
     prefill_ours, prefill_sdpa, prefill_err = prefill_case(8192 if not args.quick else 2048, 32, 8, 128)
     prefill_flops = 4 * 8192 * 8192 / 2 * 32 * 128 if not args.quick else 4 * 2048 * 2048 / 2 * 32 * 128

@@ -59,7 +59,7 @@ __device__ void merge_splits(const PagedAttentionParams& p, int work, int kv_hea
   const float* partial_out = DECODE ? p.decode_partial_out : p.partial_out;
   const float* partial_lse = DECODE ? p.decode_partial_lse : p.partial_lse;
   const int group = p.num_heads / p.num_kv_heads;
-  const int num_vectors = (DECODE ? 1 : min(p.tile_tokens, q_len - t0)) * group;
+  const int num_vectors = (DECODE ? q_len : min(p.tile_tokens, q_len - t0)) * group;
   const int64_t first = ((static_cast<int64_t>(work) * p.num_kv_heads + kv_head) * stride_splits) * kSlots;
   T* out = static_cast<T*>(p.out);
   for (int v0 = 0; v0 < num_vectors; v0 += kChunk) {

@@ -6,6 +6,7 @@ key splits for few long rows."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -101,6 +102,23 @@ def test_attention_splits_keys_of_few_long_rows(rows, group):
         if rows[0][0] == 1:  # decode rows: the decode kernel, keys split too
             assert plan.num_decode == len(rows) and plan.decode_splits > 1
         run_cuda(rows, block_size=16, head_dim=128, group=group, dtype=dtype)
+
+
+@pytest.mark.parametrize("group", [1, 3, 4, 8])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_rows_of_a_few_queries_take_the_decode_kernel(dtype, group):
+    # Speculative-decoding shapes: rows whose query tokens x group fit 16 vectors go to
+    # the decode kernel (key splits, causal masks between their own queries), the rest
+    # to prefill tiles.
+    rows = [(2, 100), (4, 3000), (16, 40), (5, 700), (3, 6000), (1, 20)]
+    qsl = np.cumsum([0] + [q for q, _ in rows])
+    plan = ops.plan_attention(qsl, [n for _, n in rows], 2 * group, 2, torch.device("cuda"), 128, dtype)
+    assert plan.num_decode == sum(q * group <= 16 for q, _ in rows)
+    if group <= 4:  # (4, 3000) and (3, 6000) are decode rows: their keys split
+        assert plan.decode_splits > 1
+    for fp8 in (None, (0.5, 2.0)):
+        run_cuda(rows, block_size=16, head_dim=128, group=group, dtype=dtype, fp8_scales=fp8)
+    run_cuda(rows, block_size=16, head_dim=64, group=group, dtype=dtype, window=50, softcap=3.0)
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16-cache", "fp8-cache"])

@@ -44,12 +44,19 @@ class AttentionMetadata:
     plan: ops.AttentionPlan | None = None  # CUDA: the step's work split, shared by all layers
 
 
+def _ops_linear(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``x @ weight.T`` goes to :func:`pagedcore.ops.linear` (else torch)."""
+    if weight.device.type == "cpu":
+        return x.shape[0] <= ops.LINEAR_MAX_ROWS and weight.dtype == torch.float32
+    return ops.cuda_linear_eligible(x, weight)
+
+
 def _linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """``layer(x)``; a decode step's few float32 CPU rows through :func:`pagedcore.ops.linear`,
-    which reads the weights at memory speed (torch's GEMM does not, at one row)."""
-    weight = layer.weight
-    if x.shape[0] <= ops.LINEAR_MAX_ROWS and weight.dtype == torch.float32 and weight.device.type == "cpu":
-        return ops.linear(x, weight, layer.bias)
+    """``layer(x)``; the few rows of a decode step through :func:`pagedcore.ops.linear`,
+    which reads the weights at memory speed where the GEMM libraries do not (MKL's
+    float32 product at a few CPU rows; cuBLAS, latency-bound, at one CUDA row)."""
+    if _ops_linear(x, layer.weight):
+        return ops.linear(x, layer.weight, layer.bias)
     return layer(x)
 
 
@@ -248,8 +255,8 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits ``[rows, vocab_size]`` of the given hidden rows."""
         weight = self.lm_head_weight
-        if hidden.shape[0] <= ops.LINEAR_MAX_ROWS and weight.dtype == torch.float32 and weight.device.type == "cpu":
-            return ops.linear(hidden, weight)
+        if _ops_linear(hidden, weight):
+            return ops.linear(hidden, weight).float()
         return F.linear(hidden, weight).float()
 
     # ---- weights ------------------------------------------------------------

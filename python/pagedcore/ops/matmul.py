@@ -1,5 +1,6 @@
-"""Linear layers of decode steps on the CPU: ``x @ weight.T + bias`` in float32 for a
-few token rows, in a C++ kernel that streams each weight row once.
+"""Linear layers of decode steps: ``x @ weight.T + bias`` for a few token rows, in a
+kernel that streams each weight row once: on the CPU in float32 (C++), on CUDA in
+bfloat16/float16 for up to 8 rows (:mod:`.linear_cuda`).
 
 A batch-1 decode step is bound by reading the weights; torch's float32 GEMM reads
 them at a fraction of the memory bandwidth on the AMD EPYC CPUs this was measured on
@@ -13,6 +14,7 @@ import torch
 
 from .. import _C
 from ._checks import _tensor
+from .linear_cuda import linear_cuda
 
 __all__ = ["LINEAR_MAX_ROWS", "linear"]
 
@@ -51,7 +53,9 @@ def _disjoint(a: torch.Tensor, b: torch.Tensor) -> bool:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            out: torch.Tensor | None = None) -> torch.Tensor:
     """``out = x @ weight.T (+ bias)``, as ``torch.nn.functional.linear`` computes it, on
-    the CPU in float32.
+    the CPU in float32, or on CUDA in bfloat16/float16 for 1 to
+    :data:`~pagedcore.ops.CUDA_LINEAR_MAX_ROWS` rows (float32 sums, ``in_features`` a
+    multiple of 8, 16-byte aligned rows; the dtype of ``x`` everywhere).
 
     Every output is summed in one fixed order, whatever the number of rows and threads,
     so a row's result does not depend on the rows it shares the call with. The order
@@ -61,9 +65,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     Parameters
     ----------
     x : torch.Tensor
-        ``[num_tokens, in_features]`` float32 CPU, dense rows (row stride free).
+        ``[num_tokens, in_features]`` float32 CPU (or bfloat16/float16 CUDA), dense rows (row
+        stride free).
     weight : torch.Tensor
-        ``[out_features, in_features]`` float32 CPU, contiguous.
+        ``[out_features, in_features]`` like ``x``, contiguous.
     bias : torch.Tensor, optional
         ``[out_features]`` float32 CPU, contiguous.
     out : torch.Tensor, optional
@@ -84,6 +89,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     True
     """
     op = "linear"
+    _tensor(op, "x", x)
+    if x.device.type == "cuda":
+        _tensor(op, "weight", weight)
+        return linear_cuda(op, x, weight, bias, out)
     _cpu_float32(op, "x", x)
     _cpu_float32(op, "weight", weight)
     if x.dim() != 2:

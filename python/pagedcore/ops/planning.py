@@ -18,7 +18,9 @@ class AttentionPlan:
 
     Rows with one query (decode) go to the decode kernel, one thread block per
     (row, kv head) streaming the row's keys, when the shape allows
-    (``cuda_decode_supported``); other rows are cut into work items, tiles of
+    (``cuda_decode_supported``); with bfloat16/float16 queries so do rows of a few
+    queries (query tokens x query heads per kv head <= 16: speculative decoding,
+    beams). Other rows are cut into work items, tiles of
     consecutive query tokens (as many as fill ``cuda_attention_tile_vectors``
     query vectors with the heads of one kv head). With few blocks and long
     contexts, keys are also split (``num_splits`` / ``decode_splits``) and
@@ -68,6 +70,7 @@ class AttentionPlan:
 # Keys per split at least; the decode kernels apply the same rule per row
 # (kAttentionDecodeSplitKeys; PAGEDCORE_DECODE_SPLIT_KEYS overrides both, for
 # benchmarks).
+_DECODE_VECTORS = 16  # kAttentionDecodeVectors: query tokens x group of a bf16/fp16 decode row
 _DECODE_SPLIT_KEYS = int(os.environ.get("PAGEDCORE_DECODE_SPLIT_KEYS", "0") or 0) or 256
 
 
@@ -113,7 +116,12 @@ def plan_attention(
         head_dim is not None and dtype is not None
         and _C.cuda_decode_supported(group, head_dim, element_size)
     )
-    is_decode = (q_lens == 1) if fast else np.zeros(q_lens.shape[0], dtype=bool)
+    if not fast:
+        is_decode = np.zeros(q_lens.shape[0], dtype=bool)
+    elif element_size == 2:  # the tensor-core decode kernel: a row of a few queries too (<= 16 vectors)
+        is_decode = (q_lens >= 1) & (q_lens * group <= _DECODE_VECTORS)
+    else:
+        is_decode = q_lens == 1
     decode_seq = rows[is_decode]
     tiles = np.where(is_decode, 0, (q_lens + tile - 1) // tile)
     total = int(tiles.sum())

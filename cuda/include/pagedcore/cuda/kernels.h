@@ -75,6 +75,8 @@ int scatter_blocks(const GatherBlocksParams& p, void* stream);
 // plans for the longest row it may meet), and a shorter row runs fewer splits:
 // a row under twice this runs unsplit, with no partials and no merge.
 constexpr int32_t kAttentionDecodeSplitKeys = 256;
+// Query vectors (query tokens x heads of one kv head) of a bf16/fp16 decode row.
+constexpr int32_t kAttentionDecodeVectors = 16;
 struct PagedAttentionParams {
   void* out;                      // [num_tokens, num_heads, head_dim], contiguous
   const void* query;              // [num_tokens, num_heads, head_dim], token stride query_stride
@@ -88,7 +90,9 @@ struct PagedAttentionParams {
   float* partial_out;             // [num_work, num_kv_heads, num_splits, kAttentionPartialVectors, head_dim]
   float* partial_lse;             // [num_work, num_kv_heads, num_splits, kAttentionPartialVectors, 2] (max, sum)
   // Rows with a single query (decode) may instead go to a kernel made for
-  // them (all heads of a kv head in one CTA): see decode_supported().
+  // them (all heads of a kv head in one CTA): see decode_supported(). With
+  // bf16/fp16 queries a decode row may hold a few queries (speculative decoding,
+  // beams): query tokens x group <= kAttentionDecodeVectors; float32: one query.
   const int32_t* decode_seq;      // [num_decode] rows run by the decode kernel
   float* decode_partial_out;      // [num_decode, num_kv_heads, decode_splits, kAttentionPartialVectors, head_dim]
   float* decode_partial_lse;      // [num_decode, num_kv_heads, decode_splits, kAttentionPartialVectors, 2]
