@@ -275,8 +275,10 @@ class AsyncEngine:
                 if out.finished:
                     del self._streams[out.request_id]
                 self._deliver(stream, out)
-            self._flush()
+            # NOTE: the stats first: a client that has its last token reads them
+            # already counting its request as done (/metrics right after a response).
             self.stats = self.engine.stats()
+            self._flush()
 
     def _close(self) -> None:
         """Ends every caller's wait as the thread stops: the adds still queued and
