@@ -6,7 +6,8 @@
 # (--engine-process) at 0.5x saturation and at saturation, 512 streams with a
 # quarter hanging up, SIGTERM with 64 streams in flight; then the server with
 # its engine as a thread (the default) at the same rates, for the comparison
-# (SERVING_THREAD_MODE=0 skips it). If one call runs past its 10 minutes, run
+# (SERVING_THREAD_MODE: smollm2 by default, all, or 0). Expected: build, then
+# ~3 min a shape. If one call runs past its 10 minutes, run
 # one shape a call: `bash bench/run_serving_gpu.sh smollm2`, then llama3-8b
 # (the build directory is kept on a warm machine). Logs and JSON go to $OUT (or
 # /tmp/pagedcore-serving); a table of the targets is printed last.
@@ -84,7 +85,8 @@ for shape in "${shapes[@]}"; do
   fi
   grep -v "^INFO\|^DEBUG" "$out/serving_$shape.log" | tail -n 70
   # The engine as a thread of the server's process (the default): the same rates.
-  if [[ "${SERVING_THREAD_MODE:-1}" == 1 && -f "$out/serving_$shape.json" ]]; then
+  thread_mode="${SERVING_THREAD_MODE:-smollm2}"  # the shapes that get it: a shape name, all or 0
+  if [[ ( "$thread_mode" == all || "$thread_mode" == "$shape" ) && -f "$out/serving_$shape.json" ]]; then
     echo "== $shape, engine thread ($((SECONDS - t0)) s)"
     "$py" bench/bench_serving.py "${common[@]}" --offline-from "$out/serving_$shape.json" \
       --json "$out/serving_${shape}_thread.json" >"$out/serving_${shape}_thread.log" 2>&1 \
