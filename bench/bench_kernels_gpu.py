@@ -294,7 +294,7 @@ def linear_rows(quick: bool) -> list[tuple]:
                "lm_head": (4096, 128256)},
     }
     for shape, layers in shapes.items():
-        for tokens in ((1, 8) if not quick else (1,)):
+        for tokens in ((1, 4, 16) if not quick else (1, 16)):
             for name, (k, n) in layers.items():
                 x = torch.randn(tokens, k, dtype=dtype, device="cuda")
                 w = torch.randn(n, k, dtype=dtype, device="cuda") * k**-0.5

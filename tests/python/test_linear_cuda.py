@@ -1,5 +1,5 @@
 """pagedcore.ops.linear on CUDA (the decode steps' matrix-vector kernel, bf16/fp16,
-1-8 rows) against a float64 product of the same rounded inputs: shapes of the model
+1-16 rows) against a float64 product of the same rounded inputs: shapes of the model
 families (in_features 64..14336, out_features 1..~50k incl. non-multiples of the
 CTA's 8 features), bias, strided input rows, outputs poisoned with NaN, and a
 decode step's numbers equal with the kernel and with cuBLAS up to rounding."""
@@ -35,18 +35,18 @@ def _check(x, w, b, out):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 11, 16])
 @pytest.mark.parametrize("in_features,out_features", [
     (64, 1), (576, 960), (576, 3072), (1536, 576), (4096, 6144), (14336, 4096), (2048, 4099), (8, 13),
 ])
 def test_linear_against_float64(dtype, rows, in_features, out_features):
     x, w, b = _case(rows, in_features, out_features, dtype, bias=False)
-    assert ops.cuda_linear_eligible(x, w) == (rows == 1)  # the model uses it at one row (measured faster)
+    assert ops.cuda_linear_eligible(x, w) == (rows <= ops.CUDA_LINEAR_MODEL_ROWS)
     out = ops.linear(x, w)
     _check(x, w, b, out)
 
 
-@pytest.mark.parametrize("rows", [1, 6])
+@pytest.mark.parametrize("rows", [1, 6, 13])
 def test_linear_bias_strided_rows_and_out(rows):
     # Qwen's qkv bias; input rows inside a wider buffer; out a view into a poisoned buffer.
     x, w, b = _case(rows, 896, 1152, torch.bfloat16, bias=True, row_stride=1024)
@@ -63,9 +63,9 @@ def test_linear_large_vocabulary_head():
 
 
 def test_linear_refuses_what_the_kernel_cannot_take():
-    x, w, _ = _case(9, 64, 32, torch.bfloat16, bias=False)
+    x, w, _ = _case(17, 64, 32, torch.bfloat16, bias=False)
     assert not ops.cuda_linear_eligible(x, w)  # more rows than the kernel's maximum: cuBLAS
-    with pytest.raises(ValueError, match=r"linear: x has 9 rows on CUDA; at most 8"):
+    with pytest.raises(ValueError, match=r"linear: x has 17 rows on CUDA; at most 16"):
         ops.linear(x, w)
     x, w, _ = _case(1, 60, 32, torch.bfloat16, bias=False)
     assert not ops.cuda_linear_eligible(x, w)

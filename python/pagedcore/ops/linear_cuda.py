@@ -1,8 +1,8 @@
 """The CUDA half of :func:`pagedcore.ops.linear` (:mod:`.matmul`): ``x @ weight.T (+ bias)`` for the
-1..:data:`CUDA_LINEAR_MAX_ROWS` token rows of a decode step, bfloat16/float16, in a
+1..:data:`CUDA_LINEAR_MAX_ROWS` (16) token rows of a decode step, bfloat16/float16, in a
 matrix-vector kernel that streams each weight row once (``cuda/linear_kernels.cu``).
 
-At one to eight rows cuBLAS's GEMM tiles leave most of the GPU idle and its calls are
+At one row cuBLAS's GEMM tiles leave most of the GPU idle and its calls are
 latency-bound (~4 us for the SmolLM2 shape's products, whose weights take well under
 1 us to read); the kernel is bound by the weight's bytes. ``PAGEDCORE_CUDA_LINEAR=0``
 sends every product to cuBLAS (for comparisons).
@@ -22,11 +22,11 @@ __all__ = ["CUDA_LINEAR_MAX_ROWS", "CUDA_LINEAR_MODEL_ROWS", "cuda_linear_eligib
 
 #: Token rows the kernel takes at most.
 CUDA_LINEAR_MAX_ROWS = int(getattr(_C, "CUDA_LINEAR_MAX_ROWS", 0))
-#: Token rows up to which the model sends a CUDA product to the kernel (else cuBLAS).
-#: Measured on the H200 (bench_kernels_gpu.py, bf16): at one row 1.3-1.9x cuBLAS's
-#: speed on the SmolLM2 shape's products and 0.97-1.25x on the 8B shape's; at eight
-#: rows 0.3-0.5x (each warp re-reads the input rows per weight vector).
-CUDA_LINEAR_MODEL_ROWS = min(1, CUDA_LINEAR_MAX_ROWS)
+#: Token rows up to which the model sends a CUDA product to the kernel (else cuBLAS;
+#: ``PAGEDCORE_CUDA_LINEAR_ROWS`` overrides it, for benchmarks). Measured on the H200
+#: (bench_kernels_gpu.py, bf16): at one row 1.3-1.9x cuBLAS's speed on the SmolLM2
+#: shape's products and 0.97-1.25x on the 8B shape's.
+CUDA_LINEAR_MODEL_ROWS = min(int(os.environ.get("PAGEDCORE_CUDA_LINEAR_ROWS", "1")), CUDA_LINEAR_MAX_ROWS)
 _ENABLED = os.environ.get("PAGEDCORE_CUDA_LINEAR", "1") != "0"
 
 

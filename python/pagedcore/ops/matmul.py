@@ -1,6 +1,6 @@
 """Linear layers of decode steps: ``x @ weight.T + bias`` for a few token rows, in a
 kernel that streams each weight row once: on the CPU in float32 (C++), on CUDA in
-bfloat16/float16 for up to 8 rows (:mod:`.linear_cuda`).
+bfloat16/float16 for up to 16 rows (:mod:`.linear_cuda`).
 
 A batch-1 decode step is bound by reading the weights; torch's float32 GEMM reads
 them at a fraction of the memory bandwidth on the AMD EPYC CPUs this was measured on

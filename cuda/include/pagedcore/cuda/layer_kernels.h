@@ -95,7 +95,7 @@ int silu_and_mul(const SiluAndMulParams& p, void* stream);
 // four tensors of one dtype), float32 accumulation, out rounded once. Needs
 // in_features % 8 == 0, input_stride % 8 == 0 and 16-byte aligned input and
 // weight; cudaErrorInvalidValue otherwise.
-constexpr int32_t kLinearMaxRows = 8;
+constexpr int32_t kLinearMaxRows = 16;
 struct LinearParams {
   void* out;             // [num_tokens, out_features], row stride out_stride
   const void* input;     // [num_tokens, in_features], row stride input_stride
