@@ -82,6 +82,7 @@ class Result:
     output_tokens: int = 0
     itl: list[float] = field(default_factory=list)  # seconds between chunks
     finish_reason: str | None = None
+    end: float = 0.0  # time.perf_counter() of the answer's end (this process's clock)
 
 
 # ---- the workload ----------------------------------------------------------------------------
@@ -139,7 +140,8 @@ def _body(model: str, prompt: list[int], max_tokens: int) -> dict:
 
 
 def _finish(result: Result, start: float, chunk_times: list[float], usage_tokens: int | None) -> Result:
-    result.e2e = time.perf_counter() - start
+    result.end = time.perf_counter()
+    result.e2e = result.end - start
     if chunk_times:
         result.ttft = chunk_times[0] - start
         result.itl = [b - a for a, b in zip(chunk_times, chunk_times[1:])]

@@ -43,7 +43,8 @@ MODEL = "tiny-dummy"
 SEED = 5
 NUM_KV_BLOCKS = 600
 MAX_MODEL_LEN = 4096
-SHUTDOWN_TIMEOUT_S = 3.0
+SHUTDOWN_TIMEOUT_S = 5.0
+SHORT = 32  # tokens of the streams that SIGTERM lets finish (0.1-3 s here, by the load)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 
@@ -174,9 +175,12 @@ def test_sigterm_drains_short_streams_and_cuts_the_rest_with_503(server) -> None
         r = httpx.post(f"{server.url}/v1/completions", json=long_body, timeout=60)
         non_streamed["status"], non_streamed["body"] = r.status_code, r.json()
 
+    ttft = "pagedcore_time_to_first_token_seconds_count"
+    before = bench_serving.server_metrics(server.url).get(ttft, 0)
+
     async def streams() -> list:
         client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=60)
-        short = [asyncio.create_task(bench_serving.request_openai(client, MODEL, [100 + k, 200, 300], 40, None))
+        short = [asyncio.create_task(bench_serving.request_openai(client, MODEL, [100 + k, 200, 300], SHORT, None))
                  for k in range(8)]
         events: list = []
 
@@ -190,23 +194,29 @@ def test_sigterm_drains_short_streams_and_cuts_the_rest_with_503(server) -> None
                             events.append(line[6:])
 
         cut = asyncio.create_task(long_stream())
-        while len(events) < 3:  # the long stream has started
+        # Every request in flight (its first token out) before the signal: 8 short
+        # streams, the long stream, the non-streamed request.
+        deadline = time.monotonic() + 30
+        while (await asyncio.to_thread(bench_serving.server_metrics, server.url)).get(ttft, 0) < before + 10:
+            assert time.monotonic() < deadline, "the requests did not all start"
             await asyncio.sleep(0.01)
         server.proc.send_signal(signal.SIGTERM)
-        signalled = time.monotonic()
+        signalled = time.perf_counter()
         done = await asyncio.gather(*short)
-        drained_after = time.monotonic() - signalled
+        drained_after = time.perf_counter() - signalled
+        in_flight = sum(r.end > signalled for r in done)
         await cut
         await client.close()
-        return [done, events, drained_after, time.monotonic() - signalled]
+        return [done, events, drained_after, time.perf_counter() - signalled, in_flight]
 
     thread = threading.Thread(target=post_non_streamed)
     thread.start()
-    done, events, drained_after, cut_after = asyncio.run(streams())
+    done, events, drained_after, cut_after, in_flight = asyncio.run(streams())
     thread.join(60)
     # The short streams drained: whole, finished by length, within the timeout.
     for r in done:
-        assert r.ok and r.finish_reason == "length" and r.output_tokens == 40, r
+        assert r.ok and r.finish_reason == "length" and r.output_tokens == SHORT, r
+    assert in_flight >= 1  # (some were still streaming at the signal: drained, not done before)
     assert drained_after < SHUTDOWN_TIMEOUT_S
     # The long stream ran on until the timeout, then: a 503 error event, then [DONE].
     assert events[0] == 200 and events[-1] == "[DONE]"
@@ -222,7 +232,7 @@ def test_sigterm_drains_short_streams_and_cuts_the_rest_with_503(server) -> None
     assert server.proc.wait(30) == 0, server.text()
     text = server.text()
     assert "Traceback" not in text, text
-    assert "cutting 2 requests (the 3 s shutdown timeout)" in text, text
+    assert "cutting 2 requests (the 5 s shutdown timeout)" in text, text
 
 
 # ---- the benchmark's own arithmetic (no server) ----------------------------------------------
