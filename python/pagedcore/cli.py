@@ -99,6 +99,7 @@ def _serve_on(sock, args: argparse.Namespace) -> int:
         preemption_mode=args.preemption_mode, swap_space=args.swap_space, kv_cache_dtype=args.kv_cache_dtype,
         seed=args.seed, enforce_eager=args.enforce_eager,
         async_output_proc=False if args.disable_async_output_proc else None,
+        async_scheduling=args.async_scheduling,
     ))
     async_engine = AsyncEngine(engine, max_queue_len=args.max_queue_len)
     try:
@@ -192,6 +193,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--disable-async-output-proc", action="store_true",
                      help="CUDA: make a step's outputs before launching the next step "
                           "(default: during the next step)")
+    srv.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                     help="schedule and launch step n+1 before step n's sampled tokens reach the host "
+                          "(default: on for CUDA unless --disable-async-output-proc, off for the CPU)")
     srv.add_argument("--dtype", default="auto",
                      help="weights and activations: auto (float32 on the CPU; on a GPU the checkpoint's "
                           "half type, bfloat16 for a float32 one), float32, bfloat16, float16")
