@@ -672,6 +672,10 @@ class LLMEngine:
         once more; that step's token for it is dropped and the engine finishes
         it when the step is updated. Greedy and seeded outputs are the same
         either way (up to the batch-size sensitivity of GPU kernels).
+
+        With async scheduling (``async_scheduling``, on by default on CUDA) the
+        next step is also scheduled and launched before the previous step's
+        tokens reach the host: see :meth:`_step_async`.
         """
         if self._async_scheduling:
             return self._step_async()
