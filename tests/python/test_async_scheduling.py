@@ -348,6 +348,45 @@ def test_a_stop_string_frees_the_sequence_while_the_next_step_holds_it(model, ll
     assert_idle(llm)
 
 
+class Boom(RuntimeError):
+    pass
+
+
+@pytest.mark.parametrize("fault", ["raise", "nan"])
+def test_a_failed_step_aborts_everything_and_the_engine_stays_usable(model, llms, fault) -> None:
+    # The sampler of the third step fails (or returns the NaN mark): two steps are
+    # unresolved in the engine then; both get placeholders and every request is
+    # dropped, and the next generate() is as good as new.
+    _, ps, greedy, _ = model
+    llm = llms[True]
+    engine = llm.llm_engine
+    sampler, calls = engine.sampler, [0]
+
+    def failing(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 3 and fault == "raise":
+            raise Boom("sampler call 3")
+        out = sampler(*args, **kwargs)
+        if calls[0] == 3:
+            out.sampled_token_ids[:] = -1
+        return out
+
+    params = SamplingParams(temperature=0, max_tokens=HF_TOKENS, ignore_eos=True)
+    engine.add_request("a", None, ps[0], params)
+    engine.add_request("b", None, ps[1], params, stream=True)
+    engine.sampler = failing
+    try:
+        with pytest.raises(Boom if fault == "raise" else RuntimeError,
+                           match="sampler call 3" if fault == "raise" else "NaN"):
+            while engine.has_unfinished_requests():
+                engine.step()
+    finally:
+        engine.sampler = sampler
+    assert_idle(llm)
+    again = llm.generate([{"prompt_token_ids": p} for p in ps[:2]], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in again] == greedy[:2]
+
+
 def test_async_scheduling_arguments_are_checked() -> None:
     with pytest.raises(ValueError, match="async_scheduling must be True, False or None, got 'yes'"):
         EngineArgs(model="x", async_scheduling="yes").validate()
