@@ -30,30 +30,22 @@ def make_prompts() -> list[list[int]]:
     return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in PROMPT_LENS]
 
 
-def hf_greedy(path: Path, ps: list[list[int]], n: int, device: str = "cpu") -> list[list[int]]:
-    """transformers' greedy continuation of each prompt, EOS ignored."""
+def load_hf(path: Path, device: str = "cpu"):
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
     model.generation_config.eos_token_id = None
-    outs = []
-    for p in ps:
-        x = torch.tensor([p], device=device)
-        y = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=n,
-                           min_new_tokens=n, pad_token_id=0)
-        outs.append(y[0, len(p):].tolist())
-    return outs
+    return model
 
 
-def hf_greedy_penalized(path: Path, ps: list[list[int]], n: int, penalty: float) -> list[list[int]]:
-    """transformers' greedy continuation with its repetition penalty (the same rule
-    as vLLM's: logits of prompt and output tokens divided by it when positive,
-    multiplied when negative)."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    model.generation_config.eos_token_id = None
+def hf_greedy(model, ps: list[list[int]], n: int, **kw) -> list[list[int]]:
+    """transformers' greedy continuation of each prompt, EOS ignored (``kw``: more
+    generate() arguments, e.g. its ``repetition_penalty``, the same rule as vLLM's:
+    logits of prompt and output tokens divided by it when positive, multiplied
+    when negative)."""
     outs = []
     for p in ps:
-        x = torch.tensor([p])
+        x = torch.tensor([p], device=model.device)
         y = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=n,
-                           min_new_tokens=n, pad_token_id=0, repetition_penalty=penalty)
+                           min_new_tokens=n, pad_token_id=0, **kw)
         outs.append(y[0, len(p):].tolist())
     return outs
 
@@ -96,12 +88,22 @@ def tokenizer_dir() -> str:
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory) -> tuple[Path, list[list[int]], list[list[int]], int]:
+def checkpoint(tmp_path_factory) -> Path:
+    return make_checkpoint("llama", tmp_path_factory.mktemp("ckpt"))
+
+
+@pytest.fixture(scope="module")
+def hf(checkpoint):
+    return load_hf(checkpoint)
+
+
+@pytest.fixture(scope="module")
+def model(checkpoint, hf) -> tuple[Path, list[list[int]], list[list[int]], int]:
     """A tiny random Llama whose EOS is a token its greedy runs reach mid-way;
     returns its path, the prompts, transformers' greedy tokens and that EOS."""
-    path = make_checkpoint("llama", tmp_path_factory.mktemp("ckpt"))
+    path = checkpoint
     ps = make_prompts()
-    greedy = hf_greedy(path, ps, HF_TOKENS)
+    greedy = hf_greedy(hf, ps, HF_TOKENS)
     eos = pick_eos(greedy)
     config = json.loads((path / "config.json").read_text())
     config["eos_token_id"] = eos
@@ -243,13 +245,13 @@ def test_seeded_sampling_is_the_same_as_with_async_scheduling_off(model, llms) -
         assert_idle(llm)
 
 
-def test_a_repetition_penalty_sees_the_previous_token(model, llms) -> None:
+def test_a_repetition_penalty_sees_the_previous_token(model, hf, llms) -> None:
     # The penalty counts the tokens sampled so far, the last one included: steps
     # with penalized rows sample only once the step before has resolved. (Below 1
     # it favours tokens seen: the greedy run repeats its last token, which only a
     # penalty that sees that token does.)
     path, ps, greedy, _ = model
-    expected = hf_greedy_penalized(path, ps[:3], 16, 0.4)
+    expected = hf_greedy(hf, ps[:3], 16, repetition_penalty=0.4)
     assert expected != [g[:16] for g in greedy[:3]]  # the penalty changes the greedy tokens
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, repetition_penalty=0.4)
     for llm in llms.values():
@@ -406,7 +408,7 @@ def test_async_scheduling_arguments_are_checked() -> None:
 @pytest.fixture(scope="module")
 def gpu_greedy(model) -> list[list[int]]:
     path, ps, _, _ = model
-    return hf_greedy(path, ps, HF_TOKENS, device="cuda")
+    return hf_greedy(load_hf(path, "cuda"), ps, HF_TOKENS)
 
 
 @pytest.mark.cuda
