@@ -273,6 +273,11 @@ def latency(path: Path, fields: dict, args) -> None:
         rows.append([name, mine])
     del llm
     _free()
+    if "generate" not in args.peers.split(","):  # --peers '': pagedcore alone (a quick look, no ratio)
+        print(f"\n{args.shape} latency (ms), pagedcore alone")
+        for name, mine in rows:
+            print(f"{name:<20}{mine * 1e3:12.2f}")
+        return
     model = hf_model(path, args)
     model.generation_config.eos_token_id = None
     for row, (name, batch, length) in zip(rows, cases):

@@ -113,7 +113,7 @@ def flashinfer_decode(q, kc, vc, tables, ctx: int, block_size: int):
 
 
 def decode_case(batch: int, ctx: int, heads: int, kv_heads: int, head_dim: int, block_size: int,
-                fp8: bool = False):
+                fp8: bool = False, graph_plan_len: int = 0, label: str = ""):
     dtype = torch.bfloat16
     g = torch.Generator(device="cuda").manual_seed(0)
     blocks_per_seq = -(-ctx // block_size)
@@ -129,6 +129,8 @@ def decode_case(batch: int, ctx: int, heads: int, kv_heads: int, head_dim: int, 
     qsl_np = np.arange(batch + 1, dtype=np.int32)
     qsl = torch.from_numpy(qsl_np).cuda()
     plan = ops.plan_attention(qsl_np, np.full(batch, ctx), heads, kv_heads, torch.device("cuda"), head_dim, dtype)
+    if graph_plan_len:  # the plan the model's decode graphs hold: splits for their longest row
+        plan = ops.plan_decode(batch, kv_heads, torch.device("cuda"), graph_plan_len)
     out = torch.empty_like(q)
     scale = head_dim**-0.5
     ours = time_graph(lambda: ops.paged_attention(q, kc, vc, tables, seq_lens, qsl, scale=scale, out=out, plan=plan))
@@ -145,13 +147,44 @@ def decode_case(batch: int, ctx: int, heads: int, kv_heads: int, head_dim: int, 
         fi_us, fi_out = flashinfer_decode(q, kc, vc, tables, ctx, block_size)
         if fi_us is not None:
             fi_err = (fi_out.float().view_as(ref) - ref.float()).norm() / ref.float().norm()
-            FLASHINFER[(batch, ctx, heads, head_dim, block_size)] = (fi_us, float(fi_err))
+            FLASHINFER[label or f"decode B={batch} L={ctx} bs={block_size} ({heads}/{kv_heads}, d{head_dim})"] = (
+                fi_us, float(fi_err))
         else:
             FLASHINFER["error"] = fi_out
     return ours, theirs, kv_bytes, float(err)
 
 
-FLASHINFER: dict = {}  # (batch, ctx, heads, head_dim, block) -> (us, rel err), or "error" -> why
+def multi_query_case(batch: int, queries: int, ctx: int, heads: int, kv_heads: int, head_dim: int) -> tuple:
+    """Rows of a few queries each (speculative decoding): the decode kernel's time, and
+    the prefill kernel's on the same rows (the plan without the decode path)."""
+    dtype, block_size = torch.bfloat16, 16
+    g = torch.Generator(device="cuda").manual_seed(2)
+    blocks_per_seq = -(-ctx // block_size)
+    num_blocks = batch * blocks_per_seq + 1
+    kc = torch.randn((num_blocks, block_size, kv_heads, head_dim), generator=g, device="cuda", dtype=dtype)
+    vc = torch.randn_like(kc)
+    tables = (torch.randperm(num_blocks - 1, generator=g, device="cuda").to(torch.int32) + 1)[
+        : batch * blocks_per_seq].view(batch, blocks_per_seq).contiguous()
+    q = torch.randn((batch * queries, heads, head_dim), generator=g, device="cuda", dtype=dtype)
+    seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+    qsl_np = np.arange(batch + 1, dtype=np.int32) * queries
+    qsl = torch.from_numpy(qsl_np).cuda()
+    scale = head_dim**-0.5
+    lens = np.full(batch, ctx)
+    times, outs = [], []
+    for fast in (True, False):
+        plan = (ops.plan_attention(qsl_np, lens, heads, kv_heads, torch.device("cuda"), head_dim, dtype) if fast
+                else ops.plan_attention(qsl_np, lens, heads, kv_heads, torch.device("cuda")))
+        assert (plan.num_decode == batch) == fast
+        out = torch.empty_like(q)
+        times.append(time_graph(lambda: ops.paged_attention(q, kc, vc, tables, seq_lens, qsl, scale=scale, out=out,
+                                                            plan=plan)))
+        outs.append(out)
+    err = ((outs[0].float() - outs[1].float()).norm() / outs[1].float().norm()).item()
+    return times[0], times[1], 2 * batch * ctx * kv_heads * head_dim * 2, err
+
+
+FLASHINFER: dict = {}  # the case's row name -> (us, rel err), or "error" -> why
 
 
 def prefill_case(tokens: int, heads: int, kv_heads: int, head_dim: int, block_size: int = 16):
@@ -250,6 +283,30 @@ def layer_op_rows(quick: bool) -> list[tuple]:
     return rows
 
 
+def linear_rows(quick: bool) -> list[tuple]:
+    """(name, ours us, cuBLAS us, GB/s, rel err) of the decode steps' products."""
+    rows = []
+    dtype = torch.bfloat16
+    shapes = {
+        "SmolLM2": {"qkv": (576, 960), "o": (576, 576), "gate_up": (576, 3072), "down": (1536, 576),
+                    "lm_head": (576, 49152)},
+        "8B": {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096),
+               "lm_head": (4096, 128256)},
+    }
+    for shape, layers in shapes.items():
+        for tokens in ((1, 8) if not quick else (1,)):
+            for name, (k, n) in layers.items():
+                x = torch.randn(tokens, k, dtype=dtype, device="cuda")
+                w = torch.randn(n, k, dtype=dtype, device="cuda") * k**-0.5
+                out = torch.empty(tokens, n, dtype=dtype, device="cuda")
+                ref = F.linear(x, w)
+                err = ((ops.linear(x, w, out=out).float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+                ours = time_graph(lambda: ops.linear(x, w, out=out))
+                theirs = time_graph(lambda: F.linear(x, w))
+                rows.append((f"linear {shape} {name} M={tokens} ({k}->{n})", ours, theirs, w.numel() * 2 / ours / 1e3, err))
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
@@ -262,15 +319,24 @@ def main() -> None:
 def run(args) -> None:
     bw = copy_bandwidth()
     rows = []
-    cases = [(1, 4096), (1, 32768), (64, 1024), (64, 4096)]
+    cases = [(1, 256), (1, 4096), (1, 32768), (64, 1024), (64, 4096)]
     if args.quick:
-        cases = [(1, 4096), (64, 4096)]
+        cases = [(1, 256), (1, 4096), (64, 4096)]
     for block_size in (16, 128):
         for batch, ctx in cases:
             ours, theirs, nbytes, err = decode_case(batch, ctx, 32, 8, 128, block_size)
             rows.append((f"decode B={batch} L={ctx} bs={block_size} (32/8, d128)", ours, theirs, nbytes / ours / 1e3, err))
-    ours, theirs, nbytes, err = decode_case(64, 1024, 9, 3, 64, 16)
+    ours, theirs, nbytes, err = decode_case(64, 1024, 9, 3, 64, 16, label="decode SmolLM2 B=64 L=1k (9/3, d64)")
     rows.append(("decode SmolLM2 B=64 L=1k (9/3, d64)", ours, theirs, nbytes / ours / 1e3, err))
+    # A batch-1 decode step early in a generation, under the decode graphs' plan (max_model_len 8192).
+    for name, shape in (("8B", (32, 8, 128)), ("SmolLM2", (9, 3, 64))):
+        label = f"decode {name} B=1 L=160, graph plan (max 8192)"
+        ours, theirs, nbytes, err = decode_case(1, 160, *shape, 16, graph_plan_len=8192, label=label)
+        rows.append((label, ours, theirs, nbytes / ours / 1e3, err))
+    for batch, queries, ctx in ((1, 4, 4096), (64, 4, 1024)):
+        ours, prefill_kernel, nbytes, err = multi_query_case(batch, queries, ctx, 32, 8, 128)
+        rows.append((f"decode {queries} queries/row B={batch} L={ctx} vs prefill kernel", ours, prefill_kernel,
+                     nbytes / ours / 1e3, err))
     bf16_us = next(r[1] for r in rows if r[0].startswith("decode B=64 L=4096 bs=16"))
     ours, theirs, nbytes, err = decode_case(64, 4096, 32, 8, 128, 16, fp8=True)
     rows.append(("decode fp8 KV B=64 L=4096 bs=16 (32/8, d128)", ours, theirs, nbytes / ours / 1e3, err))
@@ -303,6 +369,7 @@ def run(args) -> None:
     rows.append(("swap-out 1024 blocks x 8 caches (D2H)", us, None, swap_bytes / us / 1e3, 0.0))
 
     rows += layer_op_rows(args.quick)
+    rows += linear_rows(args.quick)
 
     prefill_ours, prefill_sdpa, prefill_err = prefill_case(8192 if not args.quick else 2048, 32, 8, 128)
     prefill_flops = 4 * 8192 * 8192 / 2 * 32 * 128 if not args.quick else 4 * 2048 * 2048 / 2 * 32 * 128
@@ -317,11 +384,10 @@ def run(args) -> None:
     print(f"fp8 KV / bf16 KV time at B=64 L=4k bs=16: {fp8_ratio:.2f}x")
     if "error" in FLASHINFER:
         print(f"FlashInfer 0.6.13 peer: {FLASHINFER['error']}")
-    for (b, ctx, h, d, bs), (us, err) in FLASHINFER.items() if "error" not in FLASHINFER else []:
-        ours = next(r[1] for r in rows if (r[0].startswith("decode SmolLM2") if h == 9
-                                            else r[0].startswith(f"decode B={b} L={ctx} bs={bs} ")))
-        print(f"FlashInfer decode B={b} L={ctx} bs={bs} heads {h} d{d}: {us:.1f} us (ours {ours:.1f}, "
-              f"FlashInfer / ours {us / ours:.2f}x, rel err vs SDPA {err:.1e})")
+    for label, (us, err) in FLASHINFER.items() if "error" not in FLASHINFER else []:
+        ours = next(r[1] for r in rows if r[0] == label)
+        print(f"FlashInfer {label}: {us:.1f} us (ours {ours:.1f}, FlashInfer / ours {us / ours:.2f}x, "
+              f"rel err vs SDPA {err:.1e})")
 
 
 if __name__ == "__main__":

@@ -1,37 +1,54 @@
 #!/usr/bin/env python3
-"""Serving benchmark over HTTP: the OpenAI-compatible server under an open-loop load.
+"""Serving benchmark: the OpenAI-compatible server under an open-loop load, with
+the fields ``vllm bench serve`` prints, the offline ``LLM.generate`` on the same
+requests, clients that hang up mid-stream, and SIGTERM with streams in flight.
 
-Workload (all seeded): N requests whose prompt lengths follow a lognormal
-distribution (token-id prompts cut from a fixed text, so each length is exact),
-sent at Poisson arrivals of --rate requests/s (inf: all at once); each is a
-streaming /v1/completions request with a fixed max_tokens and ignore_eos, so
-every request produces exactly that many tokens. Nothing limits concurrency but
-the arrivals: a server slower than the rate builds a queue, which shows in the
-time to first token.
+Workload (all seeded): N requests of random token ids (so each prompt length is
+exact and any vocabulary works) whose own part has a lognormal length; a
+fraction of them start with one of K shared system prompts (the prefix cache's
+case). Arrivals are a Poisson process at each --request-rate: a number of
+requests per second, ``Nx`` for N times the saturation rate (the request
+throughput of the ``inf`` run, made first), or ``inf`` (all at once). Every
+request is a streamed /v1/completions request with a fixed max_tokens and
+ignore_eos, sent by the ``openai`` client (AsyncOpenAI in an asyncio loop; with
+--client-processes several processes share the requests) or by plain httpx
+(--client httpx, a lighter parser). Each rate draws its own prompts (its own
+part; the system prompts are shared by all), so one rate finds nothing of
+another's in the prefix cache but the system prompts.
 
-Measured per request on the client: time to first token (TTFT: request sent ->
-first streamed token), inter-token latency (ITL: the gap between streamed
-chunks, per token), end-to-end latency (E2E: sent -> [DONE]). Reported:
-mean/p50/p90/p99 of each, request throughput, output tokens/s, and the server's
-preemption and prefix-cache counters from /metrics.
+Measured on the client, as vLLM's benchmark does: TTFT (request sent -> first
+streamed chunk), TPOT per request ((E2E - TTFT) / (output tokens - 1)), ITL
+(the gap between chunks; the server streams one token a chunk).
 
-By default the script starts its own ``pagedcore serve`` (default model; engine
-flags below) on a free port and stops it with SIGTERM at the end; --base-url
-targets a running server instead.
+--offline runs ``LLM.generate`` on the requests of the ``inf`` run (in a child
+process, before the server starts, with the same engine flags) and prints the
+online/offline output-throughput ratio (issue 14's target: >= 0.9).
+--disconnect-fraction F with --disconnect-streams S: S streams at once, a
+fraction F of whose clients close the stream after a random number of chunks;
+then /metrics must come back to every KV block free and no request left, no
+response may be 5xx (nor an error event), /health 200.
+--sigterm-streams S: S streams in flight, SIGTERM to the server: each must end
+with finish_reason length and [DONE] (drained, not cut), the server exit 0
+within --shutdown-timeout.
+
+By default the script starts its own ``pagedcore serve`` on a free port (the
+default model, --model-path DIR, or --shape NAME: a config.json of that shape
+served with random weights, --load-format dummy) and stops it with SIGTERM at
+the end; --base-url targets a running server instead (no offline or SIGTERM
+runs then). --json writes a summary.
 
 Usage:
-  bench/bench_serving.py [--num-requests 64] [--rate 2] [--max-tokens 32]
-                         [--prompt-len-median 64 --prompt-len-sigma 0.6]
-                         [--base-url http://127.0.0.1:8000 --model NAME --api-key KEY]
+  bench/bench_serving.py --shape smollm2 --num-requests 512 --max-tokens 128 \\
+      --request-rate 0.5x inf --offline --disconnect-fraction 0.25 --sigterm-streams 64
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import itertools
 import json
 import math
+import multiprocessing
 import os
 import platform
 import random
@@ -42,41 +59,53 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
-try:
-    import httpx
-except ImportError:  # the openai client of some environments ships httpx as `httpx2`
+try:  # httpx2 where the openai client brought it (the GPU machine's carried wheels: it does
+    # not lean on that image's own httpx and httpcore), httpx otherwise
     import httpx2 as httpx
+except ImportError:
+    import httpx
 
-from corpus import TEXT  # noqa: E402  (bench/ is on sys.path when run as a script)
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 @dataclass
 class Result:
     prompt_len: int
     ok: bool = False
+    status: int = 0  # HTTP status (0: no response); an error event mid-stream sets error
     error: str = ""
+    cancelled: bool = False  # the client hung up on purpose
     ttft: float = 0.0  # seconds
     e2e: float = 0.0
     output_tokens: int = 0
-    itl: list[float] = field(default_factory=list)  # seconds per token, between chunks
+    itl: list[float] = field(default_factory=list)  # seconds between chunks
+    finish_reason: str | None = None
+    end: float = 0.0  # time.perf_counter() of the answer's end (this process's clock)
 
 
-def make_prompts(tokenizer, n: int, seed: int, median: float, sigma: float, max_len: int) -> list[list[int]]:
-    """n token-id prompts with lognormal lengths (median `median`, shape `sigma`),
-    clipped to [8, max_len], cut from a fixed text at seeded offsets.
+# ---- the workload ----------------------------------------------------------------------------
 
-    Each starts with its own request number: the text repeats, and two prompts
-    cut at offsets a period apart would otherwise share prefix-cache blocks."""
+
+def make_prompts(n: int, seed: int, vocab: int, median: float, sigma: float, max_len: int,
+                 shared_fraction: float = 0.0, num_shared: int = 1, shared_len: int = 0) -> list[list[int]]:
+    """n prompts of random token ids in [3, vocab): a lognormal own part (median
+    `median`, shape `sigma`, at least 4 tokens), after one of `num_shared`
+    system prompts of `shared_len` tokens for a `shared_fraction` of them
+    (every 1/fraction-th request, round robin over the system prompts); each
+    cut to `max_len` tokens. The system prompts depend on `seed` alone."""
+    system_rng = random.Random(f"{seed}-system")
+    systems = [[system_rng.randrange(3, vocab) for _ in range(shared_len)] for _ in range(num_shared)]
     rng = random.Random(seed)
-    corpus = tokenizer.encode(TEXT * (1 + (max_len * 6) // len(TEXT)))
-    prompts = []
+    prompts, shared_seen = [], 0.0
     for i in range(n):
-        length = min(max(int(rng.lognormvariate(math.log(median), sigma)), 8), max_len)
-        start = rng.randrange(0, len(corpus) - length)
-        prompt = tokenizer.encode(f"Request {i}:") + corpus[start:start + length]
-        prompts.append(prompt[:length])
+        own = max(4, int(rng.lognormvariate(math.log(median), sigma)))
+        ids = [rng.randrange(3, vocab) for _ in range(own)]
+        if shared_len and shared_fraction > 0 and (i + 1) * shared_fraction >= shared_seen + 1:
+            ids = systems[int(shared_seen) % num_shared] + ids
+            shared_seen += 1
+        prompts.append(ids[:max_len])
     return prompts
 
 
@@ -92,74 +121,6 @@ def arrival_times(n: int, rate: float, seed: int) -> list[float]:
     return times
 
 
-async def one_request(client: httpx.AsyncClient, model: str, prompt: list[int], max_tokens: int) -> Result:
-    result = Result(prompt_len=len(prompt))
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
-            "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
-    chunk_times: list[float] = []
-    usage_tokens = None
-    start = time.perf_counter()
-    try:
-        async with client.stream("POST", "/v1/completions", json=body) as r:
-            if r.status_code != 200:
-                result.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
-                return result
-            async for line in r.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                data = line[6:]
-                if data == "[DONE]":
-                    result.ok = True
-                    break
-                chunk = json.loads(data)
-                if chunk.get("usage"):
-                    usage_tokens = chunk["usage"]["completion_tokens"]
-                if chunk["choices"]:
-                    chunk_times.append(time.perf_counter())
-    except (httpx.HTTPError, OSError) as e:
-        result.error = f"{type(e).__name__}: {e}"
-        return result
-    end = time.perf_counter()
-    if not chunk_times:
-        result.ok, result.error = False, "no tokens streamed"
-        return result
-    result.ttft = chunk_times[0] - start
-    result.e2e = end - start
-    result.output_tokens = usage_tokens if usage_tokens is not None else len(chunk_times)
-    # NOTE: the server streams one chunk per engine step, so one token per chunk;
-    # should chunks ever carry several tokens, spread each gap over them.
-    gaps = [b - a for a, b in itertools.pairwise(chunk_times)]
-    per_chunk = (result.output_tokens - 1) / len(gaps) if gaps else 1.0
-    result.itl = [g / per_chunk for g in gaps] if per_chunk > 0 else []
-    return result
-
-
-async def run_load(base_url: str, api_key: str | None, model: str, prompts: list[list[int]],
-                   arrivals: list[float], max_tokens: int) -> tuple[list[Result], float]:
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    limits = httpx.Limits(max_connections=len(prompts) + 8, max_keepalive_connections=len(prompts) + 8)
-    async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=httpx.Timeout(3600.0),
-                                 limits=limits) as client:
-        start = time.perf_counter()
-
-        async def scheduled(prompt: list[int], at: float) -> Result:
-            await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
-            return await one_request(client, model, prompt, max_tokens)
-
-        results = await asyncio.gather(*[scheduled(p, t) for p, t in zip(prompts, arrivals)])
-        return list(results), time.perf_counter() - start
-
-
-def server_counters(base_url: str) -> dict[str, float]:
-    values = {}
-    for line in httpx.get(f"{base_url}/metrics", timeout=30).text.splitlines():
-        if line.startswith("pagedcore_") and not line.startswith(("pagedcore_time", "pagedcore_inter",
-                                                                   "pagedcore_e2e")):
-            name, value = line.rsplit(" ", 1)
-            values[name] = float(value)
-    return values
-
-
 def percentile(values: list[float], q: float) -> float:
     """Linear-interpolation percentile (numpy's default), q in [0, 100]."""
     s = sorted(values)
@@ -170,12 +131,236 @@ def percentile(values: list[float], q: float) -> float:
     return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
-# ---- the server process ---------------------------------------------------------------
+# ---- the clients -------------------------------------------------------------------------------
+
+
+def _body(model: str, prompt: list[int], max_tokens: int) -> dict:
+    return {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
+            "ignore_eos": True, "stream_options": {"include_usage": True}}
+
+
+def _finish(result: Result, start: float, chunk_times: list[float], usage_tokens: int | None) -> Result:
+    result.end = time.perf_counter()
+    result.e2e = result.end - start
+    if chunk_times:
+        result.ttft = chunk_times[0] - start
+        result.itl = [b - a for a, b in zip(chunk_times, chunk_times[1:])]
+    result.output_tokens = usage_tokens if usage_tokens is not None else len(chunk_times)
+    return result
+
+
+async def request_openai(client, model: str, prompt: list[int], max_tokens: int, cancel_after: int | None) -> Result:
+    """One streamed completion through AsyncOpenAI; with cancel_after, the stream
+    is closed after that many chunks (the connection goes away mid-stream)."""
+    import openai
+
+    result = Result(prompt_len=len(prompt))
+    body = _body(model, prompt, max_tokens)
+    chunk_times: list[float] = []
+    usage_tokens = None
+    start = time.perf_counter()
+    try:
+        stream = await client.completions.create(
+            model=model, prompt=prompt, max_tokens=max_tokens, temperature=0.0, stream=True,
+            stream_options=body["stream_options"], extra_body={"ignore_eos": True})
+        result.status = 200
+        try:
+            async for chunk in stream:
+                if chunk.usage is not None:
+                    usage_tokens = chunk.usage.completion_tokens
+                if chunk.choices:
+                    chunk_times.append(time.perf_counter())
+                    if chunk.choices[0].finish_reason is not None:
+                        result.finish_reason = chunk.choices[0].finish_reason
+                    if cancel_after is not None and len(chunk_times) >= cancel_after:
+                        result.cancelled = True
+                        break
+        finally:
+            await stream.close()
+        result.ok = not result.cancelled
+    except openai.APIStatusError as e:
+        result.status, result.error = e.status_code, f"HTTP {e.status_code}: {e.message}"
+    except openai.APIError as e:  # an error event mid-stream, or the connection failed
+        result.error = f"{type(e).__name__}: {e}"
+    return _finish(result, start, chunk_times, usage_tokens)
+
+
+async def request_httpx(client, model: str, prompt: list[int], max_tokens: int, cancel_after: int | None) -> Result:
+    """The same request with plain httpx and a minimal server-sent-event parser."""
+    result = Result(prompt_len=len(prompt))
+    chunk_times: list[float] = []
+    usage_tokens = None
+    start = time.perf_counter()
+    try:
+        async with client.stream("POST", "/v1/completions", json=_body(model, prompt, max_tokens)) as r:
+            result.status = r.status_code
+            if r.status_code != 200:
+                result.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
+                return _finish(result, start, chunk_times, usage_tokens)
+            async for line in r.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[6:]
+                if data == "[DONE]":
+                    result.ok = True
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    result.error = f"error event: {chunk['error']}"
+                    break
+                if chunk.get("usage"):
+                    usage_tokens = chunk["usage"]["completion_tokens"]
+                if chunk["choices"]:
+                    chunk_times.append(time.perf_counter())
+                    reason = chunk["choices"][0].get("finish_reason")
+                    if reason is not None:
+                        result.finish_reason = reason
+                    if cancel_after is not None and len(chunk_times) >= cancel_after:
+                        result.cancelled = True
+                        break
+    except (httpx.HTTPError, OSError) as e:
+        result.error = f"{type(e).__name__}: {e}"
+    return _finish(result, start, chunk_times, usage_tokens)
+
+
+@dataclass
+class Load:
+    """What one client process sends: requests at times relative to `start_at`
+    (wall clock, shared by the processes)."""
+
+    base_url: str
+    api_key: str | None
+    model: str
+    prompts: list[list[int]]
+    arrivals: list[float]
+    max_tokens: int
+    cancel_after: list[int | None]
+    client: str = "openai"
+    start_at: float = 0.0
+
+
+async def _run_load(load: Load) -> list[Result]:
+    n = len(load.prompts)
+    if load.client == "openai":
+        import openai
+
+        http = openai.DefaultAsyncHttpxClient(limits=_limits(n), timeout=3600.0)
+        client = openai.AsyncOpenAI(base_url=f"{load.base_url}/v1", api_key=load.api_key or "none",
+                                    max_retries=0, http_client=http)
+        send = request_openai
+    else:
+        headers = {"Authorization": f"Bearer {load.api_key}"} if load.api_key else {}
+        client = httpx.AsyncClient(base_url=load.base_url, headers=headers, timeout=httpx.Timeout(3600.0),
+                                   limits=httpx.Limits(max_connections=n + 8, max_keepalive_connections=n + 8))
+        send = request_httpx
+    # Wall clock -> this process's perf_counter: the processes share start_at.
+    start = time.perf_counter() + max(0.0, load.start_at - time.time())
+
+    async def scheduled(i: int) -> Result:
+        await asyncio.sleep(max(0.0, start + load.arrivals[i] - time.perf_counter()))
+        return await send(client, load.model, load.prompts[i], load.max_tokens, load.cancel_after[i])
+
+    try:
+        return list(await asyncio.gather(*[scheduled(i) for i in range(n)]))
+    finally:
+        await (client.close() if load.client == "openai" else client.aclose())
+
+
+def _limits(n: int):
+    import openai  # noqa: F401  (the Limits class of the httpx flavour the openai client uses)
+    from openai._constants import DEFAULT_CONNECTION_LIMITS
+
+    return type(DEFAULT_CONNECTION_LIMITS)(max_connections=n + 8, max_keepalive_connections=n + 8)
+
+
+def _client_process(load: Load, conn) -> None:
+    try:
+        conn.send([asdict(r) for r in asyncio.run(_run_load(load))])
+    except BaseException as e:  # noqa: BLE001 - the parent reports it
+        conn.send(f"{type(e).__name__}: {e}")
+    finally:
+        conn.close()
+
+
+def run_load(base_url: str, api_key: str | None, model: str, prompts: list[list[int]], arrivals: list[float],
+             max_tokens: int, cancel_after: list[int | None] | None = None, client: str = "openai",
+             processes: int = 1) -> tuple[list[Result], float]:
+    """Sends every request at its arrival time; returns the results (in the
+    prompts' order) and the seconds from the first arrival to the last answer.
+    processes > 1: request i goes out from process i % processes."""
+    cancel_after = cancel_after or [None] * len(prompts)
+    if processes <= 1:
+        load = Load(base_url, api_key, model, prompts, arrivals, max_tokens, cancel_after, client, time.time())
+        t0 = time.perf_counter()
+        results = asyncio.run(_run_load(load))
+        return results, time.perf_counter() - t0
+    ctx = multiprocessing.get_context("spawn")
+    start_at = time.time() + 2.0  # (a spawned process takes ~0.5 s to start)
+    workers = []
+    for k in range(processes):
+        idx = list(range(k, len(prompts), processes))
+        load = Load(base_url, api_key, model, [prompts[i] for i in idx], [arrivals[i] for i in idx], max_tokens,
+                    [cancel_after[i] for i in idx], client, start_at)
+        parent, child = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=_client_process, args=(load, child), daemon=True)
+        proc.start()
+        child.close()
+        workers.append((idx, parent, proc))
+    results: list[Result | None] = [None] * len(prompts)
+    for idx, parent, proc in workers:
+        got = parent.recv()
+        proc.join()
+        if isinstance(got, str):
+            raise RuntimeError(f"a client process failed: {got}")
+        for i, r in zip(idx, got):
+            results[i] = Result(**r)
+    # From the common start to the last answer (each request starts at its arrival).
+    return results, max(r.e2e + a for r, a in zip(results, arrivals))
+
+
+# ---- the server ----------------------------------------------------------------------------------
+
+
+def server_metrics(base_url: str) -> dict[str, float]:
+    values = {}
+    for line in httpx.get(f"{base_url}/metrics", timeout=30).text.splitlines():
+        if line.startswith("pagedcore_"):
+            name, value = line.rsplit(" ", 1)
+            values[name] = float(value)
+    return values
+
+
+def wait_idle(base_url: str, timeout: float = 60.0) -> tuple[bool, dict[str, float]]:
+    """Polls /metrics until every KV block is free and no request is left."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = server_metrics(base_url)
+        if (m.get("pagedcore_kv_blocks_free") == m.get("pagedcore_kv_blocks_total")
+                and m.get("pagedcore_num_requests") == 0):
+            return True, m
+        if time.monotonic() > deadline:
+            return False, m
+        time.sleep(0.1)
 
 
 def read_text(path: str) -> str:
     with open(path, errors="replace") as f:
         return f.read()
+
+
+def engine_flags(args: argparse.Namespace) -> list[str]:
+    """The engine flags of `pagedcore serve` that the offline run takes too."""
+    flags = ["--max-model-len", str(args.max_model_len), "--max-num-seqs", str(args.max_num_seqs),
+             "--dtype", args.dtype, "--load-format", args.load_format, "--seed", str(args.seed)]
+    if args.num_kv_blocks is not None:
+        flags += ["--num-kv-blocks", str(args.num_kv_blocks)]
+    if args.gpu_memory_utilization is not None:
+        flags += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
+    if args.device != "auto":
+        flags += ["--device", args.device]
+    if args.model_path:
+        flags += ["--model", args.model_path]
+    return flags
 
 
 def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str, str]:
@@ -184,14 +369,13 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str, str]:
         port = s.getsockname()[1]
     fd, log_path = tempfile.mkstemp(prefix="pagedcore-serve-", suffix=".log")
     cmd = [sys.executable, "-m", "pagedcore", "serve", "--port", str(port), "--served-model-name", args.model,
-           "--num-kv-blocks", str(args.num_kv_blocks), "--max-model-len", str(args.max_model_len),
-           "--max-num-seqs", str(args.max_num_seqs), *args.server_arg]
-    if args.model_path:
-        cmd += ["--model", args.model_path]
+           "--shutdown-timeout", str(args.shutdown_timeout), "--log-level", "INFO", *engine_flags(args),
+           *args.server_arg]
     with os.fdopen(fd, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
+    deadline = time.monotonic() + 600
     while True:
         if proc.poll() is not None:
             raise SystemExit(f"server exited with {proc.returncode}:\n{read_text(log_path)}")
@@ -202,134 +386,382 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str, str]:
             pass
         if time.monotonic() > deadline:
             proc.kill()
-            raise SystemExit(f"server not healthy after 300 s:\n{read_text(log_path)}")
+            raise SystemExit(f"server not healthy after 600 s:\n{read_text(log_path)}")
         time.sleep(0.25)
 
 
-def stop_server(proc: subprocess.Popen) -> int:
-    proc.send_signal(signal.SIGTERM)
+def stop_server(proc: subprocess.Popen, timeout: float) -> int:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
     try:
-        return proc.wait(60)
+        return proc.wait(timeout)
     except subprocess.TimeoutExpired:
         proc.kill()
         return proc.wait()
 
 
-# ---- report ------------------------------------------------------------------------------
+def shape_checkpoint(shape: str, root: str) -> tuple[str, int]:
+    """A config.json of the shape (bench_e2e_gpu.py's shapes) and a word-level
+    tokenizer; returns its directory and vocabulary size."""
+    from pathlib import Path
+
+    sys.path.insert(0, HERE)
+    from bench_e2e_gpu import SHAPES, checkpoint_dir
+
+    fields = SHAPES[shape][0]
+    return str(checkpoint_dir(fields, Path(root))), fields["vocab_size"]
 
 
-def report(args, results: list[Result], duration: float, counters: dict[str, float], server_log: str | None,
-           url: str) -> None:
+def vocab_size_of(path: str) -> int:
+    with open(os.path.join(path, "config.json")) as f:
+        return json.load(f)["vocab_size"]
+
+
+# ---- one run's figures --------------------------------------------------------------------------
+
+
+def summarize(results: list[Result], duration: float) -> dict:
     ok = [r for r in results if r.ok]
-    failed = [r for r in results if not r.ok]
-    here = os.path.dirname(os.path.abspath(__file__))
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=here, check=False).stdout.strip() or "?"
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                           text=True, cwd=here, check=False).stdout.strip()
-    print(f"commit {commit}{' (uncommitted changes)' if dirty else ''}; {platform.machine()}, "
-          f"{os.cpu_count()} CPUs; python {platform.python_version()}; server {url}")
-    if server_log:
-        blocks = [line.split("# KV cache blocks:")[1].strip() for line in read_text(server_log).splitlines()
-                  if "# KV cache blocks:" in line]
-        print(f"server: own process ({' '.join(blocks)} KV cache blocks, max_model_len {args.max_model_len}, "
-              f"max_num_seqs {args.max_num_seqs}{', ' + ' '.join(args.server_arg) if args.server_arg else ''})")
-    lens = [r.prompt_len for r in results]
-    arrivals = "all at once" if math.isinf(args.rate) else f"Poisson arrivals at {args.rate:g} req/s"
-    print(f"{len(results)} requests, {arrivals} (seed {args.seed}), prompt tokens "
-          f"lognormal median {args.prompt_len_median:g} sigma {args.prompt_len_sigma:g}: mean "
-          f"{statistics.mean(lens):.0f}, min {min(lens)}, max {max(lens)}; {args.max_tokens} output tokens "
-          f"each (ignore_eos, greedy, streamed)")
-    for r in failed[:5]:
-        print(f"  failed: {r.error}")
-    if not ok:
-        print("no request completed")
-        return
     out_tokens = sum(r.output_tokens for r in ok)
     in_tokens = sum(r.prompt_len for r in ok)
-    print(f"server counters during the run: preemptions {counters.get('pagedcore_preemptions_total', 0):.0f}, "
-          f"prefix-cache hits {counters.get('pagedcore_prefix_cache_hits_total', 0):.0f} of "
-          f"{counters.get('pagedcore_prefix_cache_queries_total', 0):.0f} prompt tokens")
-    print()
-    print(f"{'metric':<30}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}")
-    rows = [
-        ("TTFT (ms)", [r.ttft * 1e3 for r in ok]),
-        ("ITL, per token (ms)", [x * 1e3 for r in ok for x in r.itl]),
-        ("TPOT, per request (ms)", [(r.e2e - r.ttft) / (r.output_tokens - 1) * 1e3 for r in ok
-                                    if r.output_tokens > 1]),
-        ("E2E latency (s)", [r.e2e for r in ok]),
-    ]
-    for name, values in rows:
-        if values:
-            print(f"{name:<30}{statistics.mean(values):>10.1f}{percentile(values, 50):>10.1f}"
-                  f"{percentile(values, 90):>10.1f}{percentile(values, 99):>10.1f}")
-    print(f"{'completed / failed':<30}{len(ok):>10}{len(failed):>10}")
-    print(f"{'duration (s)':<30}{duration:>10.1f}")
-    print(f"{'request throughput (req/s)':<30}{len(ok) / duration:>10.2f}")
-    print(f"{'output tokens/s':<30}{out_tokens / duration:>10.1f}")
-    print(f"{'total tokens/s (in + out)':<30}{(in_tokens + out_tokens) / duration:>10.1f}")
+    ttft = [r.ttft * 1e3 for r in ok]
+    tpot = [(r.e2e - r.ttft) / (r.output_tokens - 1) * 1e3 for r in ok if r.output_tokens > 1]
+    itl = [x * 1e3 for r in ok for x in r.itl]
+    s = {"completed": len(ok), "failed": sum(1 for r in results if not r.ok and not r.cancelled),
+         "cancelled": sum(1 for r in results if r.cancelled),
+         "http_5xx": sum(1 for r in results if r.status >= 500),
+         "error_events": sum(1 for r in results if r.status == 200 and r.error),
+         "duration_s": duration, "total_input_tokens": in_tokens, "total_output_tokens": out_tokens,
+         "request_throughput": len(ok) / duration, "output_throughput": out_tokens / duration,
+         "total_token_throughput": (in_tokens + out_tokens) / duration,
+         "errors": sorted({r.error for r in results if r.error})[:5]}
+    for name, values in (("ttft", ttft), ("tpot", tpot), ("itl", itl)):
+        s[f"mean_{name}_ms"] = statistics.mean(values) if values else float("nan")
+        s[f"median_{name}_ms"] = percentile(values, 50)
+        s[f"p99_{name}_ms"] = percentile(values, 99)
+    return s
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--base-url", default=None, help="target this server instead of starting one")
-    parser.add_argument("--model", default="smol", help="served model name (asked from /v1/models with --base-url)")
-    parser.add_argument("--model-path", default=None, help="model directory for the own server (default model)")
-    parser.add_argument("--tokenizer", default=None, help="tokenizer for the prompts (default: the default model)")
-    parser.add_argument("--api-key", default=None)
-    parser.add_argument("--num-requests", type=int, default=64)
-    parser.add_argument("--rate", type=float, default=2.0, help="requests per second (inf: all at once)")
-    parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--prompt-len-median", type=float, default=64)
-    parser.add_argument("--prompt-len-sigma", type=float, default=0.6)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--warmup", type=int, default=2, help="short requests sent before measuring")
-    parser.add_argument("--num-kv-blocks", type=int, default=1024)
-    parser.add_argument("--max-model-len", type=int, default=1024)
-    parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--server-arg", action="append", default=[],
-                        help="extra argument for the own `pagedcore serve` (repeatable)")
-    args = parser.parse_args()
+def print_result(title: str, s: dict) -> None:
+    """The block `vllm bench serve` prints, with its field names."""
+    w = 50
+    print("{s:{c}^{n}}".format(s=f" {title} ", n=w, c="="))
+    rows = [("Successful requests:", s["completed"], "d"), ("Failed requests:", s["failed"], "d"),
+            ("Benchmark duration (s):", s["duration_s"], ".2f"),
+            ("Total input tokens:", s["total_input_tokens"], "d"),
+            ("Total generated tokens:", s["total_output_tokens"], "d"),
+            ("Request throughput (req/s):", s["request_throughput"], ".2f"),
+            ("Output token throughput (tok/s):", s["output_throughput"], ".2f"),
+            ("Total Token throughput (tok/s):", s["total_token_throughput"], ".2f")]
+    for label, value, fmt in rows:
+        print(f"{label:<40}{value:<10{fmt}}")
+    for name, head in (("ttft", "Time to First Token"), ("tpot", "Time per Output Token (excl. 1st token)"),
+                       ("itl", "Inter-token Latency")):
+        print("{s:{c}^{n}}".format(s=head, n=w, c="-"))
+        for stat in ("mean", "median", "p99"):
+            label = f"{stat.capitalize() if stat != 'p99' else 'P99'} {name.upper()} (ms):"
+            print(f"{label:<40}{s[f'{stat}_{name}_ms']:<10.2f}")
+    for e in s["errors"]:
+        print(f"  error: {e}")
+    print("=" * w)
 
-    import transformers
+
+# ---- the offline run ------------------------------------------------------------------------------
+
+
+def offline_run(args: argparse.Namespace, prompts: list[list[int]], warmup: list[list[int]]) -> dict:
+    """LLM.generate on the prompts, with the server's engine flags (in this process)."""
+    from pagedcore import LLM, SamplingParams
+
+    kw = dict(model=args.model_path, dtype=args.dtype, load_format=args.load_format, seed=args.seed,
+              max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, num_kv_blocks=args.num_kv_blocks)
+    if args.gpu_memory_utilization is not None:
+        kw["gpu_memory_utilization"] = args.gpu_memory_utilization
+    if args.device != "auto":
+        kw["device"] = args.device
+    for flag in args.server_arg:  # the flags of the server that change the engine, where LLM has them
+        if flag == "--enforce-eager":
+            kw["enforce_eager"] = True
+        elif flag == "--no-enable-prefix-caching":
+            kw["enable_prefix_caching"] = False
+    llm = LLM(**kw)
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    if warmup:
+        llm.generate([{"prompt_token_ids": p} for p in warmup], SamplingParams(max_tokens=4, ignore_eos=True),
+                     use_tqdm=False)
+    start = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    duration = time.perf_counter() - start
+    out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    in_tokens = sum(len(p) for p in prompts)
+    return {"duration_s": duration, "total_output_tokens": out_tokens, "output_throughput": out_tokens / duration,
+            "request_throughput": len(prompts) / duration,
+            "total_token_throughput": (in_tokens + out_tokens) / duration}
+
+
+# ---- main ------------------------------------------------------------------------------------------------
+
+
+def parse_rate(text: str) -> tuple[float, bool]:
+    """'inf', '4' (requests/s) or '0.5x' (of the saturation rate) -> (value, relative)."""
+    relative = text.endswith("x")
+    value = float(text[:-1] if relative else text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"a request rate must be > 0, got {text!r}")
+    return value, relative
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--base-url", default=None, help="target this server instead of starting one")
+    p.add_argument("--model", default="bench", help="the served model name")
+    p.add_argument("--model-path", default=None, help="model directory of the own server (default: the default model)")
+    p.add_argument("--shape", default=None, help="serve random weights in this shape of bench_e2e_gpu.py "
+                                                 "(smollm2, llama3-8b, tiny), --load-format dummy")
+    p.add_argument("--vocab-size", type=int, default=None, help="token ids of prompts are < this "
+                                                                "(default: the model's)")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--request-rate", nargs="+", default=["inf"],
+                   help="requests/s, 'Nx' (N times the saturation rate, measured by an inf run first) or inf")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--prompt-len-median", type=float, default=64, help="median length of a prompt's own part")
+    p.add_argument("--prompt-len-sigma", type=float, default=0.6)
+    p.add_argument("--shared-prefix-len", type=int, default=0, help="tokens of each shared system prompt")
+    p.add_argument("--shared-prefix-fraction", type=float, default=0.0,
+                   help="fraction of requests that start with a shared system prompt")
+    p.add_argument("--num-shared-prefixes", type=int, default=4)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--warmup", type=int, default=4, help="short requests sent before measuring")
+    p.add_argument("--client", choices=["openai", "httpx"], default="openai")
+    p.add_argument("--client-processes", type=int, default=1)
+    p.add_argument("--offline", action="store_true", help="LLM.generate on the inf run's requests, for the ratio")
+    p.add_argument("--offline-from", default=None,
+                   help="take the offline figures from this --json of an earlier run (same requests)")
+    p.add_argument("--disconnect-fraction", type=float, default=0.0,
+                   help="run S streams of which this fraction hang up mid-stream (S: --disconnect-streams)")
+    p.add_argument("--disconnect-streams", type=int, default=512)
+    p.add_argument("--sigterm-streams", type=int, default=0, help="SIGTERM the own server with this many streams "
+                                                                  "in flight, at the end")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0)
+    # Engine flags, for the own server and the offline run alike.
+    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument("--gpu-memory-utilization", type=float, default=None)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
+    p.add_argument("--server-arg", action="append", default=[],
+                   help="extra argument for the own `pagedcore serve` (repeatable; --server-arg=--flag)")
+    p.add_argument("--json", default=None, help="write the summary here")
+    p.add_argument("--offline-worker", default=None, help=argparse.SUPPRESS)
+    return p
+
+
+def _prompt_sets(args: argparse.Namespace, vocab: int):
+    room = args.max_model_len - args.max_tokens
+
+    def prompts_for(run: int) -> list[list[int]]:
+        return make_prompts(args.num_requests, args.seed * 1000 + run, vocab, args.prompt_len_median,
+                            args.prompt_len_sigma, room, args.shared_prefix_fraction, args.num_shared_prefixes,
+                            args.shared_prefix_len)
+
+    # Warm-up: each system prompt once and a few short prompts (CUDA graphs, allocator).
+    warmup = make_prompts(args.warmup, args.seed * 1000 + 999, vocab, 16, 0.1, room, 1.0 if args.shared_prefix_len
+                          else 0.0, args.num_shared_prefixes, args.shared_prefix_len)
+    return prompts_for, warmup
+
+
+def disconnect_check(args, url: str, vocab: int) -> dict:
+    n = args.disconnect_streams
+    rng = random.Random(args.seed + 7)
+    prompts = make_prompts(n, args.seed * 1000 + 500, vocab, args.prompt_len_median, args.prompt_len_sigma,
+                           args.max_model_len - args.max_tokens)
+    every = round(1 / args.disconnect_fraction)
+    cancel = [rng.randint(1, max(1, args.max_tokens // 2)) if i % every == 0 else None for i in range(n)]
+    results, duration = run_load(url, args.api_key, args.model, prompts, [0.0] * n, args.max_tokens, cancel,
+                                 args.client, args.client_processes)
+    idle, m = wait_idle(url, 60)
+    health = httpx.get(f"{url}/health", timeout=10).status_code
+    s = summarize(results, duration)
+    finished_ok = all(r.ok and r.finish_reason == "length" and r.output_tokens == args.max_tokens
+                      for r, c in zip(results, cancel) if c is None)
+    s.update(streams=n, hung_up=sum(c is not None for c in cancel), kv_blocks_free=m.get("pagedcore_kv_blocks_free"),
+             kv_blocks_total=m.get("pagedcore_kv_blocks_total"), requests_left=m.get("pagedcore_num_requests"),
+             health=health, all_blocks_free=idle, others_finished=finished_ok)
+    s["pass"] = bool(idle and health == 200 and s["http_5xx"] == 0 and s["error_events"] == 0 and finished_ok
+                     and s["cancelled"] == s["hung_up"])
+    print(f"\ndisconnects: {n} streams at once, {s['hung_up']} hang up mid-stream: "
+          f"{s['http_5xx']} 5xx, {s['error_events']} error events, the others finished: {finished_ok}; "
+          f"KV blocks free {m.get('pagedcore_kv_blocks_free'):.0f} of {m.get('pagedcore_kv_blocks_total'):.0f}, "
+          f"requests left {m.get('pagedcore_num_requests'):.0f}, /health {health}: "
+          f"{'PASS' if s['pass'] else 'FAIL'}")
+    return s
+
+
+def sigterm_check(args, proc: subprocess.Popen, url: str, vocab: int) -> dict:
+    """S streams; once each has its first chunk, SIGTERM; all must finish."""
+    n = args.sigterm_streams
+    prompts = make_prompts(n, args.seed * 1000 + 600, vocab, args.prompt_len_median, args.prompt_len_sigma,
+                           args.max_model_len - args.max_tokens)
+    box: dict = {}
+
+    async def go() -> None:
+        import openai
+
+        http = openai.DefaultAsyncHttpxClient(limits=_limits(n), timeout=3600.0)
+        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=args.api_key or "none", max_retries=0,
+                                    http_client=http)
+        tasks = [asyncio.create_task(request_openai(client, args.model, p, args.max_tokens, None)) for p in prompts]
+        # Wait until every stream is running (its first token counted by the server).
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            m = await asyncio.to_thread(server_metrics, url)
+            if m.get("pagedcore_time_to_first_token_seconds_count", 0) >= box["ttft_before"] + n:
+                break
+            await asyncio.sleep(0.02)
+        box["signal_at"] = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        box["results"] = await asyncio.gather(*tasks)
+        box["streams_done_at"] = time.monotonic()
+        await client.close()
+
+    box["ttft_before"] = server_metrics(url).get("pagedcore_time_to_first_token_seconds_count", 0)
+    asyncio.run(go())
+    try:  # (no second signal: that one would cut what is left)
+        code = proc.wait(args.shutdown_timeout + 30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        code = proc.wait()
+    exited_after = time.monotonic() - box["signal_at"]
+    results = box["results"]
+    drained = all(r.ok and r.finish_reason == "length" and r.output_tokens == args.max_tokens for r in results)
+    s = {"streams": n, "drained": drained, "exit_code": code, "exit_after_s": exited_after,
+         "streams_done_after_s": box["streams_done_at"] - box["signal_at"],
+         "errors": sorted({r.error for r in results if r.error})[:5]}
+    s["pass"] = bool(drained and code == 0 and exited_after <= args.shutdown_timeout + 5)
+    print(f"\nSIGTERM with {n} streams in flight: all finished ({drained}) within "
+          f"{s['streams_done_after_s']:.2f} s, exit {code} {exited_after:.2f} s after the signal "
+          f"(--shutdown-timeout {args.shutdown_timeout:g}): {'PASS' if s['pass'] else 'FAIL'}")
+    return s
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    rates = [parse_rate(r) for r in args.request_rate]
+    if not 0 <= args.disconnect_fraction <= 1:
+        raise SystemExit(f"--disconnect-fraction must be in [0, 1], got {args.disconnect_fraction}")
+    tmp = tempfile.TemporaryDirectory(prefix="pagedcore-bench-")
+    if args.shape:
+        args.model_path, vocab = shape_checkpoint(args.shape, tmp.name)
+        args.load_format = "dummy"
+    else:
+        import pagedcore
+
+        vocab = vocab_size_of(args.model_path or pagedcore.default_model_path())
+    vocab = args.vocab_size or vocab
+    prompts_for, warmup = _prompt_sets(args, vocab)
+
+    if args.offline_worker:  # the child process of --offline: prints its figures as JSON
+        with open(args.offline_worker, "w") as f:
+            json.dump(offline_run(args, prompts_for(0), warmup), f)
+        return 0
+
+    summary: dict = {"args": vars(args), "runs": {}}
+    offline = None
+    if args.offline_from:
+        with open(args.offline_from) as f:
+            offline = json.load(f)["offline"]
+        summary["offline"] = offline
+    elif args.offline and args.base_url is None:
+        out_path = os.path.join(tmp.name, "offline.json")
+        argv_child = [a for a in (argv if argv is not None else sys.argv[1:])]
+        subprocess.run([sys.executable, os.path.abspath(__file__), *argv_child, "--offline-worker", out_path],
+                       check=True)
+        with open(out_path) as f:
+            offline = json.load(f)
+        summary["offline"] = offline
 
     proc = server_log = None
     if args.base_url is None:
         proc, url, server_log = start_server(args)
     else:
         url = args.base_url.rstrip("/")
-        headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-        models = httpx.get(f"{url}/v1/models", headers=headers, timeout=30).json()["data"]
-        model = next((m for m in models if m["id"] == args.model), models[0])
-        args.model = model["id"]
-        args.max_model_len = model.get("max_model_len", args.max_model_len)
+    ok = True
     try:
-        if args.tokenizer is None:
-            import pagedcore
-
-            args.tokenizer = args.model_path or pagedcore.default_model_path()
-        tokenizer = transformers.AutoTokenizer.from_pretrained(args.tokenizer)
-        room = args.max_model_len - args.max_tokens
-        # The warm-up prompts come after the measured ones: the measured ones then do
-        # not depend on --warmup, and find nothing of theirs in the prefix cache.
-        prompts = make_prompts(tokenizer, args.num_requests + args.warmup, args.seed, args.prompt_len_median,
-                               args.prompt_len_sigma, room)
-        prompts, warmup = prompts[:args.num_requests], prompts[args.num_requests:]
-        arrivals = arrival_times(args.num_requests, args.rate, args.seed)
         if warmup:
-            asyncio.run(run_load(url, args.api_key, args.model, warmup, [0.0] * len(warmup), 4))
-        before = server_counters(url)
-        results, duration = asyncio.run(run_load(url, args.api_key, args.model, prompts, arrivals,
-                                                 args.max_tokens))
-        after = server_counters(url)
+            run_load(url, args.api_key, args.model, warmup, [0.0] * len(warmup), 4, client=args.client)
+        order = sorted(range(len(rates)), key=lambda k: (not math.isinf(rates[k][0]), k))
+        if any(rel for _, rel in rates) and not any(math.isinf(v) for v, _ in rates):
+            raise SystemExit("a relative rate ('0.5x') needs an inf run in --request-rate")
+        saturation = None
+        for k in order:
+            value, relative = rates[k]
+            rate = value * saturation if relative else value
+            # The inf run takes prompt set 0 (the offline run's); the others their own.
+            run = 0 if math.isinf(rate) else k + 1
+            prompts = prompts_for(run)
+            before = server_metrics(url)
+            results, duration = run_load(url, args.api_key, args.model, prompts,
+                                         arrival_times(len(prompts), rate, args.seed + run), args.max_tokens,
+                                         client=args.client, processes=args.client_processes)
+            after = server_metrics(url)
+            s = summarize(results, duration)
+            s["rate"] = rate
+            s["server"] = {k2.removeprefix("pagedcore_"): after[k2] - before.get(k2, 0) for k2 in after
+                           if k2.endswith("_total")}
+            if math.isinf(rate):
+                saturation = s["request_throughput"]
+            name = "inf" if math.isinf(rate) else f"{rate:.2f} req/s" + (f" ({value:g}x)" if relative else "")
+            summary["runs"][args.request_rate[k]] = s
+            print_result(f"request rate {name}", s)
+            hits = s["server"].get("prefix_cache_hits_total", 0)
+            queries = s["server"].get("prefix_cache_queries_total", 0)
+            print(f"server: preemptions {s['server'].get('preemptions_total', 0):.0f}, prefix-cache hits "
+                  f"{hits:.0f} of {queries:.0f} prompt tokens")
+            ok &= s["failed"] == 0
+        if args.disconnect_fraction > 0:
+            summary["disconnect"] = disconnect_check(args, url, vocab)
+            ok &= summary["disconnect"]["pass"]
+        if args.sigterm_streams and proc is not None:
+            summary["sigterm"] = sigterm_check(args, proc, url, vocab)
+            ok &= summary["sigterm"]["pass"]
     finally:
-        if proc is not None:
-            code = stop_server(proc)
+        if proc is not None and proc.poll() is None:
+            code = stop_server(proc, args.shutdown_timeout + 30)
             if code != 0:
                 print(f"warning: the server exited with {code} (log: {server_log})", file=sys.stderr)
-    counters = {k: after[k] - before.get(k, 0) for k in after}
-    report(args, results, duration, counters, server_log, url)
-    return 0 if all(r.ok for r in results) else 1
+
+    # ---- the closing lines: what the issue's targets read ----
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE,
+                            check=False).stdout.strip() or os.environ.get("PAGEDCORE_COMMIT", "?")
+    summary["commit"] = commit
+    print(f"\ncommit {commit}; {platform.machine()}, {os.cpu_count()} CPUs; python {platform.python_version()}; "
+          f"{args.shape or args.model_path or 'default model'}; {args.num_requests} requests, own part "
+          f"lognormal median {args.prompt_len_median:g}, {args.shared_prefix_fraction:g} behind "
+          f"{args.num_shared_prefixes} system prompts of {args.shared_prefix_len}; {args.max_tokens} out; "
+          f"client {args.client} x {args.client_processes}")
+    runs = summary["runs"]
+    inf_key = next((k for k in runs if math.isinf(parse_rate(k)[0])), None)
+    if offline is not None and inf_key is not None:
+        ratio = runs[inf_key]["output_throughput"] / offline["output_throughput"]
+        summary["online_offline_ratio"] = ratio
+        print(f"saturation: online {runs[inf_key]['output_throughput']:.0f} output tok/s, offline LLM.generate "
+              f"{offline['output_throughput']:.0f} ({offline['duration_s']:.2f} s): ratio {ratio:.3f} "
+              f"(target >= 0.9)")
+    half = next((k for k in runs if k == "0.5x"), None)
+    if half is not None:
+        r = runs[half]
+        itl_ratio = r["p99_itl_ms"] / r["median_itl_ms"]
+        summary["itl_p99_over_median_at_half"] = itl_ratio
+        print(f"at 0.5x saturation ({r['rate']:.2f} req/s): ITL p99 {r['p99_itl_ms']:.2f} ms, median "
+              f"{r['median_itl_ms']:.2f} ms: ratio {itl_ratio:.2f} (target <= 2)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(summary, f, indent=1, default=str)
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -38,10 +38,12 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--device", default="auto")
     ap.add_argument("--load-format", default="auto")
+    ap.add_argument("--model", default=None, help="a model directory (default: the default model); with "
+                    "--load-format dummy its config and tokenizer are enough")
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
 
-    llm = LLM(model=default_model_path(), device=args.device, load_format=args.load_format)
+    llm = LLM(model=args.model or default_model_path(), device=args.device, load_format=args.load_format)
     engine = llm.llm_engine
     prompts = [f"Request {i}: list some short words as JSON." for i in range(args.requests)]
     free = SamplingParams(temperature=0.8, seed=0, max_tokens=args.max_tokens, ignore_eos=True)

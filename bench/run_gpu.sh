@@ -74,7 +74,7 @@ if [[ -n "${PAGEDCORE_NCU:-}" ]]; then  # a profile of the attention kernels (de
     "$py" bench/profile_attention.py
 fi
 echo
-tail -n 47 "$out/bench.log"
+tail -n 90 "$out/bench.log"
 fi
 echo
 echo "commit ${PAGEDCORE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo '?')}  $(cat "$out/gpu.txt")"

@@ -17,6 +17,7 @@
 
 #include <cfloat>
 #include <cstdint>
+#include <cstdlib>
 
 #include "attention_merge.cuh"
 #include "attention_mma.h"
@@ -303,7 +304,9 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(PagedAttentionParams p
   const int pos = ctx - 1;
   const int group = p.num_heads / p.num_kv_heads;
   const int k_lo = p.sliding_window > 0 ? max(0, pos - p.sliding_window + 1) : 0;
-  const int per_split = (ctx - k_lo + p.decode_splits - 1) / p.decode_splits;
+  const int splits = merge::decode_active_splits(p, ctx - k_lo);
+  if (split >= splits) return;  // a short row: fewer splits than planned
+  const int per_split = (ctx - k_lo + splits - 1) / splits;
   const int s_lo = k_lo + split * per_split;
   const int s_hi = min(ctx, s_lo + per_split);
 
@@ -421,7 +424,7 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(PagedAttentionParams p
       num += w * s_acc[g][h][d];
       den += w * s_l[g][h];
     }
-    if (p.decode_splits == 1) {
+    if (splits == 1) {
       out[(static_cast<int64_t>(q_token) * p.num_heads + kv_head * group + h) * HD + d] =
           from_float<T>(den > 0.f ? num / den : 0.f);
     } else {
@@ -515,8 +518,15 @@ bool head_dim_supported(int32_t head_dim) {
          head_dim == 256;
 }
 
-int paged_attention(const PagedAttentionParams& p, void* stream) {
-  if (p.num_work == 0 && p.num_decode == 0) return cudaSuccess;
+int paged_attention(const PagedAttentionParams& params, void* stream) {
+  if (params.num_work == 0 && params.num_decode == 0) return cudaSuccess;
+  // PAGEDCORE_DECODE_SPLIT_KEYS (benchmarks only): another minimum of keys per decode split.
+  static const int split_keys_override = [] {
+    const char* v = std::getenv("PAGEDCORE_DECODE_SPLIT_KEYS");
+    return v != nullptr ? std::atoi(v) : -1;
+  }();
+  PagedAttentionParams p = params;
+  if (split_keys_override >= 0) p.decode_split_keys = split_keys_override;
   const int group = p.num_heads % p.num_kv_heads == 0 ? p.num_heads / p.num_kv_heads : 0;
   const int element_bytes = p.dtype == DType::kFloat32 ? 4 : 2;
   if (group == 0 || p.dtype == DType::kFloat8E4M3 || group > attention_tile_vectors(element_bytes) ||

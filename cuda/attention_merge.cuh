@@ -14,6 +14,20 @@
 
 namespace pagedcore::cuda::merge {
 
+// Key splits a decode row of `keys` keys runs: decode_splits, fewer for a
+// short row (at least decode_split_keys keys per split). Every CTA of the row
+// computes the same number; those past it return at once.
+__device__ __forceinline__ int decode_active_splits(const PagedAttentionParams& p, int keys) {
+  if (p.decode_split_keys <= 0 || p.decode_splits <= 1) return p.decode_splits;
+  return max(1, min(p.decode_splits, keys / p.decode_split_keys));
+}
+
+// Keys a decode row reads (its sliding window, if any).
+__device__ __forceinline__ int decode_keys(const PagedAttentionParams& p, int row) {
+  const int ctx = p.seq_lens[row];
+  return p.sliding_window > 0 ? min(ctx, p.sliding_window) : ctx;
+}
+
 // Floats of shared memory merge_splits needs.
 constexpr int kScratchFloats = kAttentionMaxSplits * kAttentionPartialVectors / 4;
 
@@ -38,12 +52,15 @@ __device__ void merge_splits(const PagedAttentionParams& p, int work, int kv_hea
   const int q_begin = p.query_start_loc[row];
   const int q_len = p.query_start_loc[row + 1] - q_begin;
   const int t0 = DECODE ? 0 : p.work_q_start[work];
-  const int splits = DECODE ? p.decode_splits : p.num_splits;
+  const int splits = DECODE ? decode_active_splits(p, decode_keys(p, row)) : p.num_splits;
+  // NOTE: the partials' layout keeps the planned split count.
+  const int stride_splits = DECODE ? p.decode_splits : p.num_splits;
+  if (DECODE && splits == 1) return;  // the row ran unsplit and wrote its output itself
   const float* partial_out = DECODE ? p.decode_partial_out : p.partial_out;
   const float* partial_lse = DECODE ? p.decode_partial_lse : p.partial_lse;
   const int group = p.num_heads / p.num_kv_heads;
-  const int num_vectors = (DECODE ? 1 : min(p.tile_tokens, q_len - t0)) * group;
-  const int64_t first = ((static_cast<int64_t>(work) * p.num_kv_heads + kv_head) * splits) * kSlots;
+  const int num_vectors = (DECODE ? q_len : min(p.tile_tokens, q_len - t0)) * group;
+  const int64_t first = ((static_cast<int64_t>(work) * p.num_kv_heads + kv_head) * stride_splits) * kSlots;
   T* out = static_cast<T*>(p.out);
   for (int v0 = 0; v0 < num_vectors; v0 += kChunk) {
     const int nv = min(kChunk, num_vectors - v0);
@@ -98,7 +115,7 @@ __device__ void merge_splits(const PagedAttentionParams& p, int work, int kv_hea
 template <typename T, int HD, int THREADS, bool DECODE>
 __device__ void count_and_merge(const PagedAttentionParams& p, int work, int kv_head, float* s_w) {
   __shared__ bool s_last;
-  const int splits = DECODE ? p.decode_splits : p.num_splits;
+  const int splits = DECODE ? decode_active_splits(p, decode_keys(p, DECODE ? p.decode_seq[work] : 0)) : p.num_splits;
   int32_t* counter = (DECODE ? p.decode_split_counters : p.split_counters) +
                      static_cast<int64_t>(work) * p.num_kv_heads + kv_head;
   __threadfence();  // this CTA's partials are visible before it is counted

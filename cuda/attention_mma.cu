@@ -201,8 +201,8 @@ __global__ void __launch_bounds__(DECODE ? kThreads : 32 * kPrefillWarps) mma_at
   if constexpr (DECODE) {
     row = p.decode_seq[work];
     t0 = 0;
-    tile_tokens = 1;
-    splits = p.decode_splits;
+    splits = merge::decode_active_splits(p, merge::decode_keys(p, row));
+    if (split >= splits) return;  // a short row: fewer splits than planned
   } else {
     row = p.work_seq[work];
     t0 = p.work_q_start[work];
@@ -210,7 +210,8 @@ __global__ void __launch_bounds__(DECODE ? kThreads : 32 * kPrefillWarps) mma_at
   }
   const int q_begin = p.query_start_loc[row];
   const int q_len = p.query_start_loc[row + 1] - q_begin;
-  if constexpr (!DECODE) tile_tokens = min(p.tile_tokens, q_len - t0);
+  // A decode item is a whole row: 1 query, or a few (query tokens x group <= 16).
+  tile_tokens = DECODE ? q_len : min(p.tile_tokens, q_len - t0);
   const int ctx = p.seq_lens[row];
   const int num_vectors = tile_tokens * group;
   const int first_pos = ctx - q_len + t0;
@@ -551,9 +552,8 @@ __global__ void __launch_bounds__(DECODE ? kThreads : 32 * kPrefillWarps) mma_at
       s_l[warp * 16 + lane / 4 + 8] = l[1];
     }
     __syncthreads();
-    const int q_token = q_begin;
-    for (int i = threadIdx.x; i < group * HD; i += kThreads) {
-      const int h = i / HD;
+    for (int i = threadIdx.x; i < num_vectors * HD; i += kThreads) {
+      const int h = i / HD;  // the vector: query token h / group, head kv_head * group + h % group
       const int d = i % HD;
       float gmax = -INFINITY;
 #pragma unroll
@@ -571,11 +571,12 @@ __global__ void __launch_bounds__(DECODE ? kThreads : 32 * kPrefillWarps) mma_at
       }
       const float o = den > 0.f ? num / den * out_scale : 0.f;
       if (splits == 1) {
-        static_cast<T*>(p.out)[(static_cast<int64_t>(q_token) * p.num_heads + kv_head * group + h) * HD + d] =
-            static_cast<T>(o);
+        static_cast<T*>(p.out)[(static_cast<int64_t>(q_begin + h / group) * p.num_heads + kv_head * group + h % group) *
+                                   HD + d] = static_cast<T>(o);
       } else {
         const int64_t slot =
-            ((static_cast<int64_t>(work) * p.num_kv_heads + kv_head) * splits + split) * kAttentionPartialVectors + h;
+            ((static_cast<int64_t>(work) * p.num_kv_heads + kv_head) * p.decode_splits + split) *
+                kAttentionPartialVectors + h;
         p.decode_partial_out[slot * HD + d] = o;
         if (d == 0) {
           p.decode_partial_lse[2 * slot] = gmax * kLn2;

@@ -53,6 +53,8 @@ void register_ops(pybind11::module_& m) {
         "slot_mapping_type"_a, "num_blocks"_a, "block_size"_a, "value_stride"_a);
   m.def("cpu_silu_and_mul", &cpu::silu_and_mul_at, release_gil(), "out"_a, "input"_a, "dtype"_a,
         "num_tokens"_a, "intermediate_size"_a, "input_stride"_a, "out_stride"_a);
+  m.def("cpu_linear", &cpu::linear_at, release_gil(), "out"_a, "input"_a, "weight"_a, "bias"_a,
+        "num_tokens"_a, "in_features"_a, "out_features"_a, "input_stride"_a, "out_stride"_a);
   m.def("cpu_set_num_threads", &cpu::set_num_threads, release_gil(), "n"_a);
   m.def("cpu_get_num_threads", &cpu::get_num_threads);
   m.def("cpu_isa", &cpu::cpu_isa);
@@ -97,6 +99,9 @@ void register_ops(pybind11::module_& m) {
         "stream"_a);
   m.def("cuda_silu_and_mul", &cuda::silu_and_mul_at, "out"_a, "input"_a, "dtype"_a, "num_tokens"_a,
         "intermediate_size"_a, "input_stride"_a, "out_stride"_a, "stream"_a);
+  m.def("cuda_linear", &cuda::linear_at, "out"_a, "input"_a, "weight"_a, "bias"_a, "dtype"_a, "num_tokens"_a,
+        "in_features"_a, "out_features"_a, "input_stride"_a, "out_stride"_a, "stream"_a);
+  m.attr("CUDA_LINEAR_MAX_ROWS") = cuda::kLinearMaxRows;
 #endif
 }
 

@@ -90,24 +90,35 @@ def _serve_on(sock, args: argparse.Namespace) -> int:
 
     name = args.served_model_name or served_model_name(args.model)
     model = args.model if args.model is not None else _default_model()
-    engine = LLMEngine(EngineArgs(
+    engine_args = EngineArgs(
         model=model, tokenizer=args.tokenizer, dtype=args.dtype, device=args.device,
         block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
         num_kv_blocks=args.num_kv_blocks, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=args.enable_prefix_caching,
         preemption_mode=args.preemption_mode, swap_space=args.swap_space, kv_cache_dtype=args.kv_cache_dtype,
-        seed=args.seed, enforce_eager=args.enforce_eager,
+        seed=args.seed, enforce_eager=args.enforce_eager, load_format=args.load_format,
         async_output_proc=False if args.disable_async_output_proc else None,
         async_scheduling=args.async_scheduling,
-    ))
-    async_engine = AsyncEngine(engine, max_queue_len=args.max_queue_len)
+    )
+    if args.engine_process:
+        from .server.engine_process import EngineProcess
+
+        async_engine = EngineProcess(engine_args, args.log_level, max_queue_len=args.max_queue_len)
+    else:
+        async_engine = AsyncEngine(LLMEngine(engine_args), max_queue_len=args.max_queue_len)
     try:
         app = build_app(async_engine, name, api_key=args.api_key)
         # log_config=None: uvicorn's lines go through pagedcore's handler and format.
         config = uvicorn.Config(app, log_config=None, log_level=args.log_level.lower(), access_log=False)
         Server(config, async_engine, name, args.shutdown_timeout).run(sockets=[sock])
     finally:
+        # NOTE: the server has given the signals back; one more during this
+        # (bounded) clean-up would end the process with a traceback or 143.
+        import signal
+
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
         async_engine.shutdown()
     return 0
 
@@ -196,6 +207,10 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                      help="schedule and launch step n+1 before step n's sampled tokens reach the host "
                           "(default: on for CUDA unless --disable-async-output-proc, off for the CPU)")
+    srv.add_argument("--load-format", choices=["auto", "safetensors", "dummy"], default="auto",
+                     help="where the weights come from: the checkpoint's safetensors (auto, safetensors), or "
+                          "random ones in its shape (dummy: config.json and the tokenizer are all that is read; "
+                          "for benchmarks)")
     srv.add_argument("--dtype", default="auto",
                      help="weights and activations: auto (float32 on the CPU; on a GPU the checkpoint's "
                           "half type, bfloat16 for a float32 one), float32, bfloat16, float16")
@@ -203,6 +218,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--seed", type=int, default=0, help="seed of the random generator that requests without a seed of their own draw from")
     srv.add_argument("--max-queue-len", type=int, default=None,
                      help="waiting requests before new ones get 429 (default: no limit)")
+    srv.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=False,
+                     help="run the engine in a process of its own, so that streaming the responses does not "
+                          "hold the GIL the engine's launches need (prompts are tokenized in the HTTP process)")
     srv.add_argument("--shutdown-timeout", type=float, default=30.0,
                      help="seconds SIGTERM or Ctrl-C lets in-flight requests finish before ending them")
     return parser

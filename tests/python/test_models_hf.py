@@ -47,6 +47,12 @@ def make_checkpoint(name: str, root: Path) -> Path:
     config = getattr(transformers, cls_name)(**{**COMMON, **extra})
     torch.manual_seed(1234)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # transformers initialises biases to zero: give them values, or a bias dropped
+    # anywhere (llama's attention_bias, Qwen2's q/k/v biases) would go unnoticed.
+    with torch.no_grad():
+        for param_name, param in model.named_parameters():
+            if param_name.endswith(".bias"):
+                param.normal_(0.0, 0.2)
     path = root / name
     model.save_pretrained(path)
     return path
@@ -71,8 +77,10 @@ def prompts() -> list[list[int]]:
 
 def hf_greedy(path: Path, prompt: list[int], new_tokens: int) -> tuple[list[int], torch.Tensor]:
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    # No EOS at all, as ignore_eos: EOS may be the argmax (min_new_tokens would mask it).
+    model.generation_config.eos_token_id = None
     out = model.generate(
-        torch.tensor([prompt]), do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+        torch.tensor([prompt]), do_sample=False, max_new_tokens=new_tokens,
         return_dict_in_generate=True, output_logits=True, pad_token_id=0,
     )
     logprobs = torch.log_softmax(torch.stack(out.logits, dim=1)[0].float(), dim=-1)

@@ -6,6 +6,7 @@ key splits for few long rows."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -24,7 +25,7 @@ TOLERANCE = {
 
 
 def run_cuda(rows, *, block_size, head_dim, group, dtype, window=0, softcap=0.0, num_kv_heads=2, seed=0,
-             fp8_scales=None, unsplit=False):
+             fp8_scales=None, unsplit=False, graph_plan_len=0, repeat=1):
     query, kc, vc, bt, seq_lens, qsl = make_batch(
         rows, block_size=block_size, head_dim=head_dim, num_kv_heads=num_kv_heads, group=group,
         dtype=dtype, window=window, seed=seed,
@@ -50,7 +51,13 @@ def run_cuda(rows, *, block_size, head_dim, group, dtype, window=0, softcap=0.0,
                                   head_dim, dtype)
         plan.num_splits = plan.decode_splits = 1
         kw["plan"] = plan
-    ops.paged_attention(*dev, scale=scale, sliding_window=window, softcap=softcap, out=out, **kw)
+    if graph_plan_len:  # decode rows under the plan a CUDA graph holds: splits for the longest possible row
+        assert all(q == 1 for q, _ in rows)
+        plan = ops.plan_decode(len(rows), num_kv_heads, torch.device("cuda"), graph_plan_len)
+        kw["plan"] = plan
+    for _ in range(repeat):  # the split counters must be back at zero for the next launch
+        out.fill_(NAN)
+        ops.paged_attention(*dev, scale=scale, sliding_window=window, softcap=softcap, out=out, **kw)
     torch.cuda.synchronize()
     out = out.cpu()
     n = int(qsl[-1])
@@ -95,6 +102,45 @@ def test_attention_splits_keys_of_few_long_rows(rows, group):
         if rows[0][0] == 1:  # decode rows: the decode kernel, keys split too
             assert plan.num_decode == len(rows) and plan.decode_splits > 1
         run_cuda(rows, block_size=16, head_dim=128, group=group, dtype=dtype)
+
+
+@pytest.mark.parametrize("group", [1, 3, 4, 8])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_rows_of_a_few_queries_take_the_decode_kernel(dtype, group):
+    # Speculative-decoding shapes: rows whose query tokens x group fit 16 vectors go to
+    # the decode kernel (key splits, causal masks between their own queries), the rest
+    # to prefill tiles.
+    rows = [(2, 100), (4, 3000), (16, 40), (5, 700), (3, 6000), (1, 20)]
+    qsl = np.cumsum([0] + [q for q, _ in rows])
+    plan = ops.plan_attention(qsl, [n for _, n in rows], 2 * group, 2, torch.device("cuda"), 128, dtype)
+    assert plan.num_decode == sum(q * group <= 16 for q, _ in rows)
+    if group <= 4:  # (4, 3000) and (3, 6000) are decode rows: their keys split
+        assert plan.decode_splits > 1
+    for fp8 in (None, (0.5, 2.0)):
+        run_cuda(rows, block_size=16, head_dim=128, group=group, dtype=dtype, fp8_scales=fp8)
+    run_cuda(rows, block_size=16, head_dim=64, group=group, dtype=dtype, window=50, softcap=3.0)
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16-cache", "fp8-cache"])
+@pytest.mark.parametrize("window", [0, 300])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16", "fp16"])
+def test_decode_rows_shorter_than_the_graph_plan(dtype, window, fp8):
+    # A graph's plan splits keys for its longest possible row (here up to 64 splits);
+    # shorter rows run fewer splits (one per 256 keys, unsplit under 512): lengths
+    # around those boundaries, every split count from 1 up, the planned maximum.
+    if fp8 and dtype == torch.float32:
+        pytest.skip("no fp8 cache with float32 queries")
+    scales = (0.5, 1.5) if fp8 else None
+    lengths = [1, 17, 255, 256, 511, 512, 513, 767, 1024, 1500, 4097, 9000, 20000]
+    assert ops.plan_decode(len(lengths), 2, torch.device("cuda"), 32768).decode_splits >= 8
+    run_cuda([(1, n) for n in lengths], block_size=16, head_dim=128, group=4, dtype=dtype, window=window,
+             graph_plan_len=32768, repeat=3, fp8_scales=scales)
+    assert ops.plan_decode(1, 2, torch.device("cuda"), 32768).decode_splits == 64
+    for n in (300, 5000, 20000):  # one row alone: 64 splits planned, 1, 19 and 64 run
+        run_cuda([(1, n)], block_size=16, head_dim=128, group=4, dtype=dtype, window=window,
+                 graph_plan_len=32768, repeat=2, fp8_scales=scales)
+    run_cuda([(1, n) for n in (5, 600, 2000)], block_size=32, head_dim=64, group=3, dtype=dtype, num_kv_heads=3,
+             graph_plan_len=8192, repeat=2, fp8_scales=(1.0, 1.0) if fp8 else None)
 
 
 @pytest.mark.parametrize("block_size", [8, 16, 128])

@@ -1,12 +1,20 @@
-"""Structured outputs (``SamplingParams(structured_outputs=StructuredOutputsParams(...))``):
-the real default model on the CPU with async output processing on (the code path
-the GPU takes by default); every output is checked by an independent validator
-(pydantic for JSON schemas, Python's ``re`` for regexes, membership for choices)."""
+"""Structured outputs (``SamplingParams(structured_outputs=StructuredOutputsParams(...))``)
+with async output processing on (the code path the GPU takes by default); every output
+is checked by an independent validator (pydantic for JSON schemas, Python's ``re`` for
+regexes, membership for choices).
+
+The real default model shows a JSON schema holding on SmolLM2 (its own whitespace).
+Everything else runs on a tiny random Llama with SmolLM2's tokenizer (loads in a
+fraction of a second): its near-uniform next-token distribution writes garbage unless
+the mask holds, so every valid output is the constraint's doing. Its JSON schema
+bounds every field (name <= 8 characters, age 0..120) and its JSON turns off free
+whitespace, so a constrained output ends well within max_tokens."""
 
 from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 
@@ -28,15 +36,55 @@ class Person(pydantic.BaseModel):
     age: int
 
 
+class BoundedPerson(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="forbid")
+    name: str = pydantic.Field(max_length=8)
+    age: int = pydantic.Field(ge=0, le=120)
+
+
 SCHEMA = Person.model_json_schema()
+BOUNDED = BoundedPerson.model_json_schema()
 REGEX = r"[0-9]{3}-[a-z]{2,4}"
 CHOICES = ["red", "green", "blue"]
 
 
+def bounded_json(**kw) -> StructuredOutputsParams:
+    return StructuredOutputsParams(json=BOUNDED, disable_any_whitespace=True, **kw)
+
+
 @pytest.fixture(scope="module")
-def llm() -> LLM:
-    return LLM(model=pagedcore.default_model_path(), num_kv_blocks=256, max_model_len=512,
-               max_num_seqs=16, async_output_proc=True)
+def smollm2() -> LLM:
+    return LLM(model=pagedcore.default_model_path(), num_kv_blocks=64, max_model_len=256, max_num_seqs=4,
+               async_output_proc=True)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> LLM:
+    """SmolLM2's config shrunk to 2 layers of hidden size 64 (its 49152-token vocabulary
+    kept), random weights written directly: no transformers model or tokenizer to build."""
+    from safetensors.torch import save_file
+
+    tokenizer_dir = pagedcore.default_model_path()
+    config = json.loads((Path(tokenizer_dir) / "config.json").read_text())
+    config.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                  num_key_value_heads=1, head_dim=32, max_position_embeddings=512)
+    hidden, inter, vocab = 64, 128, config["vocab_size"]
+    shapes = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": None}
+    for i in range(2):
+        for name, shape in (("self_attn.q_proj", (64, hidden)), ("self_attn.k_proj", (32, hidden)),
+                            ("self_attn.v_proj", (32, hidden)), ("self_attn.o_proj", (hidden, 64)),
+                            ("mlp.gate_proj", (inter, hidden)), ("mlp.up_proj", (inter, hidden)),
+                            ("mlp.down_proj", (hidden, inter)), ("input_layernorm", None),
+                            ("post_attention_layernorm", None)):
+            shapes[f"model.layers.{i}.{name}.weight"] = shape
+    gen = torch.Generator().manual_seed(0)
+    weights = {name: torch.ones(hidden) if shape is None else torch.randn(shape, generator=gen) * 0.02
+               for name, shape in shapes.items()}
+    path = Path(tmp_path_factory.mktemp("tiny"))
+    (path / "config.json").write_text(json.dumps(config))
+    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return LLM(model=str(path), tokenizer=tokenizer_dir, num_kv_blocks=128, max_model_len=256, max_num_seqs=16,
+               async_output_proc=True)
 
 
 def test_apply_token_bitmask_matches_bit_arithmetic() -> None:
@@ -57,70 +105,86 @@ def test_apply_token_bitmask_matches_bit_arithmetic() -> None:
     assert torch.equal(narrow[0, :32], logits[0, :32]) and bool((narrow[0, 32:] == float("-inf")).all())
 
 
-def test_json_regex_choice_grammar_in_one_batch(llm: LLM) -> None:
+def test_json_schema_holds_on_smollm2(smollm2: LLM) -> None:
+    # Two samples, the model's own whitespace (the string form of a schema: tiny below).
+    params = SamplingParams(temperature=0.9, n=2, seed=7, max_tokens=40,
+                            structured_outputs=StructuredOutputsParams(json=SCHEMA))
+    [out] = smollm2.generate(["Describe a person as JSON."], params, use_tqdm=False)
+    for c in out.outputs:
+        assert c.finish_reason == "stop", c
+        Person.model_validate_json(c.text)  # raises if invalid
+        assert list(json.loads(c.text)) == ["name", "age"]  # the schema's order
+
+
+def test_json_regex_choice_grammar_in_one_batch(tiny: LLM) -> None:
     specs = [
-        StructuredOutputsParams(json=SCHEMA),
-        StructuredOutputsParams(json=json.dumps(SCHEMA)),
+        bounded_json(),
+        StructuredOutputsParams(json=json.dumps(BOUNDED), disable_any_whitespace=True),
         StructuredOutputsParams(regex=REGEX),
         StructuredOutputsParams(choice=CHOICES),
         StructuredOutputsParams(grammar='start: "yes" | "no" | "maybe"'),
-        StructuredOutputsParams(json_object=True),
+        StructuredOutputsParams(json_object=True, disable_any_whitespace=True),
         None,  # an unconstrained request in the same batch
     ]
     prompts = ["Describe a person as JSON.", "Write a JSON object about a person.",
                "An order code:", "Your favourite colour?", "Answer:", '{"a": 1, "b": 2} is JSON. Another:',
                "The sky is"]
-    params = [SamplingParams(temperature=0.9, n=3, seed=7 + i, max_tokens=40 if s else 4, structured_outputs=s)
+    # Enough tokens for the bounded JSON (at most ~12 here); json_object is cut at 12.
+    params = [SamplingParams(temperature=0.9, n=3 if s is not None and s.regex else 2, seed=7 + i,
+                             max_tokens=(12 if s.json_object else 24) if s else 4, structured_outputs=s)
               for i, s in enumerate(specs)]
-    outs = llm.generate(prompts, params, use_tqdm=False)
+    outs = tiny.generate(prompts, params, use_tqdm=False)
     for out in outs[:2]:
         for c in out.outputs:
             assert c.finish_reason == "stop", c
-            Person.model_validate_json(c.text)  # raises if invalid
+            BoundedPerson.model_validate_json(c.text)  # raises if invalid
             assert list(json.loads(c.text)) == ["name", "age"]  # the schema's order
+            assert " " not in c.text.replace(json.loads(c.text)["name"], "")  # no free whitespace
     for c in outs[2].outputs:
         assert c.finish_reason == "stop" and re.fullmatch(REGEX, c.text), c
+    # n = 3 samples draw independently (their own matchers): not all alike.
+    assert len({c.text for c in outs[2].outputs}) > 1
     for c in outs[3].outputs:
         assert c.finish_reason == "stop" and c.text in CHOICES, c
     for c in outs[4].outputs:
         assert c.finish_reason == "stop" and c.text in ("yes", "no", "maybe"), c
     for c in outs[5].outputs:  # any JSON object, or cut by max_tokens
         assert c.finish_reason == "length" or isinstance(json.loads(c.text), dict), c
-    assert any(c.finish_reason == "stop" for c in outs[5].outputs)
-    # n = 3 samples draw independently (their own matchers): not all alike.
-    assert len({c.text for c in outs[0].outputs}) > 1
+    # Unconstrained, the same model writes no such thing.
+    assert all(c.finish_reason == "length" for c in outs[6].outputs)
 
 
-def test_stop_strings_end_constrained_outputs(llm: LLM) -> None:
+def test_stop_strings_end_constrained_outputs(tiny: LLM) -> None:
     # A stop string still ends a constrained output (where the user asked).
-    cut = llm.generate(["Describe a person as JSON."], SamplingParams(
-        temperature=0, max_tokens=60, stop=['"age"'], structured_outputs=StructuredOutputsParams(json=SCHEMA)),
+    cut = tiny.generate(["Describe a person as JSON."], SamplingParams(
+        temperature=0, max_tokens=24, stop=['"age"'], structured_outputs=bounded_json()),
         use_tqdm=False)[0].outputs[0]
     assert cut.finish_reason == "stop" and cut.stop_reason == '"age"' and '"age"' not in cut.text
+    assert cut.text.startswith('{"name":"')
 
 
-def test_schema_cut_by_max_tokens_finishes_with_length(llm: LLM) -> None:
-    out = llm.generate(["Describe a person as JSON."], SamplingParams(
-        temperature=0.8, seed=1, n=2, max_tokens=6, structured_outputs=StructuredOutputsParams(json=SCHEMA)),
+def test_schema_cut_by_max_tokens_finishes_with_length(tiny: LLM) -> None:
+    out = tiny.generate(["Describe a person as JSON."], SamplingParams(
+        temperature=0.8, seed=1, n=2, max_tokens=4, structured_outputs=bounded_json()),
         use_tqdm=False)[0]
     for c in out.outputs:
-        assert c.finish_reason == "length" and len(c.token_ids) == 6
+        assert c.finish_reason == "length" and len(c.token_ids) == 4
         with pytest.raises(pydantic.ValidationError):
-            Person.model_validate_json(c.text)
+            BoundedPerson.model_validate_json(c.text)
 
 
-def test_streaming_deltas_concatenate_to_valid_json(llm: LLM) -> None:
-    engine = llm.llm_engine
+def test_streaming_deltas_concatenate_to_valid_json(tiny: LLM) -> None:
+    engine = tiny.llm_engine
     engine.add_request("so-stream", "Describe a person as JSON.", None, SamplingParams(
-        temperature=0.7, seed=3, max_tokens=60, structured_outputs=StructuredOutputsParams(json=SCHEMA)),
-        stream=True)
-    text, reasons = "", []
+        temperature=0.7, seed=3, max_tokens=24, structured_outputs=bounded_json()), stream=True)
+    text, reasons, deltas = "", [], 0
     while engine.has_unfinished_requests():
         for out in engine.step():
             text += out.outputs[0].text if out.outputs else ""
+            deltas += 1
             reasons += [c.finish_reason for c in out.outputs if c.finish_reason]
-    assert reasons == ["stop"]
-    Person.model_validate_json(text)
+    assert reasons == ["stop"] and deltas > 3
+    BoundedPerson.model_validate_json(text)
 
 
 @pytest.mark.parametrize("kwargs, field", [

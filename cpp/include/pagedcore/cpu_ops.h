@@ -1,6 +1,7 @@
 // CPU kernels of pagedcore.ops: paged attention over the block-structured KV cache, the
-// cache operations around it (write, copy-on-write block copy, swap) and the decoder
-// layer's fused elementwise ops (RMSNorm, rotary embedding, SiLU-and-multiply). Framework-free:
+// cache operations around it (write, copy-on-write block copy, swap), the decoder
+// layer's fused elementwise ops (RMSNorm, rotary embedding, SiLU-and-multiply) and the
+// linear layers of decode steps (float32 products of a few rows). Framework-free:
 // plain structs of pointers, sizes and strides; no torch, no pybind11.
 //
 // Three layers (STYLE.md item 3):
@@ -221,6 +222,26 @@ struct SiluAndMulArgs {
 };
 void silu_and_mul(const SiluAndMulArgs& args);
 
+// linear: out[t][n] = sum_k input[t][k] * weight[n][k] (+ bias[n]), float32, for the few
+// token rows of a decode step (torch's GEMM stays the better choice for prefill-sized
+// inputs). Each output is summed in one fixed order whatever num_tokens and the thread
+// count (W-lane partial sums over k with fused multiply-adds, their sum, the tail, the
+// bias), so a token's output does not depend on the other rows of the call. The order
+// differs from torch's GEMM: results agree with it to float32 rounding, not bit for bit.
+// out overlaps no input.
+struct LinearArgs {
+  float* out = nullptr;            // [num_tokens, out_features], see out_stride
+  const float* input = nullptr;    // [num_tokens, in_features], see input_stride
+  const float* weight = nullptr;   // [out_features, in_features], contiguous
+  const float* bias = nullptr;     // [out_features], or nullptr for none
+  int64_t num_tokens = 0;
+  int64_t in_features = 0;         // >= 1
+  int64_t out_features = 0;        // >= 1
+  int64_t input_stride = 0;        // elements between tokens, >= in_features
+  int64_t out_stride = 0;          // >= out_features
+};
+void linear(const LinearArgs& args);
+
 // Threads used by the launchers, the calling thread included: n >= 1 (InvalidArgument
 // otherwise). Default: std::thread::hardware_concurrency(). Takes effect for the next
 // launch; safe to call at any time.
@@ -280,5 +301,10 @@ void rotary_embedding_at(std::uintptr_t positions, IndexType positions_type, std
 
 void silu_and_mul_at(std::uintptr_t out, std::uintptr_t input, DType dtype, int64_t num_tokens,
                      int64_t intermediate_size, int64_t input_stride, int64_t out_stride);
+
+// bias 0: none.
+void linear_at(std::uintptr_t out, std::uintptr_t input, std::uintptr_t weight, std::uintptr_t bias,
+               int64_t num_tokens, int64_t in_features, int64_t out_features, int64_t input_stride,
+               int64_t out_stride);
 
 }  // namespace pagedcore::cpu

@@ -27,6 +27,7 @@
 
 #include "../check.h"
 #include "pagedcore/cpu_ops.h"
+#include "isa.h"
 #include "thread_pool.h"
 
 #if !defined(__clang__)
@@ -35,23 +36,8 @@
 #pragma GCC diagnostic ignored "-Wpsabi"
 #endif
 #define PAGEDCORE_INLINE inline __attribute__((always_inline))
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#define PAGEDCORE_HAVE_X86_TARGETS 1
-#else
-#define PAGEDCORE_HAVE_X86_TARGETS 0
-#endif
 
 namespace pagedcore::cpu {
-namespace {
-
-constexpr int kChunk = 32;             // keys per online-softmax step
-constexpr int kMaxDecodeQueries = 8;   // query vectors per item up to which the decode kernel runs
-constexpr int kMaxHeadDim = 256;
-constexpr int kMaxLanes = 64;          // 4 vectors of 16
-constexpr int kMinSplitKeys = 256;     // split-KV never makes a part shorter than this
-constexpr int kPartialStride = kMaxDecodeQueries * (kMaxHeadDim + 2);
-
-enum class Isa : int { kGeneric = 0, kAvx2 = 1, kAvx512 = 2 };
 
 Isa best_isa() {
 #if PAGEDCORE_HAVE_X86_TARGETS
@@ -70,6 +56,15 @@ std::atomic<Isa>& current_isa() {
   static std::atomic<Isa> isa{best_isa()};
   return isa;
 }
+
+namespace {
+
+constexpr int kChunk = 32;             // keys per online-softmax step
+constexpr int kMaxDecodeQueries = 8;   // query vectors per item up to which the decode kernel runs
+constexpr int kMaxHeadDim = 256;
+constexpr int kMaxLanes = 64;          // 4 vectors of 16
+constexpr int kMinSplitKeys = 256;     // split-KV never makes a part shorter than this
+constexpr int kPartialStride = kMaxDecodeQueries * (kMaxHeadDim + 2);
 
 int lanes_of(Isa isa) { return isa == Isa::kAvx512 ? 16 : isa == Isa::kAvx2 ? 8 : 4; }
 

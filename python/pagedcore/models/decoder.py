@@ -44,6 +44,22 @@ class AttentionMetadata:
     plan: ops.AttentionPlan | None = None  # CUDA: the step's work split, shared by all layers
 
 
+def _ops_linear(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``x @ weight.T`` goes to :func:`pagedcore.ops.linear` (else torch)."""
+    if weight.device.type == "cpu":
+        return x.shape[0] <= ops.LINEAR_MAX_ROWS and weight.dtype == torch.float32
+    return ops.cuda_linear_eligible(x, weight)
+
+
+def _linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """``layer(x)``; the few rows of a decode step through :func:`pagedcore.ops.linear`,
+    which reads the weights at memory speed where the GEMM libraries do not (MKL's
+    float32 product at a few CPU rows; cuBLAS, latency-bound, at one CUDA row)."""
+    if _ops_linear(x, layer.weight):
+        return ops.linear(x, layer.weight, layer.bias)
+    return layer(x)
+
+
 class RMSNorm(nn.Module):
     """Hugging Face's RMSNorm through :func:`pagedcore.ops.rms_norm` (one kernel)."""
 
@@ -127,7 +143,7 @@ class DecoderLayer(nn.Module):
         else:
             x = self.input_layernorm.add_forward(hidden, residual)
         if qkv_out is None:
-            qkv = self.qkv_proj(x)
+            qkv = _linear(self.qkv_proj, x)
         elif self.qkv_proj.bias is not None:  # (what F.linear runs, into a given buffer)
             qkv = torch.addmm(self.qkv_proj.bias, x, self.qkv_proj.weight.t(), out=qkv_out)
         else:
@@ -147,9 +163,9 @@ class DecoderLayer(nn.Module):
     def post_attention(self, attn: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer after attention (``attn`` ``[T, heads, head_dim]``): o GEMM,
         add+norm, gate_up GEMM, SiLU-mul, down GEMM. Returns ``(hidden, residual)``."""
-        hidden = self.o_proj(attn.reshape(attn.shape[0], self.spec.q_size))
+        hidden = _linear(self.o_proj, attn.reshape(attn.shape[0], self.spec.q_size))
         x = self.post_attention_layernorm.add_forward(hidden, residual)
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x))), residual
+        return _linear(self.down_proj, ops.silu_and_mul(_linear(self.gate_up_proj, x))), residual
 
 
 class CausalLM(nn.Module):
@@ -238,7 +254,10 @@ class CausalLM(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits ``[rows, vocab_size]`` of the given hidden rows."""
-        return F.linear(hidden, self.lm_head_weight).float()
+        weight = self.lm_head_weight
+        if _ops_linear(hidden, weight):
+            return ops.linear(hidden, weight).float()
+        return F.linear(hidden, weight).float()
 
     # ---- weights ------------------------------------------------------------
 

@@ -20,11 +20,13 @@ never dereference an index out of range either way.
 
 The decoder layer's elementwise work runs in fused kernels too (:mod:`.layer`):
 RMSNorm (plain, per head, fused with the residual add), rotary embedding from a
-cos/sin table, SiLU-and-multiply.
+cos/sin table, SiLU-and-multiply. On the CPU the float32 products of decode steps
+(a few rows against every weight matrix) run in a C++ kernel too (:mod:`.matmul`).
 
 Modules by kernel family: :mod:`.attention` (paged attention), :mod:`.planning`
 (its CUDA work split), :mod:`.cache` (cache write, block copy, swap),
-:mod:`.layer` (the fused layer ops), :mod:`.cpu` (thread pool and instruction set
+:mod:`.layer` (the fused layer ops), :mod:`.matmul` (the CPU's float32 products
+of decode steps), :mod:`.cpu` (thread pool and instruction set
 of the CPU kernels) and :mod:`._checks` (argument checks shared by all wrappers).
 """
 
@@ -35,16 +37,22 @@ from .attention import SUPPORTED_HEAD_DIMS, paged_attention
 from .cache import copy_blocks, reshape_and_cache, swap_blocks, swap_in, swap_out
 from .cpu import cpu_isa, get_num_threads, set_cpu_isa, set_num_threads
 from .layer import cos_sin_cache, fused_add_rms_norm, rms_norm, rotary_embedding, silu_and_mul
+from .linear_cuda import CUDA_LINEAR_MAX_ROWS, cuda_linear_eligible
+from .matmul import LINEAR_MAX_ROWS, linear
 from .planning import AttentionPlan, plan_attention, plan_decode
 
 __all__ = [
+    "CUDA_LINEAR_MAX_ROWS",
+    "LINEAR_MAX_ROWS",
     "SUPPORTED_HEAD_DIMS",
     "AttentionPlan",
     "copy_blocks",
     "cos_sin_cache",
     "cpu_isa",
+    "cuda_linear_eligible",
     "fused_add_rms_norm",
     "get_num_threads",
+    "linear",
     "paged_attention",
     "plan_attention",
     "plan_decode",

@@ -4,6 +4,8 @@ blocks: :class:`AttentionPlan`, made once per step on the host
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import torch
 
@@ -16,7 +18,9 @@ class AttentionPlan:
 
     Rows with one query (decode) go to the decode kernel, one thread block per
     (row, kv head) streaming the row's keys, when the shape allows
-    (``cuda_decode_supported``); other rows are cut into work items, tiles of
+    (``cuda_decode_supported``); with bfloat16/float16 queries so do rows of a few
+    queries (query tokens x query heads per kv head <= 16: speculative decoding,
+    beams). Other rows are cut into work items, tiles of
     consecutive query tokens (as many as fill ``cuda_attention_tile_vectors``
     query vectors with the heads of one kv head). With few blocks and long
     contexts, keys are also split (``num_splits`` / ``decode_splits``) and
@@ -63,11 +67,18 @@ class AttentionPlan:
         return ptrs
 
 
-def _splits(blocks: int, longest: int, sms: int) -> int:
+# Keys per split at least; the decode kernels apply the same rule per row
+# (kAttentionDecodeSplitKeys; PAGEDCORE_DECODE_SPLIT_KEYS overrides both, for
+# benchmarks).
+_DECODE_VECTORS = 16  # kAttentionDecodeVectors: query tokens x group of a bf16/fp16 decode row
+_DECODE_SPLIT_KEYS = int(os.environ.get("PAGEDCORE_DECODE_SPLIT_KEYS", "0") or 0) or 256
+
+
+def _splits(blocks: int, longest: int, sms: int, split_keys: int = 256) -> int:
     # Split keys when the blocks alone leave most multiprocessors idle.
-    if blocks >= sms or longest < 512:
+    if blocks >= sms or longest < 2 * split_keys:
         return 1
-    return int(max(1, min(-(-2 * sms // blocks), longest // 256, 64)))
+    return int(max(1, min(-(-2 * sms // blocks), longest // split_keys, 64)))
 
 
 def plan_attention(
@@ -105,7 +116,12 @@ def plan_attention(
         head_dim is not None and dtype is not None
         and _C.cuda_decode_supported(group, head_dim, element_size)
     )
-    is_decode = (q_lens == 1) if fast else np.zeros(q_lens.shape[0], dtype=bool)
+    if not fast:
+        is_decode = np.zeros(q_lens.shape[0], dtype=bool)
+    elif element_size == 2:  # the tensor-core decode kernel: a row of a few queries too (<= 16 vectors)
+        is_decode = (q_lens >= 1) & (q_lens * group <= _DECODE_VECTORS)
+    else:
+        is_decode = q_lens == 1
     decode_seq = rows[is_decode]
     tiles = np.where(is_decode, 0, (q_lens + tile - 1) // tile)
     total = int(tiles.sum())
@@ -123,7 +139,7 @@ def plan_attention(
     longest_decode = int(seq_lens[is_decode].max()) if decode_seq.size else 0
     return AttentionPlan(
         work_seq, work_q_start, tile, _splits(max(1, total * num_kv_heads), longest_tile, sms),
-        decode_seq, _splits(max(1, decode_seq.size * num_kv_heads), longest_decode, sms), device,
+        decode_seq, _splits(max(1, decode_seq.size * num_kv_heads), longest_decode, sms, _DECODE_SPLIT_KEYS), device,
     )
 
 
@@ -133,5 +149,5 @@ def plan_decode(num_rows: int, num_kv_heads: int, device: torch.device, max_seq_
     plan serves every step of that batch size (what a CUDA graph replays)."""
     empty = np.zeros(0, dtype=np.int32)
     rows = np.arange(num_rows, dtype=np.int32)
-    splits = _splits(num_rows * num_kv_heads, max_seq_len, _sm_count(device))
+    splits = _splits(num_rows * num_kv_heads, max_seq_len, _sm_count(device), _DECODE_SPLIT_KEYS)
     return AttentionPlan(empty, empty, 1, 1, rows, splits, device)

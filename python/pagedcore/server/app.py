@@ -114,9 +114,11 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
     # ---- shared machinery ----------------------------------------------------------
 
     async def run(prompts: list[tuple[str | None, list[int] | None]], params, special: bool, prompt_field: str,
-                  request_id: str, body) -> AsyncIterator[tuple[int, RequestOutput]]:
+                  request_id: str, body) -> AsyncIterator[list[tuple[int, RequestOutput]]]:
         """Starts one engine request per prompt (all validated before any output)
-        and yields (prompt index, delta output) as they come."""
+        and yields lists of (prompt index, delta output): what has arrived since
+        the last list (one output per request and engine step, more when the
+        consumer fell behind)."""
         # Every prompt is admitted (validated) before any output is awaited.
         gens = []
         try:
@@ -134,36 +136,49 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
             for i, _ in gens:
                 engine.abort(f"{request_id}-{i}")
             raise
-        return_queue: asyncio.Queue = asyncio.Queue()
-
-        async def pump(i: int, gen) -> None:
-            try:
-                async for out in gen:
-                    await return_queue.put((i, out))
-            except BaseException as e:  # noqa: BLE001 - handed to the consumer
-                await return_queue.put((i, e))
-            finally:
-                await return_queue.put((i, None))
-
-        tasks = [asyncio.create_task(pump(i, gen)) for i, gen in gens]
         try:
-            remaining = len(tasks)
-            while remaining:
-                i, item = await return_queue.get()
-                if item is None:
-                    remaining -= 1
-                elif isinstance(item, Exception):  # the engine step failed, or the engine stopped
-                    # NOTE: as an APIError it is a handled 500 (an error event, mid-stream);
-                    # anything else would reach the ASGI server, which logs a traceback
-                    # and drops the client's keep-alive connection.
-                    raise APIError(500, f"generation failed: {item}", "internal_error") from item
-                elif isinstance(item, BaseException):
-                    raise item
-                else:
-                    yield i, item
+            if len(gens) == 1:  # (the common case: no task, no queue in between)
+                i, gen = gens[0]
+                try:
+                    async for outs in gen.batches():
+                        yield [(i, out) for out in outs]
+                except Exception as e:  # noqa: BLE001 - the engine's end of the request
+                    raise _generation_error(e) from e
+                return
+            return_queue: asyncio.Queue = asyncio.Queue()
+
+            async def pump(i: int, gen) -> None:
+                try:
+                    async for outs in gen.batches():
+                        return_queue.put_nowait((i, outs))
+                except BaseException as e:  # noqa: BLE001 - handed to the consumer
+                    return_queue.put_nowait((i, e))
+                finally:
+                    return_queue.put_nowait((i, None))
+
+            tasks = [asyncio.create_task(pump(i, gen)) for i, gen in gens]
+            try:
+                remaining = len(tasks)
+                while remaining:
+                    got = [await return_queue.get()]
+                    while not return_queue.empty():
+                        got.append(return_queue.get_nowait())
+                    batch = []
+                    for i, item in got:
+                        if item is None:
+                            remaining -= 1
+                        elif isinstance(item, Exception):
+                            raise _generation_error(item) from item
+                        elif isinstance(item, BaseException):
+                            raise item
+                        else:
+                            batch += [(i, out) for out in item]
+                    if batch:
+                        yield batch
+            finally:
+                for task in tasks:
+                    task.cancel()
         finally:
-            for task in tasks:
-                task.cancel()
             # NOTE: no gen.aclose() here: a pump task may be inside its generator
             # right now ("aclose(): asynchronous generator is already running"),
             # and on a client disconnect this runs in a cancelled scope. Abort by
@@ -279,7 +294,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
             echo: dict[int, str] = {}
             prompt_ids: dict[int, list[int]] = {}
             prompt_lps: dict[int, list] = {}
-            async for i, out in _chain(first, stream):
+            async for i, out in _flat(first, stream):
                 timer.observe(out)
                 prompt_tokens[i] = len(out.prompt_token_ids)
                 if body.echo and i not in echo:
@@ -334,43 +349,45 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
             echoed: set[int] = set()
             offsets: dict[int, int] = {}  # choice -> characters sent so far (logprobs' text_offset)
             prompt_lps: dict[int, list] = {}
-            async for i, out in _chain(first, stream):
-                timer.observe(out)
-                prompt_tokens[i] = len(out.prompt_token_ids)
-                if out.prompt_logprobs is not None:  # (with the first output of the prompt)
-                    prompt_lps[i] = out.prompt_logprobs
-                for c in out.outputs:
-                    index = i * n + c.index
-                    if echo_only:
-                        # The prompt alone, once per choice; the sampled token is dropped.
-                        if (i, c.index) in echoed:
+            async for batch in _chain(first, stream):
+                for i, out in batch:
+                    timer.observe(out)
+                    prompt_tokens[i] = len(out.prompt_token_ids)
+                    if out.prompt_logprobs is not None:  # (with the first output of the prompt)
+                        prompt_lps[i] = out.prompt_logprobs
+                    for c in out.outputs:
+                        index = i * n + c.index
+                        if echo_only:
+                            # The prompt alone, once per choice; the sampled token is dropped.
+                            if (i, c.index) in echoed:
+                                continue
+                            echoed.add((i, c.index))
+                            logprobs = (echo_logprobs(out.prompt_token_ids, prompt_lps.get(i), None, 0, body.logprobs)
+                                        if body.logprobs is not None else None)
+                            yield sse({"id": request_id, "object": "text_completion", "created": int(time.time()),
+                                       "model": served_model_name, "choices": [{
+                                           "index": index, "text": prompt_text(i, out), "logprobs": logprobs,
+                                           "finish_reason": "length", "stop_reason": None}]})
                             continue
-                        echoed.add((i, c.index))
-                        logprobs = (echo_logprobs(out.prompt_token_ids, prompt_lps.get(i), None, 0, body.logprobs)
-                                    if body.logprobs is not None else None)
+                        completion_tokens += len(c.token_ids)
+                        text = c.text
+                        first_of_echo = body.echo and (i, c.index) not in echoed
+                        if first_of_echo:
+                            echoed.add((i, c.index))
+                            text = prompt_text(i, out) + text
+                        offset = offsets.get(index, 0) + len(text) - len(c.text)
+                        offsets[index] = offset + len(c.text)
+                        if body.logprobs is None:
+                            logprobs = None
+                        elif first_of_echo:
+                            logprobs = echo_logprobs(out.prompt_token_ids, prompt_lps.get(i), c, offset, body.logprobs)
+                        else:
+                            logprobs = completion_logprobs(c, offset, body.logprobs)
                         yield sse({"id": request_id, "object": "text_completion", "created": int(time.time()),
                                    "model": served_model_name, "choices": [{
-                                       "index": index, "text": prompt_text(i, out), "logprobs": logprobs,
-                                       "finish_reason": "length", "stop_reason": None}]})
-                        continue
-                    completion_tokens += len(c.token_ids)
-                    text = c.text
-                    first_of_echo = body.echo and (i, c.index) not in echoed
-                    if first_of_echo:
-                        echoed.add((i, c.index))
-                        text = prompt_text(i, out) + text
-                    offset = offsets.get(index, 0) + len(text) - len(c.text)
-                    offsets[index] = offset + len(c.text)
-                    if body.logprobs is None:
-                        logprobs = None
-                    elif first_of_echo:
-                        logprobs = echo_logprobs(out.prompt_token_ids, prompt_lps.get(i), c, offset, body.logprobs)
-                    else:
-                        logprobs = completion_logprobs(c, offset, body.logprobs)
-                    yield sse({"id": request_id, "object": "text_completion", "created": int(time.time()),
-                               "model": served_model_name, "choices": [{
-                                   "index": index, "text": text, "logprobs": logprobs,
-                                   "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]})
+                                       "index": index, "text": text, "logprobs": logprobs,
+                                       "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]})
+                yield _FLUSH
             timer.done()
             if include_usage:
                 yield sse({"id": request_id, "object": "text_completion", "created": int(time.time()),
@@ -378,7 +395,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
                            "usage": usage(sum(prompt_tokens.values()), completion_tokens)})
             yield "data: [DONE]\n\n"
 
-        return StreamingResponse(_guarded(events()), media_type="text/event-stream")
+        return StreamingResponse(_guarded(_coalesced(events())), media_type="text/event-stream")
 
     # ---- /v1/chat/completions -----------------------------------------------------------
 
@@ -429,7 +446,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
             acc: dict[int, CompletionOutput] = {}
             finals: dict[int, CompletionOutput] = {}
             prompt_tokens = 0
-            async for _, out in _chain(first, stream):
+            async for _, out in _flat(first, stream):
                 timer.observe(out)
                 prompt_tokens = len(out.prompt_token_ids)
                 for c in out.outputs:
@@ -458,34 +475,48 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
             started: set[int] = set()
             prompt_tokens = completion_tokens = 0
             base = {"id": request_id, "object": "chat.completion.chunk", "model": served_model_name}
-            async for _, out in _chain(first, stream):
-                timer.observe(out)
-                prompt_tokens = len(out.prompt_token_ids)
-                for c in out.outputs:
-                    completion_tokens += len(c.token_ids)
-                    if c.index not in started:
-                        started.add(c.index)
-                        yield sse({**base, "created": int(time.time()), "choices": [
-                            {"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                             "finish_reason": None}]})
-                    if c.text or c.logprobs:  # (an EOS token alone is no content)
-                        yield sse({**base, "created": int(time.time()), "choices": [{
-                            "index": c.index, "delta": {"content": c.text},
-                            "logprobs": chat_logprobs(c, top) if c.logprobs is not None else None,
-                            "finish_reason": None}]})
-                    if c.finish_reason is not None:
-                        yield sse({**base, "created": int(time.time()), "choices": [
-                            {"index": c.index, "delta": {}, "logprobs": None, "finish_reason": c.finish_reason,
-                             "stop_reason": c.stop_reason}]})
+            async for batch in _chain(first, stream):
+                for _, out in batch:
+                    timer.observe(out)
+                    prompt_tokens = len(out.prompt_token_ids)
+                    for c in out.outputs:
+                        completion_tokens += len(c.token_ids)
+                        if c.index not in started:
+                            started.add(c.index)
+                            yield sse({**base, "created": int(time.time()), "choices": [
+                                {"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                 "finish_reason": None}]})
+                        if c.text or c.logprobs:  # (an EOS token alone is no content)
+                            yield sse({**base, "created": int(time.time()), "choices": [{
+                                "index": c.index, "delta": {"content": c.text},
+                                "logprobs": chat_logprobs(c, top) if c.logprobs is not None else None,
+                                "finish_reason": None}]})
+                        if c.finish_reason is not None:
+                            yield sse({**base, "created": int(time.time()), "choices": [
+                                {"index": c.index, "delta": {}, "logprobs": None, "finish_reason": c.finish_reason,
+                                 "stop_reason": c.stop_reason}]})
+                yield _FLUSH
             timer.done()
             if include_usage:
                 yield sse({**base, "created": int(time.time()), "choices": [],
                            "usage": usage(prompt_tokens, completion_tokens)})
             yield "data: [DONE]\n\n"
 
-        return StreamingResponse(_guarded(events()), media_type="text/event-stream")
+        return StreamingResponse(_guarded(_coalesced(events())), media_type="text/event-stream")
 
     return app
+
+
+def _generation_error(e: Exception) -> APIError:
+    """The engine's end of a request as the error the client gets."""
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, EngineDeadError):  # cut by the server's shutdown
+        return APIError(503, f"request cut: {e}", "service_unavailable", code="server_shutting_down")
+    # NOTE: as an APIError it is a handled 500 (an error event, mid-stream);
+    # anything else would reach the ASGI server, which logs a traceback and
+    # drops the client's keep-alive connection.
+    return APIError(500, f"generation failed: {e}", "internal_error")
 
 
 def _finite(logprob: float) -> float:
@@ -525,3 +556,33 @@ async def _chain(first, stream):
         yield first
         async for item in stream:
             yield item
+
+
+async def _flat(first, stream):
+    """The (prompt index, output) pairs of run()'s lists, one by one."""
+    async for batch in _chain(first, stream):
+        for pair in batch:
+            yield pair
+
+
+_FLUSH = object()  # events(): the chunks of one list of outputs are complete
+
+
+async def _coalesced(events):
+    """Joins the server-sent events made for one list of outputs into one
+    write (a stream that fell behind by several steps catches up at once)."""
+    parts: list[str] = []
+    try:
+        async for chunk in events:
+            if chunk is _FLUSH:
+                if parts:
+                    yield "".join(parts)
+                    parts = []
+            else:
+                parts.append(chunk)
+    except Exception:
+        if parts:  # what was made before the failure goes out before its error event
+            yield "".join(parts)
+        raise
+    if parts:
+        yield "".join(parts)

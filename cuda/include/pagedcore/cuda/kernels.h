@@ -70,6 +70,13 @@ int scatter_blocks(const GatherBlocksParams& p, void* stream);
 
 // Work plan of one attention call, computed on the host once per step and
 // reused by every layer (see plan_attention in pagedcore.ops).
+// Decode rows (and their fast kernels) use at most one key split per this
+// many keys of the row: a plan's decode_splits is an upper bound (a CUDA graph
+// plans for the longest row it may meet), and a shorter row runs fewer splits:
+// a row under twice this runs unsplit, with no partials and no merge.
+constexpr int32_t kAttentionDecodeSplitKeys = 256;
+// Query vectors (query tokens x heads of one kv head) of a bf16/fp16 decode row.
+constexpr int32_t kAttentionDecodeVectors = 16;
 struct PagedAttentionParams {
   void* out;                      // [num_tokens, num_heads, head_dim], contiguous
   const void* query;              // [num_tokens, num_heads, head_dim], token stride query_stride
@@ -83,7 +90,9 @@ struct PagedAttentionParams {
   float* partial_out;             // [num_work, num_kv_heads, num_splits, kAttentionPartialVectors, head_dim]
   float* partial_lse;             // [num_work, num_kv_heads, num_splits, kAttentionPartialVectors, 2] (max, sum)
   // Rows with a single query (decode) may instead go to a kernel made for
-  // them (all heads of a kv head in one CTA): see decode_supported().
+  // them (all heads of a kv head in one CTA): see decode_supported(). With
+  // bf16/fp16 queries a decode row may hold a few queries (speculative decoding,
+  // beams): query tokens x group <= kAttentionDecodeVectors; float32: one query.
   const int32_t* decode_seq;      // [num_decode] rows run by the decode kernel
   float* decode_partial_out;      // [num_decode, num_kv_heads, decode_splits, kAttentionPartialVectors, head_dim]
   float* decode_partial_lse;      // [num_decode, num_kv_heads, decode_splits, kAttentionPartialVectors, 2]
@@ -112,6 +121,9 @@ struct PagedAttentionParams {
   DType kv_dtype;                 // the cache: dtype, or kFloat8E4M3 with bf16/fp16 queries
   float k_scale;                  // fp8 cache: stored = value / scale (1 otherwise)
   float v_scale;
+  // Keys per decode split at least (see kAttentionDecodeSplitKeys); 0: always
+  // decode_splits.
+  int32_t decode_split_keys = kAttentionDecodeSplitKeys;
 };
 // Query vectors (query tokens x heads of one kv head) a work item may hold:
 // kAttentionMmaTileVectors on the tensor-core path (2-byte queries), 16 for

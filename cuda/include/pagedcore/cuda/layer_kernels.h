@@ -90,6 +90,26 @@ struct SiluAndMulParams {
 };
 int silu_and_mul(const SiluAndMulParams& p, void* stream);
 
+// out[m, :] = input[m, :] @ weight^T (+ bias) for the 1..kLinearMaxRows rows of a
+// decode step: weight [out_features, in_features] contiguous, bf16 or fp16 (all
+// four tensors of one dtype), float32 accumulation, out rounded once. Needs
+// in_features % 8 == 0, input_stride % 8 == 0 and 16-byte aligned input and
+// weight; cudaErrorInvalidValue otherwise.
+constexpr int32_t kLinearMaxRows = 8;
+struct LinearParams {
+  void* out;             // [num_tokens, out_features], row stride out_stride
+  const void* input;     // [num_tokens, in_features], row stride input_stride
+  const void* weight;    // [out_features, in_features]
+  const void* bias;      // [out_features] or nullptr
+  int32_t num_tokens;
+  int32_t in_features;
+  int32_t out_features;
+  int64_t input_stride;
+  int64_t out_stride;
+  DType dtype;
+};
+int linear(const LinearParams& p, void* stream);
+
 // ---- entry points on integer addresses, for bindings (throw std::runtime_error) ----------
 
 void rms_norm_at(std::uintptr_t out, std::uintptr_t input, std::uintptr_t residual,
@@ -108,5 +128,9 @@ void rotary_embedding_at(std::uintptr_t positions, bool positions_int64, std::ui
 void silu_and_mul_at(std::uintptr_t out, std::uintptr_t input, DType dtype, int32_t num_tokens,
                      int32_t intermediate_size, int64_t input_stride, int64_t out_stride,
                      std::uintptr_t stream);
+
+void linear_at(std::uintptr_t out, std::uintptr_t input, std::uintptr_t weight, std::uintptr_t bias, DType dtype,
+               int32_t num_tokens, int32_t in_features, int32_t out_features, int64_t input_stride,
+               int64_t out_stride, std::uintptr_t stream);
 
 }  // namespace pagedcore::cuda

@@ -1,0 +1,182 @@
+#!/usr/bin/env python3
+"""The server's own cost per streamed token, without a model: the HTTP layer,
+the engine thread's fan-out to the streams, SSE encoding and the writes.
+
+A stub engine stands in for LLMEngine: each step sleeps --step-ms (a GPU step,
+with the GIL released, as a CUDA synchronisation releases it) and gives every
+running request one token (" tok"), until --max-tokens. The real AsyncEngine and
+the real routes (build_app) serve it under uvicorn in a child process; N
+streams at once come from httpx in this process. Reported: the server process's
+CPU time per streamed token (user + system, every thread: the figure that does
+not depend on what else runs on the machine), the wall time against the steps'
+floor (max_tokens x step), tokens/s, and how much longer a step took than its
+sleeps (--gil-releases of them): the time the engine thread waited for the GIL
+while the event loop held it.
+
+Usage: bench/bench_server_fanout.py [--streams 256] [--max-tokens 64] [--step-ms 10] [--repeat 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing
+import os
+import socket
+import statistics
+import time
+
+try:
+    import httpx
+except ImportError:  # the openai client of some environments ships httpx as `httpx2`
+    import httpx2 as httpx
+
+
+class StubEngine:
+    """What AsyncEngine and build_app use of LLMEngine, with no model."""
+
+    tokenizer = None
+    max_model_len = 4096
+
+    def __init__(self, step_s: float, gil_releases: int = 1, step_time=None) -> None:
+        self.step_s, self.gil_releases = step_s, gil_releases
+        self.step_time = step_time  # shared [seconds in steps, steps]
+        self.running: dict[str, list] = {}  # request id -> [tokens so far, max_tokens, prompt ids]
+
+    def stats(self) -> dict:
+        return {"num_requests": len(self.running), "num_waiting_seqs": 0}
+
+    def add_request(self, request_id, prompt, prompt_token_ids, params, stream=True, add_special_tokens=True):
+        self.running[request_id] = [0, params.max_tokens, list(prompt_token_ids or [1])]
+
+    def abort(self, request_id: str) -> None:
+        self.running.pop(request_id, None)
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self.running
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.running)
+
+    def step(self) -> list:
+        from pagedcore.outputs import CompletionOutput, RequestOutput
+
+        # NOTE: one step of a GPU engine releases the GIL at every launch and
+        # synchronisation and must take it back each time; a thread that holds
+        # it then (the event loop) delays the step by up to the switch interval.
+        start = time.perf_counter()
+        for _ in range(self.gil_releases):
+            time.sleep(self.step_s / self.gil_releases)
+        if self.step_time is not None:
+            self.step_time[0] += time.perf_counter() - start
+            self.step_time[1] += 1
+        outs = []
+        for request_id, state in list(self.running.items()):
+            state[0] += 1
+            done = state[0] >= state[1]
+            outs.append(RequestOutput(request_id, None, state[2], [CompletionOutput(
+                0, " tok", [7], None, None, "length" if done else None)], done))
+            if done:
+                del self.running[request_id]
+        return outs
+
+
+class StubFactory:
+    """Makes the stub in the engine's process (``serve --engine-process``'s layout)."""
+
+    def __init__(self, step_s: float, gil_releases: int, step_time) -> None:
+        self.args = (step_s, gil_releases, step_time)
+
+    def __call__(self, engine_args) -> StubEngine:
+        return StubEngine(*self.args)
+
+
+def serve(sock: socket.socket, step_s: float, gil_releases: int, switch_interval: float | None, step_time,
+          engine_process: bool) -> None:
+    import sys
+
+    import uvicorn
+
+    from pagedcore.server.app import build_app
+    from pagedcore.server.async_engine import AsyncEngine
+
+    if switch_interval is not None:
+        sys.setswitchinterval(switch_interval)
+    if engine_process:
+        from pagedcore.server.engine_process import EngineProcess
+
+        engine = EngineProcess(None, engine_factory=StubFactory(step_s, gil_releases, step_time))
+    else:
+        engine = AsyncEngine(StubEngine(step_s, gil_releases, step_time))
+    config = uvicorn.Config(build_app(engine, "stub"), log_level="warning", access_log=False)
+    uvicorn.Server(config).run(sockets=[sock])
+
+
+def cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+async def load(url: str, streams: int, max_tokens: int) -> int:
+    body = {"model": "stub", "prompt": [1, 2, 3], "max_tokens": max_tokens, "stream": True}
+    limits = httpx.Limits(max_connections=streams + 8, max_keepalive_connections=streams + 8)
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+        async def one() -> int:
+            tokens = 0
+            async with client.stream("POST", "/v1/completions", json=body) as r:
+                async for line in r.aiter_lines():
+                    if line.startswith("data: {"):
+                        tokens += json.loads(line[6:])["choices"][0]["text"].count("tok")
+            return tokens
+
+        return sum(await asyncio.gather(*[one() for _ in range(streams)]))
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--streams", type=int, default=256)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--step-ms", type=float, default=10.0)
+    p.add_argument("--gil-releases", type=int, default=1,
+                   help="a step releases and retakes the GIL this many times (launches, synchronisations)")
+    p.add_argument("--switch-interval", type=float, default=None, help="sys.setswitchinterval of the server")
+    p.add_argument("--engine-process", action="store_true", help="the stub in a process of its own")
+    p.add_argument("--repeat", type=int, default=3)
+    args = p.parse_args()
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(2048)
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    # (fork: the child starts with this process's imports and sys.path)
+    ctx = multiprocessing.get_context("fork")
+    step_time = multiprocessing.get_context("spawn").Array("d", 2)  # (shared with a spawned engine process too)
+    child = ctx.Process(target=serve, args=(sock, args.step_ms / 1e3, args.gil_releases, args.switch_interval,
+                                            step_time, args.engine_process))
+    child.start()
+    sock.close()
+    asyncio.run(load(url, 8, 4))  # warm-up
+    per_token, walls, stretch = [], [], []
+    for _ in range(args.repeat):
+        cpu0, t0 = cpu_seconds(child.pid), time.perf_counter()
+        s0, n0 = step_time[0], step_time[1]
+        tokens = asyncio.run(load(url, args.streams, args.max_tokens))
+        wall, cpu = time.perf_counter() - t0, cpu_seconds(child.pid) - cpu0
+        assert tokens == args.streams * args.max_tokens, tokens
+        per_token.append(cpu / tokens * 1e6)
+        walls.append(wall)
+        stretch.append((step_time[0] - s0) / (step_time[1] - n0) / (args.step_ms / 1e3))
+    child.terminate()
+    floor = args.max_tokens * args.step_ms / 1e3
+    wall = statistics.median(walls)
+    print(f"engine {'in a process of its own' if args.engine_process else 'thread'}: {args.streams} streams x {args.max_tokens} tokens, stub steps of {args.step_ms:g} ms "
+          f"(floor {floor:.2f} s): server CPU {statistics.median(per_token):.1f} us per token "
+          f"(runs: {', '.join(f'{x:.1f}' for x in per_token)}), wall {wall:.2f} s "
+          f"({wall / floor:.2f}x the floor), {args.streams * args.max_tokens / wall:.0f} tokens/s; "
+          f"a step took {statistics.median(stretch):.2f}x its {args.step_ms:g} ms (GIL waits)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,128 @@
+#!/usr/bin/env bash
+# Issue 14 on the GPU machine in one device call: build pagedcore with its CUDA
+# kernels, install the carried wheels of the server and the openai client, and
+# run bench/bench_serving.py for the SmolLM2 shape and the Llama-3-8B shape
+# (random weights, bf16, CUDA graphs): offline LLM.generate, then the server
+# (--engine-process) at 0.5x saturation and at saturation, 512 streams with a
+# quarter hanging up, SIGTERM with 64 streams in flight; then the server with
+# its engine as a thread (the default) at the same rates, for the comparison
+# (SERVING_THREAD_MODE: smollm2 by default, all, or 0). Expected: build, then
+# ~3 min a shape. If one call runs past its 10 minutes, run
+# one shape a call: `bash bench/run_serving_gpu.sh smollm2`, then llama3-8b
+# (the build directory is kept on a warm machine). Logs and JSON go to $OUT (or
+# /tmp/pagedcore-serving); a table of the issue's targets is printed last.
+#
+# Here, once:   bench/fetch_serving_wheels.sh        (fills .gpuwheels/, ignored by git)
+# On the H200:  run with carry=[".gpuwheels"]:  bash bench/run_serving_gpu.sh [smollm2 llama3-8b]
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+out="${OUT:-/tmp/pagedcore-serving}"
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+shapes=("$@")
+[[ ${#shapes[@]} -eq 0 ]] && shapes=(smollm2 llama3-8b)
+py="${PYTHON:-python3}"
+t0=$SECONDS
+
+# (see run_gpu.sh: the image's default compiler links libstdc++ statically)
+if [[ -x /usr/bin/g++ ]]; then
+  export CC=/usr/bin/gcc CXX=/usr/bin/g++ CUDAHOSTCXX=/usr/bin/g++
+fi
+if command -v nvidia-smi >/dev/null; then
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
+else
+  echo "no GPU" | tee "$out/gpu.txt"
+fi
+
+# (a dry run of this script on a CPU machine: SKIP_SETUP=1 PYTHON=.venv/bin/python ... tiny)
+if [[ -n "${SKIP_SETUP:-}" ]]; then
+  :
+elif ! compgen -G ".gpuwheels/*.whl" >/dev/null; then
+  echo "no .gpuwheels/*.whl: run bench/fetch_serving_wheels.sh here and carry .gpuwheels" | tee "$out/FAILED"
+  exit 1
+fi
+if [[ -z "${SKIP_SETUP:-}" ]]; then
+  "$py" -m pip install -q --no-index --no-deps --target /tmp/pagedcore-site .gpuwheels/*.whl >"$out/wheels.log" 2>&1 \
+    || { tail -20 "$out/wheels.log"; exit 1; }
+  export PYTHONPATH="/tmp/pagedcore-site${PYTHONPATH:+:$PYTHONPATH}"
+  "$py" -c "import fastapi, uvicorn, pydantic, openai; print('fastapi', fastapi.__version__, 'uvicorn',
+uvicorn.__version__, 'pydantic', pydantic.__version__, 'openai', openai.__version__)" | tee -a "$out/wheels.log"
+
+  echo "== build ($((SECONDS - t0)) s)"
+  if ! PAGEDCORE_CUDA=ON CMAKE_BUILD_PARALLEL_LEVEL=16 "$py" -m pip install -v --no-build-isolation --no-deps \
+      --break-system-packages -C cmake.define.PAGEDCORE_CUDA_ARCHITECTURES=90 . >"$out/build.log" 2>&1; then
+    tail -30 "$out/build.log"
+    exit 1
+  fi
+  echo "built in $((SECONDS - t0)) s"
+fi
+
+declare -A status
+for shape in "${shapes[@]}"; do
+  streams=512
+  case "$shape" in
+    smollm2)  # 512 requests, own parts ~200 tokens, half behind 4 system prompts of 512; 128 out
+      flags=(--num-requests 512 --max-tokens 128 --prompt-len-median 200 --max-num-seqs 512) ;;
+    llama3-8b)  # 256 requests, own parts ~300 tokens, half behind 4 system prompts of 512; 256 out
+      flags=(--num-requests 256 --max-tokens 256 --prompt-len-median 300 --max-num-seqs 256) ;;
+    tiny)  # the script's own dry run on a CPU
+      flags=(--num-requests 32 --max-tokens 16 --prompt-len-median 64 --max-num-seqs 64 --device cpu
+             --dtype float32)
+      streams=32 ;;
+    *) echo "unknown shape $shape"; continue ;;
+  esac
+  common=(--shape "$shape" --dtype bfloat16 "${flags[@]}" --max-model-len 2048 --shared-prefix-len 512
+          --shared-prefix-fraction 0.5 --num-shared-prefixes 4 --request-rate 0.5x inf --client openai
+          --client-processes 4)
+  # The server with its engine in a process of its own: every check.
+  echo "== $shape, --engine-process ($((SECONDS - t0)) s)"
+  if "$py" bench/bench_serving.py "${common[@]}" --server-arg=--engine-process --offline \
+      --disconnect-fraction 0.25 --disconnect-streams "$streams" --sigterm-streams 64 --shutdown-timeout 30 \
+      --json "$out/serving_$shape.json" >"$out/serving_$shape.log" 2>&1; then
+    status[$shape]=pass
+  else
+    status[$shape]="FAIL (see serving_$shape.log)"
+  fi
+  grep -v "^INFO\|^DEBUG" "$out/serving_$shape.log" | tail -n 70
+  # The engine as a thread of the server's process (the default): the same rates.
+  thread_mode="${SERVING_THREAD_MODE:-smollm2}"  # the shapes that get it: a shape name, all or 0
+  if [[ ( "$thread_mode" == all || "$thread_mode" == "$shape" ) && -f "$out/serving_$shape.json" ]]; then
+    echo "== $shape, engine thread ($((SECONDS - t0)) s)"
+    "$py" bench/bench_serving.py "${common[@]}" --offline-from "$out/serving_$shape.json" \
+      --json "$out/serving_${shape}_thread.json" >"$out/serving_${shape}_thread.log" 2>&1 \
+      || status[${shape}_thread]="FAIL (see serving_${shape}_thread.log)"
+    grep -v "^INFO\|^DEBUG" "$out/serving_${shape}_thread.log" | tail -n 4
+  fi
+done
+
+echo
+echo "== summary ($((SECONDS - t0)) s in all)"
+"$py" - "$out" "${shapes[@]}" <<'EOF'
+import json, os, sys
+out, shapes = sys.argv[1], sys.argv[2:]
+print(f"{'shape':<20}{'offline tok/s':>14}{'online tok/s':>13}{'ratio':>7}{'TTFT p50/p99 ms':>18}"
+      f"{'ITL p50/p99 ms @0.5x':>22}{'p99/p50':>8}{'disconnect':>11}{'SIGTERM':>9}")
+def verdict(s, check):
+    return "-" if check not in s else "PASS" if s[check].get("pass") else "FAIL"
+
+
+rows = [(f"{shape}", f"serving_{shape}.json") for shape in shapes]
+rows += [(f"{shape} (thread)", f"serving_{shape}_thread.json") for shape in shapes]
+for shape, name in rows:
+    path = os.path.join(out, name)
+    if not os.path.exists(path):
+        print(f"{shape:<20} no result"); continue
+    s = json.load(open(path))
+    inf, half = s["runs"].get("inf", {}), s["runs"].get("0.5x", {})
+    off = s.get("offline", {}).get("output_throughput", float("nan"))
+    print(f"{shape:<20}{off:>14.0f}{inf.get('output_throughput', float('nan')):>13.0f}"
+          f"{s.get('online_offline_ratio', float('nan')):>7.3f}"
+          f"{inf.get('median_ttft_ms', float('nan')):>10.1f}/{inf.get('p99_ttft_ms', float('nan')):<7.1f}"
+          f"{half.get('median_itl_ms', float('nan')):>14.2f}/{half.get('p99_itl_ms', float('nan')):<7.2f}"
+          f"{s.get('itl_p99_over_median_at_half', float('nan')):>8.2f}"
+          f"{verdict(s, 'disconnect'):>11}{verdict(s, 'sigterm'):>9}")
+print("targets: ratio >= 0.9; ITL p99/p50 <= 2 at 0.5x saturation; disconnect: 0 5xx, all KV blocks free, "
+      "/health 200; SIGTERM: every stream drained, exit 0 within --shutdown-timeout")
+EOF
+for shape in "${shapes[@]}"; do echo "$shape: ${status[$shape]:-not run}"; done
+echo "commit ${PAGEDCORE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo '?')}  $(cat "$out/gpu.txt")"

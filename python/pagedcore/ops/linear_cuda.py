@@ -1,0 +1,96 @@
+"""The CUDA half of :func:`pagedcore.ops.linear` (:mod:`.matmul`): ``x @ weight.T (+ bias)`` for the
+1..:data:`CUDA_LINEAR_MAX_ROWS` token rows of a decode step, bfloat16/float16, in a
+matrix-vector kernel that streams each weight row once (``cuda/linear_kernels.cu``).
+
+At one to eight rows cuBLAS's GEMM tiles leave most of the GPU idle and its calls are
+latency-bound (~4 us for the SmolLM2 shape's products, whose weights take well under
+1 us to read); the kernel is bound by the weight's bytes. ``PAGEDCORE_CUDA_LINEAR=0``
+sends every product to cuBLAS (for comparisons).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .. import _C
+from ._checks import _CUDA_DTYPES, _stream, _tensor
+from .layer import _overlap
+
+__all__ = ["CUDA_LINEAR_MAX_ROWS", "CUDA_LINEAR_MODEL_ROWS", "cuda_linear_eligible"]
+
+#: Token rows the kernel takes at most.
+CUDA_LINEAR_MAX_ROWS = int(getattr(_C, "CUDA_LINEAR_MAX_ROWS", 0))
+#: Token rows up to which the model sends a CUDA product to the kernel (else cuBLAS).
+#: Measured on the H200 (bench_kernels_gpu.py, bf16): at one row 1.3-1.9x cuBLAS's
+#: speed on the SmolLM2 shape's products and 0.97-1.25x on the 8B shape's; at eight
+#: rows 0.3-0.5x (each warp re-reads the input rows per weight vector).
+CUDA_LINEAR_MODEL_ROWS = min(1, CUDA_LINEAR_MAX_ROWS)
+_ENABLED = os.environ.get("PAGEDCORE_CUDA_LINEAR", "1") != "0"
+
+
+def _aligned_rows(x: torch.Tensor) -> bool:
+    return x.stride(-1) == 1 and (x.shape[0] <= 1 or x.stride(0) % 8 == 0) and x.data_ptr() % 16 == 0
+
+
+def cuda_linear_eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the model sends this product to :func:`linear` (else ``F.linear``): CUDA,
+    1..:data:`CUDA_LINEAR_MODEL_ROWS` rows, bfloat16/float16 like the weight,
+    ``in_features`` a multiple of 8, 16-byte aligned dense rows, a contiguous weight."""
+    return (
+        _ENABLED and x.device.type == "cuda" and x.dim() == 2 and 1 <= x.shape[0] <= CUDA_LINEAR_MODEL_ROWS
+        and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
+        and x.shape[1] % 8 == 0 and _aligned_rows(x) and weight.is_contiguous() and weight.data_ptr() % 16 == 0
+    )
+
+
+def linear_cuda(op: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                out: torch.Tensor | None) -> torch.Tensor:
+    """Checks and launches the kernel (x, weight on CUDA); see :func:`~pagedcore.ops.linear`."""
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        raise TypeError(f"{op}: x on CUDA must be bfloat16 or float16 (float32 products run on the CPU), "
+                        f"got {x.dtype}")
+    for name, t in (("weight", weight), ("bias", bias), ("out", out)):
+        if t is None:
+            continue
+        _tensor(op, name, t)
+        if t.dtype != x.dtype:
+            raise TypeError(f"{op}: {name} must be {x.dtype} like x, got {t.dtype}")
+        if t.device != x.device:
+            raise ValueError(f"{op}: {name} must be on {x.device} like x, got {t.device}")
+    if x.dim() != 2:
+        raise ValueError(f"{op}: x must be [num_tokens, in_features], got shape {tuple(x.shape)}")
+    tokens, in_features = x.shape
+    if weight.dim() != 2 or weight.shape[1] != in_features:
+        raise ValueError(f"{op}: weight must be [out_features, in_features = {in_features}], got shape "
+                         f"{tuple(weight.shape)}")
+    out_features = weight.shape[0]
+    if tokens > CUDA_LINEAR_MAX_ROWS:
+        raise ValueError(f"{op}: x has {tokens} rows on CUDA; at most {CUDA_LINEAR_MAX_ROWS} (use F.linear)")
+    if in_features % 8:
+        raise ValueError(f"{op}: in_features must be a multiple of 8 on CUDA, got {in_features}")
+    if not _aligned_rows(x):
+        raise ValueError(f"{op}: x's rows must be dense, 16-byte aligned, with a row stride that is a multiple "
+                         f"of 8, got strides {x.stride()}")
+    if not weight.is_contiguous() or weight.data_ptr() % 16:
+        raise ValueError(f"{op}: weight must be contiguous and 16-byte aligned, got strides {weight.stride()}")
+    if bias is not None and (bias.shape != (out_features,) or not bias.is_contiguous()):
+        raise ValueError(f"{op}: bias must be a contiguous [{out_features}], got shape {tuple(bias.shape)}")
+    if out is None:
+        out = torch.empty((tokens, out_features), dtype=x.dtype, device=x.device)
+    elif out.shape != (tokens, out_features) or (out_features > 1 and out.stride(1) != 1) or (
+            tokens > 1 and out.stride(0) < out_features):
+        raise ValueError(f"{op}: out must be [num_tokens, out_features] = [{tokens}, {out_features}] with dense "
+                         f"rows, got shape {tuple(out.shape)} strides {out.stride()}")
+    if tokens and out_features and any(_overlap(out, t) for t in (x, weight) + (() if bias is None else (bias,))):
+        raise ValueError(f"{op}: out must not overlap x, weight or bias")
+    if tokens and out_features:
+        _C.cuda_linear(
+            out=out.data_ptr(), input=x.data_ptr(), weight=weight.data_ptr(),
+            bias=bias.data_ptr() if bias is not None else 0, dtype=_CUDA_DTYPES[x.dtype], num_tokens=tokens,
+            in_features=in_features, out_features=out_features, input_stride=x.stride(0) if tokens > 1 else in_features,
+            out_stride=out.stride(0) if tokens > 1 else out_features, stream=_stream(x.device),
+        )
+    return out
+

@@ -1,0 +1,131 @@
+"""Linear layers of decode steps: ``x @ weight.T + bias`` for a few token rows, in a
+kernel that streams each weight row once: on the CPU in float32 (C++), on CUDA in
+bfloat16/float16 for up to 8 rows (:mod:`.linear_cuda`).
+
+A batch-1 decode step is bound by reading the weights; torch's float32 GEMM reads
+them at a fraction of the memory bandwidth on the AMD EPYC CPUs this was measured on
+(see ``cpp/src/cpu_ops/linear.cpp``). Prefill-sized inputs stay with torch
+(:data:`LINEAR_MAX_ROWS`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import _C
+from ._checks import _tensor
+from .linear_cuda import linear_cuda
+
+__all__ = ["LINEAR_MAX_ROWS", "linear"]
+
+#: Token rows up to which the model sends a CPU float32 product to :func:`linear`;
+#: above it, torch's GEMM (compute-bound there) is faster.
+LINEAR_MAX_ROWS = 16
+
+
+def _cpu_float32(op: str, name: str, t: object) -> torch.Tensor:
+    _tensor(op, name, t)
+    if t.dtype != torch.float32:
+        raise TypeError(f"{op}: {name} must be float32, got {t.dtype}")
+    if t.device.type != "cpu":
+        raise ValueError(f"{op}: {name} must be a CPU tensor, got device {t.device}")
+    return t
+
+
+def _row_stride(op: str, name: str, t: torch.Tensor) -> int:
+    rows, width = t.shape
+    if width > 1 and t.stride(1) != 1:
+        raise ValueError(f"{op}: {name} rows must be dense (stride(1) == 1), got strides {t.stride()}")
+    if rows <= 1:
+        return width
+    if t.stride(0) < width:
+        raise ValueError(f"{op}: {name} row stride {t.stride(0)} < row width {width}")
+    return t.stride(0)
+
+
+def _disjoint(a: torch.Tensor, b: torch.Tensor) -> bool:
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    a1 = a0 + (sum((n - 1) * s for n, s in zip(a.shape, a.stride())) + 1) * 4
+    b1 = b0 + (sum((n - 1) * s for n, s in zip(b.shape, b.stride())) + 1) * 4
+    return a1 <= b0 or b1 <= a0
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           out: torch.Tensor | None = None) -> torch.Tensor:
+    """``out = x @ weight.T (+ bias)``, as ``torch.nn.functional.linear`` computes it, on
+    the CPU in float32, or on CUDA in bfloat16/float16 for 1 to
+    :data:`~pagedcore.ops.CUDA_LINEAR_MAX_ROWS` rows (float32 sums, ``in_features`` a
+    multiple of 8, 16-byte aligned rows; the dtype of ``x`` everywhere).
+
+    Every output is summed in one fixed order, whatever the number of rows and threads,
+    so a row's result does not depend on the rows it shares the call with. The order
+    is not torch's: results agree with ``F.linear`` to float32 rounding (a few ulps of
+    the largest terms), not bit for bit.
+
+    Parameters
+    ----------
+    x : torch.Tensor
+        ``[num_tokens, in_features]`` float32 CPU (or bfloat16/float16 CUDA), dense rows (row
+        stride free).
+    weight : torch.Tensor
+        ``[out_features, in_features]`` like ``x``, contiguous.
+    bias : torch.Tensor, optional
+        ``[out_features]`` float32 CPU, contiguous.
+    out : torch.Tensor, optional
+        ``[num_tokens, out_features]`` float32 CPU, dense rows, overlapping no input.
+        Allocated (contiguous) when not given.
+
+    Returns
+    -------
+    torch.Tensor
+        ``out``.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from pagedcore import ops
+    >>> x, w = torch.randn(2, 64), torch.randn(96, 64)
+    >>> bool(torch.allclose(ops.linear(x, w), x @ w.T, rtol=1e-5, atol=1e-5))
+    True
+    """
+    op = "linear"
+    _tensor(op, "x", x)
+    if x.device.type == "cuda":
+        _tensor(op, "weight", weight)
+        return linear_cuda(op, x, weight, bias, out)
+    _cpu_float32(op, "x", x)
+    _cpu_float32(op, "weight", weight)
+    if x.dim() != 2:
+        raise ValueError(f"{op}: x must be [num_tokens, in_features], got shape {tuple(x.shape)}")
+    if weight.dim() != 2 or weight.shape[1] != x.shape[1]:
+        raise ValueError(f"{op}: weight must be [out_features, in_features = {x.shape[1]}], got shape "
+                         f"{tuple(weight.shape)}")
+    if not weight.is_contiguous():
+        raise ValueError(f"{op}: weight must be contiguous, got strides {weight.stride()}")
+    tokens, in_features = x.shape
+    out_features = weight.shape[0]
+    if in_features == 0 or out_features == 0:
+        raise ValueError(f"{op}: in_features and out_features must be >= 1, got weight shape "
+                         f"{tuple(weight.shape)}")
+    x_stride = _row_stride(op, "x", x)
+    bias_ptr = 0
+    if bias is not None:
+        _cpu_float32(op, "bias", bias)
+        if bias.shape != (out_features,) or not bias.is_contiguous():
+            raise ValueError(f"{op}: bias must be a contiguous [{out_features}], got shape {tuple(bias.shape)} "
+                             f"strides {bias.stride()}")
+        bias_ptr = bias.data_ptr()
+    if out is None:
+        out = torch.empty((tokens, out_features), dtype=torch.float32)
+    else:
+        _cpu_float32(op, "out", out)
+        if out.shape != (tokens, out_features):
+            raise ValueError(f"{op}: out must be [num_tokens, out_features] = [{tokens}, {out_features}], got "
+                             f"shape {tuple(out.shape)}")
+        if tokens and not all(_disjoint(out, t) for t in (x, weight) + (() if bias is None else (bias,))):
+            raise ValueError(f"{op}: out must not overlap x, weight or bias")
+    out_stride = _row_stride(op, "out", out)
+    if tokens:
+        _C.cpu_linear(out.data_ptr(), x.data_ptr(), weight.data_ptr(), bias_ptr, tokens, in_features,
+                      out_features, x_stride, out_stride)
+    return out

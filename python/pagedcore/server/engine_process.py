@@ -1,0 +1,320 @@
+"""The server's engine in a process of its own (``pagedcore serve --engine-process``).
+
+In one process, the engine thread and the event loop that streams the
+responses share the GIL: the loop's work for every token of every stream
+(SSE encoding, the response writes) delays the engine's launches, whose GIL
+hand-backs wait up to the switch interval. Here the engine runs in a child
+process (the engine thread of :class:`~.async_engine.AsyncEngine`, unchanged)
+and the HTTP side keeps only the streams: prompts are tokenized on the HTTP
+side (off the engine's path), and each step's outputs for every stream cross
+the pipe in one message (with the engine's stats), as they cross to the event
+loop in one call in the thread version.
+
+:class:`EngineProcess` offers what the routes and the shutdown use of
+:class:`~.async_engine.AsyncEngine`: ``add``, ``abort``, ``alive``,
+``shutdown``, ``stats``, ``errors``, ``num_waiting``, ``max_queue_len``, and
+``engine.tokenizer`` / ``engine.max_model_len``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import signal
+import threading
+from types import SimpleNamespace
+from typing import Any
+
+from ..outputs import CompletionOutput, RequestOutput
+from .async_engine import (
+    _ACCEPTED,
+    AsyncEngine,
+    EngineDeadError,
+    QueueFullError,
+    RequestStream,
+    _fan_out,
+    _Stream,
+)
+
+logger = logging.getLogger("pagedcore.server")
+
+_ACCEPTED_MARK = "__accepted__"  # _ACCEPTED across the pipe (an object() does not pickle as itself)
+
+
+class _PipeEngine(AsyncEngine):
+    """(child) The engine thread, handing its outputs to the pipe: a "stream"
+    is the request id; one message per hand-over, with the stats."""
+
+    def __init__(self, engine, out, send_lock: threading.Lock) -> None:
+        self._out, self._send_lock = out, send_lock
+        self._sent_stats: dict | None = None
+        self._started: set[str] = set()  # requests whose prompt went over already
+        super().__init__(engine)
+
+    def _encode(self, request_id: str, item: Any) -> Any:
+        """An item as it crosses the pipe. NOTE: pickling a RequestOutput costs
+        ~3 us (its prompt's ids each step, far more), a tuple ~0.1 us: on the
+        engine's path, once per stream and step. So the prompt goes once, with
+        the request's first output, and a plain delta (one completion, no
+        logprobs) as a tuple; the other side rebuilds the RequestOutput."""
+        if item is _ACCEPTED:
+            return _ACCEPTED_MARK
+        if not isinstance(item, RequestOutput):
+            return item  # an exception
+        first = request_id not in self._started
+        if item.finished:
+            self._started.discard(request_id)
+        elif first:
+            self._started.add(request_id)
+        if first:
+            return item
+        if len(item.outputs) == 1 and item.prompt_logprobs is None and not item.metrics:
+            c = item.outputs[0]
+            if c.logprobs is None:
+                return (c.index, c.text, c.token_ids, c.cumulative_logprob, c.finish_reason, c.stop_reason,
+                        item.finished)
+        item.prompt, item.prompt_token_ids = None, None  # (a delta of this step: nobody else holds it)
+        return item
+
+    def abort(self, request_id: str) -> None:
+        self._started.discard(request_id)
+        super().abort(request_id)
+
+    def _flush(self) -> None:
+        stats = self.engine.stats()
+        if not self._outbox and stats == self._sent_stats:
+            return
+        items = [(rid, self._encode(rid, item)) for rid, item in self._outbox]
+        self._outbox = []
+        self._sent_stats = stats
+        try:
+            with self._send_lock:
+                self._out.send(("out", items, stats, self.errors))
+        except (OSError, ValueError):  # the HTTP side has gone: nothing to tell
+            self._stop.set()
+
+    def submit(self, request_id: str, prompt, ids, params, special: bool) -> None:
+        with self._lock:
+            if not self._dead:
+                self._pending += 1
+                self._commands.put(("add", request_id, prompt, ids, params, special, request_id))
+                self._wake.set()
+                return
+        with self._send_lock:
+            self._out.send(("out", [(request_id, EngineDeadError("the engine loop has stopped"))], None, self.errors))
+
+
+def _child_main(engine_args, commands, out, log_level: str, engine_factory) -> None:
+    # The HTTP side owns the signals: it asks this process to stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    from ..llm_engine import LLMEngine
+    from ..logging_setup import configure_cli_logging
+
+    configure_cli_logging(log_level)
+    try:
+        engine = (engine_factory or LLMEngine)(engine_args)
+    except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises it
+        out.send(("failed", e if isinstance(e, ValueError) else RuntimeError(f"{type(e).__name__}: {e}")))
+        return
+    out.send(("ready", {"max_model_len": engine.max_model_len, "stats": engine.stats()}))
+    send_lock = threading.Lock()
+    runner = _PipeEngine(engine, out, send_lock)
+    try:
+        while True:
+            try:
+                command = commands.recv()
+            except (EOFError, OSError):
+                break
+            if command[0] == "add":
+                runner.submit(*command[1:])
+            elif command[0] == "abort":
+                runner.abort(command[1])
+            else:  # "stop"
+                break
+    finally:
+        runner.shutdown(timeout=60.0)  # the thread ends every request left (an error each)
+        try:
+            with send_lock:
+                out.send(("closed",))
+        except (OSError, ValueError):
+            pass
+
+
+class EngineProcess:
+    """The engine in a child process, for the routes (see the module's docstring).
+
+    Construction starts the child and returns once its engine has loaded
+    (raising the child's ValueError for bad arguments, RuntimeError otherwise).
+    ``engine_factory`` (a picklable callable of the engine args; default
+    LLMEngine) lets a benchmark put a stub engine there; it comes without a
+    tokenizer (prompts as token ids only).
+    """
+
+    def __init__(self, engine_args, log_level: str = "WARNING", max_queue_len: int | None = None,
+                 engine_factory=None) -> None:
+        from ..model_loader import load_tokenizer_in_background
+        from ..model_path import resolve_model_path
+
+        self.max_queue_len = max_queue_len
+        ctx = multiprocessing.get_context("spawn")
+        commands_in, self._commands = ctx.Pipe(duplex=False)
+        self._out, out_end = ctx.Pipe(duplex=False)
+        self._proc = ctx.Process(target=_child_main, args=(engine_args, commands_in, out_end, log_level,
+                                                           engine_factory), name="pagedcore-engine", daemon=True)
+        self._proc.start()
+        commands_in.close()
+        out_end.close()
+        tokenizer = (load_tokenizer_in_background(resolve_model_path(engine_args.tokenizer or engine_args.model))
+                     if engine_factory is None else None)
+        try:
+            message = self._out.recv()
+        except EOFError:
+            raise RuntimeError(f"the engine process exited with {self._proc.exitcode} while loading") from None
+        if message[0] == "failed":
+            self._proc.join(10)
+            raise message[1]
+        self.engine = SimpleNamespace(tokenizer=tokenizer.result() if tokenizer is not None else None,
+                                      max_model_len=message[1]["max_model_len"])
+        self.stats: dict[str, Any] = message[1]["stats"]
+        self.errors = 0
+        self._streams: dict[str, _Stream] = {}
+        self._prompts: dict[str, tuple] = {}  # request id -> (prompt text, ids), from its first output
+        self._pending = 0  # adds sent, not answered yet
+        self._send_lock = threading.Lock()
+        self._dead = False
+        self._stopping = False
+        self._reader = threading.Thread(target=self._read, name="pagedcore-engine-pipe", daemon=True)
+        self._reader.start()
+
+    # ---- the routes' side (event loop) -------------------------------------------
+
+    def num_waiting(self) -> int:
+        return self.stats.get("num_waiting_seqs", 0) + self._pending
+
+    def alive(self) -> bool:
+        return self._proc.is_alive() and not self._dead
+
+    async def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None, params,
+                  add_special_tokens: bool = True) -> RequestStream:
+        """As :meth:`AsyncEngine.add`."""
+        if self.max_queue_len is not None and self.num_waiting() >= self.max_queue_len:
+            raise QueueFullError(f"the server has {self.num_waiting()} requests waiting "
+                                 f"(max_queue_len {self.max_queue_len})")
+        if self._dead:
+            raise EngineDeadError("the engine loop has stopped")
+        if prompt_token_ids is None and prompt is not None:
+            # NOTE: here, not in the engine's process: tokenizing is off the engine's path.
+            prompt_token_ids = self.engine.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+        stream = _Stream(asyncio.get_running_loop())
+        self._streams[request_id] = stream
+        self._pending += 1
+        try:
+            self._send(("add", request_id, prompt, prompt_token_ids, params, add_special_tokens))
+            items = await stream.take()
+        except BaseException:
+            self.abort(request_id)
+            raise
+        finally:
+            self._pending -= 1
+        verdict = items[0]
+        if isinstance(verdict, BaseException):
+            self._streams.pop(request_id, None)
+            raise verdict
+        stream.items.extendleft(reversed(items[1:]))
+        return RequestStream(self, request_id, stream)
+
+    def abort(self, request_id: str) -> None:
+        self._prompts.pop(request_id, None)
+        if self._streams.pop(request_id, None) is not None and not self._dead:
+            try:
+                self._send(("abort", request_id))
+            except EngineDeadError:
+                pass
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        """Stops the engine process; the requests in flight end with
+        EngineDeadError (the routes answer 503)."""
+        self._stopping = True
+        try:
+            self._send(("stop",))
+        except EngineDeadError:
+            pass
+        # (the child ends the step in flight, then every request left)
+        self._reader.join(timeout + 10)
+        self._proc.join(timeout)
+        if self._proc.is_alive():
+            self._proc.terminate()
+            self._proc.join(5)
+
+    def _send(self, message: tuple) -> None:
+        try:
+            with self._send_lock:
+                self._commands.send(message)
+        except (OSError, ValueError):
+            raise EngineDeadError("the engine loop has stopped") from None
+
+    # ---- the pipe's reader (thread) --------------------------------------------------
+
+    def _decode(self, request_id: str, item: Any) -> RequestOutput:
+        """The RequestOutput that _PipeEngine._encode sent (see there)."""
+        if isinstance(item, RequestOutput) and item.prompt_token_ids is not None:
+            self._prompts[request_id] = (item.prompt, item.prompt_token_ids)  # (its first output)
+            return item
+        prompt, ids = self._prompts.get(request_id, (None, []))
+        if isinstance(item, RequestOutput):
+            item.prompt, item.prompt_token_ids = prompt, ids
+            return item
+        index, text, token_ids, cumulative, finish_reason, stop_reason, finished = item
+        return RequestOutput(request_id, prompt, ids, [CompletionOutput(
+            index, text, token_ids, cumulative, None, finish_reason, stop_reason)], finished)
+
+    def _read(self) -> None:
+        try:
+            while True:
+                message = self._out.recv()
+                if message[0] == "closed":
+                    break
+                _, items, stats, errors = message
+                if stats is not None:
+                    self.stats = stats
+                self.errors = errors
+                by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+                for request_id, item in items:
+                    if isinstance(item, str):  # _ACCEPTED_MARK
+                        stream, item = self._streams.get(request_id), _ACCEPTED
+                    elif isinstance(item, BaseException):
+                        stream = self._streams.pop(request_id, None)
+                        self._prompts.pop(request_id, None)
+                    else:
+                        item = self._decode(request_id, item)
+                        if item.finished:
+                            stream = self._streams.pop(request_id, None)
+                            self._prompts.pop(request_id, None)
+                        else:
+                            stream = self._streams.get(request_id)
+                    if stream is not None:
+                        by_loop.setdefault(stream.loop, []).append((stream, item))
+                for loop, deliveries in by_loop.items():
+                    try:
+                        loop.call_soon_threadsafe(_fan_out, deliveries)
+                    except RuntimeError:  # its event loop is closed
+                        pass
+        except (EOFError, OSError):
+            if not self._stopping:
+                logger.error("the engine process has stopped (exit code %s)", self._proc.exitcode)
+        finally:
+            self._dead = True
+            why = "server shutting down" if self._stopping else "the engine process has stopped"
+            error = EngineDeadError if self._stopping else RuntimeError
+            by_loop = {}
+            for request_id in list(self._streams):
+                stream = self._streams.pop(request_id, None)
+                if stream is not None:
+                    by_loop.setdefault(stream.loop, []).append((stream, error(why)))
+            for loop, deliveries in by_loop.items():
+                try:
+                    loop.call_soon_threadsafe(_fan_out, deliveries)
+                except RuntimeError:
+                    pass

@@ -1,0 +1,78 @@
+"""pagedcore.ops.linear on CUDA (the decode steps' matrix-vector kernel, bf16/fp16,
+1-8 rows) against a float64 product of the same rounded inputs: shapes of the model
+families (in_features 64..14336, out_features 1..~50k incl. non-multiples of the
+CTA's 8 features), bias, strided input rows, outputs poisoned with NaN, and a
+decode step's numbers equal with the kernel and with cuBLAS up to rounding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedcore import ops
+
+pytestmark = pytest.mark.cuda
+
+
+def _case(rows, in_features, out_features, dtype, bias, seed=0, row_stride=None):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    width = row_stride or in_features
+    base = torch.randn((rows, width), generator=g, device="cuda").to(dtype)
+    x = base[:, :in_features]
+    w = (torch.randn((out_features, in_features), generator=g, device="cuda") * in_features**-0.5).to(dtype)
+    b = torch.randn((out_features,), generator=g, device="cuda").to(dtype) if bias else None
+    return x, w, b
+
+
+def _check(x, w, b, out):
+    expected = x.double() @ w.double().T + (b.double() if b is not None else 0.0)
+    # float32 accumulation in another order, then one rounding to the dtype.
+    eps = 2.0**-8 if x.dtype == torch.bfloat16 else 2.0**-11
+    err = (out.double() - expected).abs()
+    bound = eps * expected.abs() + 1e-4 * (x.double().abs() @ w.double().abs().T).clamp(min=1.0) + 1e-6
+    assert not torch.isnan(out).any()
+    assert (err <= bound).all(), f"max error {err.max().item():.3g} (bound {bound[err > bound].min().item():.3g})"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("in_features,out_features", [
+    (64, 1), (576, 960), (576, 3072), (1536, 576), (4096, 6144), (14336, 4096), (2048, 4099), (8, 13),
+])
+def test_linear_against_float64(dtype, rows, in_features, out_features):
+    x, w, b = _case(rows, in_features, out_features, dtype, bias=False)
+    assert ops.cuda_linear_eligible(x, w) == (rows == 1)  # the model uses it at one row (measured faster)
+    out = ops.linear(x, w)
+    _check(x, w, b, out)
+
+
+@pytest.mark.parametrize("rows", [1, 6])
+def test_linear_bias_strided_rows_and_out(rows):
+    # Qwen's qkv bias; input rows inside a wider buffer; out a view into a poisoned buffer.
+    x, w, b = _case(rows, 896, 1152, torch.bfloat16, bias=True, row_stride=1024)
+    full = torch.full((rows, 1200), float("nan"), dtype=torch.bfloat16, device="cuda")
+    out = full[:, :1152]
+    assert ops.linear(x, w, b, out=out) is out
+    _check(x, w, b, out)
+    assert torch.isnan(full[:, 1152:]).all(), "wrote past out_features"
+
+
+def test_linear_large_vocabulary_head():
+    x, w, _ = _case(2, 576, 49152, torch.bfloat16, bias=False, seed=3)
+    _check(x, w, None, ops.linear(x, w))
+
+
+def test_linear_refuses_what_the_kernel_cannot_take():
+    x, w, _ = _case(9, 64, 32, torch.bfloat16, bias=False)
+    assert not ops.cuda_linear_eligible(x, w)  # more rows than the kernel's maximum: cuBLAS
+    with pytest.raises(ValueError, match=r"linear: x has 9 rows on CUDA; at most 8"):
+        ops.linear(x, w)
+    x, w, _ = _case(1, 60, 32, torch.bfloat16, bias=False)
+    assert not ops.cuda_linear_eligible(x, w)
+    with pytest.raises(ValueError, match=r"in_features must be a multiple of 8 on CUDA, got 60"):
+        ops.linear(x, w)
+    x, w, _ = _case(1, 64, 32, torch.bfloat16, bias=False)
+    with pytest.raises(TypeError, match=r"linear: weight must be torch.bfloat16 like x, got torch.float16"):
+        ops.linear(x, w.half())
+    with pytest.raises(TypeError, match=r"float32 products run on the CPU"):
+        ops.linear(x.float(), w.float())

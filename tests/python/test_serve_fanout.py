@@ -1,0 +1,217 @@
+"""The server's fan-out (server/async_engine.py) on a stub engine whose steps the
+test releases one by one: a step's outputs for every stream cross to the event
+loop in one call; a stream that was not read for several steps gets them all
+in one batch, in order; outputs made before a failed step come out before
+its error."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from pagedcore.outputs import CompletionOutput, RequestOutput
+from pagedcore.sampling_params import SamplingParams
+from pagedcore.server import async_engine as ae
+
+
+class GatedEngine:
+    """LLMEngine's surface for AsyncEngine. Each step waits for the test's
+    release (once `wait_for` requests run), then gives every running request
+    its next token: id k, text "<k>" for its k-th token, until max_tokens."""
+
+    tokenizer = None
+    max_model_len = 64
+
+    def __init__(self, wait_for: int = 1) -> None:
+        self.wait_for = wait_for
+        self.running: dict[str, list[int]] = {}
+        self.gate = threading.Semaphore(0)
+        self.steps = 0
+        self.fail_next = False
+
+    def stats(self) -> dict:
+        return {"num_waiting_seqs": 0}
+
+    def add_request(self, request_id, prompt, prompt_token_ids, params, stream=True, add_special_tokens=True):
+        self.running[request_id] = [0, params.max_tokens]
+
+    def abort(self, request_id: str) -> None:
+        self.running.pop(request_id, None)
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self.running
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.running)
+
+    def step(self) -> list[RequestOutput]:
+        if len(self.running) < self.wait_for:
+            time.sleep(0.001)  # (the other adds are on their way)
+            return []
+        self.gate.acquire()
+        if self.fail_next:  # as LLMEngine does: a failed step aborts every request
+            self.running.clear()
+            raise RuntimeError("boom")
+        self.steps += 1
+        outs = []
+        for request_id, state in list(self.running.items()):
+            state[0] += 1
+            k, done = state[0], state[0] >= state[1]
+            outs.append(RequestOutput(request_id, None, [1], [CompletionOutput(
+                0, f"<{k}>", [k], None, None, "length" if done else None)], done))
+            if done:
+                del self.running[request_id]
+        return outs
+
+
+async def steps_done(engine: GatedEngine, n: int) -> None:
+    """Waits until the stub has made n steps and the loop has run their fan-out."""
+    while engine.steps < n:
+        await asyncio.sleep(0.002)
+    await asyncio.sleep(0.05)
+
+
+def params(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+
+
+def test_one_hand_over_per_step_carries_every_streams_output(monkeypatch) -> None:
+    calls: list[list] = []
+    fan_out = ae._fan_out
+
+    def recording(deliveries):
+        calls.append([item for _, item in deliveries])
+        fan_out(deliveries)
+
+    monkeypatch.setattr(ae, "_fan_out", recording)
+    stub = GatedEngine(wait_for=16)
+    server = ae.AsyncEngine(stub)
+
+    async def main() -> list[list[str]]:
+        streams = await asyncio.gather(*[server.add(f"r{i}", None, [1, 2], params(4)) for i in range(16)])
+
+        async def read(stream) -> list[str]:
+            return [out.outputs[0].text async for out in stream]
+
+        readers = [asyncio.create_task(read(s)) for s in streams]
+        for n in range(1, 5):
+            stub.gate.release()
+            await steps_done(stub, n)
+        return await asyncio.gather(*readers)
+
+    try:
+        texts = asyncio.run(main())
+    finally:
+        server.shutdown()
+    assert texts == [["<1>", "<2>", "<3>", "<4>"]] * 16
+    with_outputs = [c for c in calls if any(isinstance(item, RequestOutput) for item in c)]
+    assert [len(c) for c in with_outputs] == [16, 16, 16, 16]  # one call per step, all 16 streams in it
+    for k, call in enumerate(with_outputs, 1):
+        assert sorted(out.request_id for out in call) == sorted(f"r{i}" for i in range(16))
+        assert {out.outputs[0].token_ids[0] for out in call} == {k}
+
+
+def test_a_stream_read_late_gets_every_step_since_in_one_batch() -> None:
+    stub = GatedEngine()
+    server = ae.AsyncEngine(stub)
+
+    async def main() -> list[list[list[int]]]:
+        stream = await server.add("r", None, [1, 2], params(8))
+        for n in range(1, 6):  # five steps, nobody reading
+            stub.gate.release()
+        await steps_done(stub, 5)
+        batches = stream.batches()
+        first = [o.outputs[0].token_ids for o in await batches.__anext__()]
+        for _ in range(3):
+            stub.gate.release()
+        await steps_done(stub, 8)
+        rest = [[o.outputs[0].token_ids for o in batch] async for batch in batches]
+        return [first, *rest]
+
+    try:
+        got = asyncio.run(main())
+    finally:
+        server.shutdown()
+    assert got == [[[1], [2], [3], [4], [5]], [[6], [7], [8]]]
+
+
+def test_outputs_before_a_failed_step_come_out_before_its_error() -> None:
+    stub = GatedEngine()
+    server = ae.AsyncEngine(stub)
+
+    async def main() -> tuple[list[str], BaseException | None, bool]:
+        stream = await server.add("r", None, [1, 2], params(8))
+        stub.gate.release()
+        stub.gate.release()
+        await steps_done(stub, 2)
+        stub.fail_next = True
+        stub.gate.release()
+        await asyncio.sleep(0.1)
+        seen: list[str] = []
+        try:
+            async for out in stream:
+                seen.append(out.outputs[0].text)
+        except RuntimeError as e:
+            return seen, e, server.alive()
+        return seen, None, server.alive()
+
+    try:
+        seen, error, alive = asyncio.run(main())
+    finally:
+        server.shutdown()
+    assert seen == ["<1>", "<2>"]
+    assert error is not None and str(error) == "engine step failed: boom"
+    assert alive and server.errors == 1  # the engine thread lives on
+
+
+def test_a_request_refused_by_the_engine_raises_from_add() -> None:
+    stub = GatedEngine()
+
+    def refuse(*args, **kwargs):
+        raise ValueError("prompt too long")
+
+    stub.add_request = refuse
+    server = ae.AsyncEngine(stub)
+    try:
+        with pytest.raises(ValueError, match="prompt too long"):
+            asyncio.run(server.add("r", None, [1], params(2)))
+    finally:
+        server.shutdown()
+
+
+def test_outputs_cross_the_engine_process_pipe_unchanged() -> None:
+    # What _PipeEngine._encode sends, EngineProcess._decode rebuilds: the prompt once (with
+    # a request's first output), later plain deltas as tuples, anything else whole.
+    import copy
+    import pickle
+
+    from pagedcore.outputs import Logprob
+    from pagedcore.server import engine_process as ep
+
+    def out(rid, text, ids, finished=False, n=1, logprobs=None, reason=None):
+        return RequestOutput(rid, "the prompt", [5, 6, 7], [
+            CompletionOutput(j, text, ids, -1.5, logprobs, reason, None) for j in range(n)], finished)
+
+    sequence = [
+        ("a", out("a", " x", [11])),                      # a's first output: whole, with the prompt
+        ("b", out("b", " y", [12], finished=True, reason="length")),  # first and last at once
+        ("a", out("a", " z", [13])),                      # a plain delta
+        ("c", out("c", " u", [14], n=2)),
+        ("c", out("c", " v", [15], n=2)),                 # two completions: whole, prompt dropped
+        ("d", out("d", " w", [16])),
+        ("d", out("d", " q", [17], logprobs=[{17: Logprob(-0.5, 1, " q")}])),  # logprobs: whole
+        ("a", out("a", "", [2], finished=True, reason="stop")),
+    ]
+    sender = ep._PipeEngine.__new__(ep._PipeEngine)  # (its encoder alone: no engine thread)
+    sender._started = set()
+    receiver = ep.EngineProcess.__new__(ep.EngineProcess)
+    receiver._prompts = {}
+    sent_tuples = 0
+    for rid, item in sequence:
+        wire = pickle.loads(pickle.dumps(sender._encode(rid, copy.deepcopy(item))))
+        sent_tuples += isinstance(wire, tuple)
+        assert receiver._decode(rid, wire) == item, rid
+    assert sent_tuples == 2  # a's second and last outputs

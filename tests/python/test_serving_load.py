@@ -1,0 +1,277 @@
+"""`pagedcore serve --load-format dummy` as a process under the serving benchmark's
+clients (bench/bench_serving.py: AsyncOpenAI in an asyncio loop): a model given
+as config.json + tokenizer only; 64 streams at once of which a quarter hang up
+mid-stream (every KV block comes back, no 5xx, /health OK); SIGTERM with streams
+in flight: the short ones drain, the ones still running at --shutdown-timeout
+are cut with a 503 in OpenAI's error shape (an error event in a stream). Each
+with the engine as a thread of the server process and in a process of its own
+(--engine-process).
+
+The model: a tiny random float32 Llama config (no weight file) with the default
+model's tokenizer files; one server process serves every test of the module and
+the last test shuts it down."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+transformers = pytest.importorskip("transformers")
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+try:
+    import httpx
+except ImportError:  # the openai client of this environment ships httpx as `httpx2`
+    httpx = pytest.importorskip("httpx2")
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+import bench_serving  # noqa: E402
+
+MODEL = "tiny-dummy"
+SEED = 5
+NUM_KV_BLOCKS = 600
+MAX_MODEL_LEN = 4096
+SHUTDOWN_TIMEOUT_S = 5.0
+SHORT = 32  # tokens of the streams that SIGTERM lets finish (0.1-3 s here, by the load)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    from pagedcore import default_model_path
+
+    path = tmp_path_factory.mktemp("model") / MODEL
+    transformers.LlamaConfig(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=32, max_position_embeddings=MAX_MODEL_LEN, rms_norm_eps=1e-6,
+        tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, architectures=["LlamaForCausalLM"],
+    ).save_pretrained(path)
+    for name in TOKENIZER_FILES:
+        source = os.path.join(default_model_path(), name)
+        if os.path.exists(source):
+            shutil.copy(source, path)
+    return str(path)
+
+
+class Serve:
+    def __init__(self, log: Path, model_dir: str, *extra: str) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log
+        cmd = [sys.executable, "-m", "pagedcore", "serve", "--model", model_dir, "--load-format", "dummy",
+               "--seed", str(SEED), "--port", str(self.port), "--device", "cpu", "--num-kv-blocks",
+               str(NUM_KV_BLOCKS), "--max-model-len", str(MAX_MODEL_LEN), "--shutdown-timeout",
+               str(SHUTDOWN_TIMEOUT_S), "--log-level", "INFO", *extra]
+        with open(log, "wb") as f:
+            self.proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT,
+                                         env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        deadline = time.monotonic() + 120
+        while True:
+            assert self.proc.poll() is None, f"exited with {self.proc.returncode}:\n{self.text()}"
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1.0).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, self.text()
+            time.sleep(0.1)
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+
+@pytest.fixture(scope="module", params=["engine-thread", "engine-process"])
+def server(request, tmp_path_factory, model_dir):
+    # The engine as a thread of the server's process (the default), or in a process of its own.
+    extra = ("--engine-process",) if request.param == "engine-process" else ()
+    srv = Serve(tmp_path_factory.mktemp("serve") / "serve.log", model_dir, *extra)
+    try:
+        yield srv
+    finally:
+        if srv.proc.poll() is None:
+            srv.proc.send_signal(signal.SIGTERM)
+            try:
+                srv.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                srv.proc.kill()
+                srv.proc.wait()
+
+
+def test_dummy_weights_are_served_from_a_config_alone(server, model_dir) -> None:
+    from pagedcore import LLM, SamplingParams
+
+    assert not list(Path(model_dir).glob("*.safetensors"))  # nothing to load: config.json + tokenizer
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=60)
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    prompt = "The capital of France is"
+    served = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0.0, logprobs=5,
+                                       extra_body={"ignore_eos": True}).choices[0].logprobs.top_logprobs
+
+    # The reference: the offline API's dummy weights for the same seed (test_load_format.py
+    # checks those against transformers on the same weights). Their greedy text is the
+    # prompt's last word again and again whatever the seed (weights of +-1e-3, tied
+    # embeddings): the top-5 tokens and their logprobs tell the weights apart.
+    def top5(seed: int) -> list[dict[str, float]]:
+        llm = LLM(model=model_dir, load_format="dummy", seed=seed, device="cpu", num_kv_blocks=64,
+                  max_model_len=256)
+        out = llm.generate([prompt], SamplingParams(max_tokens=4, temperature=0.0, logprobs=5, ignore_eos=True),
+                           use_tqdm=False)[0].outputs[0]
+        return [{v.decoded_token: v.logprob for v in entry.values() if v.rank <= 5} for entry in out.logprobs]
+
+    want = top5(SEED)
+    assert [set(t) for t in served] == [set(t) for t in want]
+    for got_pos, want_pos in zip(served, want):
+        for token, logprob in want_pos.items():
+            assert got_pos[token] == pytest.approx(logprob, abs=1e-5)
+    # Another seed draws other weights: other top tokens (the served ones are --seed's).
+    assert [set(t) for t in top5(SEED + 1)] != [set(t) for t in want]
+
+
+def test_64_openai_streams_a_quarter_hanging_up_leave_every_block_free(server) -> None:
+    n, max_tokens = 64, 48
+    prompts = bench_serving.make_prompts(n, 3, 49152, 24, 0.5, 256, 0.5, 2, 40)
+    cancel = [3 + k % 5 if k % 4 == 0 else None for k in range(n)]
+    before = bench_serving.server_metrics(server.url)
+    results, _ = bench_serving.run_load(server.url, None, MODEL, prompts, [0.0] * n, max_tokens, cancel)
+    for r, c in zip(results, cancel):
+        assert r.status == 200 and not r.error, r.error
+        if c is None:  # the others are whole
+            assert r.ok and r.finish_reason == "length" and r.output_tokens == max_tokens
+        else:
+            assert r.cancelled and r.output_tokens == c
+    idle, after = bench_serving.wait_idle(server.url, timeout=30)
+    assert idle, after
+    assert after["pagedcore_kv_blocks_free"] == after["pagedcore_kv_blocks_total"] == NUM_KV_BLOCKS
+    assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+    generated = after["pagedcore_generation_tokens_total"] - before["pagedcore_generation_tokens_total"]
+    finished = 48 * max_tokens
+    received = sum(c for c in cancel if c is not None)
+    # The 16 that hung up were aborted soon after closing, not run to 48 tokens: within
+    # 24 tokens on average (the abort crosses the event loop, with --engine-process a
+    # pipe too, while a step of this tiny model takes a millisecond or two).
+    assert finished + received <= generated <= finished + received + 16 * 24, generated
+    assert "Traceback" not in server.text()
+
+
+def test_sigterm_drains_short_streams_and_cuts_the_rest_with_503(server) -> None:
+    long_body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 4000, "ignore_eos": True}
+    non_streamed: dict = {}
+
+    def post_non_streamed() -> None:
+        r = httpx.post(f"{server.url}/v1/completions", json=long_body, timeout=60)
+        non_streamed["status"], non_streamed["body"] = r.status_code, r.json()
+
+    ttft = "pagedcore_time_to_first_token_seconds_count"
+    before = bench_serving.server_metrics(server.url).get(ttft, 0)
+
+    async def streams() -> list:
+        client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=60)
+        short = [asyncio.create_task(bench_serving.request_openai(client, MODEL, [100 + k, 200, 300], SHORT, None))
+                 for k in range(8)]
+        events: list = []
+
+        async def long_stream() -> None:  # raw, to read the error event as sent
+            async with httpx.AsyncClient(timeout=60) as h:
+                async with h.stream("POST", f"{server.url}/v1/completions",
+                                    json={**long_body, "stream": True}) as r:
+                    events.append(r.status_code)
+                    async for line in r.aiter_lines():
+                        if line.startswith("data: "):
+                            events.append(line[6:])
+
+        cut = asyncio.create_task(long_stream())
+        # Every request in flight (its first token out) before the signal: 8 short
+        # streams, the long stream, the non-streamed request.
+        deadline = time.monotonic() + 30
+        while (await asyncio.to_thread(bench_serving.server_metrics, server.url)).get(ttft, 0) < before + 10:
+            assert time.monotonic() < deadline, "the requests did not all start"
+            await asyncio.sleep(0.01)
+        server.proc.send_signal(signal.SIGTERM)
+        signalled = time.perf_counter()
+        done = await asyncio.gather(*short)
+        drained_after = time.perf_counter() - signalled
+        in_flight = sum(r.end > signalled for r in done)
+        await cut
+        await client.close()
+        return [done, events, drained_after, time.perf_counter() - signalled, in_flight]
+
+    thread = threading.Thread(target=post_non_streamed)
+    thread.start()
+    done, events, drained_after, cut_after, in_flight = asyncio.run(streams())
+    thread.join(60)
+    # The short streams drained: whole, finished by length, within the timeout.
+    for r in done:
+        assert r.ok and r.finish_reason == "length" and r.output_tokens == SHORT, r
+    assert in_flight >= 1  # (some were still streaming at the signal: drained, not done before)
+    assert drained_after < SHUTDOWN_TIMEOUT_S
+    # The long stream ran on until the timeout, then: a 503 error event, then [DONE].
+    assert events[0] == 200 and events[-1] == "[DONE]"
+    assert json.loads(events[-2]) == {"error": {
+        "message": "request cut: server shutting down", "type": "service_unavailable", "param": None,
+        "code": "server_shutting_down"}}
+    assert all(json.loads(e)["choices"][0]["finish_reason"] is None for e in events[1:-2])
+    assert SHUTDOWN_TIMEOUT_S - 0.5 < cut_after < SHUTDOWN_TIMEOUT_S + 8, cut_after
+    # The non-streamed one: 503 with OpenAI's error body.
+    assert non_streamed["status"] == 503, non_streamed
+    assert non_streamed["body"]["error"]["type"] == "service_unavailable"
+    assert non_streamed["body"]["error"]["code"] == "server_shutting_down"
+    assert server.proc.wait(30) == 0, server.text()
+    text = server.text()
+    assert "Traceback" not in text, text
+    assert "cutting 2 requests (the 5 s shutdown timeout)" in text, text
+
+
+# ---- the benchmark's own arithmetic (no server) ----------------------------------------------
+
+
+def test_the_bench_figures_follow_vllm_bench_serve_definitions() -> None:
+    import numpy as np
+
+    R = bench_serving.Result
+    results = [
+        R(prompt_len=10, ok=True, status=200, ttft=0.1, e2e=1.0, output_tokens=10, itl=[0.1] * 9),
+        R(prompt_len=30, ok=True, status=200, ttft=0.3, e2e=0.9, output_tokens=4, itl=[0.2, 0.1, 0.3]),
+        R(prompt_len=5, ok=False, status=200, cancelled=True, ttft=0.2, e2e=0.3, output_tokens=2, itl=[0.1]),
+        R(prompt_len=7, ok=False, status=503, error="HTTP 503: cut"),
+        R(prompt_len=8, ok=False, status=200, error="APIError: generation failed", output_tokens=1),
+    ]
+    s = bench_serving.summarize(results, duration=2.0)
+    assert (s["completed"], s["failed"], s["cancelled"], s["http_5xx"], s["error_events"]) == (2, 2, 1, 1, 1)
+    assert s["total_input_tokens"] == 40 and s["total_output_tokens"] == 14
+    assert s["request_throughput"] == 1.0 and s["output_throughput"] == 7.0 and s["total_token_throughput"] == 27.0
+    tpot = [(1.0 - 0.1) / 9 * 1e3, (0.9 - 0.3) / 3 * 1e3]  # excluding the first token
+    itl = [x * 1e3 for x in [0.1] * 9 + [0.2, 0.1, 0.3]]  # every gap of the completed requests
+    for name, values in (("ttft", [100.0, 300.0]), ("tpot", tpot), ("itl", itl)):
+        assert s[f"mean_{name}_ms"] == pytest.approx(np.mean(values))
+        assert s[f"median_{name}_ms"] == pytest.approx(np.median(values))
+        assert s[f"p99_{name}_ms"] == pytest.approx(np.percentile(values, 99))
+
+
+def test_the_bench_workload_shapes() -> None:
+    import numpy as np
+
+    prompts = bench_serving.make_prompts(400, 1, 1000, 50, 0.5, 120, shared_fraction=0.25, num_shared=2,
+                                         shared_len=64)
+    heads = [tuple(p[:64]) for p in prompts]
+    shared = [h for h in set(heads) if heads.count(h) > 1]
+    assert len(shared) == 2 and sum(heads.count(h) for h in shared) == 100  # a quarter, two system prompts
+    assert all(4 <= len(p) <= 120 and min(p) >= 3 and max(p) < 1000 for p in prompts)
+    own = [len(p) for p, h in zip(prompts, heads) if h not in shared]
+    assert 40 < np.median(own) < 62  # lognormal, median 50
+    gaps = np.diff(bench_serving.arrival_times(20000, 8.0, 0))
+    assert np.mean(gaps) == pytest.approx(1 / 8.0, rel=0.03) and np.std(gaps) == pytest.approx(1 / 8.0, rel=0.05)
+    assert bench_serving.arrival_times(5, float("inf"), 0) == [0.0] * 5
