@@ -232,6 +232,13 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("prompt_logprob_first_positions",
                              &field_view<&StepBatch::prompt_logprob_first_positions,
                                          &StepBatch::num_prompt_logprob_seqs>)
+      .def_readonly("num_deferred_inputs", &StepBatch::num_deferred_inputs)
+      .def_property_readonly("deferred_input_indices",
+                             &field_view<&StepBatch::deferred_input_indices,
+                                         &StepBatch::num_deferred_inputs>)
+      .def_property_readonly("deferred_input_samples",
+                             &field_view<&StepBatch::deferred_input_samples,
+                                         &StepBatch::num_deferred_inputs>)
       .def_property_readonly(
           "block_copies", &field_view<&StepBatch::block_copies, &StepBatch::num_block_copies, 2>)
       .def_property_readonly("swap_out",
@@ -240,8 +247,8 @@ PYBIND11_MODULE(_C, m) {
                              &field_view<&StepBatch::swap_in, &StepBatch::num_swap_in, 2>);
 
   py::class_<StepResult>(m, "StepResult",
-                         "What update() did with each sample, as read-only numpy views valid "
-                         "until the next update().")
+                         "What update() or resolve() did with each sample, as read-only numpy "
+                         "views valid until the next update() or resolve().")
       .def_readonly("num_outputs", &StepResult::num_outputs)
       .def_property_readonly("seq_ids", &field_view<&StepResult::seq_ids, &StepResult::num_outputs>)
       .def_property_readonly("token_ids",
@@ -308,6 +315,21 @@ PYBIND11_MODULE(_C, m) {
             return e.update(sampled.data(), static_cast<int32_t>(sampled.size()));
           },
           "sampled_token_ids"_a, py::return_value_policy::reference_internal)
+      .def("append_placeholders", &Engine::append_placeholders)
+      .def(
+          "resolve",
+          [](Engine& e, py::array_t<TokenId, py::array::c_style> sampled) -> const StepResult& {
+            return e.resolve(sampled.data(), static_cast<int32_t>(sampled.size()));
+          },
+          "sampled_token_ids"_a, py::return_value_policy::reference_internal)
+      .def(
+          "resolve",
+          [](Engine& e, py::array_t<int64_t, py::array::c_style> sampled) -> const StepResult& {
+            return e.resolve(sampled.data(), static_cast<int32_t>(sampled.size()));
+          },
+          "sampled_token_ids"_a, py::return_value_policy::reference_internal)
+      .def_property_readonly("num_unresolved_steps", &Engine::num_unresolved_steps)
+      .def_property_readonly("num_unresolved_samples", &Engine::num_unresolved_samples)
       .def("finish", &Engine::finish, "seq_id"_a, "reason"_a = FinishReason::kStop)
       .def("fork", &Engine::fork, "seq_id"_a)
       .def("set_last_token", &Engine::set_last_token, "seq_id"_a, "token"_a)

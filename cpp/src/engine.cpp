@@ -44,6 +44,10 @@ Engine::Engine(const EngineConfig& config)
   row_written_.assign(config.max_num_seqs, 0);
   finished_requests_.reserve(config.max_num_seqs);
   narrowed_.resize(config.max_num_seqs);
+  for (UnresolvedStep& u : unresolved_) {
+    u.seq_ids.resize(config.max_num_seqs);
+    u.positions.resize(config.max_num_seqs);
+  }
   buffers_.result.finished_request_ids.reserve(config.max_num_seqs);
 }
 
@@ -53,6 +57,13 @@ void Engine::require_no_pending_step(const char* call) const {
   if (step_pending_) {
     throw InvalidState(detail::concat(call,
                                       "() called while a step is pending: call update() first"));
+  }
+}
+
+void Engine::require_no_unresolved_step(const char* call) const {
+  if (num_unresolved_steps_ > 0) {
+    throw InvalidState(detail::concat(call, "() called while ", num_unresolved_steps_,
+                                      " step(s) wait for their sampled values: call resolve() first"));
   }
 }
 
@@ -217,6 +228,12 @@ void Engine::abort(const std::string& request_id) {
 
 const StepBatch& Engine::schedule() {
   require_no_pending_step("schedule");
+  if (num_unresolved_steps_ > 1) {
+    // NOTE: deferred inputs name samples of one step, the newest unresolved;
+    // with two, a sequence skipped by the newer one would need the older's.
+    throw InvalidState("schedule() called while two steps wait for their sampled values: "
+                       "call resolve() first");
+  }
   ++step_;
   scheduler_.schedule(step_);
   fill_batch();
@@ -234,6 +251,7 @@ void Engine::fill_batch() {
   int32_t sample = 0;
   int32_t scored = 0;   // prompt-logprob entries
   int32_t num_runs = 0;  // prompt-logprob runs
+  int32_t deferred = 0;  // inputs whose ids are still on the device
   auto emit = [&](const ScheduledSeq& s) {
     const Sequence& seq = *s.seq;
     const std::vector<BlockId>& table = seq.blocks.block_table;
@@ -254,7 +272,20 @@ void Engine::fill_batch() {
     row_written_[row] = static_cast<int32_t>(table.size());
     const int32_t row_start = tok;
     for (int32_t p = s.num_computed_before; p < s.num_computed_before + s.num_new; ++p, ++tok) {
-      b.input_ids[tok] = seq.tokens[p];
+      TokenId input = seq.tokens[p];
+      if (p >= seq.num_known_tokens()) {
+        // Sampled by the unresolved step before this one: the runner takes it
+        // from that step's sampled ids on the device.
+        PAGEDCORE_CHECK(s.num_new == 1 && seq.num_unresolved == 1 && seq.pending_sample >= 0,
+                        "seq ", seq.seq_id, " computes unresolved position ", p, " with ",
+                        seq.num_unresolved, " unresolved, pending sample ", seq.pending_sample,
+                        ", ", s.num_new, " new tokens");
+        b.deferred_input_indices[deferred] = tok;
+        b.deferred_input_samples[deferred] = seq.pending_sample;
+        ++deferred;
+        input = 0;
+      }
+      b.input_ids[tok] = input;
       b.positions[tok] = p;
       b.slot_mapping[tok] = table[p / bs] * bs + p % bs;
     }
@@ -315,6 +346,7 @@ void Engine::fill_batch() {
   batch.num_samples = sample;
   batch.num_prompt_logprob_tokens = scored;
   batch.num_prompt_logprob_seqs = num_runs;
+  batch.num_deferred_inputs = deferred;
   PAGEDCORE_CHECK(tok == scheduler_.num_scheduled_tokens(), "batch has ", tok, " tokens, ",
                   scheduler_.num_scheduled_tokens(), " scheduled");
 }
@@ -343,6 +375,7 @@ Sequence* Engine::fork_child(Sequence* parent, SeqId child_id, int32_t index) {
 
 void Engine::require_update_call(int32_t num_sampled) const {
   if (!step_pending_) throw InvalidState("update() called without a pending schedule()");
+  require_no_unresolved_step("update");
   if (num_sampled != buffers_.batch.num_samples) {
     throw InvalidArgument(detail::concat("sampled_token_ids has ", num_sampled,
                                          " entries but the step has ",
@@ -350,19 +383,43 @@ void Engine::require_update_call(int32_t num_sampled) const {
   }
 }
 
-const StepResult& Engine::update(const TokenId* sampled, int32_t num_sampled) {
-  using detail::concat;
-  require_update_call(num_sampled);
+void Engine::check_sampled(const TokenId* sampled, int32_t num_sampled) const {
   for (int32_t k = 0; k < num_sampled; ++k) {
     const TokenId t = sampled[k];
     if (t < 0 || (config_.vocab_size > 0 && t >= config_.vocab_size)) {
-      throw InvalidArgument(concat("sampled_token_ids[", k, "] = ", t, " is not a token id"));
+      throw InvalidArgument(
+          detail::concat("sampled_token_ids[", k, "] = ", t, " is not a token id"));
     }
   }
-  StepBuffers& b = buffers_;
-  finished_requests_.clear();
-  b.result.finished_request_ids.clear();
+}
+
+const StepResult& Engine::update(const TokenId* sampled, int32_t num_sampled) {
+  require_update_call(num_sampled);
+  check_sampled(sampled, num_sampled);
+  append_placeholders();
+  return apply_resolved(sampled);
+}
+
+const StepResult& Engine::update(const int64_t* sampled, int32_t num_sampled) {
+  require_update_call(num_sampled);
   for (int32_t k = 0; k < num_sampled; ++k) {
+    if (sampled[k] < 0 || sampled[k] > INT32_MAX) {
+      throw InvalidArgument(
+          detail::concat("sampled_token_ids[", k, "] = ", sampled[k], " is not a token id"));
+    }
+    narrowed_[k] = static_cast<TokenId>(sampled[k]);
+  }
+  return update(narrowed_.data(), num_sampled);
+}
+
+void Engine::append_placeholders() {
+  if (!step_pending_) {
+    throw InvalidState("append_placeholders() called without a pending schedule()");
+  }
+  PAGEDCORE_CHECK(num_unresolved_steps_ < 2, num_unresolved_steps_, " unresolved steps");
+  UnresolvedStep& rec = unresolved_[(oldest_unresolved_ + num_unresolved_steps_) % 2];
+  const int32_t num_samples = buffers_.batch.num_samples;
+  for (int32_t k = 0; k < num_samples; ++k) {
     Sequence* seq = sample_seq_[k];
     Request* request = seq->request;
     const int32_t fork_index = sample_fork_index_[k];
@@ -376,15 +433,89 @@ const StepResult& Engine::update(const TokenId* sampled, int32_t num_sampled) {
       request->awaiting_fork = false;
     }
     Sequence* target = fork_index == 0 ? seq : request->seqs[fork_index].get();
-    const TokenId token = sampled[k];
-    target->tokens.push_back(token);
-    ++num_generation_tokens_;
-    if (target->index == 0 && target->num_outputs() == 1) num_prompt_tokens_ += target->prompt_len;
+    target->tokens.push_back(kPlaceholderToken);
+    ++target->num_unresolved;
+    target->pending_sample = k;
+    // NOTE: the length stops do not depend on the value: decided now, so that
+    // the sequence is not scheduled past them.
+    if (target->num_outputs() >= request->params.max_tokens ||
+        target->num_tokens() >= config_.max_model_len) {
+      target->finish_pending = true;
+    }
+    rec.seq_ids[k] = target->seq_id;
+    rec.positions[k] = target->num_tokens() - 1;
+  }
+  rec.num_samples = num_samples;
+  ++num_unresolved_steps_;
+  step_pending_ = false;
+  debug_check();
+}
 
-    const RequestParams& params = request->params;
+int32_t Engine::num_unresolved_samples() const {
+  return num_unresolved_steps_ > 0 ? unresolved_[oldest_unresolved_].num_samples : 0;
+}
+
+const StepResult& Engine::resolve(const TokenId* sampled, int32_t num_sampled) {
+  require_no_pending_step("resolve");
+  if (num_unresolved_steps_ == 0) {
+    throw InvalidState("resolve() called without an unresolved step: call append_placeholders()");
+  }
+  if (num_sampled != num_unresolved_samples()) {
+    throw InvalidArgument(detail::concat("sampled_token_ids has ", num_sampled,
+                                         " entries but the unresolved step has ",
+                                         num_unresolved_samples(), " samples"));
+  }
+  check_sampled(sampled, num_sampled);
+  return apply_resolved(sampled);
+}
+
+const StepResult& Engine::resolve(const int64_t* sampled, int32_t num_sampled) {
+  // (The states first, so that a bad call is reported as such, not as a bad id.)
+  if (!step_pending_ && num_unresolved_steps_ > 0 && num_sampled == num_unresolved_samples()) {
+    for (int32_t k = 0; k < num_sampled; ++k) {
+      if (sampled[k] < 0 || sampled[k] > INT32_MAX) {
+        throw InvalidArgument(
+            detail::concat("sampled_token_ids[", k, "] = ", sampled[k], " is not a token id"));
+      }
+      narrowed_[k] = static_cast<TokenId>(sampled[k]);
+    }
+  }
+  return resolve(narrowed_.data(), num_sampled);
+}
+
+const StepResult& Engine::apply_resolved(const TokenId* sampled) {
+  StepBuffers& b = buffers_;
+  UnresolvedStep& rec = unresolved_[oldest_unresolved_];
+  finished_requests_.clear();
+  b.result.finished_request_ids.clear();
+  for (int32_t k = 0; k < rec.num_samples; ++k) {
+    const SeqId seq_id = rec.seq_ids[k];
+    const int32_t pos = rec.positions[k];
+    b.out_seq_ids[k] = seq_id;
+    b.out_finish_reasons[k] = static_cast<uint8_t>(FinishReason::kNone);
+    b.out_stop_reasons[k] = -1;
+    auto it = seqs_.find(seq_id);
+    if (it == seqs_.end()) {  // ended before its value came: dropped
+      b.out_token_ids[k] = -1;
+      continue;
+    }
+    Sequence* seq = it->second;
+    PAGEDCORE_CHECK(seq->num_unresolved > 0 && pos == seq->num_known_tokens() &&
+                        seq->tokens[pos] == kPlaceholderToken,
+                    "seq ", seq_id, " resolves position ", pos, " with ", seq->num_unresolved,
+                    " unresolved of ", seq->num_tokens(), " tokens");
+    const TokenId token = sampled[k];
+    seq->tokens[pos] = token;
+    --seq->num_unresolved;
+    const bool last = pos == seq->num_tokens() - 1;
+    if (last) seq->pending_sample = -1;
+    ++num_generation_tokens_;
+    if (seq->index == 0 && pos == seq->prompt_len) num_prompt_tokens_ += seq->prompt_len;
+
+    const RequestParams& params = seq->request->params;
     FinishReason reason = FinishReason::kNone;
     int32_t stop_reason = -1;
-    if (target->num_outputs() >= params.min_tokens) {
+    if (pos + 1 - seq->prompt_len >= params.min_tokens) {
       if (!params.ignore_eos && contains(params.eos_token_ids, token)) {
         reason = FinishReason::kStop;
       } else if (contains(params.stop_token_ids, token)) {
@@ -392,37 +523,34 @@ const StepResult& Engine::update(const TokenId* sampled, int32_t num_sampled) {
         stop_reason = token;
       }
     }
-    if (reason == FinishReason::kNone && (target->num_outputs() >= params.max_tokens ||
-                                          target->num_tokens() >= config_.max_model_len)) {
-      reason = FinishReason::kLength;
-    }
-    b.out_seq_ids[k] = target->seq_id;
+    // (finish_pending belongs to its last placeholder: an earlier one, still
+    // unresolved when it was appended, does not end it by length.)
+    if (reason == FinishReason::kNone && seq->finish_pending && last) reason = FinishReason::kLength;
     b.out_token_ids[k] = token;
     b.out_finish_reasons[k] = static_cast<uint8_t>(reason);
     b.out_stop_reasons[k] = stop_reason;
-    if (reason != FinishReason::kNone) finish_seq(target, reason, stop_reason);
+    if (reason != FinishReason::kNone) {
+      // (A running one leaves the running list in drop_finished() below.)
+      if (seq->heap_index >= 0) scheduler_.remove(seq);
+      finish_seq(seq, reason, stop_reason);
+    } else if (seq->status == SeqStatus::kRunning) {
+      // Blocks that its computed tokens fill, all known now (see Scheduler::record).
+      kv_.register_full_blocks(seq->blocks, seq->tokens.data(),
+                               std::min(seq->num_computed, seq->num_known_tokens()),
+                               params.cache_salt);
+    }
   }
-  b.result.num_outputs = num_sampled;
+  b.result.num_outputs = rec.num_samples;
   scheduler_.drop_finished();
   for (Request* request : finished_requests_) {
     b.result.finished_request_ids.push_back(request->request_id);
     forget_request(request);
   }
-  step_pending_ = false;
+  rec.num_samples = 0;
+  oldest_unresolved_ = (oldest_unresolved_ + 1) % 2;
+  --num_unresolved_steps_;
   debug_check();
   return b.result;
-}
-
-const StepResult& Engine::update(const int64_t* sampled, int32_t num_sampled) {
-  require_update_call(num_sampled);
-  for (int32_t k = 0; k < num_sampled; ++k) {
-    if (sampled[k] < 0 || sampled[k] > INT32_MAX) {
-      throw InvalidArgument(
-          detail::concat("sampled_token_ids[", k, "] = ", sampled[k], " is not a token id"));
-    }
-    narrowed_[k] = static_cast<TokenId>(sampled[k]);
-  }
-  return update(narrowed_.data(), num_sampled);
 }
 
 bool Engine::finish(SeqId seq_id, FinishReason reason) {
@@ -445,6 +573,7 @@ bool Engine::finish(SeqId seq_id, FinishReason reason) {
 SeqId Engine::fork(SeqId seq_id) {
   using detail::concat;
   require_no_pending_step("fork");
+  require_no_unresolved_step("fork");
   Sequence* seq = find_seq(seq_id);
   if (seq->status != SeqStatus::kRunning) {
     throw InvalidArgument(concat("seq_id ", seq_id, " is not running (waiting or swapped)"));
@@ -468,6 +597,7 @@ SeqId Engine::fork(SeqId seq_id) {
 void Engine::set_last_token(SeqId seq_id, TokenId token) {
   using detail::concat;
   require_no_pending_step("set_last_token");
+  require_no_unresolved_step("set_last_token");
   Sequence* seq = find_seq(seq_id);
   if (seq->num_outputs() < 1 || seq->num_computed >= seq->num_tokens()) {
     throw InvalidArgument(concat("seq_id ", seq_id,
@@ -559,6 +689,19 @@ void Engine::check_invariants() const {
                       seq.seq_id, " computed ", seq.num_computed, " of ", seq.num_tokens());
       PAGEDCORE_CHECK(seq.num_computed <= config_.max_model_len, "seq ", seq.seq_id,
                       " computed past max_model_len");
+      PAGEDCORE_CHECK(seq.num_unresolved >= 0 && seq.num_unresolved <= num_unresolved_steps_ &&
+                          seq.num_known_tokens() >= seq.prompt_len,
+                      "seq ", seq.seq_id, " has ", seq.num_unresolved, " unresolved tokens with ",
+                      num_unresolved_steps_, " unresolved steps");
+      for (int32_t p = seq.num_known_tokens(); p < seq.num_tokens(); ++p) {
+        PAGEDCORE_CHECK(seq.tokens[p] == kPlaceholderToken, "seq ", seq.seq_id,
+                        " unresolved position ", p, " holds ", seq.tokens[p]);
+      }
+      PAGEDCORE_CHECK((seq.pending_sample >= 0) == (seq.num_unresolved > 0), "seq ", seq.seq_id,
+                      " pending sample ", seq.pending_sample, " with ", seq.num_unresolved,
+                      " unresolved tokens");
+      PAGEDCORE_CHECK(!seq.finish_pending || seq.num_unresolved >= 1, "seq ", seq.seq_id,
+                      " waits to finish with no unresolved token");
       const SeqBlocks& blocks = seq.blocks;
       const int32_t expected_blocks = (seq.num_computed + bs - 1) / bs;
       switch (seq.status) {
@@ -625,6 +768,19 @@ void Engine::check_invariants() const {
   PAGEDCORE_CHECK(live == scheduler_.running().size() + scheduler_.waiting().size(), "queues hold ",
                   scheduler_.running().size() + scheduler_.waiting().size(), " of ", live,
                   " live sequences");
+  for (int32_t i = 0; i < num_unresolved_steps_; ++i) {
+    const UnresolvedStep& rec = unresolved_[(oldest_unresolved_ + i) % 2];
+    for (int32_t k = 0; k < rec.num_samples; ++k) {
+      auto it = seqs_.find(rec.seq_ids[k]);
+      if (it == seqs_.end()) continue;  // ended: its sample will be dropped
+      const Sequence& seq = *it->second;
+      PAGEDCORE_CHECK(rec.positions[k] >= seq.num_known_tokens() &&
+                          rec.positions[k] < seq.num_tokens(),
+                      "unresolved sample ", k, " of seq ", seq.seq_id, " at position ",
+                      rec.positions[k], " of its ", seq.num_known_tokens(), " known, ",
+                      seq.num_tokens(), " tokens");
+    }
+  }
   for (BlockId blk = 1; blk < num_physical_blocks(); ++blk) {
     PAGEDCORE_CHECK(kv_.gpu().ref_count(blk) == gpu_refs[blk], "block ", blk, " has ref count ",
                     kv_.gpu().ref_count(blk), " but ", gpu_refs[blk], " block-table references");

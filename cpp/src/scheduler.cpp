@@ -102,12 +102,21 @@ void Scheduler::record(Sequence* seq, int32_t num_new, int64_t step) {
   const int32_t samples = seq->num_computed == seq->num_tokens() ? seq->weight : 0;
   scheduled_.push_back({seq, before, num_new, samples});
   num_scheduled_tokens_ += num_new;
-  kv_.register_full_blocks(seq->blocks, seq->tokens.data(), seq->num_computed,
+  // NOTE: a block is hashed only once its tokens are known: a placeholder
+  // (async scheduling) is computed before its value reaches the host, and
+  // Engine::resolve registers the block then.
+  kv_.register_full_blocks(seq->blocks, seq->tokens.data(),
+                           std::min(seq->num_computed, seq->num_known_tokens()),
                            seq->request->params.cache_salt);
 }
 
 bool Scheduler::try_admit(Sequence* seq, int32_t* budget) {
   SeqBlocks& blocks = seq->blocks;
+  // NOTE: a sequence preempted while its last token was unresolved is never
+  // admitted in the step that preempted it, and the engine resolves that token
+  // before it schedules again: what is recomputed or swapped in is known.
+  PAGEDCORE_CHECK(seq->num_unresolved == 0, "waiting sequence ", seq->seq_id, " has ",
+                  seq->num_unresolved, " unresolved tokens");
   int32_t num_new;
   if (seq->status == SeqStatus::kSwapped) {
     num_new = std::min(seq->num_uncomputed(), *budget);
@@ -165,6 +174,9 @@ void Scheduler::schedule(int64_t step) {
   // is never one already scheduled in this step (unless it is `seq` itself).
   for (size_t i = 0; i < running_.size() && budget > 0; ++i) {
     Sequence* seq = running_[i];
+    // Its last placeholder ended it (max_tokens / max_model_len): it only
+    // waits for that token's value (Engine::resolve) to finish.
+    if (seq->finish_pending) continue;
     const int32_t num_new = std::min(seq->num_uncomputed(), budget);
     PAGEDCORE_CHECK(num_new > 0, "running sequence ", seq->seq_id, " has nothing to compute");
     kv_.release_out_of_window(seq->blocks, seq->num_computed);

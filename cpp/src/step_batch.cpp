@@ -26,6 +26,9 @@ StepBuffers::StepBuffers(const EngineConfig& config) {
   prompt_logprob_seq_ids.resize(seqs);
   prompt_logprob_start_loc.resize(seqs + 1);
   prompt_logprob_first_positions.resize(seqs);
+  // Only decode rows defer their input: at most one per seat.
+  deferred_input_indices.resize(seqs);
+  deferred_input_samples.resize(seqs);
   // At most one copy-on-write per scheduled sequence and step.
   block_copies.resize(2 * seqs);
   // NOTE: never empty, so data() is a real pointer even with no CPU pool
@@ -59,6 +62,8 @@ void StepBuffers::bind() {
   batch.prompt_logprob_seq_ids = prompt_logprob_seq_ids.data();
   batch.prompt_logprob_start_loc = prompt_logprob_start_loc.data();
   batch.prompt_logprob_first_positions = prompt_logprob_first_positions.data();
+  batch.deferred_input_indices = deferred_input_indices.data();
+  batch.deferred_input_samples = deferred_input_samples.data();
   batch.block_copies = block_copies.data();
   batch.swap_out = swap_out.data();
   batch.swap_in = swap_in.data();

@@ -99,6 +99,7 @@ def _serve_on(sock, args: argparse.Namespace) -> int:
         preemption_mode=args.preemption_mode, swap_space=args.swap_space, kv_cache_dtype=args.kv_cache_dtype,
         seed=args.seed, enforce_eager=args.enforce_eager, load_format=args.load_format,
         async_output_proc=False if args.disable_async_output_proc else None,
+        async_scheduling=args.async_scheduling,
     )
     if args.engine_process:
         from .server.engine_process import EngineProcess
@@ -203,6 +204,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--disable-async-output-proc", action="store_true",
                      help="CUDA: make a step's outputs before launching the next step "
                           "(default: during the next step)")
+    srv.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                     help="schedule and launch step n+1 before step n's sampled tokens reach the host "
+                          "(default: on for CUDA unless --disable-async-output-proc, off for the CPU)")
     srv.add_argument("--load-format", choices=["auto", "safetensors", "dummy"], default="auto",
                      help="where the weights come from: the checkpoint's safetensors (auto, safetensors), or "
                           "random ones in its shape (dummy: config.json and the tokenizer are all that is read; "

@@ -32,6 +32,21 @@ class Engine(_C.Engine):
     >>> result = engine.update(np.array([7], dtype=np.int32))
     >>> result.token_ids.tolist(), result.finish_reasons.tolist()
     ([7], [0])
+
+    Async scheduling: the next step is scheduled before this one's value is known.
+
+    >>> engine.add_request("r1", [4, 5], pagedcore.RequestParams(max_tokens=3))
+    1
+    >>> batch = engine.schedule()          # r0 decodes 7, r1's prompt
+    >>> engine.append_placeholders()       # their samples: values owed; r0 reaches max_tokens
+    >>> batch = engine.schedule()          # r1 alone, its input id still on the device
+    >>> batch.input_ids.tolist(), batch.deferred_input_indices.tolist(), batch.deferred_input_samples.tolist()
+    ([0], [0], [1])
+    >>> engine.append_placeholders()
+    >>> engine.resolve(np.array([8, 9], dtype=np.int32)).finish_reasons.tolist()  # r0: length
+    [2, 0]
+    >>> engine.resolve(np.array([6], dtype=np.int32)).token_ids.tolist()
+    [6]
     """
 
     def __init__(self, config: _C.EngineConfig | None = None, **kwargs: Any) -> None:

@@ -64,6 +64,14 @@ class LLM:
         Turn step n's tokens into outputs (detokenizing, stop strings) while the
         device runs step n+1. None: on for CUDA, off for the CPU (where nothing
         runs in parallel). Greedy and seeded outputs do not depend on it.
+    async_scheduling : bool or None
+        Schedule and launch step n+1 before step n's sampled tokens reach the
+        host (the device copies them into step n+1's inputs), hiding the host's
+        per-step work behind the device. Steps whose sampling needs the previous
+        tokens on the host (presence/frequency/repetition penalties, structured
+        outputs) wait for them before sampling. None: on for CUDA (unless
+        ``async_output_proc=False``), off for the CPU. Greedy and seeded outputs
+        do not depend on it.
     seed : int
         Seeds torch's global RNG (requests without their own seed).
 
@@ -95,6 +103,7 @@ class LLM:
         enforce_eager: bool = False,
         load_format: str = "auto",
         async_output_proc: bool | None = None,
+        async_scheduling: bool | None = None,
     ) -> None:
         configure_default_logging()
         if model is None:
@@ -110,6 +119,7 @@ class LLM:
                 enable_prefix_caching=enable_prefix_caching, preemption_mode=preemption_mode,
                 swap_space=swap_space, kv_cache_dtype=kv_cache_dtype, seed=seed,
                 enforce_eager=enforce_eager, load_format=load_format, async_output_proc=async_output_proc,
+                async_scheduling=async_scheduling,
             )
         )
 

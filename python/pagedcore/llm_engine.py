@@ -81,6 +81,9 @@ class EngineArgs:
     enforce_eager: bool = False
     load_format: str = "auto"
     async_output_proc: bool | None = None  # None: on for CUDA, off for the CPU
+    # Schedule and launch step n+1 before step n's sampled ids reach the host.
+    # None: on for CUDA (unless async_output_proc is False), off for the CPU.
+    async_scheduling: bool | None = None
 
     def validate(self) -> None:
         """Checks every field before anything is loaded.
@@ -135,6 +138,11 @@ class EngineArgs:
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
         if self.async_output_proc not in (None, True, False):
             raise ValueError(f"async_output_proc must be True, False or None, got {self.async_output_proc!r}")
+        if self.async_scheduling not in (None, True, False):
+            raise ValueError(f"async_scheduling must be True, False or None, got {self.async_scheduling!r}")
+        if self.async_scheduling is True and self.async_output_proc is False:
+            raise ValueError("async_scheduling=True needs async_output_proc (a step's outputs come from "
+                             "the next call of step()); got async_output_proc=False")
 
 
 @dataclass
@@ -175,6 +183,15 @@ class _Request:
     @property
     def seq_ids(self) -> range:
         return range(self.first_seq_id, self.first_seq_id + len(self.completions))
+
+
+@dataclass
+class _Launched:
+    """A step launched with async scheduling whose sampled ids the engine waits for."""
+
+    num_samples: int
+    copy: _HostCopy | None  # their way to the host (None: no samples)
+    device_ids: torch.Tensor | None  # [num_samples] int64 on the device: the next step's deferred inputs
 
 
 @dataclass
@@ -363,6 +380,11 @@ class LLMEngine:
         # turns step n's tokens into outputs (see step()).
         self._async_output = (self.device.type == "cuda" if args.async_output_proc is None
                               else args.async_output_proc)
+        # Async scheduling: step() schedules and launches step n+1 before step n's
+        # sampled ids reach the host (see _step_async).
+        self._async_scheduling = (self.device.type == "cuda" and args.async_output_proc is not False
+                                  if args.async_scheduling is None else args.async_scheduling)
+        self._launched: _Launched | None = None
         self._inflight: tuple[_C.StepBatch, _HostCopy | None] | None = None
         self._pending: _StepOutputs | None = None
         # Sequences a stop string finished while a step holding them was in flight:
@@ -530,7 +552,7 @@ class LLMEngine:
             prompt_token_ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        if any(owner == request_id for _, owner in self._late_stops):
+        if not self._async_scheduling and any(owner == request_id for _, owner in self._late_stops):
             # A stop string ended it while a step held it: the engine lets the id go
             # once that step is updated.
             self._complete_inflight()
@@ -613,7 +635,10 @@ class LLMEngine:
         request = self._requests.get(request_id)
         if request is None:
             return None
-        self._complete_inflight()  # the engine takes no abort while a step is pending
+        # The engine takes no abort while a step is pending (scheduled, its tokens not
+        # given); with async scheduling none is between calls: unresolved ones drop
+        # the request's samples when they resolve.
+        self._complete_inflight()
         if request_id not in self._engine_done:
             self.engine.abort(request_id)
         for c in request.completions:
@@ -628,7 +653,7 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         # NOTE: a step in flight may hold only sequences whose requests are done
         # (stop strings found while it ran); the next step() settles it.
-        return bool(self._requests) or self._inflight is not None
+        return bool(self._requests) or self._inflight is not None or self._launched is not None
 
     def stats(self) -> dict[str, Any]:
         return _C_stats(self.engine)
@@ -647,7 +672,13 @@ class LLMEngine:
         once more; that step's token for it is dropped and the engine finishes
         it when the step is updated. Greedy and seeded outputs are the same
         either way (up to the batch-size sensitivity of GPU kernels).
+
+        With async scheduling (``async_scheduling``, on by default on CUDA) the
+        next step is also scheduled and launched before the previous step's
+        tokens reach the host: see :meth:`_step_async`.
         """
+        if self._async_scheduling:
+            return self._step_async()
         self._complete_inflight()
         batch = self.engine.schedule()
         try:
@@ -676,6 +707,92 @@ class LLMEngine:
                 # has_unfinished_requests() would spin forever.
                 raise RuntimeError(f"the engine ended every request, yet {sorted(self._requests)} remain")
         return outputs
+
+    def _step_async(self) -> list[RequestOutput]:
+        """One step with async scheduling: schedules step n+1 and launches it before
+        step n's sampled ids reach the host, then resolves step n and returns its outputs.
+
+        The engine appends a placeholder token per sample of step n+1 right away
+        (sequences grow, length stops apply); the runner takes the inputs of
+        step n+1's decode rows from step n's sampled ids on the device. A sequence
+        that step n ends (EOS, stop token, stop string) was scheduled once more; that
+        sample is dropped when step n+1 resolves. Steps whose sampling needs step n's
+        tokens on the host (penalties count them, grammars consume them) resolve step
+        n before their sampling metadata is built: the forward pass is queued by then.
+        """
+        prev, self._launched = self._launched, None
+        outputs: list[RequestOutput] = []
+        batch = self.engine.schedule()
+        self.engine.append_placeholders()
+        try:
+            logits = self.runner.execute(batch, None if prev is None else prev.device_ids)
+            if prev is not None and batch.num_samples and self._needs_host_tokens(batch):
+                prev, outputs = None, self._resolve_launched(prev)
+            launched = _Launched(batch.num_samples, None, None)
+            if batch.num_samples:
+                out = self.sampler(logits, self._sampling_metadata(batch))
+                launched = _Launched(batch.num_samples, self._host_copies.launch(out), out.sampled_token_ids)
+            if batch.num_prompt_logprob_tokens:
+                self._score_prompts(batch)
+        except BaseException:
+            self._fail_unresolved()
+            raise
+        self._launched = launched
+        if prev is not None:
+            outputs += self._resolve_launched(prev)
+        if launched.num_samples == 0:  # nothing to wait for: resolved at once
+            self._launched = None
+            self._resolve_launched(launched)
+        if self._requests and self._launched is None and not self.engine.has_unfinished_requests():
+            raise RuntimeError(f"the engine ended every request, yet {sorted(self._requests)} remain")
+        return outputs
+
+    def _needs_host_tokens(self, batch: _C.StepBatch) -> bool:
+        """Whether sampling the step needs the previous step's tokens on the host:
+        penalties count the outputs, grammar matchers consume them."""
+        return bool(self._matchers) or bool(self._slots.penalized[batch.sample_slots].any())
+
+    def _resolve_launched(self, launched: _Launched) -> list[RequestOutput]:
+        """Waits for a launched step's sampled ids, gives them to the engine
+        (``resolve``) and turns them into outputs."""
+        try:
+            if launched.copy is not None:
+                host = launched.copy.wait()
+                token_ids, sampled_lp, top = host.token_ids, host.sampled_logprobs, host.top
+                if (token_ids < 0).any():  # the sampler's mark of NaN / all -inf logits
+                    raise RuntimeError("the model produced logits with nothing to sample (NaN?)")
+            else:
+                token_ids, sampled_lp, top = np.empty(0, dtype=np.int32), None, None
+        except BaseException:
+            self._fail_unresolved()
+            raise
+        try:
+            result = self.engine.resolve(token_ids)
+            out = _StepOutputs(
+                seq_ids=result.seq_ids.tolist(), token_ids=result.token_ids.tolist(),
+                finish_reasons=result.finish_reasons.tolist(), stop_reasons=result.stop_reasons.tolist(),
+                sampled_logprobs=sampled_lp, top=top,
+            )
+            self._note_update(out.seq_ids, out.finish_reasons, result.finished_request_ids)
+            outputs = self._process(out)
+            # NOTE: the engine finishes stop strings' sequences at once (no step is
+            # pending); the unresolved step that holds them drops their samples.
+            self._apply_late_stops()
+            return outputs
+        except BaseException:
+            self._fail_unresolved()
+            raise
+
+    def _fail_unresolved(self) -> None:
+        """After a failure with async scheduling: placeholders for every step the
+        engine waits on, then every request dropped (see _fail_step)."""
+        self._launched = None
+        ended: set[int] = set()
+        while self.engine.num_unresolved_steps:
+            result = self.engine.resolve(np.zeros(self.engine.num_unresolved_samples, dtype=np.int32))
+            ended |= self._note_update(result.seq_ids.tolist(), result.finish_reasons.tolist(),
+                                       result.finished_request_ids)
+        self._abort_all(ended)
 
     def _complete_inflight(self) -> None:
         """Waits for the launched step's tokens and updates the engine with them."""
@@ -893,6 +1010,8 @@ class LLMEngine:
         sampled_lp, top = out.sampled_logprobs, out.top
         streamed: dict[str, _Request] = {}
         for k in range(len(seq_ids)):
+            if tokens[k] < 0:  # dropped: its sequence ended before the step resolved
+                continue
             owner = self._seq_owner.get(seq_ids[k])
             if owner is None:  # aborted, or done by a stop string while this step ran
                 continue

@@ -5,6 +5,11 @@ decides who runs: it takes a :class:`pagedcore.StepBatch` and returns the
 logits of the rows to sample. The step's arrays are copied once into
 preallocated buffers (no per-sequence Python work).
 
+With async scheduling, a step's decode rows may take their input token from the
+previous step's sampled ids, still on the device (``StepBatch.deferred_input_*``):
+the runner copies them into its input-ids buffer on the device before the forward
+pass (a gather and a scatter, queued behind the previous step).
+
 On CUDA, steps made only of decode rows replay CUDA graphs captured at start-up
 for a ladder of batch sizes (the batch padded up to the next size; padding rows
 write no cache slot and read the null block), unless ``enforce_eager``. Other steps
@@ -62,6 +67,8 @@ class _Staging:
     query_start_loc: torch.Tensor
     block_tables: torch.Tensor
     sample_indices: torch.Tensor
+    # Async scheduling: [token indices | sample indices] of the deferred inputs.
+    deferred: torch.Tensor
 
     @classmethod
     def allocate(cls, config: _C.EngineConfig, pin: bool) -> _Staging:
@@ -77,6 +84,7 @@ class _Staging:
             query_start_loc=buf(seqs + 1),
             block_tables=buf(seqs, config.max_blocks_per_seq),
             sample_indices=buf(seqs),
+            deferred=torch.zeros(2 * seqs, dtype=torch.int64, pin_memory=pin),
         )
 
 
@@ -301,7 +309,9 @@ class ModelRunner:
         layers[i].pre_attention(positions, hidden, residual, table, key_cache, value_cache, slots, qkv_out=qkv)
         return None
 
-    def _replay_prefill(self, batch: _C.StepBatch, md: AttentionMetadata) -> torch.Tensor:
+    def _replay_prefill(self, batch: _C.StepBatch, md: AttentionMetadata,
+                        deferred: tuple[torch.Tensor, torch.Tensor] | None = None,
+                        previous: torch.Tensor | None = None) -> torch.Tensor:
         """The step's final hidden states ``[num_tokens, hidden_size]`` from the
         graphs of the next size up (padding tokens: id 0, position 0, no cache slot)."""
         n = batch.num_tokens
@@ -314,6 +324,7 @@ class ModelRunner:
         self._p_positions[:t].copy_(s.positions[:t], non_blocking=True)
         self._p_slot_mapping[:t].copy_(s.slot_mapping[:t], non_blocking=True)
         self._staging_copied()
+        self._take_deferred(self._p_input_ids, deferred, previous)
         q = self._p_qkv[:n, :spec.q_size].view(n, spec.num_heads, spec.head_dim)
         attn = self._p_attn[:n]
         scale, window = self.model.layers[0].scale, spec.sliding_window
@@ -352,7 +363,38 @@ class ModelRunner:
             self._staged = torch.cuda.Event()
             self._staged.record()
 
-    def _replay_decode(self, batch: _C.StepBatch, width: int) -> torch.Tensor:
+    def _deferred_indices(self, batch: _C.StepBatch, previous: torch.Tensor | None
+                          ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The deferred inputs' token indices and sample indices on the device (one
+        copy), or None when the step has none."""
+        n = batch.num_deferred_inputs
+        if n == 0:
+            return None
+        if previous is None:
+            raise RuntimeError(f"internal error: the step takes {n} input ids from the previous step's "
+                               "samples, and execute() got none")
+        both = self.staging.deferred.numpy()
+        both[:n] = batch.deferred_input_indices
+        both[n:2 * n] = batch.deferred_input_samples
+        both = self._to_device(self.staging.deferred[:2 * n])
+        return both[:n], both[n:]
+
+    @staticmethod
+    def _take_deferred(input_ids: torch.Tensor, deferred: tuple[torch.Tensor, torch.Tensor] | None,
+                       previous: torch.Tensor | None) -> None:
+        """Writes the previous step's sampled ids into the deferred inputs, in place."""
+        if deferred is None:
+            return
+        tokens, samples = deferred
+        # NOTE: -1 marks a row with nothing to sample (NaN logits); that step fails
+        # when its ids reach the host, but this forward pass is queued already and
+        # must not index the embedding with -1.
+        values = previous.index_select(0, samples).clamp_(min=0).to(input_ids.dtype)
+        input_ids.index_copy_(0, tokens, values)
+
+    def _replay_decode(self, batch: _C.StepBatch, width: int,
+                       deferred: tuple[torch.Tensor, torch.Tensor] | None = None,
+                       previous: torch.Tensor | None = None) -> torch.Tensor:
         n = batch.num_seqs
         b = next(size for size in self.graphs if size >= n)  # dict in ascending order
         s = self.staging
@@ -369,6 +411,7 @@ class ModelRunner:
         self._g_seq_lens[:b].copy_(s.seq_lens[:b], non_blocking=True)
         self._g_block_tables[:b, :width].copy_(s.block_tables[:b, :width], non_blocking=True)
         self._staging_copied()
+        self._take_deferred(self._g_input_ids, deferred, previous)
         entry = self.graphs[b]
         entry.graph.replay()
         self.graph_replays += 1
@@ -390,19 +433,31 @@ class ModelRunner:
             pairs = self._to_device(torch.from_numpy(np.array(batch.block_copies)))
             ops.copy_blocks([k for k, _ in self.kv_caches], [v for _, v in self.kv_caches], pairs)
 
-    def execute(self, batch: _C.StepBatch) -> torch.Tensor:
-        """Runs the step; returns float32 logits ``[batch.num_samples, vocab]``."""
+    def execute(self, batch: _C.StepBatch, previous_sampled: torch.Tensor | None = None) -> torch.Tensor:
+        """Runs the step; returns float32 logits ``[batch.num_samples, vocab]``.
+
+        Parameters
+        ----------
+        batch : StepBatch
+            The step, just scheduled.
+        previous_sampled : Tensor, optional
+            ``[S]`` int64 on the device: the sampled ids of the step before
+            (``SamplerOutput.sampled_token_ids``), still unresolved in the engine
+            (async scheduling). Needed when ``batch.num_deferred_inputs > 0``:
+            input ``deferred_input_indices[j]`` is
+            ``previous_sampled[deferred_input_samples[j]]``.
+        """
         # NOTE: the engine's slots and block ids are valid by construction; on the
         # GPU, checking them again would synchronise every layer.
         with ops.unchecked_indices():
-            return self._execute(batch)
+            return self._execute(batch, previous_sampled)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits ``[rows, vocab]`` of final hidden states (e.g. of
         :attr:`prompt_hidden`)."""
         return self.model.compute_logits(hidden)
 
-    def _execute(self, batch: _C.StepBatch) -> torch.Tensor:
+    def _execute(self, batch: _C.StepBatch, previous: torch.Tensor | None) -> torch.Tensor:
         self.prompt_hidden = None
         self._move_blocks(batch)
         if batch.num_tokens == 0:
@@ -413,10 +468,11 @@ class ModelRunner:
         width = (int(seq_lens_np.max()) + self.block_size - 1) // self.block_size
         self._staging_free()
         np.copyto(s.block_tables.numpy()[:num_seqs, :width], batch.block_tables[:, :width])
+        deferred = self._deferred_indices(batch, previous)
         # (A step with prompt-logprob rows has prompt chunks: never a graph's.)
         if (self.graphs and batch.num_tokens == num_seqs == batch.num_samples
                 and batch.num_prompt_logprob_tokens == 0 and num_seqs <= max(self.graphs)):
-            return self._replay_decode(batch, width)
+            return self._replay_decode(batch, width, deferred, previous)
         md = AttentionMetadata(
             slot_mapping=self._to_device(_put(s.slot_mapping, batch.slot_mapping)),
             block_tables=self._to_device(s.block_tables[:num_seqs, :width]),
@@ -430,11 +486,12 @@ class ModelRunner:
             )
         sample_indices = self._to_device(_put(s.sample_indices, batch.sample_indices))
         if self.prefill_graphs and batch.num_tokens <= max(self.prefill_graphs):
-            hidden = self._replay_prefill(batch, md)
+            hidden = self._replay_prefill(batch, md, deferred, previous)
         else:
             input_ids = self._to_device(_put(s.input_ids, batch.input_ids))
             positions = self._to_device(_put(s.positions, batch.positions))
             self._staging_copied()
+            self._take_deferred(input_ids, deferred, previous)
             hidden = self.model(input_ids, positions, md, self.kv_caches)
         if batch.num_prompt_logprob_tokens:
             # Only the rows that score a prompt token; their logits are made later,

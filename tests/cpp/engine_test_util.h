@@ -17,10 +17,15 @@ struct Transcript {
   std::map<SeqId, std::vector<TokenId>> outputs;
   std::map<SeqId, FinishReason> finish;
   std::vector<std::string> finished_requests;
+  int64_t dropped = 0;  // samples resolve() dropped (their sequence had ended)
 };
 
 inline void record(const StepResult& r, Transcript& t) {
   for (int32_t k = 0; k < r.num_outputs; ++k) {
+    if (r.token_ids[k] < 0) {
+      ++t.dropped;
+      continue;
+    }
     t.outputs[r.seq_ids[k]].push_back(r.token_ids[k]);
     if (r.finish_reasons[k] != 0) t.finish[r.seq_ids[k]] = static_cast<FinishReason>(r.finish_reasons[k]);
   }
@@ -45,6 +50,49 @@ inline int drain(Engine& engine, FakeModel& model, Transcript& t, int max_steps 
   }
   return steps;
 }
+
+// Async scheduling with the fake model: each step is scheduled and run before
+// the previous step's samples reach the engine (the model takes the deferred
+// inputs from them), then that previous step is resolved.
+class AsyncDriver {
+ public:
+  AsyncDriver(Engine& engine, FakeModel& model) : engine_(engine), model_(model) {}
+
+  const StepBatch& step(Transcript& t) {
+    const StepBatch& b = engine_.schedule();
+    engine_.append_placeholders();
+    std::vector<TokenId> sampled = model_.run(b, &previous_);
+    if (engine_.num_unresolved_steps() == 2) resolve_previous(t);
+    previous_ = std::move(sampled);
+    return b;
+  }
+
+  // Resolves the step still waiting, if any.
+  void flush(Transcript& t) {
+    if (engine_.num_unresolved_steps() > 0) resolve_previous(t);
+  }
+
+  int drain(Transcript& t, int max_steps = 100000) {
+    int steps = 0;
+    while (engine_.has_unfinished_requests()) {
+      if (++steps > max_steps) throw std::runtime_error("drain: engine made no progress");
+      step(t);
+    }
+    flush(t);
+    return steps;
+  }
+
+  const std::vector<TokenId>& previous() const { return previous_; }
+
+ private:
+  void resolve_previous(Transcript& t) {
+    record(engine_.resolve(previous_.data(), static_cast<int32_t>(previous_.size())), t);
+  }
+
+  Engine& engine_;
+  FakeModel& model_;
+  std::vector<TokenId> previous_;
+};
 
 inline std::vector<TokenId> iota_tokens(int32_t n, TokenId base = 1) {
   std::vector<TokenId> v(n);

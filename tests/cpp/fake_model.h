@@ -77,9 +77,23 @@ class FakeModel {
   // next token per sample, in sample order. Throws KVCacheMismatch when a
   // block move, a slot or a block-table entry is out of range or when a cached
   // history is wrong.
-  std::vector<TokenId> run(const StepBatch& b) {
+  // Async scheduling: `previous` holds the samples of the step before (what a
+  // runner keeps on the device); the deferred inputs of b take their ids from
+  // it, as the model runner does, and the rows' histories are checked against
+  // those ids where the engine still holds placeholders.
+  std::vector<TokenId> run(const StepBatch& b, const std::vector<TokenId>* previous = nullptr) {
     if (b.block_size != bs_) fail("batch block_size " + std::to_string(b.block_size));
     move_blocks(b);
+    deferred_.assign(b.num_tokens, kPlaceholderToken);
+    for (int32_t j = 0; j < b.num_deferred_inputs; ++j) {
+      const int32_t i = b.deferred_input_indices[j], k = b.deferred_input_samples[j];
+      if (previous == nullptr || k < 0 || k >= static_cast<int32_t>(previous->size()) || i < 0 ||
+          i >= b.num_tokens || b.input_ids[i] != 0) {
+        fail("deferred input " + std::to_string(j) + " (token " + std::to_string(i) + ", sample " +
+             std::to_string(k) + ") has no sampled id to take");
+      }
+      deferred_[i] = (*previous)[k];
+    }
     write_tokens(b);
     for (int32_t r = 0; r < b.num_seqs; ++r) check_row(b, r);
     std::vector<TokenId> sampled(b.num_samples);
@@ -152,7 +166,8 @@ class FakeModel {
     for (int32_t i = 0; i < b.num_tokens; ++i) {
       const int32_t s = b.slot_mapping[i];
       if (s < bs_ || s >= num_slots) fail("token " + std::to_string(i) + " maps to slot " + std::to_string(s));
-      gpu_[s] = {b.input_ids[i], b.positions[i]};
+      const TokenId id = deferred_[i] != kPlaceholderToken ? deferred_[i] : b.input_ids[i];
+      gpu_[s] = {id, b.positions[i]};
     }
   }
 
@@ -180,13 +195,21 @@ class FakeModel {
     const int32_t lo = first_visible(b.num_computed_tokens[r]);
     const BlockId* row = b.block_tables + static_cast<size_t>(r) * b.max_blocks_per_seq;
     for (int32_t i = 0; i < lo / bs_; ++i) counts_.null_entries += row[i] == kNullBlock;
+    // A deferred input (the row's one token) is not known to the engine yet.
+    const int32_t first = b.query_start_loc[r];
+    const TokenId deferred = b.query_start_loc[r + 1] - first == 1 ? deferred_[first] : kPlaceholderToken;
     for (int32_t q = lo; q < len; ++q) {
       const Slot& s = slot(b, r, q);
-      if (s.token != tokens[q] || s.pos != q) {
+      const TokenId expected = q == len - 1 && deferred != kPlaceholderToken ? deferred : tokens[q];
+      if (expected == kPlaceholderToken) {
+        fail("seq " + std::to_string(seq) + " position " + std::to_string(q) +
+             " is computed as a placeholder (not a deferred input)");
+      }
+      if (s.token != expected || s.pos != q) {
         fail("seq " + std::to_string(seq) + " position " + std::to_string(q) + " (block " +
              std::to_string(row[q / bs_]) + ", offset " + std::to_string(q % bs_) + ") holds token " +
              std::to_string(s.token) + " of position " + std::to_string(s.pos) + ", expected token " +
-             std::to_string(tokens[q]));
+             std::to_string(expected));
       }
     }
     counts_.checked += std::max(0, len - lo);
@@ -213,6 +236,7 @@ class FakeModel {
   const Engine& engine_;
   const int32_t bs_, window_, vocab_;
   std::vector<Slot> gpu_, cpu_;  // [num physical blocks * block_size] of each pool
+  std::vector<TokenId> deferred_;  // [num_tokens] of the step: the id a deferred input took
   Counts counts_;
 };
 

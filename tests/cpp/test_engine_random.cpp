@@ -27,6 +27,9 @@ struct RandomCase {
   int32_t sliding_window;
   SchedulingPolicy policy;
   int32_t hash_bits;
+  // Async scheduling: each step is scheduled (and run) before the previous
+  // one's values arrive (append_placeholders, then resolve of the one before).
+  bool async_steps = false;
 };
 
 std::string case_name(const RandomCase& c) {
@@ -35,7 +38,7 @@ std::string case_name(const RandomCase& c) {
          (c.mode == PreemptionMode::kSwap ? "_swap" : "_recompute") +
          (c.sliding_window ? "_window" : "") +
          (c.policy == SchedulingPolicy::kPriority ? "_priority" : "_fcfs") +
-         (c.hash_bits < 64 ? "_collide" : "");
+         (c.hash_bits < 64 ? "_collide" : "") + (c.async_steps ? "_async" : "");
 }
 
 class RandomOperations : public ::testing::TestWithParam<RandomCase> {};
@@ -80,6 +83,30 @@ TEST_P(RandomOperations, InvariantsHoldAfterEveryOperation) {
   // engine must list (each prompt position after the first exactly once).
   std::map<std::string, std::pair<std::vector<TokenId>, int32_t>> scored;
   int64_t num_scored = 0;
+  // Async steps: the values and sequences of the unresolved step, which the
+  // next step's deferred inputs read and which resolve() then gets.
+  std::vector<TokenId> previous;
+  std::vector<int64_t> previous_seq_ids;
+  int64_t dropped = 0;
+  auto resolve_previous = [&]() {
+    const StepResult& res = e.resolve(previous.data(), static_cast<int32_t>(previous.size()));
+    ASSERT_EQ(res.num_outputs, static_cast<int32_t>(previous.size()));
+    for (int32_t k = 0; k < res.num_outputs; ++k) {
+      ASSERT_EQ(res.seq_ids[k], previous_seq_ids[k]);
+      if (res.token_ids[k] < 0) {
+        ++dropped;
+      } else {
+        ASSERT_EQ(res.token_ids[k], previous[k]);
+      }
+    }
+    for (const auto& id : res.finished_request_ids) {
+      ASSERT_EQ(live.erase(id), 1u);
+      auto it = scored.find(id);
+      if (it != scored.end()) {
+        ASSERT_EQ(it->second.second, static_cast<int32_t>(it->second.first.size())) << id;
+      }
+    }
+  };
   auto request_of = [&](SeqId seq_id) -> std::string {
     for (const Sequence* s : e.scheduler().running()) {
       if (s->seq_id == seq_id) return s->request->request_id;
@@ -137,6 +164,18 @@ TEST_P(RandomOperations, InvariantsHoldAfterEveryOperation) {
           ++num_scored;
         }
       }
+      if (rc.async_steps) {
+        e.append_placeholders();
+        m.run(b, &previous);
+        std::vector<TokenId> sampled(b.num_samples);
+        for (TokenId& t : sampled) t = uniform(0, 63);
+        if (e.num_unresolved_steps() == 2) resolve_previous();
+        previous = sampled;
+        previous_seq_ids.assign(b.sample_seq_ids, b.sample_seq_ids + b.num_samples);
+        ++steps;
+        e.check_invariants();
+        continue;
+      }
       m.run(b);
       std::vector<TokenId> sampled(b.num_samples);
       for (TokenId& t : sampled) t = uniform(0, 63);
@@ -178,6 +217,8 @@ TEST_P(RandomOperations, InvariantsHoldAfterEveryOperation) {
       if (e.finish(victim)) ASSERT_EQ(live.erase(owner), 1u);
       ++finishes;
     } else {
+      // (Beam search's fork needs every value known: resolve what is in flight.)
+      if (e.num_unresolved_steps() > 0) resolve_previous();
       const std::vector<SeqId> ids = live_seqs(true);
       if (ids.empty()) continue;
       try {
@@ -192,6 +233,7 @@ TEST_P(RandomOperations, InvariantsHoldAfterEveryOperation) {
     ASSERT_EQ(s.num_free_blocks + s.num_used_blocks, c.num_blocks);
     ASSERT_EQ(s.num_requests, static_cast<int32_t>(live.size()));
   }
+  if (e.num_unresolved_steps() > 0) resolve_previous();
   Transcript t;
   drain(e, m, t);
   e.check_invariants();
@@ -208,6 +250,7 @@ TEST_P(RandomOperations, InvariantsHoldAfterEveryOperation) {
   EXPECT_GT(finishes, 50);
   EXPECT_GT(forks, 50);
   EXPECT_GT(num_scored, 500);
+  if (rc.async_steps) EXPECT_GT(dropped, 20);  // samples of sequences ended in flight
   if (rc.num_blocks <= 24) EXPECT_GT(s.num_preemptions, 0);
   if (rc.mode == PreemptionMode::kSwap && rc.num_blocks <= 24) EXPECT_GT(s.num_swap_preemptions, 0);
   if (rc.prefix_caching && rc.hash_bits == 64) EXPECT_GT(s.prefix_cache_hits, 0);
@@ -230,6 +273,10 @@ std::vector<RandomCase> random_cases() {
       {7, 24, 8, true, PM::kRecompute, 0, 0, SP::kFcfs, 0},
       {8, 24, 8, true, PM::kSwap, 40, 20, SP::kPriority, 2},
       {9, 16, 32, true, PM::kRecompute, 0, 0, SP::kFcfs, 64},
+      {11, 24, 8, true, PM::kRecompute, 0, 0, SP::kFcfs, 64, true},
+      {12, 20, 8, true, PM::kSwap, 6, 0, SP::kPriority, 64, true},
+      {13, 24, 8, true, PM::kSwap, 40, 20, SP::kPriority, 2, true},
+      {14, 200, 16, false, PM::kRecompute, 0, 12, SP::kFcfs, 64, true},
   };
 }
 

@@ -29,7 +29,10 @@ namespace {
 
 using namespace pagedcore::testing;
 
-void expect_allocation_free_steps(int32_t running, int32_t waiting, bool prefix_caching) {
+// async_steps: each step scheduled before the previous one resolves
+// (append_placeholders, then resolve of the step before).
+void expect_allocation_free_steps(int32_t running, int32_t waiting, bool prefix_caching,
+                                  bool async_steps = false) {
   EngineConfig c;
   c.num_blocks = 8192;
   c.block_size = 16;
@@ -42,17 +45,26 @@ void expect_allocation_free_steps(int32_t running, int32_t waiting, bool prefix_
     e.add_request("r" + std::to_string(i), iota_tokens(100 + i % 37, i), params_max_tokens(1000));
   }
   std::vector<TokenId> sampled(running, 5);
-  // Warm up: admit and prefill everyone, then a few decode steps.
-  for (int step = 0; step < 20; ++step) {
+  int32_t previous_samples = 0;
+  // One step; false when it did not hold every running seat.
+  auto step = [&]() {
     const StepBatch& b = e.schedule();
-    e.update(sampled.data(), b.num_samples);
-  }
+    const bool full = b.num_seqs == running;
+    if (!async_steps) {
+      e.update(sampled.data(), b.num_samples);
+      return full;
+    }
+    e.append_placeholders();
+    if (e.num_unresolved_steps() == 2) e.resolve(sampled.data(), previous_samples);
+    previous_samples = b.num_samples;
+    return full;
+  };
+  // Warm up: admit and prefill everyone, then a few decode steps.
+  for (int i = 0; i < 20; ++i) step();
   g_allocations = 0;
   g_counting = true;
-  for (int step = 0; step < 300; ++step) {
-    const StepBatch& b = e.schedule();
-    if (b.num_seqs != running) break;
-    e.update(sampled.data(), b.num_samples);
+  for (int i = 0; i < 300; ++i) {
+    if (!step()) break;
   }
   g_counting = false;
   EXPECT_EQ(e.stats().num_running_seqs, running);
@@ -65,6 +77,11 @@ TEST(SteadyState, DecodeStepsAllocateNothing) {
   expect_allocation_free_steps(64, 0, true);
   expect_allocation_free_steps(64, 500, true);
   expect_allocation_free_steps(256, 0, false);
+}
+
+TEST(SteadyState, AsyncDecodeStepsAllocateNothing) {
+  expect_allocation_free_steps(64, 500, true, /*async_steps=*/true);
+  expect_allocation_free_steps(256, 0, false, /*async_steps=*/true);
 }
 
 TEST(SteadyState, TheCounterSeesAllocations) {

@@ -6,6 +6,21 @@
 //       samples one token per entry of batch.sample_indices ...
 //   const StepResult& result = engine.update(sampled, batch.num_samples);
 //
+// Async scheduling (schedule step n+1 before step n's sampled ids reach the
+// host) splits update() in two:
+//   const StepBatch& batch = engine.schedule();   // step n+1
+//   engine.append_placeholders();                 // its samples: values owed
+//   ... the runner copies step n's sampled ids (still on the device) into the
+//       inputs batch.deferred_input_indices, runs step n+1 and samples ...
+//   const StepResult& result = engine.resolve(step_n_sampled, num_samples_n);
+// append_placeholders() appends a placeholder token per sample (the sequence
+// grows, gets its slot and block in the next step, and max_tokens /
+// max_model_len apply at once); resolve() gives the oldest unresolved step its
+// values, applies EOS / stop tokens then, hashes blocks whose tokens became
+// known, and finishes what ended. A sequence that turns out ended was
+// scheduled once more; resolve() of that later step drops its sample.
+// At most two steps are unresolved at a time (schedule() takes at most one).
+//
 // The engine never touches tensors and the runner never decides who runs.
 // Every call is single-threaded; the engine is not thread-safe. Calls that
 // throw leave the engine exactly as it was before the call.
@@ -82,25 +97,59 @@ class Engine {
   }
 
   // Drops a request in any state and frees its blocks. Throws NotFound for an
-  // unknown (or already finished) id. Call only when no step is pending.
+  // unknown (or already finished) id. Call only when no step is pending;
+  // unresolved steps are fine (their samples of the request are dropped).
   void abort(const std::string& request_id);
 
-  // Plans the next step. Call only when no step is pending; then call update().
+  // Plans the next step. Call only when no step is pending and at most one
+  // step is unresolved; then call update() (no step unresolved) or
+  // append_placeholders().
   const StepBatch& schedule();
 
   // Appends sampled[k] to the sequence of sample k of the pending step (forking
   // n-sample parents first), applies EOS / stop-token / min_tokens / max_tokens
   // / max_model_len stops and frees finished sequences.
   // Throws InvalidArgument (state unchanged) when num_sampled differs from the
-  // batch's num_samples or a token id is out of range.
+  // batch's num_samples or a token id is out of range; InvalidState when no
+  // step is pending or a step is unresolved (use resolve()).
+  // The same as append_placeholders() followed by resolve(sampled).
   const StepResult& update(const TokenId* sampled, int32_t num_sampled);
   // The same for 64-bit ids (checked to fit a TokenId before anything changes).
   const StepResult& update(const int64_t* sampled, int32_t num_sampled);
 
+  // ---- async scheduling ------------------------------------------------------
+  // Ends the pending step without its sampled values: forks n-sample parents,
+  // appends kPlaceholderToken to the sequence of each sample and marks the
+  // sequences that reach max_tokens or max_model_len with it (they are not
+  // scheduled again and finish when the step resolves). The step becomes
+  // unresolved; schedule() may run again before it resolves, and then lists
+  // the placeholders as deferred inputs (StepBatch::deferred_input_indices).
+  // Throws InvalidState when no step is pending.
+  void append_placeholders();
+
+  // The sampled values of the oldest unresolved step, in its sample order:
+  // writes each into its placeholder, applies EOS / stop-token stops (from
+  // min_tokens outputs on, counted up to that token), then the max_tokens /
+  // max_model_len stop that append_placeholders() found, frees finished
+  // sequences and registers the blocks whose tokens are now all known in the
+  // prefix cache. A sample whose sequence ended before this call (an EOS of an
+  // earlier step, abort(), finish()) is dropped: the result lists it with
+  // token -1 and FinishReason::kNone. Call only when no step is pending.
+  // Throws InvalidState when no step is unresolved or one is pending,
+  // InvalidArgument (state unchanged) when num_sampled differs from that
+  // step's sample count or a token id is out of range.
+  const StepResult& resolve(const TokenId* sampled, int32_t num_sampled);
+  const StepResult& resolve(const int64_t* sampled, int32_t num_sampled);
+  // Steps that append_placeholders() ended and resolve() has not (0, 1 or 2).
+  int32_t num_unresolved_steps() const { return num_unresolved_steps_; }
+  // Samples of the oldest unresolved step (what resolve() expects); 0 if none.
+  int32_t num_unresolved_samples() const;
+
   // Finishes a sequence for a reason decided by the caller (a stop string):
   // reason kStop, or kAbort. Returns true when this finished its request (the
   // engine then forgets the request). Throws NotFound for an unknown or
-  // finished sequence. Call only when no step is pending.
+  // finished sequence. Call only when no step is pending; unresolved steps
+  // are fine (their samples of the sequence are dropped).
   bool finish(SeqId seq_id, FinishReason reason = FinishReason::kStop);
 
   // Creates a sequence of the same request sharing every block (and token)
@@ -108,14 +157,14 @@ class Engine {
   // token not computed yet (true of every running sequence between steps).
   // Returns the new id. Throws NotFound for an unknown sequence,
   // InvalidArgument when max_num_seqs seats are taken or seq_id is not running.
-  // Call only when no step is pending.
+  // Call only when no step is pending or unresolved.
   SeqId fork(SeqId seq_id);
 
   // Rewrites the last token of a live sequence, which must be an output token
   // not computed yet (true of every running sequence between steps). Beam
   // search uses it after fork(): each beam continues with its chosen token.
   // Throws NotFound, or InvalidArgument (not an uncomputed output token, or a
-  // bad token id). Call only when no step is pending.
+  // bad token id). Call only when no step is pending or unresolved.
   void set_last_token(SeqId seq_id, TokenId token);
 
   // The slot of a live request: the smallest integer >= 0 not used by another
@@ -153,6 +202,11 @@ class Engine {
   void finish_seq(Sequence* seq, FinishReason reason, int32_t stop_reason);
   void forget_request(Request* request);
   void require_no_pending_step(const char* call) const;
+  void require_no_unresolved_step(const char* call) const;
+  // Checks the token ids a caller hands in; throws InvalidArgument.
+  void check_sampled(const TokenId* sampled, int32_t num_sampled) const;
+  // Applies the values of the oldest unresolved step (checked by the caller).
+  const StepResult& apply_resolved(const TokenId* sampled);
   // Throws unless a step is pending and num_sampled matches its samples.
   void require_update_call(int32_t num_sampled) const;
   void debug_check() const;
@@ -184,6 +238,16 @@ class Engine {
   std::vector<SeqId> row_seq_;
   std::vector<uint32_t> row_version_;
   std::vector<int32_t> row_written_;
+  // Unresolved steps (append_placeholders() ... resolve()), oldest first, in a
+  // ring of two: per sample, the sequence and the position of its placeholder.
+  struct UnresolvedStep {
+    int32_t num_samples = 0;
+    std::vector<SeqId> seq_ids;
+    std::vector<int32_t> positions;
+  };
+  UnresolvedStep unresolved_[2];
+  int32_t oldest_unresolved_ = 0;
+  int32_t num_unresolved_steps_ = 0;
   std::vector<Request*> finished_requests_;  // scratch of update()
   std::vector<TokenId> narrowed_;            // scratch of update(const int64_t*, ...)
 };

@@ -12,6 +12,11 @@
 //
 // The scheduler reads only the head of the waiting queue: a step's cost does
 // not depend on how many sequences wait.
+//
+// Async scheduling (Engine::append_placeholders): a running sequence whose
+// last placeholder reached its length stop (Sequence::finish_pending) is
+// skipped, and full blocks are registered in the prefix cache only as far as
+// the sequence's tokens are known.
 #pragma once
 
 #include <cstdint>

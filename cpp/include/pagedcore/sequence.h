@@ -45,9 +45,23 @@ struct Sequence {
   int32_t num_preemptions = 0;
   FinishReason finish_reason = FinishReason::kNone;
   int32_t stop_reason = -1;         // the stop token id that ended it, else -1
+  // Async scheduling (Engine::append_placeholders / Engine::resolve): the
+  // trailing tokens whose values unresolved steps still owe (0, 1 or 2); they
+  // hold kPlaceholderToken until then and are never hashed for the prefix cache.
+  int32_t num_unresolved = 0;
+  // The sample, within the newest unresolved step, whose value is the last
+  // token; -1 when the last token is known. A step scheduled now reads that
+  // token's id from the device (StepBatch::deferred_input_indices).
+  int32_t pending_sample = -1;
+  // A placeholder reached max_tokens or max_model_len: the sequence is never
+  // scheduled again and finishes (kLength, or kStop when the value turns out
+  // to be a stop token) when that placeholder's step resolves.
+  bool finish_pending = false;
 
   int32_t num_tokens() const { return static_cast<int32_t>(tokens.size()); }
   int32_t num_outputs() const { return num_tokens() - prompt_len; }
+  // Tokens whose values are known (all but the unresolved placeholders).
+  int32_t num_known_tokens() const { return num_tokens() - num_unresolved; }
   // Tokens that still have to go through the model before the next sample.
   int32_t num_uncomputed() const { return num_tokens() - num_computed; }
 };

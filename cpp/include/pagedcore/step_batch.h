@@ -34,6 +34,8 @@ struct StepBatch {
   // samples, grouped in runs, one run per sequence that has some.
   int32_t num_prompt_logprob_tokens = 0;
   int32_t num_prompt_logprob_seqs = 0;
+  // Async scheduling: input tokens whose ids the host does not know yet.
+  int32_t num_deferred_inputs = 0;
   int32_t block_size = 0;
   int32_t max_blocks_per_seq = 0;  // row stride of block_tables
 
@@ -66,16 +68,27 @@ struct StepBatch {
   // [num_prompt_logprob_seqs] prompt position (>= 1) of the first token a run
   // scores; a run scores consecutive positions.
   const int32_t* prompt_logprob_first_positions = nullptr;
+  // Async scheduling (Engine::append_placeholders): token i =
+  // deferred_input_indices[j] of this step is the token sampled by sample
+  // deferred_input_samples[j] of the newest unresolved step, whose value has
+  // not reached the host. input_ids holds 0 there; the runner must write, on
+  // the device, that step's sampled id into the token's input before the
+  // forward pass. Only decode rows have them (their one token), and every
+  // entry refers to the same step: the one before this.
+  const int32_t* deferred_input_indices = nullptr;  // [num_deferred_inputs] token index
+  const int32_t* deferred_input_samples = nullptr;  // [num_deferred_inputs] sample of that step
   const int32_t* block_copies = nullptr;      // [num_block_copies, 2] (src, dst) GPU blocks
   const int32_t* swap_out = nullptr;          // [num_swap_out, 2] (GPU src, CPU dst)
   const int32_t* swap_in = nullptr;           // [num_swap_in, 2] (CPU src, GPU dst)
 };
 
-// What update() did with each sample, in sample order.
+// What update() (or resolve()) did with each sample, in sample order.
 struct StepResult {
   int32_t num_outputs = 0;
   const int64_t* seq_ids = nullptr;         // [num_outputs]
-  const int32_t* token_ids = nullptr;       // [num_outputs] the appended token
+  // [num_outputs] the appended token; -1 for a sample resolve() dropped
+  // because its sequence ended before the step resolved (see Engine::resolve).
+  const int32_t* token_ids = nullptr;
   const uint8_t* finish_reasons = nullptr;  // [num_outputs] FinishReason values
   const int32_t* stop_reasons = nullptr;    // [num_outputs] stop token id, or -1
   // Requests whose every sequence has finished in this update; the engine has
@@ -94,7 +107,8 @@ class StepBuffers {
   std::vector<int32_t> input_ids, positions, slot_mapping, query_start_loc, num_computed_tokens,
       seq_lens, block_tables, sample_indices, sample_slots, sample_num_outputs, block_copies,
       swap_out, swap_in, prompt_logprob_indices, prompt_logprob_token_ids,
-      prompt_logprob_start_loc, prompt_logprob_first_positions;
+      prompt_logprob_start_loc, prompt_logprob_first_positions, deferred_input_indices,
+      deferred_input_samples;
   std::vector<int64_t> seq_ids, sample_seq_ids, prompt_logprob_seq_ids;
 
   std::vector<int64_t> out_seq_ids;

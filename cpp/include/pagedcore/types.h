@@ -16,6 +16,9 @@ using SeqId = int64_t;
 
 inline constexpr BlockId kNullBlock = 0;
 inline constexpr BlockId kNoBlock = -1;
+// The value a sequence holds for a sampled token that is not known yet (async
+// scheduling: Engine::append_placeholders). Never a valid token id.
+inline constexpr TokenId kPlaceholderToken = -1;
 
 // Why a sequence stopped. Values are stable: Python sees them as integers.
 enum class FinishReason : uint8_t {
