@@ -21,6 +21,10 @@ void check(int error, const char* what) {
 
 }  // namespace
 
+#ifndef PAGEDCORE_WITH_WGMMA
+bool wgmma_prefill_available() { return false; }  // a build without sm_90
+#endif
+
 void reshape_and_cache_at(std::uintptr_t key, std::uintptr_t value, std::uintptr_t key_cache,
                           std::uintptr_t value_cache, std::uintptr_t slot_mapping,
                           bool slot_mapping_int64, DType dtype, int32_t num_tokens,
