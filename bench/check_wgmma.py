@@ -1,13 +1,13 @@
 #!/usr/bin/env python3
-"""One device call to tell whether the Hopper prefill kernel (wgmma) works and how fast.
+"""One device call to tell whether the Hopper prefill kernels (wgmma) work and how fast.
 
-Runs pagedcore.ops.paged_attention on a few prefill cases twice, with
-PAGEDCORE_PREFILL_KERNEL=wgmma and =mma (same plan, same data), against float32 torch
+Runs pagedcore.ops.paged_attention on a few prefill cases with
+PAGEDCORE_PREFILL_KERNEL=mma, =wgmma and =wgmma-ws (same plan, same data), against float32 torch
 math over the keys gathered from the paged cache (block 0 and every slot past a row's
 length hold NaN), and times both beside FlashAttention-2's varlen kernel in torch
 (``aten._flash_attention_forward``, causal aligned bottom-right, GQA) on the same keys
-laid out contiguously. Prints one line per case: max abs error of each kernel, NaN
-count, microseconds and TFLOP/s.
+laid out contiguously. Prints one line per case and kernel: max abs error, NaN count,
+microseconds and TFLOP/s; for a wrong output, where the errors sit.
 
 Usage: python3 bench/check_wgmma.py [--quick] [--iters N]
 """
@@ -26,6 +26,7 @@ import torch
 from pagedcore import _C, ops
 
 ENV = "PAGEDCORE_PREFILL_KERNEL"
+KERNELS = ("mma", "wgmma", "wgmma-ws")
 
 
 @dataclass
@@ -198,7 +199,7 @@ def check(case: Case, iters: int) -> dict:
                               case.dtype)
     want = reference(case, q, kc, vc, tables, qsl_np, seq_np)
     res = {"case": case.name, "splits": plan.num_splits, "tflop": flops(case) / 1e12}
-    for kernel in ("wgmma", "mma"):
+    for kernel in KERNELS:
         os.environ[ENV] = kernel
         out = torch.full_like(q, float("nan"))
 
@@ -236,24 +237,26 @@ def main() -> None:
                 rows.append({"case": case.name, "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
             print(rows[-1], flush=True)
     print()
-    print(f"{'case':<42}{'split':>6}{'err wgmma':>11}{'err mma':>10}{'NaN w/m':>9}"
-          f"{'us wgmma':>10}{'us mma':>9}{'us FA2':>9}{'TF/s w':>8}{'TF/s m':>8}{'TF/s FA2':>9}")
+    print(f"{'case':<42}{'splits':>7}  {'kernel':<10}{'max err':>10}{'NaN':>7}{'us':>10}{'TFLOP/s':>9}")
+    bad = []
     for r in rows:
         if "error" in r:
             print(f"{r['case']:<42} ERROR {r['error']}")
+            bad.append(r["case"])
             continue
-        fa = r["flash_us"]
         tf = r["tflop"] * 1e6
-        print(f"{r['case']:<42}{r['splits']:>6}{r['wgmma_err']:11.2e}{r['mma_err']:10.2e}"
-              f"{r['wgmma_nan']:>5}/{r['mma_nan']:<3}{r['wgmma_us']:10.1f}{r['mma_us']:9.1f}"
-              f"{(f'{fa:9.1f}' if fa else '      n/a')}{tf / r['wgmma_us']:8.0f}{tf / r['mma_us']:8.0f}"
-              f"{(f'{tf / fa:9.0f}' if fa else '      n/a')}")
-    notes = {r["flash_note"] for r in rows if r.get("flash_note")}
-    for note in notes:
+        for kernel in KERNELS:
+            err, nan, us = r[f"{kernel}_err"], r[f"{kernel}_nan"], r[f"{kernel}_us"]
+            print(f"{r['case']:<42}{r['splits']:>7}  {kernel:<10}{err:10.2e}{nan:7d}{us:10.1f}{tf / us:9.0f}")
+            if kernel != "mma" and (nan or not math.isfinite(err) or err > 0.05):
+                bad.append(f"{r['case']} [{kernel}]")
+                print(f"{'':<51}where: {r.get(f'{kernel}_diagnosis', 'NaN only')}")
+        if r["flash_us"]:
+            print(f"{r['case']:<42}{r['splits']:>7}  {'FA2':<10}{'':>10}{'':>7}{r['flash_us']:10.1f}"
+                  f"{tf / r['flash_us']:9.0f}")
+    for note in {r["flash_note"] for r in rows if r.get("flash_note")}:
         print(f"FA2 peer: {note}")
-    bad = [r["case"] for r in rows if "error" in r or r["wgmma_nan"] or not math.isfinite(r["wgmma_err"])
-           or r["wgmma_err"] > 0.05]
-    print("wgmma: OK" if not bad else f"wgmma: FAILED on {bad}")
+    print("wgmma kernels: OK" if not bad else f"wgmma kernels: FAILED on {bad}")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """The Hopper prefill kernel (wgmma, sm_90a) through pagedcore.ops.paged_attention with
-PAGEDCORE_PREFILL_KERNEL=wgmma, against the float64 references of test_ops_cuda.py
+PAGEDCORE_PREFILL_KERNEL=wgmma and =wgmma-ws (warp-specialized), against the float64 references of test_ops_cuda.py
 (fresh random inputs, NaN in every cache slot the kernel must not read, NaN-poisoned
 outputs): block sizes, head dims 64/128, GQA ratios (1, non-powers of two), bf16 and
 fp16, mixed rows (decode rows stay on the decode kernel; cached prefixes, lengths that
@@ -21,11 +21,12 @@ from test_ops_cpu import mixed_rows  # noqa: E402
 from test_ops_cuda import run_cuda  # noqa: E402
 
 
-@pytest.fixture(autouse=True)
-def wgmma_kernel(monkeypatch):
+@pytest.fixture(autouse=True, params=["wgmma", "wgmma-ws"])
+def wgmma_kernel(request, monkeypatch):
+    # wgmma-ws: the warp-specialized variant (softcap cases run the plain one).
     if not _C.cuda_wgmma_prefill_available():
         pytest.skip("the wgmma prefill kernel runs on compute capability 9.0 (sm_90 builds) only")
-    monkeypatch.setenv("PAGEDCORE_PREFILL_KERNEL", "wgmma")
+    monkeypatch.setenv("PAGEDCORE_PREFILL_KERNEL", request.param)
 
 
 HALF = [torch.bfloat16, torch.float16]
