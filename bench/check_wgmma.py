@@ -18,6 +18,8 @@ import argparse
 import math
 import os
 import statistics
+import subprocess
+import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -221,12 +223,42 @@ def check(case: Case, iters: int) -> dict:
     return res
 
 
+def probe(kernel: str) -> None:
+    """Runs `kernel` once on two small cases (one with key splits) and exits: what the
+    parent times out on if the kernel hangs."""
+    os.environ[ENV] = kernel
+    for case in (EXTRA_CASES[0], EXTRA_CASES[2]):
+        q, kc, vc, tables, seq_lens, qsl, qsl_np, seq_np = build(case)
+        ops.paged_attention(q, kc, vc, tables, seq_lens, qsl, scale=case.head_dim**-0.5)
+    torch.cuda.synchronize()
+
+
 def main() -> None:
+    global KERNELS
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="the small cases only")
     parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--probe", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    print(f"{torch.cuda.get_device_name()}; wgmma kernel available: {_C.cuda_wgmma_prefill_available()}")
+    if args.probe:
+        probe(args.probe)
+        return
+    print(f"{torch.cuda.get_device_name()}; wgmma kernels available: {_C.cuda_wgmma_prefill_available()}")
+    # NOTE: a kernel that deadlocks would take the whole device call with it: each
+    # wgmma variant first runs in a child process with a time limit.
+    alive, dropped = ["mma"], []
+    for kernel in KERNELS[1:]:
+        try:
+            done = subprocess.run([sys.executable, __file__, "--probe", kernel], timeout=180)
+            if done.returncode == 0:
+                alive.append(kernel)
+            else:
+                print(f"{kernel}: the probe failed (exit {done.returncode}); left out")
+                dropped.append(f"[{kernel}: probe failed]")
+        except subprocess.TimeoutExpired:
+            print(f"{kernel}: HANGS (probe still running after 180 s); left out")
+            dropped.append(f"[{kernel}: hangs]")
+    KERNELS = tuple(alive)
     cases = EXTRA_CASES + ([] if args.quick else ISSUE_CASES)
     rows = []
     with ops.unchecked_indices():
@@ -238,7 +270,7 @@ def main() -> None:
             print(rows[-1], flush=True)
     print()
     print(f"{'case':<42}{'splits':>7}  {'kernel':<10}{'max err':>10}{'NaN':>7}{'us':>10}{'TFLOP/s':>9}")
-    bad = []
+    bad = list(dropped)
     for r in rows:
         if "error" in r:
             print(f"{r['case']:<42} ERROR {r['error']}")
