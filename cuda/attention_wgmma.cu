@@ -23,6 +23,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cfloat>
 #include <cstdint>
 #include <cstdlib>
@@ -81,11 +82,11 @@ struct Item {
   int kv_head, work, split, splits, group, row, t0, q_begin, q_len, num_vectors, first_pos, s_lo, s_hi, n_tiles;
 };
 
-__device__ __forceinline__ Item item_of(const PagedAttentionParams& p) {
+__device__ __forceinline__ Item item_of(const PagedAttentionParams& p, int kv_head, int work, int split) {
   Item it;
-  it.kv_head = blockIdx.x;
-  it.work = blockIdx.y;
-  it.split = blockIdx.z;
+  it.kv_head = kv_head;
+  it.work = work;
+  it.split = split;
   it.splits = p.num_splits;
   it.group = p.num_heads / p.num_kv_heads;
   it.row = p.work_seq[it.work];
@@ -104,6 +105,16 @@ __device__ __forceinline__ Item item_of(const PagedAttentionParams& p) {
   it.s_hi = min(k_hi, it.s_lo + per_split);
   it.n_tiles = it.s_hi > it.s_lo ? (it.s_hi - it.s_lo + kKeys - 1) / kKeys : 0;
   return it;
+}
+
+// The CTA of a (kv heads, work items, splits) grid, or item `linear` in that
+// grid's launch order (kv head fastest) for a persistent CTA.
+__device__ __forceinline__ Item item_of(const PagedAttentionParams& p) {
+  return item_of(p, blockIdx.x, blockIdx.y, blockIdx.z);
+}
+__device__ __forceinline__ Item item_at(const PagedAttentionParams& p, int linear) {
+  const int rest = linear / p.num_kv_heads;
+  return item_of(p, linear % p.num_kv_heads, rest % p.num_work, rest / p.num_work);
 }
 
 // Q rows [first, first + count) of the item -> the swizzled Q tile (zeros for
@@ -496,10 +507,14 @@ __global__ void __launch_bounds__(kWsThreads, 1) wgmma_ws_prefill_kernel(const _
   auto empty_k = [&](int st) { return bar0 + 8 * (2 * kStages + st); };
   auto empty_v = [&](int st) { return bar0 + 8 * (3 * kStages + st); };
 
-  const Item it = item_of(p);
-  const int n_tiles = it.n_tiles;
   const int tid = threadIdx.x;
   const int wg = tid / 128;  // 0: copies; 1, 2: compute
+  const int total = p.num_kv_heads * p.num_work * p.num_splits;
+  // NOTE: with key splits each CTA takes one item (the last split to finish
+  // merges them, with a CTA barrier); without, CTAs are persistent and take
+  // items blockIdx.x, + gridDim.x, ... while the buffers keep rotating, so the
+  // next item's first tiles load during this one's last tiles and its output.
+  const bool merge = p.num_splits > 1 && p.split_counters != nullptr;
   if (tid == 0) {
     for (int st = 0; st < kStages; ++st) {
       wgmma::mbar_init(full_k(st), 128);
@@ -513,128 +528,173 @@ __global__ void __launch_bounds__(kWsThreads, 1) wgmma_ws_prefill_kernel(const _
 
   if (wg == 0) {
     wgmma::reg_dealloc<kWsCopyRegs>();
-    const KvGather<T, HD> kv(p, it);
-    // Tile t uses stage t % kStages for the (t / kStages)-th time: its full
-    // barrier completes phase t / kStages; before the copy, the empty barrier
-    // must have completed the previous use's phase.
+    // Tile g of this CTA (over all its items) uses stage g % kStages for the
+    // (g / kStages)-th time: its full barrier completes phase g / kStages;
+    // before the copy, the empty barrier must have completed the previous
+    // use's phase.
+    int g = 0;
 #pragma unroll 1
-    for (int t = 0; t < n_tiles; ++t) {
-      const int st = t % kStages;
-      const uint32_t use = t / kStages;
-      const int kbase = it.s_lo + t * kKeys;
-      if (use > 0) wgmma::mbar_wait(empty_k(st), (use - 1) & 1);
-      kv.template load<128, 4>(k_s + st * TB, kv.key_base, kbase, it.s_hi, tid);
-      wgmma::cp_async_arrive(full_k(st));
-      if (use > 0) wgmma::mbar_wait(empty_v(st), (use - 1) & 1);
-      kv.template load<128, 4>(v_s + st * TB, kv.value_base, kbase, it.s_hi, tid);
-      wgmma::cp_async_arrive(full_v(st));
+    for (int linear = blockIdx.x; linear < total; linear += gridDim.x) {
+      const Item it = item_at(p, linear);
+      const KvGather<T, HD> kv(p, it);
+#pragma unroll 1
+      for (int t = 0; t < it.n_tiles; ++t, ++g) {
+        const int st = g % kStages;
+        const uint32_t use = g / kStages;
+        const int kbase = it.s_lo + t * kKeys;
+        if (use > 0) wgmma::mbar_wait(empty_k(st), (use - 1) & 1);
+        kv.template load<128, 4>(k_s + st * TB, kv.key_base, kbase, it.s_hi, tid);
+        wgmma::cp_async_arrive(full_k(st));
+        if (use > 0) wgmma::mbar_wait(empty_v(st), (use - 1) & 1);
+        kv.template load<128, 4>(v_s + st * TB, kv.value_base, kbase, it.s_hi, tid);
+        wgmma::cp_async_arrive(full_v(st));
+      }
     }
     wgmma::cp_async_wait<0>();
-    if (it.splits > 1 && p.split_counters != nullptr) wgmma::reg_alloc<kWsJoinRegs>();
+    if (merge) wgmma::reg_alloc<kWsJoinRegs>();
   } else {
     wgmma::reg_alloc<kWsMathRegs>();
     const int mwg = wg - 1;  // computing warpgroup: rows 64 mwg .. 64 mwg + 63
     const int mtid = tid - 128 * wg;
     const int lane = tid % 32;
     const int qd = lane % 4;
-    RowState rs(p, it, mwg, (tid / 32) % 4, lane);
     const ScoreScale sc(p);
-    // This warpgroup's Q rows, copied by itself.
-    load_q<T, HD>(p, it, q_s, 64 * mwg, 64, mtid, 128);
-    wgmma::cp_async_commit();
-    wgmma::cp_async_wait<0>();
-    wgmma::fence_proxy_async();
-    wgmma::named_sync(1 + mwg, 128);
-
-    float o[ON];
-#pragma unroll
-    for (int i = 0; i < ON; ++i) o[i] = 0.f;
-    uint32_t pa[PK][4];
-#pragma unroll
-    for (int k = 0; k < PK; ++k) pa[k][0] = pa[k][1] = pa[k][2] = pa[k][3] = 0u;
     const uint32_t q_wg = q_s + mwg * 64 * 128;
+    int g = 0;  // the copier's tile counter, followed
+#pragma unroll 1
+    for (int linear = blockIdx.x; linear < total; linear += gridDim.x) {
+      const Item it = item_at(p, linear);
+      RowState rs(p, it, mwg, (tid / 32) % 4, lane);
+      // This warpgroup's Q rows, copied by itself (its wgmma on the previous
+      // item's Q retired; the barrier keeps its warps together).
+      wgmma::named_sync(1 + mwg, 128);
+      load_q<T, HD>(p, it, q_s, 64 * mwg, 64, mtid, 128);
+      wgmma::cp_async_commit();
+      wgmma::cp_async_wait<0>();
+      wgmma::fence_proxy_async();
+      wgmma::named_sync(1 + mwg, 128);
+
+      float o[ON];
+#pragma unroll
+      for (int i = 0; i < ON; ++i) o[i] = 0.f;
+      uint32_t pa[PK][4];
+#pragma unroll
+      for (int k = 0; k < PK; ++k) pa[k][0] = pa[k][1] = pa[k][2] = pa[k][3] = 0u;
 
 #pragma unroll 1
-    for (int t = 0; t < n_tiles; ++t) {
-      const int kbase = it.s_lo + t * kKeys;
-      const int st = t % kStages;
-      const uint32_t use = t / kStages;
-      const int pt = t - 1;  // the tile whose P V runs now
-      const int pst = pt % kStages;
-      float s[kKeys / 2];
-      wgmma::mbar_wait(full_k(st), use & 1);
-      wgmma::fence_proxy_async();
-      __syncwarp();
-      wgmma::pin(o);
-      wgmma::pin(pa);
-      wgmma::fence();
-      issue_s<T, HD>(s, q_wg, k_s + st * TB);
-      wgmma::commit();
-      if (t > 0) {
-        wgmma::mbar_wait(full_v(pst), (pt / kStages) & 1);
+      for (int t = 0; t < it.n_tiles; ++t, ++g) {
+        const int kbase = it.s_lo + t * kKeys;
+        const int st = g % kStages;
+        const uint32_t use = g / kStages;
+        const int pg = g - 1;  // the tile whose P V runs now (t > 0: same item)
+        const int pst = (g + kStages - 1) % kStages;
+        float s[kKeys / 2];
+        wgmma::mbar_wait(full_k(st), use & 1);
         wgmma::fence_proxy_async();
         __syncwarp();
+        wgmma::pin(o);
+        wgmma::pin(pa);
+        wgmma::fence();
+        issue_s<T, HD>(s, q_wg, k_s + st * TB);
+        wgmma::commit();
+        if (t > 0) {
+          wgmma::mbar_wait(full_v(pst), (pg / kStages) & 1);
+          wgmma::fence_proxy_async();
+          __syncwarp();
+          issue_pv<T, HD>(o, pa, v_s + pst * TB);
+          wgmma::commit();
+          wgmma::wait<1>();
+        } else {
+          wgmma::wait<0>();
+        }
+        wgmma::pin(s);
+        __syncwarp();
+        if (lane == 0) wgmma::mbar_arrive(empty_k(st));  // S retired: the K buffer is free
+
+        uint32_t pn[PK][4];
+        float corr[2];
+        bool grow;
+        softmax_tile<T, false>(s, pn, rs, sc, kbase, qd, corr, grow);
+
+        wgmma::wait<0>();
+        wgmma::pin(o);
+        wgmma::pin(pa);
+        if (t > 0) {
+          __syncwarp();
+          if (lane == 0) wgmma::mbar_arrive(empty_v(pst));  // P V retired: the V buffer is free
+        }
+        if (grow) rescale(o, corr);
+#pragma unroll
+        for (int k = 0; k < PK; ++k) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) pa[k][i] = pn[k][i];
+        }
+      }
+      if (it.n_tiles > 0) {
+        const int pg = g - 1;
+        const int pst = pg % kStages;
+        wgmma::mbar_wait(full_v(pst), (pg / kStages) & 1);
+        wgmma::fence_proxy_async();
+        __syncwarp();
+        wgmma::pin(o);
+        wgmma::pin(pa);
+        wgmma::fence();
         issue_pv<T, HD>(o, pa, v_s + pst * TB);
         wgmma::commit();
-        wgmma::wait<1>();
-      } else {
         wgmma::wait<0>();
-      }
-      wgmma::pin(s);
-      __syncwarp();
-      if (lane == 0) wgmma::mbar_arrive(empty_k(st));  // S_t retired: K_t's buffer is free
-
-      uint32_t pn[PK][4];
-      float corr[2];
-      bool grow;
-      softmax_tile<T, false>(s, pn, rs, sc, kbase, qd, corr, grow);
-
-      wgmma::wait<0>();
-      wgmma::pin(o);
-      wgmma::pin(pa);
-      if (t > 0) {
+        wgmma::pin(o);
         __syncwarp();
-        if (lane == 0) wgmma::mbar_arrive(empty_v(pst));  // P V_{t-1} retired
+        if (lane == 0) wgmma::mbar_arrive(empty_v(pst));
       }
-      if (grow) rescale(o, corr);
-#pragma unroll
-      for (int k = 0; k < PK; ++k) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) pa[k][i] = pn[k][i];
-      }
+      store_rows<T, HD>(p, it, o, rs, qd);
     }
-    if (n_tiles > 0) {
-      const int pt = n_tiles - 1;
-      const int pst = pt % kStages;
-      wgmma::mbar_wait(full_v(pst), (pt / kStages) & 1);
-      wgmma::fence_proxy_async();
-      __syncwarp();
-      wgmma::pin(o);
-      wgmma::pin(pa);
-      wgmma::fence();
-      issue_pv<T, HD>(o, pa, v_s + pst * TB);
-      wgmma::commit();
-      wgmma::wait<0>();
-      wgmma::pin(o);
-    }
-    store_rows<T, HD>(p, it, o, rs, qd);
-    if (it.splits > 1 && p.split_counters != nullptr) wgmma::reg_dealloc<kWsJoinRegs>();
+    if (merge) wgmma::reg_dealloc<kWsJoinRegs>();
   }
-  if (it.splits > 1 && p.split_counters != nullptr) {
+  if (merge) {
     // NOTE: both branches left their register counts at kWsJoinRegs: the merge
-    // below is one piece of code for all 384 threads.
+    // below is one piece of code for all 384 threads. One item per CTA here.
     __syncthreads();  // every copy and wgmma has retired: the buffers are scratch
+    const Item it = item_at(p, blockIdx.x);
     unsigned char* const scratch = smem_raw + (k_s - raw);
     merge::count_and_merge<T, HD, kWsThreads, false>(p, it.work, it.kv_head, reinterpret_cast<float*>(scratch));
   }
 #endif
 }
 
+int current_device() {
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) {
+    cudaGetLastError();
+    return -1;
+  }
+  return dev;
+}
+
+// Multiprocessors of the current device, asked once per device.
+int sm_count() {
+  constexpr int kMaxDevices = 64;
+  static int cached[kMaxDevices] = {};
+  const int dev = current_device();
+  if (dev < 0 || dev >= kMaxDevices) return 132;
+  if (cached[dev] == 0) {
+    int n = 0;
+    if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || n <= 0) {
+      cudaGetLastError();
+      n = 132;
+    }
+    cached[dev] = n;
+  }
+  return cached[dev];
+}
+
 // Launches `kernel` (threads per CTA: `threads`) over work items x kv heads x
-// key splits; merges the splits with the merge kernel when there are no counters.
+// key splits — `persistent`: one CTA per multiprocessor, each walking the
+// items of that grid in launch order, blockIdx.x + k gridDim.x (without key
+// splits only); merges the splits with the merge kernel when there are no
+// counters.
 template <int HD>
 int launch(void (*kernel)(PagedAttentionParams), bool& configured, int threads, const PagedAttentionParams& p,
-           cudaStream_t stream) {
+           cudaStream_t stream, bool persistent = false) {
   constexpr size_t smem = smem_bytes<HD>();
   static_assert(smem - 1024 - tile_bytes<HD>(kRows) >= merge::kScratchFloats * 4, "split merge space");
   if (!configured) {  // NOTE: per kernel; raising the limit is idempotent
@@ -644,7 +704,13 @@ int launch(void (*kernel)(PagedAttentionParams), bool& configured, int threads, 
     configured = true;
   }
   if (p.num_work > 65535) return cudaErrorInvalidConfiguration;
-  kernel<<<dim3(p.num_kv_heads, p.num_work, p.num_splits), threads, smem, stream>>>(p);
+  if (persistent) {
+    const int64_t total = static_cast<int64_t>(p.num_kv_heads) * p.num_work * p.num_splits;
+    const int grid = static_cast<int>(p.num_splits > 1 ? total : std::min<int64_t>(total, sm_count()));
+    kernel<<<grid, threads, smem, stream>>>(p);
+  } else {
+    kernel<<<dim3(p.num_kv_heads, p.num_work, p.num_splits), threads, smem, stream>>>(p);
+  }
   const cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess || p.num_splits == 1 || p.split_counters != nullptr) return e;
   return merge_attention_splits(p, false, stream);
@@ -656,7 +722,7 @@ int launch_head_dim(const PagedAttentionParams& p, bool warp_specialized, cudaSt
   // registers; softcap's tanh needs more, so softcap stays on the other one.
   if (warp_specialized && p.softcap == 0.f) {
     static bool configured = false;
-    return launch<HD>(wgmma_ws_prefill_kernel<T, HD>, configured, kWsThreads, p, stream);
+    return launch<HD>(wgmma_ws_prefill_kernel<T, HD>, configured, kWsThreads, p, stream, true);
   }
   if (p.softcap > 0.f) {
     static bool configured = false;
