@@ -10,6 +10,7 @@ back to the mma.sync kernel under the same setting. Runs only where the kernel r
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -66,6 +67,18 @@ def test_wgmma_key_splits(rows, group):
     plan = ops.plan_attention(qsl, [s for _, s in rows], 2 * group, 2, torch.device("cuda"), 128, torch.bfloat16)
     assert plan.num_splits > 1 and plan.num_work > 0
     run_cuda(rows, block_size=16, head_dim=128, group=group, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("head_dim,group", [(64, 4), (128, 1), (128, 3)])
+def test_wgmma_many_items_per_cta(head_dim, group):
+    # More work items x kv heads than multiprocessors: wgmma-ws's persistent CTAs walk
+    # several items each (items of different lengths, the K/V buffer rings and their
+    # barrier phases carried from one item to the next).
+    rows = [(17 + (37 * i) % 90, 17 + (37 * i) % 90 + (53 * i) % 300) for i in range(60)]
+    plan = ops.plan_attention([0, *np.cumsum([q for q, _ in rows])], [s for _, s in rows], 4 * group, 4,
+                              torch.device("cuda"), head_dim, torch.bfloat16)
+    assert plan.num_splits == 1 and plan.num_work * 4 > 2 * 132
+    run_cuda(rows, block_size=16, head_dim=head_dim, group=group, dtype=torch.bfloat16, num_kv_heads=4)
 
 
 def test_wgmma_rows_longer_than_one_staged_block_table():
