@@ -249,6 +249,15 @@ def main() -> None:
         probe(args.probe)
         return
     print(f"{torch.cuda.get_device_name()}; wgmma kernels available: {_C.cuda_wgmma_prefill_available()}")
+    # The building blocks alone first (one tile: S = Q K^T, O = P V against float math).
+    try:
+        errs = _C.cuda_wgmma_selftest()
+        for i, name in enumerate(("bf16 d64", "bf16 d128", "fp16 d64", "fp16 d128")):
+            print(f"selftest {name}: max |S - ref| {errs[2 * i]:.2e}, max |O - ref| {errs[2 * i + 1]:.2e}")
+        selftest_bad = [i for i, e in enumerate(errs) if not (0 <= e < (1e-3 if i % 2 == 0 else 1e-2))]
+    except RuntimeError as exc:
+        print(f"selftest: {exc}")
+        selftest_bad = ["error"]
     # NOTE: a kernel that deadlocks would take the whole device call with it: each
     # wgmma variant first runs in a child process with a time limit.
     alive, dropped = ["mma"], []
@@ -275,7 +284,7 @@ def main() -> None:
             print(rows[-1], flush=True)
     print()
     print(f"{'case':<42}{'splits':>7}  {'kernel':<10}{'max err':>10}{'NaN':>7}{'us':>10}{'TFLOP/s':>9}")
-    bad = list(dropped)
+    bad = list(dropped) + (["[selftest]"] if selftest_bad else [])
     for r in rows:
         if "error" in r:
             print(f"{r['case']:<42} ERROR {r['error']}")

@@ -33,6 +33,15 @@ def wgmma_kernel(request, monkeypatch):
 HALF = [torch.bfloat16, torch.float16]
 
 
+def test_wgmma_building_blocks():
+    # One tile, exactly representable inputs: S = Q K^T from the swizzled shared-memory
+    # tiles and O = P V with P in registers, against float arithmetic, for bf16/fp16 and
+    # head dims 64/128 (S: exact sums; O: float32 accumulation order only).
+    errs = _C.cuda_wgmma_selftest()
+    assert all(0 <= e < 1e-3 for e in errs[0::2]), errs
+    assert all(0 <= e < 1e-2 for e in errs[1::2]), errs
+
+
 @pytest.mark.parametrize("block_size", [8, 16, 32, 128])
 @pytest.mark.parametrize("group", [1, 3, 4, 6, 8, 12])
 @pytest.mark.parametrize("head_dim", [64, 128])
