@@ -2,7 +2,7 @@
 """One device call to tell whether the Hopper prefill kernels (wgmma) work and how fast.
 
 Runs pagedcore.ops.paged_attention on a few prefill cases with
-PAGEDCORE_PREFILL_KERNEL=mma, =wgmma and =wgmma-ws (same plan, same data), against float32 torch
+PAGEDCORE_PREFILL_KERNEL=mma, =wgmma, =wgmma-ws and =wgmma-pp (same plan, same data), against float32 torch
 math over the keys gathered from the paged cache (block 0 and every slot past a row's
 length hold NaN), and times both beside FlashAttention-2's varlen kernel in torch
 (``aten._flash_attention_forward``, causal aligned bottom-right, GQA) on the same keys
@@ -28,7 +28,7 @@ import torch
 from pagedcore import _C, ops
 
 ENV = "PAGEDCORE_PREFILL_KERNEL"
-KERNELS = ("mma", "wgmma", "wgmma-ws")
+KERNELS = ("mma", "wgmma", "wgmma-ws", "wgmma-pp")
 
 
 @dataclass

@@ -490,7 +490,7 @@ constexpr int kWsCopyRegs = 40;
 constexpr int kWsMathRegs = 232;
 constexpr int kWsJoinRegs = 168;  // everyone's share again (65536 / 384), for the split merge
 
-template <typename T, int HD>
+template <typename T, int HD, bool PINGPONG>
 __global__ void __launch_bounds__(kWsThreads, 1) wgmma_ws_prefill_kernel(const __grid_constant__ PagedAttentionParams p) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int ON = HD / 2;
@@ -559,6 +559,12 @@ __global__ void __launch_bounds__(kWsThreads, 1) wgmma_ws_prefill_kernel(const _
   } else {
     wgmma::reg_alloc<kWsMathRegs>();
     const int mwg = wg - 1;  // computing warpgroup: rows 64 mwg .. 64 mwg + 63
+    // PINGPONG: the two warpgroups take turns issuing their wgmma (named
+    // barriers 3 and 4, 256 threads: one warpgroup syncs on its own, the other
+    // arrives), so one's softmax runs while the other's GEMMs do. Both issue the
+    // same number of times; warpgroup 0 gives itself the first turn (which
+    // leaves one unmatched arrival on barrier 3 at exit, as FlashAttention-3 does).
+    if (PINGPONG && mwg == 0) wgmma::named_arrive(3, 256);
     const int mtid = tid - 128 * wg;
     const int lane = tid % 32;
     const int qd = lane % 4;
@@ -594,7 +600,9 @@ __global__ void __launch_bounds__(kWsThreads, 1) wgmma_ws_prefill_kernel(const _
         const int pst = (g + kStages - 1) % kStages;
         float s[kKeys / 2];
         wgmma::mbar_wait(full_k(st), use & 1);
+        if (t > 0) wgmma::mbar_wait(full_v(pst), (pg / kStages) & 1);
         wgmma::fence_proxy_async();
+        if constexpr (PINGPONG) wgmma::named_sync(3 + mwg, 256);  // this warpgroup's turn
         __syncwarp();
         wgmma::pin(o);
         wgmma::pin(pa);
@@ -602,11 +610,11 @@ __global__ void __launch_bounds__(kWsThreads, 1) wgmma_ws_prefill_kernel(const _
         issue_s<T, HD>(s, q_wg, k_s + st * TB);
         wgmma::commit();
         if (t > 0) {
-          wgmma::mbar_wait(full_v(pst), (pg / kStages) & 1);
-          wgmma::fence_proxy_async();
-          __syncwarp();
           issue_pv<T, HD>(o, pa, v_s + pst * TB);
           wgmma::commit();
+        }
+        if constexpr (PINGPONG) wgmma::named_arrive(3 + (1 - mwg), 256);  // the other's turn
+        if (t > 0) {
           wgmma::wait<1>();
         } else {
           wgmma::wait<0>();
@@ -639,12 +647,14 @@ __global__ void __launch_bounds__(kWsThreads, 1) wgmma_ws_prefill_kernel(const _
         const int pst = pg % kStages;
         wgmma::mbar_wait(full_v(pst), (pg / kStages) & 1);
         wgmma::fence_proxy_async();
+        if constexpr (PINGPONG) wgmma::named_sync(3 + mwg, 256);
         __syncwarp();
         wgmma::pin(o);
         wgmma::pin(pa);
         wgmma::fence();
         issue_pv<T, HD>(o, pa, v_s + pst * TB);
         wgmma::commit();
+        if constexpr (PINGPONG) wgmma::named_arrive(3 + (1 - mwg), 256);
         wgmma::wait<0>();
         wgmma::pin(o);
         __syncwarp();
@@ -844,12 +854,16 @@ int launch(void (*kernel)(PagedAttentionParams), bool& configured, int threads, 
 }
 
 template <typename T, int HD>
-int launch_head_dim(const PagedAttentionParams& p, bool warp_specialized, cudaStream_t stream) {
+int launch_head_dim(const PagedAttentionParams& p, int choice, cudaStream_t stream) {
   // NOTE: the warp-specialized kernel's computing warpgroups have 232
-  // registers; softcap's tanh needs more, so softcap stays on the other one.
-  if (warp_specialized && p.softcap == 0.f) {
+  // registers; softcap's tanh needs more, so softcap stays on the plain one.
+  if (choice == 2 && p.softcap == 0.f) {
     static bool configured = false;
-    return launch<HD>(wgmma_ws_prefill_kernel<T, HD>, configured, kWsThreads, p, stream, true);
+    return launch<HD>(wgmma_ws_prefill_kernel<T, HD, false>, configured, kWsThreads, p, stream, true);
+  }
+  if (choice == 3 && p.softcap == 0.f) {
+    static bool configured = false;
+    return launch<HD>(wgmma_ws_prefill_kernel<T, HD, true>, configured, kWsThreads, p, stream, true);
   }
   if (p.softcap > 0.f) {
     static bool configured = false;
@@ -860,15 +874,16 @@ int launch_head_dim(const PagedAttentionParams& p, bool warp_specialized, cudaSt
 }
 
 template <typename T>
-int dispatch_head_dim(const PagedAttentionParams& p, bool warp_specialized, cudaStream_t stream) {
+int dispatch_head_dim(const PagedAttentionParams& p, int choice, cudaStream_t stream) {
   switch (p.head_dim) {
-    case 64: return launch_head_dim<T, 64>(p, warp_specialized, stream);
-    case 128: return launch_head_dim<T, 128>(p, warp_specialized, stream);
+    case 64: return launch_head_dim<T, 64>(p, choice, stream);
+    case 128: return launch_head_dim<T, 128>(p, choice, stream);
     default: return cudaErrorInvalidValue;
   }
 }
 
-// PAGEDCORE_PREFILL_KERNEL: 1 = "wgmma", 2 = "wgmma-ws", 0 = anything else.
+// PAGEDCORE_PREFILL_KERNEL: 1 = "wgmma", 2 = "wgmma-ws", 3 = "wgmma-pp" (wgmma-ws
+// with the warpgroups taking turns at the tensor cores), 0 = anything else.
 int kernel_choice() {
   // NOTE: read on every call (a getenv per layer is noise) so that a process
   // can switch kernels, as the tests and benchmarks do.
@@ -876,6 +891,7 @@ int kernel_choice() {
   if (choice == nullptr) return 0;
   if (std::strcmp(choice, "wgmma") == 0) return 1;
   if (std::strcmp(choice, "wgmma-ws") == 0) return 2;
+  if (std::strcmp(choice, "wgmma-pp") == 0) return 3;
   return 0;
 }
 
@@ -929,10 +945,10 @@ bool wgmma_prefill_serves(const PagedAttentionParams& p) {
 
 int paged_attention_wgmma(const PagedAttentionParams& p, cudaStream_t stream) {
   if (p.num_work == 0) return cudaSuccess;
-  const bool warp_specialized = kernel_choice() == 2;
+  const int choice = kernel_choice();
   switch (p.dtype) {
-    case DType::kBFloat16: return dispatch_head_dim<__nv_bfloat16>(p, warp_specialized, stream);
-    case DType::kFloat16: return dispatch_head_dim<__half>(p, warp_specialized, stream);
+    case DType::kBFloat16: return dispatch_head_dim<__nv_bfloat16>(p, choice, stream);
+    case DType::kFloat16: return dispatch_head_dim<__half>(p, choice, stream);
     default: return cudaErrorInvalidValue;
   }
 }

@@ -1,5 +1,5 @@
-"""The Hopper prefill kernel (wgmma, sm_90a) through pagedcore.ops.paged_attention with
-PAGEDCORE_PREFILL_KERNEL=wgmma and =wgmma-ws (warp-specialized), against the float64 references of test_ops_cuda.py
+"""The Hopper prefill kernels (wgmma, sm_90a) through pagedcore.ops.paged_attention with
+PAGEDCORE_PREFILL_KERNEL=wgmma, =wgmma-ws and =wgmma-pp, each against the float64 references of test_ops_cuda.py
 (fresh random inputs, NaN in every cache slot the kernel must not read, NaN-poisoned
 outputs): block sizes, head dims 64/128, GQA ratios (1, non-powers of two), bf16 and
 fp16, mixed rows (decode rows stay on the decode kernel; cached prefixes, lengths that
@@ -18,16 +18,57 @@ from pagedcore import _C, ops
 
 pytestmark = pytest.mark.cuda
 
-from test_ops_cpu import mixed_rows  # noqa: E402
-from test_ops_cuda import run_cuda  # noqa: E402
+from test_ops_cpu import NAN, make_batch, mixed_rows, reference  # noqa: E402
+from test_ops_cuda import TOLERANCE  # noqa: E402
+
+# wgmma-ws: the warp-specialized variant; wgmma-pp: the same with the two computing
+# warpgroups taking turns at the tensor cores (softcap cases run the plain one).
+KERNELS = ["wgmma", "wgmma-ws", "wgmma-pp"]
 
 
-@pytest.fixture(autouse=True, params=["wgmma", "wgmma-ws"])
-def wgmma_kernel(request, monkeypatch):
-    # wgmma-ws: the warp-specialized variant (softcap cases run the plain one).
+@pytest.fixture(autouse=True)
+def needs_sm90():
     if not _C.cuda_wgmma_prefill_available():
         pytest.skip("the wgmma prefill kernel runs on compute capability 9.0 (sm_90 builds) only")
-    monkeypatch.setenv("PAGEDCORE_PREFILL_KERNEL", request.param)
+
+
+def run_cuda(rows, *, block_size, head_dim, group, dtype, window=0, softcap=0.0, num_kv_heads=2, seed=0,
+             fp8_scales=None, unsplit=False):
+    """test_ops_cuda.run_cuda for every wgmma variant, one float64 reference for all."""
+    query, kc, vc, bt, seq_lens, qsl = make_batch(
+        rows, block_size=block_size, head_dim=head_dim, num_kv_heads=num_kv_heads, group=group,
+        dtype=dtype, window=window, seed=seed,
+    )
+    bt = bt.clamp(0, kc.shape[0] - 1)  # garbage entries in range: a stray read shows as NaN
+    scale = head_dim**-0.5
+    kw = {}
+    ref_k, ref_v = kc, vc
+    if fp8_scales is not None:
+        k_scale, v_scale = fp8_scales
+        kc = (kc.float() / k_scale).to(torch.float8_e4m3fn)
+        vc = (vc.float() / v_scale).to(torch.float8_e4m3fn)
+        ref_k, ref_v = kc.double() * k_scale, vc.double() * v_scale
+        kw = {"k_scale": k_scale, "v_scale": v_scale}
+    expected = reference(query, ref_k, ref_v, bt, seq_lens, qsl, scale=scale, window=window, softcap=softcap)
+    dev = [t.cuda() for t in (query, kc, vc, bt, seq_lens, qsl)]
+    if unsplit:  # one CTA walks each row's whole key range (no key splits)
+        plan = ops.plan_attention(qsl.numpy(), seq_lens.numpy(), query.shape[1], num_kv_heads, torch.device("cuda"),
+                                  head_dim, dtype)
+        plan.num_splits = plan.decode_splits = 1
+        kw["plan"] = plan
+    n = int(qsl[-1])
+    atol, rtol = TOLERANCE[dtype]
+    with pytest.MonkeyPatch.context() as mp:
+        for kernel in KERNELS:
+            mp.setenv("PAGEDCORE_PREFILL_KERNEL", kernel)
+            out = torch.full(query.shape, NAN, dtype=dtype, device="cuda")
+            ops.paged_attention(*dev, scale=scale, sliding_window=window, softcap=softcap, out=out, **kw)
+            torch.cuda.synchronize()
+            got = out.cpu()
+            assert torch.isnan(got[n:]).all(), f"{kernel}: padding tokens after query_start_loc[-1] were written"
+            assert not torch.isnan(got[:n]).any(), f"{kernel}: a row was left unwritten or read a NaN slot"
+            torch.testing.assert_close(got[:n].double(), expected[:n], atol=atol, rtol=rtol,
+                                       msg=lambda m, k=kernel: f"{k}: {m}")
 
 
 HALF = [torch.bfloat16, torch.float16]
