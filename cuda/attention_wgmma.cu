@@ -571,15 +571,20 @@ __global__ void __launch_bounds__(kWsThreads, 1) wgmma_ws_prefill_kernel(const _
     const ScoreScale sc(p);
     const uint32_t q_wg = q_s + mwg * 64 * 128;
     int g = 0;  // the copier's tile counter, followed
+    // This warpgroup's Q rows, copied by itself: the first item's now, each
+    // next item's as soon as the last S = Q K^T of the current one retired
+    // (hidden behind its last softmax, P V and output).
+    auto prefetch_q = [&](int linear) {
+      if (linear >= total) return;
+      wgmma::named_sync(1 + mwg, 128);  // every warp's wgmma reading Q has retired
+      load_q<T, HD>(p, item_at(p, linear), q_s, 64 * mwg, 64, mtid, 128);
+      wgmma::cp_async_commit();
+    };
+    prefetch_q(blockIdx.x);
 #pragma unroll 1
     for (int linear = blockIdx.x; linear < total; linear += gridDim.x) {
       const Item it = item_at(p, linear);
       RowState rs(p, it, mwg, (tid / 32) % 4, lane);
-      // This warpgroup's Q rows, copied by itself (its wgmma on the previous
-      // item's Q retired; the barrier keeps its warps together).
-      wgmma::named_sync(1 + mwg, 128);
-      load_q<T, HD>(p, it, q_s, 64 * mwg, 64, mtid, 128);
-      wgmma::cp_async_commit();
       wgmma::cp_async_wait<0>();
       wgmma::fence_proxy_async();
       wgmma::named_sync(1 + mwg, 128);
@@ -622,6 +627,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) wgmma_ws_prefill_kernel(const _
         wgmma::pin(s);
         __syncwarp();
         if (lane == 0) wgmma::mbar_arrive(empty_k(st));  // S retired: the K buffer is free
+        if (t == it.n_tiles - 1) prefetch_q(linear + gridDim.x);
 
         uint32_t pn[PK][4];
         float corr[2];
@@ -659,6 +665,8 @@ __global__ void __launch_bounds__(kWsThreads, 1) wgmma_ws_prefill_kernel(const _
         wgmma::pin(o);
         __syncwarp();
         if (lane == 0) wgmma::mbar_arrive(empty_v(pst));
+      } else {
+        prefetch_q(linear + gridDim.x);
       }
       store_rows<T, HD>(p, it, o, rs, qd);
     }
