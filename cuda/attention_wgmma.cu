@@ -717,7 +717,7 @@ int sm_count() {
 // at their swizzled places; S = Q K^T by issue_s, then P = S / 4 rounded to T,
 // O = P V by issue_pv, each against float arithmetic on the same values.
 // errors[0] = max |S - ref|, errors[1] = max |O - ref| (atomicMax on the bits of
-// non-negative floats); NaN shows as a huge value.
+// non-negative floats; -2 if the kernel never ran); NaN shows as a huge value.
 __device__ __forceinline__ float selftest_value(int which, int r, int c) {
   const uint32_t h = (static_cast<uint32_t>(which) * 7919u + static_cast<uint32_t>(r) * 131u +
                       static_cast<uint32_t>(c) * 31u + 17u) * 2654435761u;
@@ -817,8 +817,11 @@ template <typename T, int HD>
 int run_selftest(float* out) {
   constexpr size_t smem = 1024 + tile_bytes<HD>(kRows) + 2 * tile_bytes<HD>(kKeys) + 64 * kKeys * 4;
   float* errors = nullptr;
+  // NOTE: -2 until the kernel records (the atomicMax of any error >= 0 wins):
+  // a kernel compiled empty leaves it there.
+  const float start[2] = {-2.f, -2.f};
   cudaError_t e = cudaMalloc(&errors, 2 * sizeof(float));
-  if (e == cudaSuccess) e = cudaMemset(errors, 0, 2 * sizeof(float));
+  if (e == cudaSuccess) e = cudaMemcpy(errors, start, 2 * sizeof(float), cudaMemcpyHostToDevice);
   if (e == cudaSuccess) {
     e = cudaFuncSetAttribute(wgmma_selftest_kernel<T, HD>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                              static_cast<int>(smem));
