@@ -213,10 +213,10 @@ def flashinfer_prefill(case, q, kc, vc, tables, qsl_np, seq_np):
 
 def prefill_kernel_rows(quick: bool) -> tuple[list[tuple], list[str]]:
     """The issue's prefill cases (bench/check_wgmma.py builds them: NaN-poisoned paged
-    cache, scattered blocks) on both prefill kernels (PAGEDCORE_PREFILL_KERNEL=mma and
-    =wgmma, one plan), FlashAttention-2 varlen (SDPA's flash kernel, bottom-right
-    causal, GQA) on the keys laid out contiguously, and FlashInfer's paged prefill when
-    present: (case, kernel, us, TFLOP/s, max abs err vs float32 math) rows (also wgmma-ws, wgmma-pp)."""
+    cache, scattered blocks) on every prefill kernel (PAGEDCORE_PREFILL_KERNEL=mma,
+    wgmma, wgmma-ws, wgmma-pp; one plan), FlashAttention-2 varlen (SDPA's flash kernel,
+    bottom-right causal, GQA) on the keys laid out contiguously, and FlashInfer's paged
+    prefill when present: (case, kernel, us, TFLOP/s, max abs err vs float32 math) rows."""
     import os
 
     import check_wgmma as cw
