@@ -103,7 +103,7 @@ def test_wgmma_window_softcap(dtype, head_dim, window, softcap):
 @pytest.mark.parametrize("group", [1, 4, 5])
 def test_wgmma_many_key_tiles(rows, group):
     # One CTA walks each row's whole key range (no key splits): dozens of key tiles
-    # through the two K/V buffers, cached prefixes not a multiple of the tile.
+    # through the three K/V buffers, cached prefixes not a multiple of the tile.
     run_cuda(rows, block_size=16, head_dim=128, group=group, dtype=torch.bfloat16, unsplit=True)
     run_cuda(rows, block_size=32, head_dim=64, group=group, dtype=torch.float16, unsplit=True)
 
