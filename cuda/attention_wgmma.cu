@@ -895,15 +895,18 @@ int dispatch_head_dim(const PagedAttentionParams& p, int choice, cudaStream_t st
 
 // PAGEDCORE_PREFILL_KERNEL: 1 = "wgmma", 2 = "wgmma-ws", 3 = "wgmma-pp" (wgmma-ws
 // with the warpgroups taking turns at the tensor cores), 0 = anything else.
+// Unset (or empty): kDefaultChoice — 0 (mma.sync) until the wgmma kernels have
+// been measured on the H200; then the fastest correct variant.
+constexpr int kDefaultChoice = 0;
 int kernel_choice() {
   // NOTE: read on every call (a getenv per layer is noise) so that a process
   // can switch kernels, as the tests and benchmarks do.
   const char* choice = std::getenv("PAGEDCORE_PREFILL_KERNEL");
-  if (choice == nullptr) return 0;
+  if (choice == nullptr || choice[0] == '\0') return kDefaultChoice;
   if (std::strcmp(choice, "wgmma") == 0) return 1;
   if (std::strcmp(choice, "wgmma-ws") == 0) return 2;
   if (std::strcmp(choice, "wgmma-pp") == 0) return 3;
-  return 0;
+  return 0;  // "mma", or anything else
 }
 
 bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0; }
