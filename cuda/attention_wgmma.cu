@@ -298,14 +298,15 @@ __global__ void __launch_bounds__(kWsThreads, 1) wgmma_ws_prefill_kernel(const _
         wgmma::fence();
         issue_s<T, HD>(s, q_wg, k_s + st * TB);
         wgmma::commit();
+        // NOTE: issue and wait in one branch each: ptxas serializes wgmma whose
+        // accumulators are in flight across a join of branches.
         if (t > 0) {
           issue_pv<T, HD>(o, pa, v_s + pst * TB);
           wgmma::commit();
-        }
-        if constexpr (PINGPONG) wgmma::named_arrive(3 + (1 - mwg), 256);  // the other's turn
-        if (t > 0) {
+          if constexpr (PINGPONG) wgmma::named_arrive(3 + (1 - mwg), 256);  // the other's turn
           wgmma::wait<1>();
         } else {
+          if constexpr (PINGPONG) wgmma::named_arrive(3 + (1 - mwg), 256);
           wgmma::wait<0>();
         }
         wgmma::pin(s);
@@ -453,15 +454,22 @@ int dispatch_head_dim(const PagedAttentionParams& p, int choice, cudaStream_t st
 }
 
 // PAGEDCORE_PREFILL_KERNEL: 1 = "wgmma", 2 = "wgmma-ws", 3 = "wgmma-pp" (wgmma-ws
-// with the warpgroups taking turns at the tensor cores), 0 = anything else.
-// Unset (or empty): kDefaultChoice — 0 (mma.sync) until the wgmma kernels have
-// been measured on the H200; then the fastest correct variant.
-constexpr int kDefaultChoice = 0;
-int kernel_choice() {
+// with the warpgroups taking turns at the tensor cores), 0 = "mma" (the
+// mma.sync kernel) or anything else unknown; unset, empty or "auto": the
+// variant measured fastest for the head dim (kAuto*).
+// NOTE: measured on the H200 at 4d09f5c (bench/check_wgmma.py): the plain
+// kernel is 1.45x the mma.sync kernel at head dim 128 (8k causal 254 TFLOP/s,
+// FA2 varlen 319) but slower at 64 (SmolLM2 16 x 512: 63.7 us vs 49.2); the
+// ws / pp variants had not run yet.
+constexpr int kAutoD128 = 1;
+constexpr int kAutoD64 = 0;
+int kernel_choice(const PagedAttentionParams& p) {
   // NOTE: read on every call (a getenv per layer is noise) so that a process
   // can switch kernels, as the tests and benchmarks do.
   const char* choice = std::getenv("PAGEDCORE_PREFILL_KERNEL");
-  if (choice == nullptr || choice[0] == '\0') return kDefaultChoice;
+  if (choice == nullptr || choice[0] == '\0' || std::strcmp(choice, "auto") == 0) {
+    return p.head_dim == 128 ? kAutoD128 : p.head_dim == 64 ? kAutoD64 : 0;
+  }
   if (std::strcmp(choice, "wgmma") == 0) return 1;
   if (std::strcmp(choice, "wgmma-ws") == 0) return 2;
   if (std::strcmp(choice, "wgmma-pp") == 0) return 3;
@@ -494,7 +502,7 @@ bool device_is_sm90() {
 bool wgmma_prefill_available() { return device_is_sm90(); }
 
 bool wgmma_prefill_serves(const PagedAttentionParams& p) {
-  if (kernel_choice() == 0) return false;
+  if (kernel_choice(p) == 0) return false;
   if (!(p.scale > 0.f)) return false;  // the softmax takes the max of unscaled scores
   if (p.dtype != DType::kBFloat16 && p.dtype != DType::kFloat16) return false;
   if (p.kv_dtype != p.dtype || (p.head_dim != 64 && p.head_dim != 128)) return false;
@@ -508,7 +516,7 @@ bool wgmma_prefill_serves(const PagedAttentionParams& p) {
 
 int paged_attention_wgmma(const PagedAttentionParams& p, cudaStream_t stream) {
   if (p.num_work == 0) return cudaSuccess;
-  const int choice = kernel_choice();
+  const int choice = kernel_choice(p);
   switch (p.dtype) {
     case DType::kBFloat16: return dispatch_head_dim<__nv_bfloat16>(p, choice, stream);
     case DType::kFloat16: return dispatch_head_dim<__half>(p, choice, stream);

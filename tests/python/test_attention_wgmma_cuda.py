@@ -1,5 +1,6 @@
 """The Hopper prefill kernels (wgmma, sm_90a) through pagedcore.ops.paged_attention with
-PAGEDCORE_PREFILL_KERNEL=wgmma, =wgmma-ws and =wgmma-pp, each against the float64 references of test_ops_cuda.py
+PAGEDCORE_PREFILL_KERNEL=wgmma, =wgmma-ws and =wgmma-pp (and =mma, the kernel they
+replace), each against the float64 references of test_ops_cuda.py
 (fresh random inputs, NaN in every cache slot the kernel must not read, NaN-poisoned
 outputs): block sizes, head dims 64/128, GQA ratios (1, non-powers of two), bf16 and
 fp16, mixed rows (decode rows stay on the decode kernel; cached prefixes, lengths that
@@ -22,8 +23,9 @@ from test_ops_cpu import NAN, make_batch, mixed_rows, reference  # noqa: E402
 from test_ops_cuda import TOLERANCE  # noqa: E402
 
 # wgmma-ws: the warp-specialized variant; wgmma-pp: the same with the two computing
-# warpgroups taking turns at the tensor cores (softcap cases run the plain one).
-KERNELS = ["wgmma", "wgmma-ws", "wgmma-pp"]
+# warpgroups taking turns at the tensor cores (softcap cases run the plain one). mma:
+# the mma.sync kernel, which the default (auto) no longer picks for head dim 128 here.
+KERNELS = ["mma", "wgmma", "wgmma-ws", "wgmma-pp"]
 
 
 @pytest.fixture(autouse=True)

@@ -129,11 +129,11 @@ constexpr int32_t kAttentionMaxSplits = 64;
 bool decode_supported(int32_t group, int32_t head_dim, int32_t element_bytes);
 int paged_attention(const PagedAttentionParams& p, void* stream);
 // Whether this build holds the Hopper prefill kernel (wgmma, sm_90a) and the
-// current device (compute capability 9.0) runs it. Work items go to it only
-// while the environment says PAGEDCORE_PREFILL_KERNEL=wgmma (or wgmma-ws /
-// wgmma-pp: warp-specialized variants; opt-in until measured), for bf16/fp16 queries over
-// a cache of the same dtype, head_dim
-// 64 or 128; everything else stays on the mma.sync kernel.
+// current device (compute capability 9.0) runs it. Work items (prefill tiles)
+// of bf16/fp16 queries over a cache of the same dtype go to it by
+// PAGEDCORE_PREFILL_KERNEL: unset or "auto" = where it measured faster (head
+// dim 128), "wgmma" / "wgmma-ws" / "wgmma-pp" = that variant for head dims 64
+// and 128, "mma" = never; everything else stays on the mma.sync kernel.
 bool wgmma_prefill_available();
 // Diagnostics: the wgmma building blocks of that kernel (swizzled tiles,
 // descriptors, S = Q K^T from shared memory, O = P V with P in registers) on
