@@ -100,16 +100,11 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_prefill_kernel(const __grid
     const int st_next = st == kStages - 1 ? 0 : st + 1;
     // K_{t+2} and V_{t+1} into the buffers that S_{t-1} and P_{t-2} V_{t-2}
     // read (stage (t + 2) % 3 = (t - 1) % 3, (t + 1) % 3 = (t - 2) % 3), both
-    // retired before the barrier that closed tile t-1. NOTE: issued after the
-    // GEMMs, so that the block-table lookups the copies wait on overlap them;
-    // past the last tile they zero-fill those (consumed) buffers instead of
-    // branching, and each branch below issues and waits on its own: ptxas
-    // serializes wgmma whose accumulators are in flight across a branch join.
-    auto copy_ahead = [&]() {
-      kv.template load<kThreads, 8>(k_s + st_prev * TB, kv.key_base, kbase + 2 * kKeys, it.s_hi, tid, t + 2 < n_tiles);
-      kv.template load<kThreads, 8>(v_s + st_next * TB, kv.value_base, kbase + kKeys, it.s_hi, tid, t + 1 < n_tiles);
-      wgmma::cp_async_commit();
-    };
+    // retired before the barrier that closed tile t-1.
+    if (t + 2 < n_tiles) kv.template load<kThreads, 8>(k_s + st_prev * TB, kv.key_base, kbase + 2 * kKeys, it.s_hi, tid);
+    if (t + 1 < n_tiles) kv.template load<kThreads, 8>(v_s + st_next * TB, kv.value_base, kbase + kKeys, it.s_hi, tid);
+    wgmma::cp_async_commit();
+
     float s[kKeys / 2];
     __syncwarp();
     wgmma::pin(o);
@@ -120,10 +115,8 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_prefill_kernel(const __grid
     if (t > 0) {
       issue_pv<T, HD>(o, pa, v_s + st_prev * TB);
       wgmma::commit();
-      copy_ahead();
       wgmma::wait<1>();
     } else {
-      copy_ahead();
       wgmma::wait<0>();
     }
     wgmma::pin(s);
@@ -513,7 +506,6 @@ bool wgmma_prefill_serves(const PagedAttentionParams& p) {
   if (!(p.scale > 0.f)) return false;  // the softmax takes the max of unscaled scores
   if (p.dtype != DType::kBFloat16 && p.dtype != DType::kFloat16) return false;
   if (p.kv_dtype != p.dtype || (p.head_dim != 64 && p.head_dim != 128)) return false;
-  if (p.block_size <= 0 || (p.block_size & (p.block_size - 1)) != 0) return false;  // the gathers shift
   if (p.tile_tokens * (p.num_heads / p.num_kv_heads) > kRows) return false;
   if (!aligned16(p.query) || !aligned16(p.key_cache) || !aligned16(p.value_cache) || !aligned16(p.out) ||
       p.query_stride % 8 != 0) {

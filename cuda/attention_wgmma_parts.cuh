@@ -120,10 +120,8 @@ __device__ __forceinline__ void load_q(const PagedAttentionParams& p, const Item
 // Gathers key rows kbase .. kbase + kKeys - 1 of one kv head (K or V) through
 // the row's block table into a swizzled tile, by `nthreads` threads. NOTE:
 // HD / 8 consecutive threads copy one key row (whole 128-byte lines per warp
-// instruction); keys at or past s_hi (all of them when !enable) are
-// zero-filled, never read, so their V rows add 0 * 0 to O. Branch-free (block
-// sizes are powers of two here): the plain kernel issues these copies while
-// its wgmma are in flight, and ptxas serializes wgmma across branches.
+// instruction); keys at or past s_hi are zero-filled, never read, so their V
+// rows add 0 * 0 to O.
 template <typename T, int HD>
 struct KvGather {
   const T* key_base;    // the kv head's first element in block 0, slot 0
@@ -131,21 +129,20 @@ struct KvGather {
   const int32_t* table;
   int64_t block_elems;  // elements per block (all kv heads)
   int slot_elems;       // elements per token (all kv heads)
-  int bs, bs_shift;     // block size (a power of two); log2 of it
+  int bs, bs_shift;     // block size; log2 of it, or -1
 
   __device__ __forceinline__ KvGather(const PagedAttentionParams& p, const Item& it) {
     key_base = static_cast<const T*>(p.key_cache) + it.kv_head * HD;
     value_base = static_cast<const T*>(p.value_cache) + it.kv_head * HD;
     table = p.block_tables + static_cast<int64_t>(it.row) * p.block_tables_stride;
     bs = p.block_size;
-    bs_shift = __ffs(bs) - 1;
+    bs_shift = (bs & (bs - 1)) == 0 ? __ffs(bs) - 1 : -1;
     slot_elems = p.num_kv_heads * HD;
     block_elems = static_cast<int64_t>(bs) * slot_elems;
   }
 
   template <int NTHREADS, int UNROLL>
-  __device__ __forceinline__ void load(uint32_t dst, const T* base, int kbase, int s_hi, int tid,
-                                       bool enable = true) const {
+  __device__ __forceinline__ void load(uint32_t dst, const T* base, int kbase, int s_hi, int tid) const {
     constexpr int CH = HD / 8;
     constexpr int PASS_ROWS = NTHREADS / CH;
     static_assert(NTHREADS % CH == 0 && kKeys % PASS_ROWS == 0, "copy shape");
@@ -154,13 +151,13 @@ struct KvGather {
     for (int pass = 0; pass < kKeys / PASS_ROWS; ++pass) {
       const int j = pass * PASS_ROWS + tid / CH;
       const int key = kbase + j;
-      const bool valid = enable && key < s_hi;
-      // Invalid keys read the table at a valid key (s_hi - 1 >= 0 whenever a
-      // tile is copied) and copy 0 bytes.
-      const int k = min(key, s_hi - 1);
-      const int b = k >> bs_shift;
-      const T* src = base + static_cast<int64_t>(table[b]) * block_elems + static_cast<int64_t>(k - (b << bs_shift)) * slot_elems +
-                     chunk * 8;
+      const bool valid = key < s_hi;
+      const T* src = base;
+      if (valid) {
+        const int b = bs_shift >= 0 ? key >> bs_shift : key / bs;
+        src = base + static_cast<int64_t>(table[b]) * block_elems + static_cast<int64_t>(key - b * bs) * slot_elems +
+              chunk * 8;
+      }
       wgmma::cp_async16(dst + wgmma::swizzled<kKeys>(j, chunk), src, valid);
     }
   }
