@@ -7,7 +7,11 @@ write, block copy and swap bandwidth; the fused layer ops (RMSNorm, add + RMSNor
 rotary, SiLU-and-multiply) vs the unfused torch arithmetic they replace, at the
 SmolLM2 and Llama-3-8B shapes for one token and 4096. Each case: warm-up, then CUDA-graph replays
 timed with events, median of repeats; achieved GB/s against the copy bandwidth
-measured in the same run. Prints a table last.
+measured in the same run. Prefill (issue 12's cases: 8k causal at block sizes 16
+and 128, 2048 new over 6144 cached, 16 x 512 over 1-4k cached, the SmolLM2 shape):
+the prefill kernels (PAGEDCORE_PREFILL_KERNEL=mma / wgmma / wgmma-ws / wgmma-pp) beside FlashAttention-2
+varlen (SDPA's flash kernel) on contiguous keys and FlashInfer's paged prefill, in
+TFLOP/s. Prints the tables last.
 
 Usage: python3 bench/bench_kernels_gpu.py [--quick]
 """
@@ -215,6 +219,71 @@ def prefill_case(tokens: int, heads: int, kv_heads: int, head_dim: int, block_si
     return ours, theirs, float(err)
 
 
+def flashinfer_prefill(case, q, kc, vc, tables, qsl_np, seq_np):
+    """FlashInfer's paged prefill on the same cache (NHD, causal): a callable, or None
+    with the reason."""
+    try:
+        import flashinfer
+    except ImportError:
+        return None, "not installed (bench/fetch_peer_wheels.sh, carry .peers)"
+    try:
+        bs = case.block_size
+        per = [-(-int(ctx) // bs) for ctx in seq_np]
+        kv_indptr = torch.tensor(np.concatenate([[0], np.cumsum(per)]), dtype=torch.int32, device="cuda")
+        indices = torch.cat([tables[r, :n] for r, n in enumerate(per)]).contiguous()
+        last = torch.tensor([int(ctx) - (n - 1) * bs for ctx, n in zip(seq_np, per)], dtype=torch.int32,
+                            device="cuda")
+        qo_indptr = torch.from_numpy(qsl_np).cuda()
+        ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+        wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD")
+        wrapper.plan(qo_indptr, kv_indptr, indices, last, case.heads, case.kv_heads, case.head_dim, bs,
+                     causal=True, q_data_type=q.dtype, kv_data_type=kc.dtype, sm_scale=case.head_dim**-0.5)
+        wrapper.run(q, (kc, vc))
+        return (lambda: wrapper.run(q, (kc, vc))), None
+    except Exception as exc:  # a peer that fails is reported, not fatal
+        return None, f"{type(exc).__name__}: {str(exc)[:200]}"
+
+
+def prefill_kernel_rows(quick: bool) -> tuple[list[tuple], list[str]]:
+    """The issue's prefill cases (bench/check_wgmma.py builds them: NaN-poisoned paged
+    cache, scattered blocks) on every prefill kernel (PAGEDCORE_PREFILL_KERNEL=mma,
+    wgmma, wgmma-ws, wgmma-pp; one plan), FlashAttention-2 varlen (SDPA's flash kernel,
+    bottom-right causal, GQA) on the keys laid out contiguously, and FlashInfer's paged
+    prefill when present: (case, kernel, us, TFLOP/s, max abs err vs float32 math) rows."""
+    import os
+
+    import check_wgmma as cw
+
+    cases = cw.ISSUE_CASES[2:] if quick else cw.ISSUE_CASES
+    rows, notes = [], []
+    for case in cases:
+        q, kc, vc, tables, seq_lens, qsl, qsl_np, seq_np = cw.build(case)
+        plan = ops.plan_attention(qsl_np, seq_np, case.heads, case.kv_heads, torch.device("cuda"),
+                                  case.head_dim, case.dtype)
+        want = cw.reference(case, q, kc, vc, tables, qsl_np, seq_np)
+        tflop = cw.flops(case) / 1e12
+        out = torch.empty_like(q)
+        for kernel in ("mma", "wgmma", "wgmma-ws", "wgmma-pp"):
+            os.environ[cw.ENV] = kernel
+            fn = lambda: ops.paged_attention(q, kc, vc, tables, seq_lens, qsl, scale=case.head_dim**-0.5, out=out,
+                                             plan=plan)
+            fn()
+            err = float((out.float() - want).abs().nan_to_num(float("inf")).max())
+            us = time_eager(fn, iters=3, repeats=5)
+            rows.append((case.name, f"pagedcore {kernel}", us, tflop * 1e6 / us, err))
+        os.environ.pop(cw.ENV)
+        for peer, (fn, why) in (("FA2 varlen (SDPA flash)", cw.flash_varlen(case, q, kc, vc, tables, qsl_np, seq_np)),
+                                ("FlashInfer paged", flashinfer_prefill(case, q, kc, vc, tables, qsl_np, seq_np))):
+            if fn is None:
+                notes.append(f"{peer}: {why}")
+                continue
+            o = fn()
+            err = float((o.float().view_as(want) - want).abs().max())
+            us = time_eager(fn, iters=3, repeats=5)
+            rows.append((case.name, peer, us, tflop * 1e6 / us, err))
+    return rows, sorted(set(notes))
+
+
 def _torch_rms_norm(x, w, eps, residual=None):
     if residual is not None:
         x = residual + x
@@ -371,6 +440,7 @@ def run(args) -> None:
     rows += layer_op_rows(args.quick)
     rows += linear_rows(args.quick)
 
+    prefill_rows, prefill_notes = prefill_kernel_rows(args.quick)
     prefill_ours, prefill_sdpa, prefill_err = prefill_case(8192 if not args.quick else 2048, 32, 8, 128)
     prefill_flops = 4 * 8192 * 8192 / 2 * 32 * 128 if not args.quick else 4 * 2048 * 2048 / 2 * 32 * 128
 
@@ -382,6 +452,11 @@ def run(args) -> None:
     print(f"{'prefill 8k causal (32/8, d128) vs SDPA flash':<48}{prefill_ours:14.1f}{prefill_sdpa:10.1f}"
           f"{prefill_sdpa / prefill_ours:10.2f}x{prefill_flops / prefill_ours / 1e6:7.0f} TFLOP/s{prefill_err:9.1e}")
     print(f"fp8 KV / bf16 KV time at B=64 L=4k bs=16: {fp8_ratio:.2f}x")
+    print(f"\n{'prefill case':<42}{'kernel':<26}{'us':>10}{'TFLOP/s':>9}{'max err':>10}")
+    for name, kernel, us, tflops, err in prefill_rows:
+        print(f"{name:<42}{kernel:<26}{us:10.1f}{tflops:9.0f}{err:10.1e}")
+    for note in prefill_notes:
+        print(f"prefill peer {note}")
     if "error" in FLASHINFER:
         print(f"FlashInfer 0.6.13 peer: {FLASHINFER['error']}")
     for label, (us, err) in FLASHINFER.items() if "error" not in FLASHINFER else []:

@@ -32,6 +32,7 @@
 
 #include "attention_merge.cuh"
 #include "attention_mma.h"
+#include "attention_wgmma.h"
 #include "pagedcore/cuda/kernels.h"
 
 namespace pagedcore::cuda {
@@ -651,6 +652,9 @@ int launch_all(const PagedAttentionParams& p, cudaStream_t stream) {
     const int e = launch_kernel<T, CT, HD, true>(p, stream);
     if (e != cudaSuccess) return e;
   }
+#ifdef PAGEDCORE_WITH_WGMMA
+  if (p.num_work > 0 && wgmma_prefill_serves(p)) return paged_attention_wgmma(p, stream);
+#endif
   if (p.num_work > 0) return launch_kernel<T, CT, HD, false>(p, stream);
   return cudaSuccess;
 }

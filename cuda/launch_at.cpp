@@ -21,6 +21,20 @@ void check(int error, const char* what) {
 
 }  // namespace
 
+#ifndef PAGEDCORE_WITH_WGMMA
+bool wgmma_prefill_available() { return false; }  // a build without sm_90
+int wgmma_selftest(float* errors) {
+  for (int i = 0; i < 8; ++i) errors[i] = -1.f;
+  return 0;
+}
+#endif
+
+std::vector<float> wgmma_selftest_at() {
+  std::vector<float> errors(8);
+  check(wgmma_selftest(errors.data()), "wgmma_selftest");
+  return errors;
+}
+
 void reshape_and_cache_at(std::uintptr_t key, std::uintptr_t value, std::uintptr_t key_cache,
                           std::uintptr_t value_cache, std::uintptr_t slot_mapping,
                           bool slot_mapping_int64, DType dtype, int32_t num_tokens,

@@ -70,6 +70,8 @@ void register_ops(pybind11::module_& m) {
   m.def("cuda_attention_tile_vectors", &cuda::attention_tile_vectors, "element_bytes"_a);
   m.attr("cuda_attention_partial_vectors") = cuda::kAttentionPartialVectors;
   m.def("cuda_decode_supported", &cuda::decode_supported, "group"_a, "head_dim"_a, "element_bytes"_a);
+  m.def("cuda_wgmma_prefill_available", &cuda::wgmma_prefill_available);
+  m.def("cuda_wgmma_selftest", &cuda::wgmma_selftest_at);
   m.def("cuda_reshape_and_cache", &cuda::reshape_and_cache_at, "key"_a, "value"_a, "key_cache"_a,
         "value_cache"_a, "slot_mapping"_a, "slot_mapping_int64"_a, "dtype"_a, "num_tokens"_a,
         "num_kv_heads"_a, "head_dim"_a, "num_blocks"_a, "block_size"_a, "key_stride"_a,

@@ -1,0 +1,527 @@
+// Prefill attention on Hopper tensor cores (sm_90a): wgmma from shared memory.
+//
+// One CTA (two warpgroups, 256 threads) takes a (work item, kv head, key
+// split) of the plan, like the mma.sync kernel: a tile of up to 128 query
+// vectors (query tokens x the query heads of one kv head, GQA), warpgroup g
+// owning vectors 64g..64g+63. Q is copied once into shared memory; keys stream
+// through in tiles of 128, gathered row by row through the block table with
+// cp.async into the 128-byte swizzled layout wgmma reads (wgmma_ops.cuh).
+// Per key tile t each warpgroup
+//   issues S_t = Q K_t^T        (wgmma m64n128k16, A and B from shared memory),
+//   issues O += P_{t-1} V_{t-1} (wgmma m64nHDk16, P from registers),
+//   waits for S_t, masks it (diagonal tiles, window, tile end) and runs the
+//   online softmax while the P V product is still in the tensor cores,
+//   waits for P V, rescales O if the running max moved.
+// Two variants: PAGEDCORE_PREFILL_KERNEL=wgmma, where all threads' cp.async
+// copies bring K_{t+2} and V_{t+1} (three buffers each) and a __syncthreads
+// closes each tile; =wgmma-ws, where a third warpgroup copies and mbarriers
+// hand buffers between it and the two computing warpgroups (no softcap).
+// Scores, softmax and O are float32; P is rounded to the query type.
+#include "attention_wgmma.h"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cfloat>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <type_traits>
+
+#include "attention_merge.cuh"
+#include "attention_mma.h"
+#include "attention_wgmma_parts.cuh"
+#include "pagedcore/cuda/kernels.h"
+#include "wgmma_ops.cuh"
+
+namespace pagedcore::cuda {
+
+namespace {
+
+using namespace wgmma_attention;  // NOLINT: the kernels are made of these parts
+
+// ---- the kernel without warp specialization (PAGEDCORE_PREFILL_KERNEL=wgmma) ----
+//
+// All 256 threads copy; a __syncthreads closes each key tile.
+// SOFTCAP: p.softcap > 0 (its tanh costs registers the common case should not pay).
+template <typename T, int HD, bool SOFTCAP>
+__global__ void __launch_bounds__(kThreads, 1) wgmma_prefill_kernel(const __grid_constant__ PagedAttentionParams p) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr int ON = HD / 2;          // output registers per thread
+  constexpr int PK = kKeys / 16;      // k steps of O += P V
+  constexpr int TB = tile_bytes<HD>(kKeys);
+  static_assert(HD == 64 || HD == 128, "head dim");
+  static_assert(kStages == 3, "the buffer rotation below");
+
+  extern __shared__ unsigned char smem_raw[];
+  const uint32_t raw = wgmma::smem_addr(smem_raw);
+  const uint32_t q_s = (raw + 1023u) & ~1023u;  // swizzle atoms sit on 1024-byte boundaries
+  const uint32_t k_s = q_s + tile_bytes<HD>(kRows);
+  const uint32_t v_s = k_s + kStages * TB;
+
+  const Item it = item_of(p);
+  const int tid = threadIdx.x;
+  const int wg = tid / 128;
+  const int lane = tid % 32;
+  const int qd = lane % 4;
+  RowState rs(p, it, wg, (tid / 32) % 4, lane);
+  const ScoreScale sc(p);
+  const KvGather<T, HD> kv(p, it);
+  const int n_tiles = it.n_tiles;
+
+  // Groups of copies: {Q, K_0}, {K_1, V_0}, then one per tile t: {K_{t+2}, V_{t+1}}
+  // (empty past the end); a tile's copies are waited for one tile ahead.
+  load_q<T, HD>(p, it, q_s, 0, kRows, tid, kThreads);
+  if (n_tiles > 0) kv.template load<kThreads, 8>(k_s, kv.key_base, it.s_lo, it.s_hi, tid);
+  wgmma::cp_async_commit();
+  if (n_tiles > 1) kv.template load<kThreads, 8>(k_s + TB, kv.key_base, it.s_lo + kKeys, it.s_hi, tid);
+  if (n_tiles > 0) kv.template load<kThreads, 8>(v_s, kv.value_base, it.s_lo, it.s_hi, tid);
+  wgmma::cp_async_commit();
+  wgmma::cp_async_wait<1>();
+  wgmma::fence_proxy_async();
+  __syncthreads();
+
+  float o[ON];
+#pragma unroll
+  for (int i = 0; i < ON; ++i) o[i] = 0.f;
+  uint32_t pa[PK][4];  // P of the previous tile: A fragments of O += P V
+#pragma unroll
+  for (int k = 0; k < PK; ++k) pa[k][0] = pa[k][1] = pa[k][2] = pa[k][3] = 0u;
+  const uint32_t q_wg = q_s + wg * 64 * 128;  // this warpgroup's 64 rows (8 atoms of 8 rows)
+
+#pragma unroll 1
+  for (int t = 0; t < n_tiles; ++t) {
+    const int kbase = it.s_lo + t * kKeys;
+    // Buffers of K_t, V_t (stage t % 3) and of the previous tile.
+    const int st = t % kStages;
+    const int st_prev = st == 0 ? kStages - 1 : st - 1;
+    const int st_next = st == kStages - 1 ? 0 : st + 1;
+    // K_{t+2} and V_{t+1} into the buffers that S_{t-1} and P_{t-2} V_{t-2}
+    // read (stage (t + 2) % 3 = (t - 1) % 3, (t + 1) % 3 = (t - 2) % 3), both
+    // retired before the barrier that closed tile t-1.
+    if (t + 2 < n_tiles) kv.template load<kThreads, 8>(k_s + st_prev * TB, kv.key_base, kbase + 2 * kKeys, it.s_hi, tid);
+    if (t + 1 < n_tiles) kv.template load<kThreads, 8>(v_s + st_next * TB, kv.value_base, kbase + kKeys, it.s_hi, tid);
+    wgmma::cp_async_commit();
+
+    float s[kKeys / 2];
+    __syncwarp();
+    wgmma::pin(o);
+    wgmma::pin(pa);
+    wgmma::fence();
+    issue_s<T, HD>(s, q_wg, k_s + st * TB);
+    wgmma::commit();
+    if (t > 0) {
+      issue_pv<T, HD>(o, pa, v_s + st_prev * TB);
+      wgmma::commit();
+      wgmma::wait<1>();
+    } else {
+      wgmma::wait<0>();
+    }
+    wgmma::pin(s);
+
+    uint32_t pn[PK][4];
+    float corr[2];
+    bool grow;
+    softmax_tile<T, SOFTCAP>(s, pn, rs, sc, kbase, qd, corr, grow);
+
+    wgmma::wait<0>();  // P_{t-1} V_{t-1} has landed in O
+    wgmma::pin(o);
+    wgmma::pin(pa);
+    if (grow) rescale(o, corr);
+#pragma unroll
+    for (int k = 0; k < PK; ++k) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) pa[k][i] = pn[k][i];
+    }
+    wgmma::cp_async_wait<1>();  // K_{t+1}, V_t (the group of tile t-1)
+    wgmma::fence_proxy_async();
+    __syncthreads();
+  }
+  if (n_tiles > 0) {
+    __syncwarp();
+    wgmma::pin(o);
+    wgmma::pin(pa);
+    wgmma::fence();
+    issue_pv<T, HD>(o, pa, v_s + ((n_tiles - 1) % kStages) * TB);
+    wgmma::commit();
+    wgmma::wait<0>();
+    wgmma::pin(o);
+  }
+  wgmma::cp_async_wait<0>();  // (empty groups by now; the merge reuses the buffers)
+  store_rows<T, HD>(p, it, o, rs, qd);
+  if (it.splits > 1 && p.split_counters != nullptr) {
+    // The last split of this (item, kv head) to finish merges them all; its
+    // scratch is the K/V buffers (every wgmma and copy has retired).
+    __syncthreads();
+    unsigned char* const scratch = smem_raw + (k_s - raw);
+    merge::count_and_merge<T, HD, kThreads, false>(p, it.work, it.kv_head, reinterpret_cast<float*>(scratch));
+  }
+#endif
+}
+
+// ---- the warp-specialized kernel (PAGEDCORE_PREFILL_KERNEL=wgmma-ws) ----
+//
+// Warpgroup 0 copies (cp.async, 40 registers), warpgroups 1 and 2 compute
+// (232 registers) — as FlashAttention-3 does for paged KV without TMA. K and V
+// tiles have their own rings of kStages buffers, each buffer a "full" mbarrier
+// (the 128 copying threads arrive when their copies land) and an "empty" one
+// (each of the 8 computing warps arrives once its warpgroup's wgmma that read
+// the buffer retired). The two computing warpgroups never wait for each other.
+constexpr int kWsThreads = 384;
+constexpr int kWsCopyRegs = 40;
+constexpr int kWsMathRegs = 232;
+constexpr int kWsJoinRegs = 168;  // everyone's share again (65536 / 384), for the split merge
+
+template <typename T, int HD, bool PINGPONG>
+__global__ void __launch_bounds__(kWsThreads, 1) wgmma_ws_prefill_kernel(const __grid_constant__ PagedAttentionParams p) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr int ON = HD / 2;
+  constexpr int PK = kKeys / 16;
+  constexpr int TB = tile_bytes<HD>(kKeys);
+  static_assert(HD == 64 || HD == 128, "head dim");
+
+  extern __shared__ unsigned char smem_raw[];
+  // full K, full V, empty K, empty V: kStages each.
+  __shared__ __align__(8) uint64_t bars[4 * kStages];
+  const uint32_t raw = wgmma::smem_addr(smem_raw);
+  const uint32_t q_s = (raw + 1023u) & ~1023u;
+  const uint32_t k_s = q_s + tile_bytes<HD>(kRows);
+  const uint32_t v_s = k_s + kStages * TB;
+  const uint32_t bar0 = wgmma::smem_addr(bars);
+  auto full_k = [&](int st) { return bar0 + 8 * st; };
+  auto full_v = [&](int st) { return bar0 + 8 * (kStages + st); };
+  auto empty_k = [&](int st) { return bar0 + 8 * (2 * kStages + st); };
+  auto empty_v = [&](int st) { return bar0 + 8 * (3 * kStages + st); };
+
+  const int tid = threadIdx.x;
+  const int wg = tid / 128;  // 0: copies; 1, 2: compute
+  const int total = p.num_kv_heads * p.num_work * p.num_splits;
+  // NOTE: with key splits each CTA takes one item (the last split to finish
+  // merges them, with a CTA barrier); without, CTAs are persistent and take
+  // items blockIdx.x, + gridDim.x, ... while the buffers keep rotating, so the
+  // next item's first tiles load during this one's last tiles and its output.
+  const bool merge = p.num_splits > 1 && p.split_counters != nullptr;
+  if (tid == 0) {
+    for (int st = 0; st < kStages; ++st) {
+      wgmma::mbar_init(full_k(st), 128);
+      wgmma::mbar_init(full_v(st), 128);
+      wgmma::mbar_init(empty_k(st), 8);
+      wgmma::mbar_init(empty_v(st), 8);
+    }
+    wgmma::mbar_init_fence();
+  }
+  __syncthreads();
+
+  if (wg == 0) {
+    wgmma::reg_dealloc<kWsCopyRegs>();
+    // Tile g of this CTA (over all its items) uses stage g % kStages for the
+    // (g / kStages)-th time: its full barrier completes phase g / kStages;
+    // before the copy, the empty barrier must have completed the previous
+    // use's phase.
+    int g = 0;
+#pragma unroll 1
+    for (int linear = blockIdx.x; linear < total; linear += gridDim.x) {
+      const Item it = item_at(p, linear);
+      const KvGather<T, HD> kv(p, it);
+#pragma unroll 1
+      for (int t = 0; t < it.n_tiles; ++t, ++g) {
+        const int st = g % kStages;
+        const uint32_t use = g / kStages;
+        const int kbase = it.s_lo + t * kKeys;
+        if (use > 0) wgmma::mbar_wait(empty_k(st), (use - 1) & 1);
+        kv.template load<128, 4>(k_s + st * TB, kv.key_base, kbase, it.s_hi, tid);
+        wgmma::cp_async_arrive(full_k(st));
+        if (use > 0) wgmma::mbar_wait(empty_v(st), (use - 1) & 1);
+        kv.template load<128, 4>(v_s + st * TB, kv.value_base, kbase, it.s_hi, tid);
+        wgmma::cp_async_arrive(full_v(st));
+      }
+    }
+    wgmma::cp_async_wait<0>();
+    if (merge) wgmma::reg_alloc<kWsJoinRegs>();
+  } else {
+    wgmma::reg_alloc<kWsMathRegs>();
+    const int mwg = wg - 1;  // computing warpgroup: rows 64 mwg .. 64 mwg + 63
+    // PINGPONG: the two warpgroups take turns issuing their wgmma (named
+    // barriers 3 and 4, 256 threads: one warpgroup syncs on its own, the other
+    // arrives), so one's softmax runs while the other's GEMMs do. Both issue the
+    // same number of times; warpgroup 0 gives itself the first turn (which
+    // leaves one unmatched arrival on barrier 3 at exit, as FlashAttention-3 does).
+    if (PINGPONG && mwg == 0) wgmma::named_arrive(3, 256);
+    const int mtid = tid - 128 * wg;
+    const int lane = tid % 32;
+    const int qd = lane % 4;
+    const ScoreScale sc(p);
+    const uint32_t q_wg = q_s + mwg * 64 * 128;
+    int g = 0;  // the copier's tile counter, followed
+    // This warpgroup's Q rows, copied by itself: the first item's now, each
+    // next item's as soon as the last S = Q K^T of the current one retired
+    // (hidden behind its last softmax, P V and output).
+    auto prefetch_q = [&](int linear) {
+      if (linear >= total) return;
+      wgmma::named_sync(1 + mwg, 128);  // every warp's wgmma reading Q has retired
+      load_q<T, HD>(p, item_at(p, linear), q_s, 64 * mwg, 64, mtid, 128);
+      wgmma::cp_async_commit();
+    };
+    prefetch_q(blockIdx.x);
+#pragma unroll 1
+    for (int linear = blockIdx.x; linear < total; linear += gridDim.x) {
+      const Item it = item_at(p, linear);
+      RowState rs(p, it, mwg, (tid / 32) % 4, lane);
+      wgmma::cp_async_wait<0>();
+      wgmma::fence_proxy_async();
+      wgmma::named_sync(1 + mwg, 128);
+
+      float o[ON];
+#pragma unroll
+      for (int i = 0; i < ON; ++i) o[i] = 0.f;
+      uint32_t pa[PK][4];
+#pragma unroll
+      for (int k = 0; k < PK; ++k) pa[k][0] = pa[k][1] = pa[k][2] = pa[k][3] = 0u;
+
+#pragma unroll 1
+      for (int t = 0; t < it.n_tiles; ++t, ++g) {
+        const int kbase = it.s_lo + t * kKeys;
+        const int st = g % kStages;
+        const uint32_t use = g / kStages;
+        const int pg = g - 1;  // the tile whose P V runs now (t > 0: same item)
+        const int pst = (g + kStages - 1) % kStages;
+        float s[kKeys / 2];
+        wgmma::mbar_wait(full_k(st), use & 1);
+        if (t > 0) wgmma::mbar_wait(full_v(pst), (pg / kStages) & 1);
+        wgmma::fence_proxy_async();
+        if constexpr (PINGPONG) wgmma::named_sync(3 + mwg, 256);  // this warpgroup's turn
+        __syncwarp();
+        wgmma::pin(o);
+        wgmma::pin(pa);
+        wgmma::fence();
+        issue_s<T, HD>(s, q_wg, k_s + st * TB);
+        wgmma::commit();
+        // NOTE: issue and wait in one branch each: ptxas serializes wgmma whose
+        // accumulators are in flight across a join of branches.
+        if (t > 0) {
+          issue_pv<T, HD>(o, pa, v_s + pst * TB);
+          wgmma::commit();
+          if constexpr (PINGPONG) wgmma::named_arrive(3 + (1 - mwg), 256);  // the other's turn
+          wgmma::wait<1>();
+        } else {
+          if constexpr (PINGPONG) wgmma::named_arrive(3 + (1 - mwg), 256);
+          wgmma::wait<0>();
+        }
+        wgmma::pin(s);
+        __syncwarp();
+        if (lane == 0) wgmma::mbar_arrive(empty_k(st));  // S retired: the K buffer is free
+        if (t == it.n_tiles - 1) prefetch_q(linear + gridDim.x);
+
+        uint32_t pn[PK][4];
+        float corr[2];
+        bool grow;
+        softmax_tile<T, false>(s, pn, rs, sc, kbase, qd, corr, grow);
+
+        wgmma::wait<0>();
+        wgmma::pin(o);
+        wgmma::pin(pa);
+        if (t > 0) {
+          __syncwarp();
+          if (lane == 0) wgmma::mbar_arrive(empty_v(pst));  // P V retired: the V buffer is free
+        }
+        if (grow) rescale(o, corr);
+#pragma unroll
+        for (int k = 0; k < PK; ++k) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) pa[k][i] = pn[k][i];
+        }
+      }
+      if (it.n_tiles > 0) {
+        const int pg = g - 1;
+        const int pst = pg % kStages;
+        wgmma::mbar_wait(full_v(pst), (pg / kStages) & 1);
+        wgmma::fence_proxy_async();
+        if constexpr (PINGPONG) wgmma::named_sync(3 + mwg, 256);
+        __syncwarp();
+        wgmma::pin(o);
+        wgmma::pin(pa);
+        wgmma::fence();
+        issue_pv<T, HD>(o, pa, v_s + pst * TB);
+        wgmma::commit();
+        if constexpr (PINGPONG) wgmma::named_arrive(3 + (1 - mwg), 256);
+        wgmma::wait<0>();
+        wgmma::pin(o);
+        __syncwarp();
+        if (lane == 0) wgmma::mbar_arrive(empty_v(pst));
+      } else {
+        prefetch_q(linear + gridDim.x);
+      }
+      store_rows<T, HD>(p, it, o, rs, qd);
+    }
+    if (merge) wgmma::reg_dealloc<kWsJoinRegs>();
+  }
+  if (merge) {
+    // NOTE: both branches left their register counts at kWsJoinRegs: the merge
+    // below is one piece of code for all 384 threads. One item per CTA here.
+    __syncthreads();  // every copy and wgmma has retired: the buffers are scratch
+    const Item it = item_at(p, blockIdx.x);
+    unsigned char* const scratch = smem_raw + (k_s - raw);
+    merge::count_and_merge<T, HD, kWsThreads, false>(p, it.work, it.kv_head, reinterpret_cast<float*>(scratch));
+  }
+#endif
+}
+
+int current_device() {
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) {
+    cudaGetLastError();
+    return -1;
+  }
+  return dev;
+}
+
+// Multiprocessors of the current device, asked once per device.
+int sm_count() {
+  constexpr int kMaxDevices = 64;
+  static int cached[kMaxDevices] = {};
+  const int dev = current_device();
+  if (dev < 0 || dev >= kMaxDevices) return 132;
+  if (cached[dev] == 0) {
+    int n = 0;
+    if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || n <= 0) {
+      cudaGetLastError();
+      n = 132;
+    }
+    cached[dev] = n;
+  }
+  return cached[dev];
+}
+
+
+// Launches `kernel` (threads per CTA: `threads`) over work items x kv heads x
+// key splits — `persistent`: one CTA per multiprocessor, each walking the
+// items of that grid in launch order, blockIdx.x + k gridDim.x (without key
+// splits only); merges the splits with the merge kernel when there are no
+// counters.
+template <int HD>
+int launch(void (*kernel)(PagedAttentionParams), bool& configured, int threads, const PagedAttentionParams& p,
+           cudaStream_t stream, bool persistent = false) {
+  constexpr size_t smem = smem_bytes<HD>();
+  static_assert(smem - 1024 - tile_bytes<HD>(kRows) >= merge::kScratchFloats * 4, "split merge space");
+  if (!configured) {  // NOTE: per kernel; raising the limit is idempotent
+    const cudaError_t e =
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+    if (e != cudaSuccess) return e;
+    configured = true;
+  }
+  if (p.num_work > 65535) return cudaErrorInvalidConfiguration;
+  if (persistent) {
+    const int64_t total = static_cast<int64_t>(p.num_kv_heads) * p.num_work * p.num_splits;
+    const int grid = static_cast<int>(p.num_splits > 1 ? total : std::min<int64_t>(total, sm_count()));
+    kernel<<<grid, threads, smem, stream>>>(p);
+  } else {
+    kernel<<<dim3(p.num_kv_heads, p.num_work, p.num_splits), threads, smem, stream>>>(p);
+  }
+  const cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess || p.num_splits == 1 || p.split_counters != nullptr) return e;
+  return merge_attention_splits(p, false, stream);
+}
+
+template <typename T, int HD>
+int launch_head_dim(const PagedAttentionParams& p, int choice, cudaStream_t stream) {
+  // NOTE: the warp-specialized kernel's computing warpgroups have 232
+  // registers; softcap's tanh needs more, so softcap stays on the plain one.
+  if (choice == 2 && p.softcap == 0.f) {
+    static bool configured = false;
+    return launch<HD>(wgmma_ws_prefill_kernel<T, HD, false>, configured, kWsThreads, p, stream, true);
+  }
+  if (choice == 3 && p.softcap == 0.f) {
+    static bool configured = false;
+    return launch<HD>(wgmma_ws_prefill_kernel<T, HD, true>, configured, kWsThreads, p, stream, true);
+  }
+  if (p.softcap > 0.f) {
+    static bool configured = false;
+    return launch<HD>(wgmma_prefill_kernel<T, HD, true>, configured, kThreads, p, stream);
+  }
+  static bool configured = false;
+  return launch<HD>(wgmma_prefill_kernel<T, HD, false>, configured, kThreads, p, stream);
+}
+
+template <typename T>
+int dispatch_head_dim(const PagedAttentionParams& p, int choice, cudaStream_t stream) {
+  switch (p.head_dim) {
+    case 64: return launch_head_dim<T, 64>(p, choice, stream);
+    case 128: return launch_head_dim<T, 128>(p, choice, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+// PAGEDCORE_PREFILL_KERNEL: 1 = "wgmma", 2 = "wgmma-ws", 3 = "wgmma-pp" (wgmma-ws
+// with the warpgroups taking turns at the tensor cores), 0 = "mma" (the
+// mma.sync kernel) or anything else unknown; unset, empty or "auto": the
+// variant measured fastest for the head dim (kAuto*).
+// NOTE: measured on the H200 (bench/check_wgmma.py, at 7feb9e8; all variants
+// correct): 8k causal d128 bs16 mma 3109 us, wgmma 2189 (251 TFLOP/s), ws 2490,
+// pp 2473, FA2 varlen 1714; SmolLM2 16 x 512 d64 mma 50.3, wgmma 62.9, ws 55.8,
+// pp 53.3. So the plain kernel at head dim 128, mma.sync at 64.
+constexpr int kAutoD128 = 1;
+constexpr int kAutoD64 = 0;
+int kernel_choice(const PagedAttentionParams& p) {
+  // NOTE: read on every call (a getenv per layer is noise) so that a process
+  // can switch kernels, as the tests and benchmarks do.
+  const char* choice = std::getenv("PAGEDCORE_PREFILL_KERNEL");
+  if (choice == nullptr || choice[0] == '\0' || std::strcmp(choice, "auto") == 0) {
+    return p.head_dim == 128 ? kAutoD128 : p.head_dim == 64 ? kAutoD64 : 0;
+  }
+  if (std::strcmp(choice, "wgmma") == 0) return 1;
+  if (std::strcmp(choice, "wgmma-ws") == 0) return 2;
+  if (std::strcmp(choice, "wgmma-pp") == 0) return 3;
+  return 0;  // "mma", or anything else
+}
+
+bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0; }
+
+// Compute capability 9.0 (what sm_90a code runs on), per device, asked once.
+bool device_is_sm90() {
+  constexpr int kMaxDevices = 64;
+  static int cached[kMaxDevices] = {};  // 0 unknown, 1 yes, 2 no
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= kMaxDevices) {
+    cudaGetLastError();
+    return false;
+  }
+  if (cached[dev] == 0) {
+    int major = 0, minor = 0;
+    const bool ok = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess &&
+                    cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) == cudaSuccess;
+    if (!ok) cudaGetLastError();
+    cached[dev] = ok && major == 9 && minor == 0 ? 1 : 2;
+  }
+  return cached[dev] == 1;
+}
+
+}  // namespace
+
+bool wgmma_prefill_available() { return device_is_sm90(); }
+
+bool wgmma_prefill_serves(const PagedAttentionParams& p) {
+  if (kernel_choice(p) == 0) return false;
+  if (!(p.scale > 0.f)) return false;  // the softmax takes the max of unscaled scores
+  if (p.dtype != DType::kBFloat16 && p.dtype != DType::kFloat16) return false;
+  if (p.kv_dtype != p.dtype || (p.head_dim != 64 && p.head_dim != 128)) return false;
+  if (p.tile_tokens * (p.num_heads / p.num_kv_heads) > kRows) return false;
+  if (!aligned16(p.query) || !aligned16(p.key_cache) || !aligned16(p.value_cache) || !aligned16(p.out) ||
+      p.query_stride % 8 != 0) {
+    return false;
+  }
+  return device_is_sm90();
+}
+
+int paged_attention_wgmma(const PagedAttentionParams& p, cudaStream_t stream) {
+  if (p.num_work == 0) return cudaSuccess;
+  const int choice = kernel_choice(p);
+  switch (p.dtype) {
+    case DType::kBFloat16: return dispatch_head_dim<__nv_bfloat16>(p, choice, stream);
+    case DType::kFloat16: return dispatch_head_dim<__half>(p, choice, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+}  // namespace pagedcore::cuda

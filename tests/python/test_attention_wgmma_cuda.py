@@ -1,0 +1,152 @@
+"""The Hopper prefill kernels (wgmma, sm_90a) through pagedcore.ops.paged_attention with
+PAGEDCORE_PREFILL_KERNEL=wgmma, =wgmma-ws and =wgmma-pp (and =mma, the kernel they
+replace), each against the float64 references of test_ops_cuda.py
+(fresh random inputs, NaN in every cache slot the kernel must not read, NaN-poisoned
+outputs): block sizes, head dims 64/128, GQA ratios (1, non-powers of two), bf16 and
+fp16, mixed rows (decode rows stay on the decode kernel; cached prefixes, lengths that
+are and are not block multiples), sliding window, softcap, key splits, rows of many key
+tiles. Shapes the kernel does not serve (head dims 32/80/96/256, fp8 caches) must fall
+back to the mma.sync kernel under the same setting. Runs only where the kernel runs
+(an sm_90 build on a compute capability 9.0 device)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from pagedcore import _C, ops
+
+pytestmark = pytest.mark.cuda
+
+from test_ops_cpu import NAN, make_batch, mixed_rows, reference  # noqa: E402
+from test_ops_cuda import TOLERANCE  # noqa: E402
+
+# wgmma-ws: the warp-specialized variant; wgmma-pp: the same with the two computing
+# warpgroups taking turns at the tensor cores (softcap cases run the plain one). mma:
+# the mma.sync kernel, which the default (auto) no longer picks for head dim 128 here.
+KERNELS = ["mma", "wgmma", "wgmma-ws", "wgmma-pp"]
+
+
+@pytest.fixture(autouse=True)
+def needs_sm90():
+    if not _C.cuda_wgmma_prefill_available():
+        pytest.skip("the wgmma prefill kernel runs on compute capability 9.0 (sm_90 builds) only")
+
+
+def run_cuda(rows, *, block_size, head_dim, group, dtype, window=0, softcap=0.0, num_kv_heads=2, seed=0,
+             fp8_scales=None, unsplit=False):
+    """test_ops_cuda.run_cuda for every wgmma variant, one float64 reference for all."""
+    query, kc, vc, bt, seq_lens, qsl = make_batch(
+        rows, block_size=block_size, head_dim=head_dim, num_kv_heads=num_kv_heads, group=group,
+        dtype=dtype, window=window, seed=seed,
+    )
+    bt = bt.clamp(0, kc.shape[0] - 1)  # garbage entries in range: a stray read shows as NaN
+    scale = head_dim**-0.5
+    kw = {}
+    ref_k, ref_v = kc, vc
+    if fp8_scales is not None:
+        k_scale, v_scale = fp8_scales
+        kc = (kc.float() / k_scale).to(torch.float8_e4m3fn)
+        vc = (vc.float() / v_scale).to(torch.float8_e4m3fn)
+        ref_k, ref_v = kc.double() * k_scale, vc.double() * v_scale
+        kw = {"k_scale": k_scale, "v_scale": v_scale}
+    expected = reference(query, ref_k, ref_v, bt, seq_lens, qsl, scale=scale, window=window, softcap=softcap)
+    dev = [t.cuda() for t in (query, kc, vc, bt, seq_lens, qsl)]
+    if unsplit:  # one CTA walks each row's whole key range (no key splits)
+        plan = ops.plan_attention(qsl.numpy(), seq_lens.numpy(), query.shape[1], num_kv_heads, torch.device("cuda"),
+                                  head_dim, dtype)
+        plan.num_splits = plan.decode_splits = 1
+        kw["plan"] = plan
+    n = int(qsl[-1])
+    atol, rtol = TOLERANCE[dtype]
+    with pytest.MonkeyPatch.context() as mp:
+        for kernel in KERNELS:
+            mp.setenv("PAGEDCORE_PREFILL_KERNEL", kernel)
+            out = torch.full(query.shape, NAN, dtype=dtype, device="cuda")
+            ops.paged_attention(*dev, scale=scale, sliding_window=window, softcap=softcap, out=out, **kw)
+            torch.cuda.synchronize()
+            got = out.cpu()
+            assert torch.isnan(got[n:]).all(), f"{kernel}: padding tokens after query_start_loc[-1] were written"
+            assert not torch.isnan(got[:n]).any(), f"{kernel}: a row was left unwritten or read a NaN slot"
+            torch.testing.assert_close(got[:n].double(), expected[:n], atol=atol, rtol=rtol,
+                                       msg=lambda m, k=kernel: f"{k}: {m}")
+
+
+HALF = [torch.bfloat16, torch.float16]
+
+
+def test_wgmma_building_blocks():
+    # One tile, exactly representable inputs: S = Q K^T from the swizzled shared-memory
+    # tiles and O = P V with P in registers, against float arithmetic, for bf16/fp16 and
+    # head dims 64/128 (S: exact sums; O: float32 accumulation order only).
+    errs = _C.cuda_wgmma_selftest()
+    assert all(0 <= e < 1e-3 for e in errs[0::2]), errs
+    assert all(0 <= e < 1e-2 for e in errs[1::2]), errs
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 32, 128])
+@pytest.mark.parametrize("group", [1, 3, 4, 6, 8, 12])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dtype", HALF, ids=["bf16", "fp16"])
+def test_wgmma_grid(dtype, head_dim, group, block_size):
+    run_cuda(mixed_rows(block_size), block_size=block_size, head_dim=head_dim, group=group, dtype=dtype)
+
+
+@pytest.mark.parametrize("window,softcap", [(13, 0.0), (0, 2.0), (40, 3.5), (300, 0.0)])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dtype", HALF, ids=["bf16", "fp16"])
+def test_wgmma_window_softcap(dtype, head_dim, window, softcap):
+    rows = mixed_rows(16) + [(200, 700), (129, 129)]
+    run_cuda(rows, block_size=16, head_dim=head_dim, group=4, dtype=dtype, window=window, softcap=softcap)
+
+
+@pytest.mark.parametrize("rows", [[(1000, 3000)], [(300, 5000), (129, 4000)], [(257, 2049)]])
+@pytest.mark.parametrize("group", [1, 4, 5])
+def test_wgmma_many_key_tiles(rows, group):
+    # One CTA walks each row's whole key range (no key splits): dozens of key tiles
+    # through the three K/V buffers, cached prefixes not a multiple of the tile.
+    run_cuda(rows, block_size=16, head_dim=128, group=group, dtype=torch.bfloat16, unsplit=True)
+    run_cuda(rows, block_size=32, head_dim=64, group=group, dtype=torch.float16, unsplit=True)
+
+
+@pytest.mark.parametrize("rows", [[(3, 4000), (2, 3000)], [(40, 5000)], [(1, 1), (17, 2049)]])
+@pytest.mark.parametrize("group", [1, 4])
+def test_wgmma_key_splits(rows, group):
+    qsl = [0]
+    for q, _ in rows:
+        qsl.append(qsl[-1] + q)
+    plan = ops.plan_attention(qsl, [s for _, s in rows], 2 * group, 2, torch.device("cuda"), 128, torch.bfloat16)
+    assert plan.num_splits > 1 and plan.num_work > 0
+    run_cuda(rows, block_size=16, head_dim=128, group=group, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("head_dim,group", [(64, 4), (128, 1), (128, 3)])
+def test_wgmma_many_items_per_cta(head_dim, group):
+    # More work items x kv heads than multiprocessors: wgmma-ws's persistent CTAs walk
+    # several items each (items of different lengths, the K/V buffer rings and their
+    # barrier phases carried from one item to the next).
+    rows = [(17 + (37 * i) % 90, 17 + (37 * i) % 90 + (53 * i) % 300) for i in range(60)]
+    plan = ops.plan_attention([0, *np.cumsum([q for q, _ in rows])], [s for _, s in rows], 4 * group, 4,
+                              torch.device("cuda"), head_dim, torch.bfloat16)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert plan.num_splits == 1 and plan.num_work * 4 > sms  # persistent CTAs: one per multiprocessor
+    run_cuda(rows, block_size=16, head_dim=head_dim, group=group, dtype=torch.bfloat16, num_kv_heads=4)
+
+
+def test_wgmma_rows_longer_than_one_staged_block_table():
+    run_cuda([(1, 9000), (40, 9000)], block_size=8, head_dim=128, group=4, dtype=torch.bfloat16, unsplit=True)
+
+
+def test_wgmma_large_prefill_and_many_decodes():
+    rows = [(1, 100 + 37 * i) for i in range(100)] + [(600, 600), (300, 1000)]
+    run_cuda(rows, block_size=16, head_dim=128, group=4, dtype=torch.bfloat16, num_kv_heads=4)
+
+
+@pytest.mark.parametrize("head_dim", [32, 80, 96, 256])
+def test_unserved_head_dims_fall_back(head_dim):
+    run_cuda(mixed_rows(16), block_size=16, head_dim=head_dim, group=2, dtype=torch.bfloat16)
+
+
+def test_fp8_cache_falls_back():
+    run_cuda(mixed_rows(16), block_size=16, head_dim=128, group=4, dtype=torch.bfloat16, fp8_scales=(0.5, 2.0))
