@@ -10,7 +10,13 @@ left padding (its best offline usage on the CPU). The two runs alternate
 (pagedcore, transformers, pagedcore, ...) and the median of each is reported,
 since a shared 2-core VM's speed varies from minute to minute.
 
-Usage: bench/bench_e2e_cpu.py [--prompts 32] [--output-tokens 64] [--repeats 2]
+With ``--tpot``: time per output token at batch 1 instead (issue 11's CPU target): one
+prompt, ``generate`` of 1 and of ``--output-tokens`` + 1 tokens, the difference over
+``--output-tokens``, for pagedcore and transformers alternately, ``--repeats`` pairs each
+(5 by default here), medians; with pagedcore's small-row float32 products on torch's GEMM
+too (``ops.LINEAR_MAX_ROWS = 0``: the path before ``ops.linear``), in the same process.
+
+Usage: bench/bench_e2e_cpu.py [--prompts 32] [--output-tokens 64] [--repeats 2] [--tpot]
 """
 
 from __future__ import annotations
@@ -64,6 +70,30 @@ def run_hf(model, tokenizer, prompts, out_tokens: int) -> float:
     return elapsed
 
 
+def tpot(llm, hf, tokenizer, prompt: list[int], out_tokens: int, repeats: int) -> dict[str, list[float]]:
+    """Batch-1 ms per output token: (time of out_tokens + 1 tokens - time of 1) / out_tokens."""
+    from pagedcore import ops
+
+    def ours(n: int) -> float:
+        return run_pagedcore(llm, [prompt], n)
+
+    def theirs(n: int) -> float:
+        return run_hf(hf, tokenizer, [prompt], n)
+
+    default_rows = ops.LINEAR_MAX_ROWS
+    runs = {"pagedcore": [], "pagedcore, torch GEMM": [], "transformers": []}
+    for _ in range(repeats):
+        for name in runs:
+            if name == "transformers":
+                one, many = theirs(1), theirs(out_tokens + 1)
+            else:
+                ops.LINEAR_MAX_ROWS = default_rows if name == "pagedcore" else 0
+                one, many = ours(1), ours(out_tokens + 1)
+            runs[name].append((many - one) / out_tokens * 1e3)
+    ops.LINEAR_MAX_ROWS = default_rows
+    return runs
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--prompts", type=int, default=32)
@@ -71,6 +101,7 @@ def main() -> None:
     parser.add_argument("--mean-prompt-len", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tpot", action="store_true", help="batch-1 time per output token instead")
     args = parser.parse_args()
 
     import transformers
@@ -89,13 +120,24 @@ def main() -> None:
     # Warm-up (one short run each), then alternate.
     run_pagedcore(llm, prompts[:4], 4)
     run_hf(hf, tokenizer, prompts[:4], 4)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    if args.tpot:
+        runs = tpot(llm, hf, tokenizer, prompts[0], args.output_tokens, max(args.repeats, 5))
+        print(f"commit {commit}; torch {torch.__version__}, transformers {transformers.__version__}, "
+              f"{torch.get_num_threads()} threads; batch 1, a {len(prompts[0])}-token prompt, "
+              f"{args.output_tokens} output tokens, greedy")
+        print(f"{'ms per output token':<28}{'runs':<40}{'median':>8}")
+        for name, values in runs.items():
+            print(f"{name:<28}{' '.join(f'{v:.1f}' for v in values):<40}{statistics.median(values):>8.1f}")
+        print(f"ratio (transformers / pagedcore, ms per token): "
+              f"{statistics.median(runs['transformers']) / statistics.median(runs['pagedcore']):.2f}x")
+        return
     ours, theirs = [], []
     for _ in range(args.repeats):
         ours.append(run_pagedcore(llm, prompts, args.output_tokens))
         theirs.append(run_hf(hf, tokenizer, prompts, args.output_tokens))
     out_tokens = args.prompts * args.output_tokens
     lens = [len(p) for p in prompts]
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     print(f"commit {commit}; torch {torch.__version__}, transformers {transformers.__version__}, "
           f"{torch.get_num_threads()} threads")
     print(f"{args.prompts} prompts, lengths mean {statistics.mean(lens):.0f} (min {min(lens)}, "

@@ -14,7 +14,7 @@
 //
 // NOTE: one weight row at a time, read front to back, is what keeps the hardware
 // prefetchers streaming at the memory's bandwidth; interleaving the rows of a tile (8
-// rows, one sum each) measured 1.5x slower on the EPYC this was tuned on. Four sums
+// rows, one sum each) measured 1.2-1.8x slower on the EPYC this was tuned on. Four sums
 // hide the latency of the multiply-adds.
 
 // The dot products of T token rows x[t] with one weight row w, into out[t]: each weight

@@ -19,9 +19,14 @@ from .linear_cuda import linear_cuda
 __all__ = ["LINEAR_MAX_ROWS", "linear"]
 
 #: Token rows up to which the model sends a CPU float32 product to :func:`linear`.
-#: Measured one thread each over SmolLM2's 121 matrices: 71 vs 95 ms at 1 row, 97 vs
-#: 145 at 4, 160 vs 169 at 8, 305 vs 210 at 16 (torch's GEMM is compute-efficient there).
-LINEAR_MAX_ROWS = 8
+#: NOTE: a row's result changes when a product crosses this size (torch's GEMM sums in
+#: another order), so decode batches that grow or shrink across it give a sequence
+#: other logits: sync and async output processing, whose batches differ by a row,
+#: then diverge (test_async_output, 16 sequences). 16 keeps every decode batch of up to
+#: 16 sequences on one path. Cost, measured one thread each over SmolLM2's 121 matrices
+#: on a loaded machine (ms, ours vs torch): 71/95 at 1 row, 97/145 at 4, 160/169 at 8,
+#: 305/210 at 16; with two threads under load torch's GEMM was the slower at every size.
+LINEAR_MAX_ROWS = 16
 
 
 def _cpu_float32(op: str, name: str, t: object) -> torch.Tensor:
