@@ -314,12 +314,12 @@ def overhead(path: Path, fields: dict, args) -> None:
     spans: list[tuple[torch.cuda.Event, torch.cuda.Event, float, bool]] = []
     execute, sample = engine.runner.execute, engine.sampler.__call__
 
-    def timed_execute(batch):
+    def timed_execute(batch, *args):  # (async scheduling passes the previous step's sampled ids)
         start = torch.cuda.Event(enable_timing=True)
         start.record()
         decode = batch.num_tokens == batch.num_seqs
         spans.append((start, None, time.perf_counter(), decode))
-        return execute(batch)
+        return execute(batch, *args)
 
     def timed_sample(*a, **kw):
         out = sample(*a, **kw)

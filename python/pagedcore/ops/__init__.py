@@ -37,12 +37,13 @@ from .attention import SUPPORTED_HEAD_DIMS, paged_attention
 from .cache import copy_blocks, reshape_and_cache, swap_blocks, swap_in, swap_out
 from .cpu import cpu_isa, get_num_threads, set_cpu_isa, set_num_threads
 from .layer import cos_sin_cache, fused_add_rms_norm, rms_norm, rotary_embedding, silu_and_mul
-from .linear_cuda import CUDA_LINEAR_MAX_ROWS, cuda_linear_eligible
+from .linear_cuda import CUDA_LINEAR_MAX_ROWS, CUDA_LINEAR_MODEL_ROWS, cuda_linear_eligible
 from .matmul import LINEAR_MAX_ROWS, linear
 from .planning import AttentionPlan, plan_attention, plan_decode
 
 __all__ = [
     "CUDA_LINEAR_MAX_ROWS",
+    "CUDA_LINEAR_MODEL_ROWS",
     "LINEAR_MAX_ROWS",
     "SUPPORTED_HEAD_DIMS",
     "AttentionPlan",
