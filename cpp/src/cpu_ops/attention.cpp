@@ -212,48 +212,10 @@ __attribute__((noinline)) Scratch& thread_scratch() {
   return s;
 }
 
-// ---- the kernels, once per instruction set ------------------------------------------------
-// simd.h and attention_kernels.h are compiled three times, each inside a namespace that
-// fixes the vector width W and under a target region for its instruction set.
+// ---- the kernels, once per instruction set (per_isa.h) -------------------------------------
 
-#if PAGEDCORE_HAVE_X86_TARGETS
-#if defined(__clang__)
-#pragma clang attribute push(__attribute__((target("avx512f,avx512vl,avx512bw,avx512dq,fma"))), \
-                             apply_to = function)
-#else
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512vl,avx512bw,avx512dq,fma")
-#endif
-namespace isa_avx512 {
-constexpr int W = 16;
-#include "simd.h"
-#include "attention_kernels.h"
-}  // namespace isa_avx512
-#if defined(__clang__)
-#pragma clang attribute pop
-#pragma clang attribute push(__attribute__((target("avx2,fma"))), apply_to = function)
-#else
-#pragma GCC pop_options
-#pragma GCC push_options
-#pragma GCC target("avx2,fma")
-#endif
-namespace isa_avx2 {
-constexpr int W = 8;
-#include "simd.h"
-#include "attention_kernels.h"
-}  // namespace isa_avx2
-#if defined(__clang__)
-#pragma clang attribute pop
-#else
-#pragma GCC pop_options
-#endif
-#endif  // PAGEDCORE_HAVE_X86_TARGETS
-
-namespace isa_generic {
-constexpr int W = 4;
-#include "simd.h"
-#include "attention_kernels.h"
-}  // namespace isa_generic
+#define PAGEDCORE_ISA_KERNELS "attention_kernels.h"
+#include "per_isa.h"
 
 using ItemFn = void (*)(const Problem&, const WorkItem&);
 

@@ -35,44 +35,8 @@ constexpr int64_t kItemBytes = int64_t{64} << 10;
 // more than it saves.
 constexpr int64_t kParallelBytes = int64_t{256} << 10;
 
-#if PAGEDCORE_HAVE_X86_TARGETS
-#if defined(__clang__)
-#pragma clang attribute push(__attribute__((target("avx512f,avx512vl,avx512bw,avx512dq,fma"))), \
-                             apply_to = function)
-#else
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512vl,avx512bw,avx512dq,fma")
-#endif
-namespace isa_avx512 {
-constexpr int W = 16;
-#include "simd.h"
-#include "linear_kernels.h"
-}  // namespace isa_avx512
-#if defined(__clang__)
-#pragma clang attribute pop
-#pragma clang attribute push(__attribute__((target("avx2,fma"))), apply_to = function)
-#else
-#pragma GCC pop_options
-#pragma GCC push_options
-#pragma GCC target("avx2,fma")
-#endif
-namespace isa_avx2 {
-constexpr int W = 8;
-#include "simd.h"
-#include "linear_kernels.h"
-}  // namespace isa_avx2
-#if defined(__clang__)
-#pragma clang attribute pop
-#else
-#pragma GCC pop_options
-#endif
-#endif  // PAGEDCORE_HAVE_X86_TARGETS
-
-namespace isa_generic {
-constexpr int W = 4;
-#include "simd.h"
-#include "linear_kernels.h"
-}  // namespace isa_generic
+#define PAGEDCORE_ISA_KERNELS "linear_kernels.h"
+#include "per_isa.h"
 
 using RowsFn = void (*)(const LinearArgs&, int64_t, int64_t);
 

@@ -1,8 +1,8 @@
 // The linear kernel's inner loops (internal; not installed).
 //
 // NOTE: no include guard on purpose: linear.cpp includes this file once per instruction
-// set, inside a namespace that defines W and after simd.h, as attention.cpp does with
-// attention_kernels.h.
+// set, inside a namespace that defines W and after simd.h (per_isa.h), as attention.cpp
+// does with attention_kernels.h.
 //
 // Every output is the same sum whatever the thread or the number of tokens: four
 // lane-wise partial sums over the whole vectors of k (vector v of the row into sum

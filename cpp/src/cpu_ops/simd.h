@@ -1,7 +1,7 @@
 // Portable SIMD helpers for the CPU kernels (internal; not installed).
 //
-// NOTE: no include guard on purpose. attention.cpp includes this file (and
-// attention_kernels.h) once per instruction set, each time inside its own namespace that
+// NOTE: no include guard on purpose. per_isa.h includes this file (before a kernels
+// header) once per instruction set, each time inside its own namespace that
 // defines `constexpr int W` (lanes per vector: 16 for AVX-512, 8 for AVX2, 4 for the
 // portable build) and under a `#pragma GCC target` region, so every function here is
 // compiled for that instruction set. The helpers must be compiled in the target region
