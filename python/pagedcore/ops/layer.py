@@ -27,6 +27,7 @@ from ._checks import (
     _float_dtype,
     _fp8_cache,
     _index,
+    _overlap,
     _same_device,
     _same_dtype,
     _stream,
@@ -188,19 +189,6 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     if tokens and _overlap(x, residual):
         raise ValueError(f"{op}: residual must not overlap x")
     _norm(op, x, x, residual, weight, eps, tokens, 1, size, x_stride, x_stride, residual_stride)
-
-
-def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether the memory spans (first to last element) of two non-empty tensors meet."""
-    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
-        return False
-
-    def span(t: torch.Tensor) -> tuple[int, int]:
-        last = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
-        return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
-
-    (a0, a1), (b0, b1) = span(a), span(b)
-    return a0 < b1 and b0 < a1
 
 
 def cos_sin_cache(inv_freq: torch.Tensor, max_positions: int) -> torch.Tensor:

@@ -15,8 +15,7 @@ import os
 import torch
 
 from .. import _C
-from ._checks import _CUDA_DTYPES, _stream, _tensor
-from .layer import _overlap
+from ._checks import _CUDA_DTYPES, _overlap, _stream, _tensor
 
 __all__ = ["CUDA_LINEAR_MAX_ROWS", "CUDA_LINEAR_MODEL_ROWS", "cuda_linear_eligible"]
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from .. import _C
-from ._checks import _tensor
+from ._checks import _overlap, _tensor
 from .linear_cuda import linear_cuda
 
 __all__ = ["LINEAR_MAX_ROWS", "linear"]
@@ -47,13 +47,6 @@ def _row_stride(op: str, name: str, t: torch.Tensor) -> int:
     if t.stride(0) < width:
         raise ValueError(f"{op}: {name} row stride {t.stride(0)} < row width {width}")
     return t.stride(0)
-
-
-def _disjoint(a: torch.Tensor, b: torch.Tensor) -> bool:
-    a0, b0 = a.data_ptr(), b.data_ptr()
-    a1 = a0 + (sum((n - 1) * s for n, s in zip(a.shape, a.stride())) + 1) * 4
-    b1 = b0 + (sum((n - 1) * s for n, s in zip(b.shape, b.stride())) + 1) * 4
-    return a1 <= b0 or b1 <= a0
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -128,7 +121,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         if out.shape != (tokens, out_features):
             raise ValueError(f"{op}: out must be [num_tokens, out_features] = [{tokens}, {out_features}], got "
                              f"shape {tuple(out.shape)}")
-        if tokens and not all(_disjoint(out, t) for t in (x, weight) + (() if bias is None else (bias,))):
+        if tokens and any(_overlap(out, t) for t in (x, weight) + (() if bias is None else (bias,))):
             raise ValueError(f"{op}: out must not overlap x, weight or bias")
     out_stride = _row_stride(op, "out", out)
     if tokens:
