@@ -28,6 +28,10 @@ With ``--shared-prefix``: 256 requests behind one 1,000-token system prompt (tai
 20-200 tokens, 128 outputs), prefix caching on against off: hit rate and the ratio of
 output tokens per second.
 
+With ``--profile``: where the time of a decode step goes, as run (CUDA graphs on): a
+generate call at batch 1 and at 16 (128-token prompts, 64 outputs) under torch.profiler,
+the kernel time per step by kernel name, their sum against the step's wall time.
+
 With ``--kernels``: the CUDA kernels one model forward launches, counted with
 torch.profiler for a batch-1 decode step (128 tokens cached) and a 512-token
 prefill step, in all and per decoder layer (the difference between the model with
@@ -35,7 +39,7 @@ all its layers and with one, over the layers removed), with one layer's kernel
 names.
 
 Usage: python bench/bench_e2e_gpu.py --shape smollm2 [--peers generate,generate_batch]
-       [--latency | --overhead | --shared-prefix | --kernels]
+       [--latency | --overhead | --shared-prefix | --kernels | --profile]
 """
 
 from __future__ import annotations
@@ -443,6 +447,50 @@ def kernel_counts(path: Path, fields: dict, args) -> None:
         print(f"  {n:3d}  {kname[:110]}")
 
 
+def decode_profile(path: Path, fields: dict, args) -> None:
+    """Kernel time per decode step by name, batch 1 and 16, as the engine runs them."""
+    from collections import defaultdict
+
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    from pagedcore import LLM, SamplingParams
+
+    llm = LLM(model=str(path), load_format="dummy", dtype="bfloat16", device=args.device,
+              max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
+              max_num_seqs=args.max_num_seqs, enforce_eager=args.enforce_eager, enable_prefix_caching=False)
+    rng = np.random.default_rng(args.seed)
+    for batch in (1, 16):
+        prompts = [{"prompt_token_ids": rng.integers(3, fields["vocab_size"], 128).tolist()} for _ in range(batch)]
+
+        def run(k: int) -> None:
+            llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=k, ignore_eos=True), use_tqdm=False)
+            if args.device == "cuda":
+                torch.cuda.synchronize()
+        run(8)
+        t = time.perf_counter()
+        run(1)
+        first = time.perf_counter() - t
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            t = time.perf_counter()
+            run(65)
+            wall = time.perf_counter() - t
+        per_step = (wall - first) / 64
+        totals: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+        for e in prof.events():
+            if e.device_type == DeviceType.CUDA:
+                totals[e.name][0] += 1
+                totals[e.name][1] += e.device_time_total
+        steps = 65
+        kernel_us = sum(v[1] for v in totals.values()) / steps
+        launches = sum(v[0] for v in totals.values()) / steps
+        print(f"\n{args.shape}, batch {batch}: {per_step * 1e3:.3f} ms per decode step (wall, profiled), "
+              f"{kernel_us / 1e3:.3f} ms of kernels per step, {launches:.0f} kernels per step")
+        print(f"{'us/step':>9}{'calls/step':>11}  kernel")
+        for name, (n, us) in sorted(totals.items(), key=lambda kv: -kv[1][1])[:25]:
+            print(f"{us / steps:9.1f}{n / steps:11.1f}  {name[:100]}")
+
+
 def _peak(device: str) -> float:
     return torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan")
 
@@ -473,6 +521,7 @@ def main() -> None:
     parser.add_argument("--overhead", action="store_true", help="the GPU idle fraction between decode steps")
     parser.add_argument("--shared-prefix", action="store_true", help="prefix caching on against off")
     parser.add_argument("--kernels", action="store_true", help="CUDA kernels per layer of a decode and a prefill step")
+    parser.add_argument("--profile", action="store_true", help="kernel time per decode step by name, batch 1 and 16")
     args = parser.parse_args()
     fields, n, mean_prompt, out = SHAPES[args.shape]
     n = args.requests or n
@@ -480,7 +529,7 @@ def main() -> None:
     out = args.output_tokens or out
     torch.manual_seed(args.seed)
     mode = (latency if args.latency else overhead if args.overhead else shared_prefix if args.shared_prefix
-            else kernel_counts if args.kernels else None)
+            else kernel_counts if args.kernels else decode_profile if args.profile else None)
     if mode is not None:
         with tempfile.TemporaryDirectory() as tmp:
             mode(checkpoint_dir(fields, Path(tmp)), fields, args)
