@@ -22,6 +22,7 @@
 #include "attention_merge.cuh"
 #include "attention_mma.h"
 #include "pagedcore/cuda/kernels.h"
+#include "pdl.cuh"
 
 namespace pagedcore::cuda {
 
@@ -245,18 +246,16 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(PagedAttentio
 template <typename T, int HD, bool DECODE>
 __global__ void __launch_bounds__(kThreads) merge_splits_kernel(PagedAttentionParams p) {
   __shared__ float s_w[merge::kScratchFloats];
+  pdl_wait();
+  pdl_launch_dependents();
   merge::merge_splits<T, HD, kThreads, DECODE>(p, blockIdx.y, blockIdx.x, s_w);
 }
 
 template <typename T, int HD>
 int launch_merge(const PagedAttentionParams& p, bool decode, cudaStream_t stream) {
   const dim3 grid(p.num_kv_heads, decode ? p.num_decode : p.num_work);
-  if (decode) {
-    merge_splits_kernel<T, HD, true><<<grid, kThreads, 0, stream>>>(p);
-  } else {
-    merge_splits_kernel<T, HD, false><<<grid, kThreads, 0, stream>>>(p);
-  }
-  return cudaGetLastError();
+  return decode ? launch_pdl(merge_splits_kernel<T, HD, true>, grid, dim3(kThreads), 0, stream, p)
+                : launch_pdl(merge_splits_kernel<T, HD, false>, grid, dim3(kThreads), 0, stream, p);
 }
 
 template <typename T>

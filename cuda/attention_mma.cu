@@ -34,6 +34,7 @@
 #include "attention_mma.h"
 #include "attention_wgmma.h"
 #include "pagedcore/cuda/kernels.h"
+#include "pdl.cuh"
 
 namespace pagedcore::cuda {
 
@@ -188,6 +189,8 @@ __global__ void __launch_bounds__(DECODE ? kThreads : 32 * kPrefillWarps) mma_at
   extern __shared__ __align__(16) unsigned char smem[];
   int32_t* s_table = reinterpret_cast<int32_t*>(smem);
   unsigned char* stages = smem + kTable * 4;
+  pdl_wait();  // (the queries and this step's keys come from the kernel before)
+  pdl_launch_dependents();
 
   // NOTE: the kv head is the fastest grid index, so that the CTAs of one row run
   // together and read its K/V rows (all kv heads of a token are adjacent) at
@@ -639,9 +642,8 @@ int launch_kernel(const PagedAttentionParams& p, cudaStream_t stream) {
   const int items = DECODE ? p.num_decode : p.num_work;
   const int splits = DECODE ? p.decode_splits : p.num_splits;
   if (items > 65535) return cudaErrorInvalidConfiguration;
-  mma_attention_kernel<T, CT, HD, DECODE>
-      <<<dim3(p.num_kv_heads, items, splits), DECODE ? kThreads : 32 * kPrefillWarps, smem, stream>>>(p);
-  cudaError_t e = cudaGetLastError();
+  cudaError_t e = launch_pdl(mma_attention_kernel<T, CT, HD, DECODE>, dim3(p.num_kv_heads, items, splits),
+                             dim3(DECODE ? kThreads : 32 * kPrefillWarps), smem, stream, p);
   if (e != cudaSuccess || splits == 1 || (DECODE ? p.decode_split_counters : p.split_counters) != nullptr) return e;
   return merge_attention_splits(p, DECODE, stream);
 }

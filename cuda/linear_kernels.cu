@@ -7,6 +7,8 @@
 // flight per lane, while the input rows (a few KB, read by every warp) stay in L1. Products accumulate in float32 per lane, then across the warp
 // by shuffles. At one to eight rows a GEMM library's tiles leave most of the GPU
 // idle and the call latency-bound; this kernel is bound by the weight's bytes.
+// Launched with PDL (pdl.cuh): each warp's first weight loads are in flight
+// before the kernel that produced the input has finished.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -15,6 +17,7 @@
 #include <type_traits>
 
 #include "pagedcore/cuda/layer_kernels.h"
+#include "pdl.cuh"
 
 namespace pagedcore::cuda {
 
@@ -90,8 +93,8 @@ __global__ void __launch_bounds__(32 * kWarps) linear_kernel(LinearParams p) {
 #pragma unroll
     for (int m = 0; m < M; ++m) acc[f][m] = 0.f;
   }
-  for (int v0 = 0; v0 < vectors; v0 += 32 * U) {
-    uint4 w[U][F];
+  uint4 w[U][F];
+  const auto load_weights = [&](int v0) {
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int v = v0 + 32 * u + lane;
@@ -100,6 +103,13 @@ __global__ void __launch_bounds__(32 * kWarps) linear_kernel(LinearParams p) {
         for (int f = 0; f < F; ++f) w[u][f] = load_streaming(wrow[f] + 8 * static_cast<int64_t>(v));
       }
     }
+  };
+  // The first weight loads go out before the kernel that writes the input ends (PDL).
+  load_weights(0);
+  pdl_wait();
+  pdl_launch_dependents();
+  for (int v0 = 0; v0 < vectors; v0 += 32 * U) {
+    if (v0 > 0) load_weights(v0);
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int v = v0 + 32 * u + lane;
@@ -138,8 +148,7 @@ __global__ void __launch_bounds__(32 * kWarps) linear_kernel(LinearParams p) {
 template <typename T, int M, int F>
 cudaError_t launch_rows(const LinearParams& p, cudaStream_t stream) {
   const dim3 grid((p.out_features + kWarps * F - 1) / (kWarps * F));
-  linear_kernel<T, M, F><<<grid, 32 * kWarps, 0, stream>>>(p);
-  return cudaGetLastError();
+  return launch_pdl(linear_kernel<T, M, F>, grid, dim3(32 * kWarps), 0, stream, p);
 }
 
 template <typename T>
