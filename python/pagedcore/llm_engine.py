@@ -360,6 +360,8 @@ class LLMEngine:
             self.tp = self._start_workers(model_path)
         try:
             self.model = load_model(args, model_path, self.spec, self.dtype, self.device, shard, phases)
+            if self.tp is not None:
+                self.tp.connect()  # (the workers imported torch while the weights loaded)
             self.tokenizer = tokenizer.result()
             self.eos_token_ids = self._eos_token_ids(model_path)
             phases.done("tokenizer (rest)")

@@ -48,7 +48,8 @@ class TensorParallelError(RuntimeError):
 
 
 class TensorParallelDriver:
-    """Starts ``size - 1`` workers and the group; see the module docstring."""
+    """Starts ``size - 1`` workers (then :meth:`connect` joins the group with
+    them); see the module docstring."""
 
     def __init__(self, launch: WorkerLaunch, device: torch.device) -> None:
         self.size = launch.size
@@ -71,18 +72,25 @@ class TensorParallelDriver:
             self._procs.append(proc)
             self._conns.append(receive)
         atexit.register(self.shutdown)
+        self._started = start
+        self._port, self._device = launch.port, device
+        self._nccl = device.type == "cuda"
+        self._buf = np.zeros(msg.INLINE, dtype=np.int32)
+
+    def connect(self) -> None:
+        """Waits for the workers to start (they import torch meanwhile: the driver
+        loads its weights between __init__ and this call) and joins the group."""
         try:
             self._await_hello()
         except BaseException:
             self.shutdown()
             raise
-        self.group: TensorParallelGroup = init_tp_group(0, self.size, launch.port, device)
-        self._nccl = device.type == "cuda"
-        self._buf = np.zeros(msg.INLINE, dtype=np.int32)
+        self.group: TensorParallelGroup = init_tp_group(0, self.size, self._port, self._device)
         self._watchdog = threading.Thread(target=self._watch, name="pagedcore-tp-watchdog", daemon=True)
         self._watchdog.start()
         logger.info("tensor parallelism: %d ranks (%s, workers %s) up in %.1f s", self.size,
-                    "NCCL" if self._nccl else "gloo", [p.pid for p in self._procs], time.perf_counter() - start)
+                    "NCCL" if self._nccl else "gloo", [p.pid for p in self._procs],
+                    time.perf_counter() - self._started)
 
     @property
     def worker_pids(self) -> list[int]:
@@ -142,6 +150,7 @@ class TensorParallelDriver:
                     self._mark_failed(rank, self._procs[rank - 1])
 
     def _mark_failed(self, rank: int, proc: Any) -> None:
+        proc.join(1.0)  # (its sentinel fires a moment before its exit code can be read)
         # The worker writes its error before it exits: give the pipe a moment.
         conn = self._conns[rank - 1]
         with contextlib.suppress(EOFError, OSError):
@@ -230,6 +239,8 @@ class TensorParallelDriver:
             return
         self._closing = True
         group = getattr(self, "group", None)
+        if group is None:
+            timeout = 0.0  # not connected: the workers wait for rank 0 at the rendezvous
         if group is not None and self._failure is None and self._error is None \
                 and all(p.is_alive() for p in self._procs):
             with contextlib.suppress(Exception):

@@ -51,9 +51,6 @@ def check_tensor_parallel(spec: ModelSpec, size: int) -> None:
     ``size`` ranks."""
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
         raise ValueError(f"tensor_parallel_size must be a positive integer, got {size!r}")
-    if spec.intermediate_size % size:
-        raise ValueError(f"tensor_parallel_size {size} does not divide intermediate_size "
-                         f"({spec.intermediate_size}) of {spec.architecture}")
     kv, heads = spec.num_kv_heads, spec.num_heads
     if kv < size and (size % kv or heads % size):
         raise ValueError(
@@ -61,6 +58,9 @@ def check_tensor_parallel(spec: ModelSpec, size: int) -> None:
             f"tensor_parallel_size {size} are replicated only when num_key_value_heads divides it and it "
             f"divides num_attention_heads"
         )
+    if spec.intermediate_size % size:
+        raise ValueError(f"tensor_parallel_size {size} does not divide intermediate_size "
+                         f"({spec.intermediate_size}) of {spec.architecture}")
 
 
 @dataclass(frozen=True)
