@@ -285,6 +285,23 @@ def test_a_killed_worker_ends_generate_with_an_error_and_leaves_no_process(token
     # (tp_llm checked that the worker was reaped)
 
 
+def test_a_worker_that_fails_to_start_ends_the_llm_with_its_error(tokenizer_dir, tmp_path, monkeypatch) -> None:
+    """No wait for the rendezvous's timeout; nothing left running."""
+    import multiprocessing
+
+    import pagedcore.distributed.driver as driver
+    from tp_failing_worker import fail_at_rendezvous
+
+    monkeypatch.setattr(driver, "worker_main", fail_at_rendezvous)
+    path = make_checkpoint("qwen2", tmp_path)
+    start = time.monotonic()
+    with pytest.raises(TensorParallelError, match=r"worker 1 \(pid \d+\) exited during the rendezvous with code 3: "
+                                                  r"RuntimeError: injected failure before the rendezvous"):
+        LLM(model=str(path), tokenizer=tokenizer_dir, num_kv_blocks=16, tensor_parallel_size=2)
+    assert time.monotonic() - start < 30  # (the worker's import of torch is most of it)
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("pagedcore-tp")]
+
+
 def test_shapes_that_cannot_be_split_are_refused_before_any_worker_starts(tmp_path) -> None:
     path = make_checkpoint("qwen2", tmp_path)  # 4 heads, 2 kv heads, intermediate 256
     with pytest.raises(ValueError, match=r"2 kv heads and 4 attention heads: fewer kv heads than "

@@ -82,10 +82,10 @@ class TensorParallelDriver:
         loads its weights between __init__ and this call) and joins the group."""
         try:
             self._await_hello()
+            self.group: TensorParallelGroup = self._rendezvous()
         except BaseException:
             self.shutdown()
             raise
-        self.group: TensorParallelGroup = init_tp_group(0, self.size, self._port, self._device)
         self._watchdog = threading.Thread(target=self._watch, name="pagedcore-tp-watchdog", daemon=True)
         self._watchdog.start()
         logger.info("tensor parallelism: %d ranks (%s, workers %s) up in %.1f s", self.size,
@@ -125,6 +125,41 @@ class TensorParallelDriver:
                                               f"start-up with exit code {proc.exitcode} (its stderr says why; a script that "
                                               "starts one must guard its code with if __name__ == '__main__': "
                                               "workers are spawned)")
+
+    def _rendezvous(self) -> TensorParallelGroup:
+        """Joins the group in a helper thread, watching the workers meanwhile: a
+        worker that dies before it joins would leave the driver waiting at the
+        rendezvous for the group's whole timeout."""
+        joined: list[Any] = []
+
+        def join() -> None:
+            try:
+                joined.append(init_tp_group(0, self.size, self._port, self._device))
+            except BaseException as e:  # noqa: BLE001 - re-raised by the caller
+                joined.append(e)
+
+        thread = threading.Thread(target=join, name="pagedcore-tp-rendezvous", daemon=True)
+        thread.start()
+        while thread.is_alive():
+            thread.join(0.1)
+            dead = [(rank, p) for rank, p in enumerate(self._procs, start=1) if not p.is_alive()]
+            if dead and thread.is_alive():
+                rank, proc = dead[0]
+                proc.join(1.0)
+                why = ""
+                with contextlib.suppress(EOFError, OSError):
+                    conn = self._conns[rank - 1]
+                    while conn.poll(0.2):
+                        message = conn.recv()
+                        if message[0] == "error":
+                            why = f": {message[1]}"
+                # NOTE: the helper thread stays blocked at the rendezvous (a daemon:
+                # it does not keep the process alive).
+                raise TensorParallelError(f"tensor-parallel worker {rank} (pid {proc.pid}) exited during the "
+                                          f"rendezvous with code {proc.exitcode}{why}")
+        if isinstance(joined[0], BaseException):
+            raise TensorParallelError(f"the tensor-parallel rendezvous failed: {joined[0]}") from joined[0]
+        return joined[0]
 
     def _watch(self) -> None:
         conns = {c: rank for rank, c in enumerate(self._conns, start=1)}

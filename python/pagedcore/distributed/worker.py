@@ -50,9 +50,9 @@ def worker_main(launch: WorkerLaunch, rank: int, conn: Any) -> None:
         else:
             device = torch.device("cuda", rank)
             torch.cuda.set_device(device)
-        conn.send(("hello",))
         from .group import init_tp_group
 
+        conn.send(("hello",))
         group = init_tp_group(rank, launch.size, launch.port, device)
         _serve(launch, group, device)
         group.destroy()
