@@ -119,6 +119,7 @@ def _collectives_rank(rank: int, size: int, port: int, fields: dict, batches: li
         torch.set_num_threads(1)
     dist.init_process_group("nccl" if device_type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
                             rank=rank, world_size=size, device_id=device if device_type == "cuda" else None)
+    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # (torch < 2.13)
     hidden, layers, vocab = fields["hidden_size"], fields["num_hidden_layers"], fields["vocab_size"]
     results = {}
     for b in batches:
@@ -129,7 +130,7 @@ def _collectives_rank(rank: int, size: int, port: int, fields: dict, batches: li
         def step() -> None:
             for _ in range(2 * layers + 1):  # o and down of each layer, the embedding
                 dist.all_reduce(x)
-            dist.all_gather_single(gathered, local)
+            all_gather(gathered, local)
 
         if device_type == "cuda":
             side = torch.cuda.Stream()

@@ -21,6 +21,10 @@ import socket
 import torch
 import torch.distributed as dist
 
+# torch 2.13 renamed all_gather_into_tensor (deprecated there) to all_gather_single;
+# the GPU machine's torch 2.11 may have only the old name.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 # A worker waits on the control group between steps; the server may idle for days.
 CONTROL_TIMEOUT = datetime.timedelta(days=30)
 # The model's collectives run in lockstep (every rank is inside the same forward pass).
@@ -63,7 +67,7 @@ class TensorParallelGroup:
     def all_gather_rows(self, x: torch.Tensor) -> torch.Tensor:
         """``[size * rows, cols]``: every rank's ``x`` ``[rows, cols]``, rank 0's first."""
         out = torch.empty((self.size * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-        dist.all_gather_single(out, x.contiguous(), group=self.device_group)
+        _all_gather_single(out, x.contiguous(), group=self.device_group)
         return out
 
     def broadcast_device(self, x: torch.Tensor) -> torch.Tensor:
