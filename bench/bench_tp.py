@@ -187,7 +187,7 @@ def collectives(fields: dict, size: int, batches: list[int], args) -> dict:
              for r in range(size)]
     for p in procs:
         p.start()
-    result = queue.get(timeout=600)
+    result = queue.get(timeout=300)
     for p in procs:
         p.join(60)
     return result
