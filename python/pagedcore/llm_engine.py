@@ -512,10 +512,10 @@ class LLMEngine:
             size = a.tensor_parallel_size
             ranks = [kv_bytes_per_block(TensorParallelShard(spec, r, size).local_spec, a.block_size, self.kv_dtype)
                      for r in range(size)]
-            logger.info("KV cache per rank: %s GiB (kv heads %s of %d); %d ranks: %.2f GiB in total",
-                        " / ".join(f"{num_blocks * b / 2**30:.2f}" for b in ranks),
+            logger.info("KV cache per rank: %s (kv heads %s of %d); %d ranks: %s in total",
+                        " / ".join(_bytes(num_blocks * b) for b in ranks),
                         " / ".join(str(TensorParallelShard(spec, r, size).num_kv_heads) for r in range(size)),
-                        spec.num_kv_heads, size, num_blocks * sum(ranks) / 2**30)
+                        spec.num_kv_heads, size, _bytes(num_blocks * sum(ranks)))
         fields = dict(
             num_blocks=num_blocks,
             block_size=a.block_size,
@@ -1299,6 +1299,10 @@ def _gpu_blocks(args: EngineArgs, model: CausalLM, kv_dtype: torch.dtype, per_bl
             f"({budget / 2**30:.2f} GiB after weights and activations on {device})"
         )
     return budget // per_block
+
+
+def _bytes(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def _env_kv_cache_bytes() -> tuple[int, str]:

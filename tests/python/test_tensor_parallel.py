@@ -16,6 +16,7 @@ per process): each test builds its own and shuts it down.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import time
@@ -152,10 +153,13 @@ def check_greedy_against_hf(llm: LLM, model, ps: list[list[int]], name: str) -> 
 # ---- every family, every way of splitting the kv heads ------------------------------------------
 
 
-def test_uneven_kv_split_biases_tied_padded_vocab_equal_transformers(tokenizer_dir, tmp_path) -> None:
+def test_uneven_kv_split_biases_tied_padded_vocab_equal_transformers(tokenizer_dir, tmp_path, caplog) -> None:
     name = "llama-3kv-uneven"
     path = make_checkpoint(name, tmp_path)
-    with tp_llm(model=str(path), tokenizer=tokenizer_dir, num_kv_blocks=64, max_model_len=256) as llm:
+    with caplog.at_level(logging.INFO, logger="pagedcore"), \
+            tp_llm(model=str(path), tokenizer=tokenizer_dir, num_kv_blocks=64, max_model_len=256) as llm:
+        # 64 blocks x 16 tokens x 2 layers x (2 or 1) kv heads x 32 x 2 (K, V) x 4 bytes
+        assert "KV cache per rank: 1.0 MiB / 0.5 MiB (kv heads 2 / 1 of 3); 2 ranks: 1.5 MiB in total" in caplog.text
         shard = llm.llm_engine.model.shard
         assert (shard.num_kv_heads, shard.num_heads, shard.vocab_rows) == (2, 4, 192)
         assert llm.llm_engine.runner.kv_caches[0][0].shape[2] == 2  # rank 0's own kv heads only
