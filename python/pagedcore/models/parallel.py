@@ -21,9 +21,9 @@ ranks' results whole:
 - KV heads: split when ``num_kv_heads % N == 0``; when ``N % num_kv_heads == 0``
   (fewer kv heads than ranks) each rank keeps the one kv head its q heads read,
   replicated over ``N / num_kv_heads`` ranks (vLLM's rule). Beyond vLLM, more kv
-  heads than ranks that N does not divide (SmolLM2's 3 over 2 ranks) are split
-  unevenly by whole kv heads, each with its q heads (ranks then differ in
-  shape and work); fewer kv heads than ranks that do not divide N are refused.
+  heads than ranks that N does not divide (SmolLM2's 3 over 2 ranks: 1 + 2) are
+  split unevenly by whole kv heads, each with its q heads, the larger shares on
+  the last ranks (rank 0 also samples; ranks then differ in shape and work); fewer kv heads than ranks that do not divide N are refused.
   Each rank's KV cache holds its own kv heads; the block tables are the same on
   every rank.
 
@@ -68,7 +68,7 @@ class TensorParallelShard:
     """What rank ``rank`` of ``size`` holds of a model with ``spec``.
 
     With at least as many kv heads as ranks, rank r holds a contiguous run of kv
-    heads (``kv // size``, one more for the first ``kv % size`` ranks: an even
+    heads (``kv // size``, one more for the last ``kv % size`` ranks: an even
     split when ``size`` divides them, else as even as whole heads allow) and the
     q heads that read them. With fewer, the q heads are split evenly and each
     rank keeps the one kv head they read.
@@ -97,14 +97,16 @@ class TensorParallelShard:
         if self.replicated_kv:
             return 1
         kv, size = self.spec.num_kv_heads, self.size
-        return kv // size + (1 if self.rank < kv % size else 0)
+        # NOTE: the extra heads of an uneven split go to the last ranks: rank 0
+        # also schedules and samples.
+        return kv // size + (1 if self.rank >= size - kv % size else 0)
 
     @property
     def kv_head_start(self) -> int:
         if self.replicated_kv:
             return self.head_start // self.group  # the kv head this rank's q heads read
         kv, size = self.spec.num_kv_heads, self.size
-        return self.rank * (kv // size) + min(self.rank, kv % size)
+        return self.rank * (kv // size) + max(0, self.rank - (size - kv % size))
 
     @property
     def num_heads(self) -> int:
