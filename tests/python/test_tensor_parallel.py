@@ -320,7 +320,8 @@ def test_shapes_that_cannot_be_split_are_refused_before_any_worker_starts(tmp_pa
 
 def test_shard_arithmetic_covers_every_head_once() -> None:
     """Each q head on exactly one rank, reading the kv head it reads unsharded."""
-    for heads, kv, size in [(4, 2, 2), (6, 3, 2), (9, 3, 2), (32, 8, 4), (4, 1, 2), (8, 2, 4), (12, 3, 2)]:
+    for heads, kv, size in [(4, 2, 2), (6, 3, 2), (9, 3, 2), (32, 8, 4), (4, 1, 2), (8, 2, 4), (12, 3, 2),
+                            (10, 5, 3), (14, 7, 4)]:
         spec = model_spec_from_config({"architectures": ["LlamaForCausalLM"], "num_attention_heads": heads,
                                        "num_key_value_heads": kv, "hidden_size": 64 * heads,
                                        "intermediate_size": 64 * size, "vocab_size": 100})
