@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_e2e_gpu import SHAPES, checkpoint_dir, workload  # noqa: E402
+from bench_e2e_gpu import SHAPES, _free, checkpoint_dir, workload  # noqa: E402
 
 
 def _sync(device: str) -> None:
@@ -98,9 +98,8 @@ def measure(path: Path, fields: dict, tp: int, args) -> dict:
               "msg_kib_load": statistics.median(sizes) * 4 / 1024 if sizes else 0.0,
               "graph_replays": llm.llm_engine.runner.graph_replays}
     llm.shutdown()
-    del llm
-    if args.device == "cuda":
-        torch.cuda.empty_cache()
+    del llm, driver
+    _free()  # (the next size's KV sizing sees this one's memory given back)
     return result
 
 
