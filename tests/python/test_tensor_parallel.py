@@ -309,6 +309,15 @@ def test_a_worker_that_fails_to_start_ends_the_llm_with_its_error(tokenizer_dir,
     assert not [p for p in multiprocessing.active_children() if p.name.startswith("pagedcore-tp")]
 
 
+def test_bad_input_after_the_workers_started_is_a_value_error_and_ends_them(tokenizer_dir, tmp_path) -> None:
+    import multiprocessing
+
+    path = make_checkpoint("qwen2", tmp_path)
+    with pytest.raises(ValueError, match=r"max_model_len 256 needs more KV cache than 4 blocks"):
+        LLM(model=str(path), tokenizer=tokenizer_dir, num_kv_blocks=4, max_model_len=256, tensor_parallel_size=2)
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("pagedcore-tp")]
+
+
 def test_shapes_that_cannot_be_split_are_refused_before_any_worker_starts(tmp_path) -> None:
     path = make_checkpoint("qwen2", tmp_path)  # 4 heads, 2 kv heads, intermediate 256
     with pytest.raises(ValueError, match=r"2 kv heads and 4 attention heads: fewer kv heads than "

@@ -235,11 +235,16 @@ class TensorParallelDriver:
     @contextlib.contextmanager
     def guard(self) -> Iterator[None]:
         """Runs driver-side collectives; any failure inside ends the group (the
-        workers are then out of step) and raises a TensorParallelError."""
+        workers are then out of step) and raises a TensorParallelError, except
+        ValueError and TypeError (bad input: raised as they are, the group ended)."""
         self.check()
         try:
             yield
         except TensorParallelError:
+            raise
+        except (ValueError, TypeError) as e:
+            self._error = TensorParallelError(f"the engine stopped after an error: {type(e).__name__}: {e}")
+            self.shutdown()
             raise
         except Exception as e:
             raise self._fail(e) from e
