@@ -279,8 +279,10 @@ class TensorParallelDriver:
             return
         self._closing = True
         group = getattr(self, "group", None)
-        if group is None:
-            timeout = 0.0  # not connected: the workers wait for rank 0 at the rendezvous
+        if group is None or self._error is not None or self._failure is not None:
+            # Not connected (the workers wait at the rendezvous), or failed (they wait
+            # in a collective that will not complete): no message can reach them.
+            timeout = 0.0
         if group is not None and self._failure is None and self._error is None \
                 and all(p.is_alive() for p in self._procs):
             with contextlib.suppress(Exception):
