@@ -47,11 +47,20 @@ class TensorParallelError(RuntimeError):
     """A tensor-parallel worker died or failed: the engine cannot run any more."""
 
 
+# A rendezvous that a dead worker left waiting: its thread cannot be stopped, and
+# torch.distributed cannot be set up again in this process while it waits.
+_stuck_rendezvous: threading.Thread | None = None
+
+
 class TensorParallelDriver:
     """Starts ``size - 1`` workers (then :meth:`connect` joins the group with
     them); see the module docstring."""
 
     def __init__(self, launch: WorkerLaunch, device: torch.device) -> None:
+        if _stuck_rendezvous is not None and _stuck_rendezvous.is_alive():
+            raise TensorParallelError(
+                "an earlier tensor-parallel start-up in this process failed at the rendezvous (a worker died); "
+                "torch.distributed cannot be set up again in this process: start a new one")
         self.size = launch.size
         self._failure: str | None = None
         self._error: TensorParallelError | None = None
@@ -154,7 +163,10 @@ class TensorParallelDriver:
                         if message[0] == "error":
                             why = f": {message[1]}"
                 # NOTE: the helper thread stays blocked at the rendezvous (a daemon:
-                # it does not keep the process alive).
+                # it does not keep the process alive, but no group can be set up
+                # beside it: later drivers refuse to start).
+                global _stuck_rendezvous
+                _stuck_rendezvous = thread
                 raise TensorParallelError(f"tensor-parallel worker {rank} (pid {proc.pid}) exited during the "
                                           f"rendezvous with code {proc.exitcode}{why}")
         if isinstance(joined[0], BaseException):
