@@ -9,9 +9,14 @@
 # all-reduce beside the physical NVLink figure that nvidia-smi reports.
 # Logs go to $OUT (or /tmp/pagedcore-tp); a summary table is printed last.
 #
-#   bench/run_tp_gpu.sh [SHAPE]     (SHAPE: llama3-8b, the default, or smollm2)
+#   bench/run_tp_gpu.sh [all|test|bench] [SHAPE]   (SHAPE: llama3-8b, the default, or smollm2)
+#
+# all (default): build, tests, benchmark. If one call's 10 minutes do not hold it all:
+# `test` (build + tests), then, on the still-warm machine, `PAGEDCORE_SKIP_BUILD=1
+# bench/run_tp_gpu.sh bench`.
 set -uo pipefail
-shape="${1:-llama3-8b}"
+mode="${1:-all}"
+shape="${2:-llama3-8b}"
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 out="${OUT:-/tmp/pagedcore-tp}"
 mkdir -p "$out"
@@ -44,16 +49,23 @@ nvidia-smi nvlink --status -i 0 >"$out/nvlink.txt" 2>&1
 nvlink=$(grep -o '[0-9.]* GB/s' "$out/nvlink.txt" | awk '{s += $1; n++} END {if (n) printf "%d links x %.1f GB/s = %.0f GB/s per direction", n, s / n, s}')
 echo "NVLink of GPU 0: ${nvlink:-not reported (see nvlink.txt, topo.txt)}" | tee "$out/nvlink_summary.txt"
 
-checks=(build pytest_tp bench_tp)
+checks=()
 # PAGEDCORE_SKIP_BUILD=1: a warm machine that built this tree in an earlier call.
-if [[ -n "${PAGEDCORE_SKIP_BUILD:-}" ]]; then result[build]=skipped; checks=(pytest_tp bench_tp); else
+if [[ -z "${PAGEDCORE_SKIP_BUILD:-}" ]]; then
+checks+=(build)
 step build env PAGEDCORE_CUDA=ON CMAKE_BUILD_PARALLEL_LEVEL=16 "$py" -m pip install -v --no-build-isolation \
   --no-deps --break-system-packages -C cmake.define.PAGEDCORE_CUDA_ARCHITECTURES=90 .
 fi
-step pytest_tp "$py" -m pytest -q -p no:cacheprovider -rs tests/python/test_tensor_parallel.py
-step bench_tp "$py" bench/bench_tp.py --shape "$shape" --tp 1,2 --device cuda --collectives
-echo
-tail -n 8 "$out/bench_tp.log"
+if [[ "$mode" == all || "$mode" == test ]]; then
+  checks+=(pytest_tp)
+  step pytest_tp "$py" -m pytest -q -p no:cacheprovider -rs tests/python/test_tensor_parallel.py
+fi
+if [[ "$mode" == all || "$mode" == bench ]]; then
+  checks+=(bench_tp)
+  step bench_tp "$py" bench/bench_tp.py --shape "$shape" --tp 1,2 --device cuda --collectives
+  echo
+  tail -n 8 "$out/bench_tp.log"
+fi
 echo "NVLink of GPU 0: ${nvlink:-not reported}"
 echo
 echo "commit ${PAGEDCORE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo '?')}  GPUs: $gpus"
