@@ -38,6 +38,7 @@ def _check(x, w, b, out):
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 11, 16])
 @pytest.mark.parametrize("in_features,out_features", [
     (64, 1), (576, 960), (576, 3072), (1536, 576), (4096, 6144), (14336, 4096), (2048, 4099), (8, 13),
+    (8192, 1000), (8200, 7),  # one row: 8 warps per feature, parts of uneven length
 ])
 def test_linear_against_float64(dtype, rows, in_features, out_features):
     x, w, b = _case(rows, in_features, out_features, dtype, bias=False)
@@ -47,14 +48,16 @@ def test_linear_against_float64(dtype, rows, in_features, out_features):
 
 
 @pytest.mark.parametrize("rows", [1, 6, 13])
-def test_linear_bias_strided_rows_and_out(rows):
+@pytest.mark.parametrize("in_features,out_features,row_stride", [(896, 1152, 1024), (4096, 1000, 4104)])
+def test_linear_bias_strided_rows_and_out(rows, in_features, out_features, row_stride):
     # Qwen's qkv bias; input rows inside a wider buffer; out a view into a poisoned buffer.
-    x, w, b = _case(rows, 896, 1152, torch.bfloat16, bias=True, row_stride=1024)
-    full = torch.full((rows, 1200), float("nan"), dtype=torch.bfloat16, device="cuda")
-    out = full[:, :1152]
+    # (4096 -> 1000 at one row: 8 warps per feature, the bias added once after the parts.)
+    x, w, b = _case(rows, in_features, out_features, torch.bfloat16, bias=True, row_stride=row_stride)
+    full = torch.full((rows, out_features + 48), float("nan"), dtype=torch.bfloat16, device="cuda")
+    out = full[:, :out_features]
     assert ops.linear(x, w, b, out=out) is out
     _check(x, w, b, out)
-    assert torch.isnan(full[:, 1152:]).all(), "wrote past out_features"
+    assert torch.isnan(full[:, out_features:]).all(), "wrote past out_features"
 
 
 def test_linear_large_vocabulary_head():
