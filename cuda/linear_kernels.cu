@@ -14,6 +14,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <type_traits>
 
 #include "pagedcore/cuda/layer_kernels.h"
@@ -214,8 +215,14 @@ __global__ void __launch_bounds__(32 * kWarps) linear_row_kernel(LinearParams p)
 }
 
 // Warps per output feature for one row: the fewest that make >= 15 CTAs per SM,
-// keeping >= 64 weight vectors (1 KB) per warp.
+// keeping >= 64 weight vectors (1 KB) per warp. PAGEDCORE_LINEAR_ROW_SPLIT caps it
+// (1: one warp per feature, for comparisons; read once).
 int row_split(const LinearParams& p) {
+  static const int cap = [] {
+    const char* env = std::getenv("PAGEDCORE_LINEAR_ROW_SPLIT");
+    const int v = env != nullptr ? std::atoi(env) : kWarps;
+    return v >= 1 && v <= kWarps ? v : kWarps;
+  }();
   static const int sms = [] {
     int device = 0, count = 0;
     if (cudaGetDevice(&device) != cudaSuccess ||
@@ -227,7 +234,7 @@ int row_split(const LinearParams& p) {
   }();
   const int vectors = p.in_features / 8;
   int kw = 1;
-  while (kw < kWarps && vectors / (2 * kw) >= 64 &&
+  while (2 * kw <= cap && vectors / (2 * kw) >= 64 &&
          static_cast<int64_t>(p.out_features + kWarps / kw - 1) / (kWarps / kw) < 15 * sms) {
     kw *= 2;
   }
