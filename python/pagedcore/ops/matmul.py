@@ -56,8 +56,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     :data:`~pagedcore.ops.CUDA_LINEAR_MAX_ROWS` rows (float32 sums, ``in_features`` a
     multiple of 8, 16-byte aligned rows; the dtype of ``x`` everywhere).
 
-    Every output is summed in one fixed order, whatever the number of rows and threads,
-    so a row's result does not depend on the rows it shares the call with. The order
+    On the CPU every output is summed in one fixed order, whatever the number of rows and
+    threads, so a row's result does not depend on the rows it shares the call with. On
+    CUDA the order depends on the shape and on whether the call has one row or several
+    (one row splits each sum over 1-8 warps), never on the other rows' values. The order
     is not torch's: results agree with ``F.linear`` to float32 rounding (a few ulps of
     the largest terms), not bit for bit.
 
