@@ -13,6 +13,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <type_traits>
@@ -154,16 +155,31 @@ __global__ void __launch_bounds__(32 * kWarps) linear_kernel(LinearParams p) {
 // two rounds of kUnroll 16-byte loads in flight (the next round is issued
 // before the current one is multiplied). Partial sums meet in shared memory in
 // a fixed order.
-template <typename T, int KW>
+//
+// GATED (LinearParams::silu_and_mul): the CTA's first R / 2 features are gate rows
+// j.., the others the matching up rows I + j..; the gate rows' threads combine them.
+template <typename T, int KW, bool GATED>
 __global__ void __launch_bounds__(32 * kWarps) linear_row_kernel(LinearParams p) {
   constexpr int R = kWarps / KW;  // output features per CTA
   constexpr int U = kUnroll;
+  static_assert(!GATED || R % 2 == 0, "gate and up rows in pairs");
   __shared__ float partial[kWarps];
+  __shared__ float gated[R];
   const int lane = threadIdx.x % 32;
   const int warp = threadIdx.x / 32;
-  const int n = blockIdx.x * R + warp / KW;
   const int part = warp % KW;
-  const bool active = n < p.out_features;
+  const int half = p.out_features / 2;  // (GATED: I)
+  int n;
+  bool active;
+  if constexpr (GATED) {
+    const int r = warp / KW;
+    const int j = blockIdx.x * (R / 2) + r % (R / 2);
+    active = j < half;
+    n = r < R / 2 ? j : half + j;
+  } else {
+    n = blockIdx.x * R + warp / KW;
+    active = n < p.out_features;
+  }
   const int vectors = p.in_features / 8;
   const int per_part = (vectors + KW - 1) / KW;
   const int v_begin = part * per_part;
@@ -203,15 +219,26 @@ __global__ void __launch_bounds__(32 * kWarps) linear_row_kernel(LinearParams p)
   if constexpr (KW > 1) {
     if (lane == 0) partial[warp] = acc;
     __syncthreads();
-    if (part != 0 || lane != 0 || !active) return;
-    acc = 0.f;
+    if (part == 0 && lane == 0) {
+      acc = 0.f;
 #pragma unroll
-    for (int k = 0; k < KW; ++k) acc += partial[warp + k];
-  } else {
-    if (lane != 0 || !active) return;
+      for (int k = 0; k < KW; ++k) acc += partial[warp + k];
+    }
   }
-  const float bias = p.bias != nullptr ? to_float(static_cast<const T*>(p.bias)[n]) : 0.f;
-  static_cast<T*>(p.out)[n] = from_float<T>(acc + bias);
+  const bool owner = part == 0 && lane == 0 && active;  // holds feature n's whole sum
+  const float bias = owner && p.bias != nullptr ? to_float(static_cast<const T*>(p.bias)[n]) : 0.f;
+  if constexpr (GATED) {
+    // The product rounded to the dtype (as the unfused path stores gate_up), then
+    // silu_and_mul's arithmetic: silu rounded to the dtype, times up, rounded once.
+    if (owner) gated[warp / KW] = to_float(from_float<T>(acc + bias));
+    __syncthreads();
+    if (!owner || warp / KW >= R / 2) return;
+    const float g = gated[warp / KW], u = gated[warp / KW + R / 2];
+    const float silu = to_float(from_float<T>(__fdiv_rn(g, __fadd_rn(1.f, expf(-g)))));
+    static_cast<T*>(p.out)[n] = from_float<T>(__fmul_rn(silu, u));
+  } else {
+    if (owner) static_cast<T*>(p.out)[n] = from_float<T>(acc + bias);
+  }
 }
 
 // Warps per output feature for one row: the fewest that make >= 15 CTAs per SM,
@@ -241,16 +268,24 @@ int row_split(const LinearParams& p) {
   return kw;
 }
 
-template <typename T>
+template <typename T, bool GATED>
 cudaError_t launch_one_row(const LinearParams& p, cudaStream_t stream) {
-  const int kw = row_split(p);
-  const dim3 grid((p.out_features + kWarps / kw - 1) / (kWarps / kw));
+  const int kw = GATED ? std::min(row_split(p), kWarps / 2) : row_split(p);
+  // GATED: a CTA's R features are R / 2 gate-up pairs.
+  const int per_cta = GATED ? kWarps / kw / 2 : kWarps / kw;
+  const int features = GATED ? p.out_features / 2 : p.out_features;
+  const dim3 grid((features + per_cta - 1) / per_cta);
   const dim3 block(32 * kWarps);
   switch (kw) {
-    case 1: return launch_pdl(linear_row_kernel<T, 1>, grid, block, 0, stream, p);
-    case 2: return launch_pdl(linear_row_kernel<T, 2>, grid, block, 0, stream, p);
-    case 4: return launch_pdl(linear_row_kernel<T, 4>, grid, block, 0, stream, p);
-    default: return launch_pdl(linear_row_kernel<T, 8>, grid, block, 0, stream, p);
+    case 1: return launch_pdl(linear_row_kernel<T, 1, GATED>, grid, block, 0, stream, p);
+    case 2: return launch_pdl(linear_row_kernel<T, 2, GATED>, grid, block, 0, stream, p);
+    case 4: return launch_pdl(linear_row_kernel<T, 4, GATED>, grid, block, 0, stream, p);
+    default:
+      if constexpr (GATED) {
+        return cudaErrorInvalidValue;  // (unreachable: kw <= 4)
+      } else {
+        return launch_pdl(linear_row_kernel<T, 8, false>, grid, block, 0, stream, p);
+      }
   }
 }
 
@@ -262,7 +297,8 @@ cudaError_t launch_rows(const LinearParams& p, cudaStream_t stream) {
 
 template <typename T>
 int launch(const LinearParams& p, cudaStream_t stream) {
-  if (p.num_tokens <= 1) return launch_one_row<T>(p, stream);
+  if (p.silu_and_mul) return launch_one_row<T, true>(p, stream);
+  if (p.num_tokens <= 1) return launch_one_row<T, false>(p, stream);
   if (p.num_tokens <= 2) return launch_rows<T, 2, 4>(p, stream);
   if (p.num_tokens <= 4) return launch_rows<T, 4, 4>(p, stream);
   if (p.num_tokens <= 8) return launch_rows<T, 8, 4>(p, stream);
@@ -276,8 +312,10 @@ bool aligned16(const void* ptr) { return reinterpret_cast<std::uintptr_t>(ptr) %
 int linear(const LinearParams& p, void* stream) {
   if (p.num_tokens == 0 || p.out_features == 0) return cudaSuccess;
   if (p.num_tokens < 0 || p.num_tokens > kLinearMaxRows || p.in_features <= 0 || p.in_features % 8 != 0 ||
-      p.out_features < 0 || p.input_stride % 8 != 0 || p.out_stride < p.out_features || !aligned16(p.input) ||
-      !aligned16(p.weight) || (p.num_tokens > 1 && p.input_stride < p.in_features)) {
+      p.out_features < 0 || p.input_stride % 8 != 0 ||
+      p.out_stride < (p.silu_and_mul ? p.out_features / 2 : p.out_features) || !aligned16(p.input) ||
+      !aligned16(p.weight) || (p.num_tokens > 1 && p.input_stride < p.in_features) ||
+      (p.silu_and_mul && (p.num_tokens != 1 || p.out_features % 2 != 0))) {
     return cudaErrorInvalidValue;
   }
   const auto s = static_cast<cudaStream_t>(stream);

@@ -79,3 +79,37 @@ def test_linear_refuses_what_the_kernel_cannot_take():
         ops.linear(x, w.half())
     with pytest.raises(TypeError, match=r"float32 products run on the CPU"):
         ops.linear(x.float(), w.float())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("in_features,intermediate", [(576, 1536), (4096, 14336), (2048, 1000), (1536, 13)])
+@pytest.mark.parametrize("bias", [False, True], ids=["", "bias"])
+def test_linear_silu_and_mul_one_row(dtype, in_features, intermediate, bias):
+    """The batch-1 MLP kernel (gate_up product and SiLU-mul in one) against the two ops
+    it replaces, bit for bit (gate_up shapes of the models, a feature count that is no
+    multiple of the CTA's pairs, 2-4 warps a feature), and against float64 arithmetic."""
+    x, w, b = _case(1, in_features, 2 * intermediate, dtype, bias=bias, seed=5)
+    full = torch.full((1, intermediate + 40), float("nan"), dtype=dtype, device="cuda")
+    out = full[:, :intermediate]
+    assert ops.linear_silu_and_mul(x, w, b, out=out) is out
+    assert torch.isnan(full[:, intermediate:]).all(), "wrote past intermediate_size"
+    two_ops = ops.silu_and_mul(ops.linear(x, w, b))
+    assert torch.equal(out, two_ops)
+    y = x.double() @ w.double().T + (b.double() if b is not None else 0.0)
+    expected = torch.nn.functional.silu(y[:, :intermediate]) * y[:, intermediate:]
+    eps = 2.0**-8 if dtype == torch.bfloat16 else 2.0**-11
+    # Roundings: gate and up (product, dtype), silu, the result; plus the float32 sums'
+    # order (1e-4 of the absolute dot products, as _check allows); silu' <= 1.1.
+    g, u = y[:, :intermediate], y[:, intermediate:]
+    scale = x.double().abs() @ w.double().abs().T
+    dg, du = eps * g.abs() + 1e-4 * scale[:, :intermediate], eps * u.abs() + 1e-4 * scale[:, intermediate:]
+    bound = 3 * eps * expected.abs() + 1.1 * dg * u.abs() + (g.abs() + 0.3) * du + 1e-6
+    assert ((out.double() - expected).abs() <= bound).all()
+
+
+def test_linear_silu_and_mul_refuses_more_rows_on_the_kernel():
+    x, w, _ = _case(2, 64, 2 * 32, torch.bfloat16, bias=False)
+    with pytest.raises(ValueError, match=r"linear: x has 2 rows|one row"):
+        ops.linear_cuda.linear_cuda("linear", x, w, None, None, silu_and_mul=True)
+    # the public op takes several rows as the two ops
+    assert torch.equal(ops.linear_silu_and_mul(x, w), ops.silu_and_mul(ops.linear(x, w)))

@@ -45,8 +45,10 @@ def cuda_linear_eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def linear_cuda(op: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                out: torch.Tensor | None) -> torch.Tensor:
-    """Checks and launches the kernel (x, weight on CUDA); see :func:`~pagedcore.ops.linear`."""
+                out: torch.Tensor | None, silu_and_mul: bool = False) -> torch.Tensor:
+    """Checks and launches the kernel (x, weight on CUDA); see :func:`~pagedcore.ops.linear`
+    (``silu_and_mul``: :func:`~pagedcore.ops.linear_silu_and_mul`'s one-row kernel, ``out``
+    then has half the weight's rows as columns)."""
     if x.dtype not in (torch.bfloat16, torch.float16):
         raise TypeError(f"{op}: x on CUDA must be bfloat16 or float16 (float32 products run on the CPU), "
                         f"got {x.dtype}")
@@ -65,6 +67,9 @@ def linear_cuda(op: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
         raise ValueError(f"{op}: weight must be [out_features, in_features = {in_features}], got shape "
                          f"{tuple(weight.shape)}")
     out_features = weight.shape[0]
+    if silu_and_mul and (tokens != 1 or out_features % 2):
+        raise ValueError(f"{op}: the fused kernel takes one row and an even number of weight rows "
+                         f"[gate | up], got {tokens} rows and weight shape {tuple(weight.shape)}")
     if tokens > CUDA_LINEAR_MAX_ROWS:
         raise ValueError(f"{op}: x has {tokens} rows on CUDA; at most {CUDA_LINEAR_MAX_ROWS} (use F.linear)")
     if in_features % 8:
@@ -76,11 +81,13 @@ def linear_cuda(op: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
         raise ValueError(f"{op}: weight must be contiguous and 16-byte aligned, got strides {weight.stride()}")
     if bias is not None and (bias.shape != (out_features,) or not bias.is_contiguous()):
         raise ValueError(f"{op}: bias must be a contiguous [{out_features}], got shape {tuple(bias.shape)}")
+    columns = out_features // 2 if silu_and_mul else out_features
     if out is None:
-        out = torch.empty((tokens, out_features), dtype=x.dtype, device=x.device)
-    elif out.shape != (tokens, out_features) or (out_features > 1 and out.stride(1) != 1) or (
-            tokens > 1 and out.stride(0) < out_features):
-        raise ValueError(f"{op}: out must be [num_tokens, out_features] = [{tokens}, {out_features}] with dense "
+        out = torch.empty((tokens, columns), dtype=x.dtype, device=x.device)
+    elif out.shape != (tokens, columns) or (columns > 1 and out.stride(1) != 1) or (
+            tokens > 1 and out.stride(0) < columns):
+        what = "intermediate_size" if silu_and_mul else "out_features"
+        raise ValueError(f"{op}: out must be [num_tokens, {what}] = [{tokens}, {columns}] with dense "
                          f"rows, got shape {tuple(out.shape)} strides {out.stride()}")
     if tokens and out_features and any(_overlap(out, t) for t in (x, weight) + (() if bias is None else (bias,))):
         raise ValueError(f"{op}: out must not overlap x, weight or bias")
@@ -89,7 +96,8 @@ def linear_cuda(op: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
             out=out.data_ptr(), input=x.data_ptr(), weight=weight.data_ptr(),
             bias=bias.data_ptr() if bias is not None else 0, dtype=_CUDA_DTYPES[x.dtype], num_tokens=tokens,
             in_features=in_features, out_features=out_features, input_stride=x.stride(0) if tokens > 1 else in_features,
-            out_stride=out.stride(0) if tokens > 1 else out_features, stream=_stream(x.device),
+            out_stride=out.stride(0) if tokens > 1 else columns, stream=_stream(x.device),
+            silu_and_mul=silu_and_mul,
         )
     return out
 
