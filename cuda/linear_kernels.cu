@@ -1,12 +1,13 @@
 // out = input @ weight^T (+ bias) for the few rows of a decode step (contract:
-// pagedcore/cuda/layer_kernels.h, LinearParams).
+// pagedcore/cuda/layer_kernels.h, LinearParams). One row here; 2..16 rows on
+// tensor cores in linear_mma.cu.
 //
-// A warp computes one output feature (four, above one row: they share each load
-// of the input rows) for every input row: its lanes stream the weight rows with
-// 16-byte loads that bypass L1 (each weight byte is read once), several loads in
-// flight per lane, while the input rows (a few KB, read by every warp) stay in L1. Products accumulate in float32 per lane, then across the warp
-// by shuffles. At one to eight rows a GEMM library's tiles leave most of the GPU
-// idle and the call latency-bound; this kernel is bound by the weight's bytes.
+// A warp computes one output feature for the row: its lanes stream the weight
+// row with 16-byte loads that bypass L1 (each weight byte is read once), several
+// loads in flight per lane, while the input row (a few KB, read by every warp)
+// stays in L1. Products accumulate in float32 per lane, then across the warp by
+// shuffles. At one row a GEMM library's tiles leave most of the GPU idle and the
+// call latency-bound; this kernel is bound by the weight's bytes.
 // Launched with PDL (pdl.cuh): each warp's first weight loads are in flight
 // before the kernel that produced the input has finished.
 #include <cuda_bf16.h>
@@ -16,6 +17,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "linear_mma.h"
 #include "pagedcore/cuda/layer_kernels.h"
 #include "pdl.cuh"
 
@@ -151,13 +153,12 @@ cudaError_t launch_rows(const LinearParams& p, cudaStream_t stream) {
   return launch_pdl(linear_kernel<T, M, F>, grid, dim3(32 * kWarps), 0, stream, p);
 }
 
+// NOTE: the kernel's M > 1 instances (an FMA path for 2..16 rows, slower than
+// cuBLAS there) gave way to linear_mma.cu; the template keeps M and F.
 template <typename T>
 int launch(const LinearParams& p, cudaStream_t stream) {
   if (p.num_tokens <= 1) return launch_rows<T, 1, 1>(p, stream);
-  if (p.num_tokens <= 2) return launch_rows<T, 2, 4>(p, stream);
-  if (p.num_tokens <= 4) return launch_rows<T, 4, 4>(p, stream);
-  if (p.num_tokens <= 8) return launch_rows<T, 8, 4>(p, stream);
-  return launch_rows<T, 16, 4>(p, stream);
+  return linear_mma(p, stream);
 }
 
 bool aligned16(const void* ptr) { return reinterpret_cast<std::uintptr_t>(ptr) % 16 == 0; }
