@@ -57,7 +57,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     multiple of 8, 16-byte aligned rows; the dtype of ``x`` everywhere).
 
     Every output is summed in one fixed order, whatever the number of rows and threads,
-    so a row's result does not depend on the rows it shares the call with. The order
+    so a row's result does not depend on the rows it shares the call with; on CUDA that
+    holds within one row and within 2-16 rows, which take different kernels (a
+    matrix-vector kernel; tensor cores) whose sums round differently. The order
     is not torch's: results agree with ``F.linear`` to float32 rounding (a few ulps of
     the largest terms), not bit for bit.
 
