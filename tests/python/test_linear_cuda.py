@@ -79,6 +79,18 @@ def test_linear_every_split_of_k(monkeypatch, parts, rows, in_features, out_feat
     assert torch.equal(again, out), "the same product twice gave different bits"
 
 
+@pytest.mark.parametrize("in_features,out_features", [(576, 960), (1536, 576), (4096, 6144)])
+def test_linear_row_sums_independent_of_the_other_rows(in_features, out_features):
+    # ops.linear's contract: on CUDA a row's result is the same bits whichever other rows
+    # (2-16 in all) share the call, so decode batches of 2..16 sequences agree.
+    x, w, b = _case(16, in_features, out_features, torch.bfloat16, bias=True, seed=7)
+    full = ops.linear(x, w, b)
+    _check(x, w, b, full)
+    for rows in (2, 3, 8, 9, 15):
+        assert torch.equal(ops.linear(x[:rows], w, b), full[:rows]), f"rows 0..{rows - 1} alone differ"
+        assert torch.equal(ops.linear(x[16 - rows:], w, b), full[16 - rows:]), f"last {rows} rows alone differ"
+
+
 def test_linear_large_vocabulary_head():
     x, w, _ = _case(2, 576, 49152, torch.bfloat16, bias=False, seed=3)
     _check(x, w, None, ops.linear(x, w))
