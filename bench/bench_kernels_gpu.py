@@ -19,6 +19,7 @@ Usage: python3 bench/bench_kernels_gpu.py [--quick]
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -355,8 +356,9 @@ def layer_op_rows(quick: bool) -> list[tuple]:
 def linear_rows(quick: bool) -> list[tuple]:
     """(name, ours us, cuBLAS us, GB/s of weight read by ours, rel err) of the decode steps' products
     at M = 1, 2, 4, 8, 16 rows (quick: 1, 4, 16): the one-row kernel at M = 1, the tensor-core one
-    above. Each graph cycles through copies of the weight that together exceed the L2 cache
-    (>= 128 MB), as a model's layers do, so that the weight comes from DRAM at every call."""
+    above, and at M = 16 (not quick) the tensor-core kernel with each split of k forced. Each
+    graph cycles through copies of the weight that together exceed the L2 cache (>= 128 MB), as
+    a model's layers do, so that the weight comes from DRAM at every call."""
     dtype = torch.bfloat16
     shapes = {
         "SmolLM2": {"qkv": (576, 960), "o": (576, 576), "gate_up": (576, 3072), "down": (1536, 576),
@@ -388,11 +390,26 @@ def linear_rows(quick: bool) -> list[tuple]:
 
                 ours = time_graph(ours_call, iters=max(20, copies))
                 theirs = time_graph(cublas_call, iters=max(20, copies))
-                found[(shape, tokens, name)] = (f"linear {shape} {name} M={tokens} ({k}->{n})", ours, theirs,
-                                                n * k * 2 / ours / 1e3, err)
+                found[(shape, tokens, name)] = [(f"linear {shape} {name} M={tokens} ({k}->{n})", ours, theirs,
+                                                 n * k * 2 / ours / 1e3, err)]
+                # The tensor-core kernel's split of k forced (PAGEDCORE_LINEAR_PARTS, read at each
+                # launch): where its cost model's choice stands among the others.
+                for parts in (1, 2, 4, 8, 16, 32, 64) if tokens == 16 and not quick else ():
+                    if parts > -(-k // 32):
+                        break
+                    before = os.environ.get("PAGEDCORE_LINEAR_PARTS")
+                    os.environ["PAGEDCORE_LINEAR_PARTS"] = str(parts)
+                    try:
+                        us = time_graph(ours_call, iters=max(20, copies))
+                    finally:
+                        os.environ.pop("PAGEDCORE_LINEAR_PARTS")
+                        if before is not None:
+                            os.environ["PAGEDCORE_LINEAR_PARTS"] = before
+                    found[(shape, tokens, name)].append((f"  same, k split in <= {parts} parts", us, theirs,
+                                                         n * k * 2 / us / 1e3, err))
             del weights
-    return [found[(shape, tokens, name)] for shape, layers in shapes.items() for tokens in token_counts
-            for name in layers]
+    return [row for shape, layers in shapes.items() for tokens in token_counts for name in layers
+            for row in found[(shape, tokens, name)]]
 
 
 def main() -> None:
