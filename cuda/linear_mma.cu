@@ -310,18 +310,25 @@ int64_t grid_ctas(int groups, const Plan& pl) {
 }
 
 // NOTE: how many parts (splits * cluster) a group's k is cut into. A rough model
-// of the time, in bytes: the busiest SM's weight bytes (ceil(CTAs / SMs) CTAs of
-// bytes / CTAs), plus one DRAM latency (kLatencyBytes: ~1 us at an SM's share of
-// the bandwidth) per round of loads of a warp, per wave of resident CTAs. Few
-// groups (SmolLM2's 36-192) want many parts, so that more SMs stream the weight
-// and each warp issues all its loads at once; within 3% of the best the fewest
-// parts win (less reduction, fewer clusters). At H200's 132 SMs and 2 resident
-// CTAs per SM this gives SmolLM2's qkv and o 16 parts (clusters of 2; 120 and
-// 72 CTAs), gate_up 8 (192 CTAs), down 16 (72 CTAs); the 8B shape's qkv 16
-// (768 CTAs), o, gate_up and down 8. To be measured on the GPU:
-// PAGEDCORE_LINEAR_PARTS=N (read at each launch; 0 or unset: this model) forces
-// the largest number of parts <= N that the shape and device allow.
+// of the time, in bytes: the busiest SM's bytes (ceil(CTAs / SMs) CTAs, each with
+// its share of the weight plus, at half weight (L2, not DRAM), the input rows of
+// its k ranges at 16 rows: warps of a CTA that share a k range share them in L1),
+// plus one DRAM latency (kLatencyBytes: ~1 us at an SM's share of the bandwidth)
+// per round of loads of a warp, per wave of resident CTAs. The model does not
+// look at the number of rows, so that a row's sums do not depend on the rows it
+// shares the call with. Few groups (SmolLM2's 36-192) want many parts, so that
+// more SMs stream the weight and each warp issues all its loads at once; within 3%
+// of the best the fewest parts win (less reduction, fewer clusters). At H200's
+// 132 SMs and 2 resident CTAs per SM this gives SmolLM2's qkv and o 16 parts
+// (clusters of 2; 120 and 72 CTAs), gate_up 8 (192 CTAs), down 16 (72 CTAs),
+// lm_head 1 (384 CTAs); the 8B shape's qkv 16 (768 CTAs), o and down 8 (256),
+// gate_up and lm_head 1 (224, 1002). To be measured on the GPU (bench_kernels_gpu.py
+// times every split at 16 rows): PAGEDCORE_LINEAR_PARTS=N (read at each launch; 0
+// or unset: this model) forces the largest number of parts <= N that the shape and
+// device allow.
 constexpr double kLatencyBytes = 32 * 1024;
+constexpr double kInputWeight = 0.5;  // an input byte from L2 against a weight byte from DRAM
+constexpr int kModelRows = 16;
 
 Plan plan(int groups, int chunks, int in_features, const Device& d, int capacity) {
   const int max_parts = d.clusters ? kWarps * kMaxCluster : kWarps;
@@ -332,16 +339,20 @@ Plan plan(int groups, int chunks, int in_features, const Device& d, int capacity
     while (parts * 2 <= forced && parts * 2 <= max_parts && parts * 2 <= chunks) parts *= 2;
     return plan_for_parts(parts);
   }
-  const double bytes = 32.0 * groups * in_features;  // 16 rows of in_features 2-byte elements a group
+  const double weight_bytes = 32.0 * groups * in_features;  // 16 rows of 2-byte elements a group
   double costs[8] = {};
   int count = 0;
   for (int parts = 1; parts <= max_parts && parts <= chunks; parts *= 2, ++count) {
-    const int64_t ctas = grid_ctas(groups, plan_for_parts(parts));
+    const Plan pl = plan_for_parts(parts);
+    const int64_t ctas = grid_ctas(groups, pl);
     const int64_t per_sm = (ctas + d.sms - 1) / d.sms;
     const int64_t waves = (ctas + capacity - 1) / capacity;
     const int chunks_per_warp = (chunks + parts - 1) / parts;
     const int rounds = (chunks_per_warp + kUnroll - 1) / kUnroll;
-    costs[count] = static_cast<double>(per_sm) * bytes / static_cast<double>(ctas) +
+    // a CTA's input bytes: its splits k ranges of in_features / parts, kModelRows rows
+    const double input_bytes = 2.0 * kModelRows * in_features / pl.cluster;
+    costs[count] = static_cast<double>(per_sm) *
+                       (weight_bytes / static_cast<double>(ctas) + kInputWeight * input_bytes) +
                    static_cast<double>(waves) * rounds * kLatencyBytes;
   }
   double best = costs[0];
