@@ -10,7 +10,8 @@
 // memory (distributed shared memory across the cluster) and are added in a fixed
 // order, so a result does not depend on timing.
 //
-// Fragments (PTX ISA, "Matrix Fragments for mma.m16n8k16", 16-bit types). Lane =
+// Fragments (PTX ISA, "Matrix Fragments for mma.m16n8k16", 16-bit types), per
+// 32-bit register of two elements, the lower-numbered in the low half. Lane =
 // 4 * g + t (g = lane / 4 in 0..7, t = lane % 4). Logical k in 0..15 of one mma:
 //   A (16x16, row): a0 = A[g][2t, 2t+1], a1 = A[g+8][2t, 2t+1],
 //                   a2 = A[g][2t+8, 2t+9], a3 = A[g+8][2t+8, 2t+9]
