@@ -1,8 +1,9 @@
-"""pagedcore.ops.linear on CUDA (the decode steps' matrix-vector kernel, bf16/fp16,
-1-16 rows) against a float64 product of the same rounded inputs: shapes of the model
-families (in_features 64..14336, out_features 1..~50k incl. non-multiples of the
-CTA's 8 features), bias, strided input rows, outputs poisoned with NaN, and a
-decode step's numbers equal with the kernel and with cuBLAS up to rounding."""
+"""pagedcore.ops.linear on CUDA (the decode steps' kernels, bf16/fp16, 1-16 rows: a
+matrix-vector kernel at one row, tensor cores at 2-16) against a float64 product of the
+same rounded inputs: shapes of the model families (in_features 64..14336, out_features
+1..~50k incl. non-multiples of the 16 features of an mma tile and in_features that are
+not multiples of its 32-element chunks), every split of k over the warps of a CTA and
+the CTAs of a cluster, bias, strided input rows, outputs poisoned with NaN."""
 
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ def _check(x, w, b, out):
 @pytest.mark.parametrize("in_features,out_features", [
     (64, 1), (576, 960), (576, 3072), (1536, 576), (4096, 6144), (14336, 4096), (2048, 4099), (8, 13),
     (8192, 1000), (8200, 7),  # one row: 8 warps per feature, parts of uneven length
+    (72, 40), (1000, 24),
 ])
 def test_linear_against_float64(dtype, rows, in_features, out_features):
     x, w, b = _case(rows, in_features, out_features, dtype, bias=False)
@@ -58,6 +60,38 @@ def test_linear_bias_strided_rows_and_out(rows, in_features, out_features, row_s
     assert ops.linear(x, w, b, out=out) is out
     _check(x, w, b, out)
     assert torch.isnan(full[:, out_features:]).all(), "wrote past out_features"
+
+
+@pytest.mark.parametrize("parts", [1, 2, 4, 8, 16, 64])
+@pytest.mark.parametrize("rows", [2, 9, 16])
+@pytest.mark.parametrize("in_features,out_features", [(2056, 20), (72, 40), (1536, 576)])
+def test_linear_every_split_of_k(monkeypatch, parts, rows, in_features, out_features):
+    # PAGEDCORE_LINEAR_PARTS (read at each launch) forces the split of a group's k over
+    # warps (<= 8) and cluster CTAs (16, 64: Hopper; fewer where the shape has fewer
+    # 32-element chunks: 72 has 3, the last one with one lane's worth of k). The
+    # partial sums meet in a fixed order; bias and strided rows ride along.
+    monkeypatch.setenv("PAGEDCORE_LINEAR_PARTS", str(parts))
+    x, w, b = _case(rows, in_features, out_features, torch.bfloat16, bias=True, seed=parts, row_stride=in_features + 8)
+    full = torch.full((rows, out_features + 8), float("nan"), dtype=torch.bfloat16, device="cuda")
+    out = full[:, :out_features]
+    ops.linear(x, w, b, out=out)
+    _check(x, w, b, out)
+    assert torch.isnan(full[:, out_features:]).all(), "wrote past out_features"
+    again = torch.full_like(out, float("nan"))
+    ops.linear(x, w, b, out=again)
+    assert torch.equal(again, out), "the same product twice gave different bits"
+
+
+@pytest.mark.parametrize("in_features,out_features", [(576, 960), (1536, 576), (4096, 6144)])
+def test_linear_row_sums_independent_of_the_other_rows(in_features, out_features):
+    # ops.linear's contract: on CUDA a row's result is the same bits whichever other rows
+    # (2-16 in all) share the call, so decode batches of 2..16 sequences agree.
+    x, w, b = _case(16, in_features, out_features, torch.bfloat16, bias=True, seed=7)
+    full = ops.linear(x, w, b)
+    _check(x, w, b, full)
+    for rows in (2, 3, 8, 9, 15):
+        assert torch.equal(ops.linear(x[:rows], w, b), full[:rows]), f"rows 0..{rows - 1} alone differ"
+        assert torch.equal(ops.linear(x[16 - rows:], w, b), full[16 - rows:]), f"last {rows} rows alone differ"
 
 
 def test_linear_large_vocabulary_head():

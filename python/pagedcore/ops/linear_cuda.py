@@ -1,11 +1,12 @@
 """The CUDA half of :func:`pagedcore.ops.linear` (:mod:`.matmul`): ``x @ weight.T (+ bias)`` for the
-1..:data:`CUDA_LINEAR_MAX_ROWS` (16) token rows of a decode step, bfloat16/float16, in a
-matrix-vector kernel that streams each weight row once (``cuda/linear_kernels.cu``).
+1..:data:`CUDA_LINEAR_MAX_ROWS` (16) token rows of a decode step, bfloat16/float16, in kernels that
+stream each weight row once: a matrix-vector kernel at one row (``cuda/linear_kernels.cu``), a
+tensor-core one (mma.sync, float32 sums) at 2-16 rows (``cuda/linear_mma.cu``).
 
-At one row cuBLAS's GEMM tiles leave most of the GPU idle and its calls are
-latency-bound (~4 us for the SmolLM2 shape's products, whose weights take well under
-1 us to read); the kernel is bound by the weight's bytes. ``PAGEDCORE_CUDA_LINEAR=0``
-sends every product to cuBLAS (for comparisons).
+At 1-16 rows cuBLAS's GEMM tiles leave most of the GPU idle and its calls are latency-bound
+(~4 us for each of the SmolLM2 shape's products, whose weights take well under 1 us to read);
+the kernels are bound by the weight's bytes. ``PAGEDCORE_CUDA_LINEAR=0`` sends every product
+to cuBLAS (for comparisons).
 """
 
 from __future__ import annotations
@@ -21,11 +22,16 @@ __all__ = ["CUDA_LINEAR_MAX_ROWS", "CUDA_LINEAR_MODEL_ROWS", "cuda_linear_eligib
 
 #: Token rows the kernel takes at most.
 CUDA_LINEAR_MAX_ROWS = int(getattr(_C, "CUDA_LINEAR_MAX_ROWS", 0))
-#: Token rows up to which the model sends a CUDA product to the kernel (else cuBLAS;
-#: ``PAGEDCORE_CUDA_LINEAR_ROWS`` overrides it, for benchmarks). Measured on the H200
-#: (bench_kernels_gpu.py, bf16): at one row 1.3-1.9x cuBLAS's speed on the SmolLM2
-#: shape's products and 0.97-1.25x on the 8B shape's.
-CUDA_LINEAR_MODEL_ROWS = min(int(os.environ.get("PAGEDCORE_CUDA_LINEAR_ROWS", "1")), CUDA_LINEAR_MAX_ROWS)
+# NOTE: to be measured on the H200 (bench_kernels_gpu.py's linear rows at M = 2..16 and
+# bench_e2e_gpu.py at batch 16, against PAGEDCORE_CUDA_LINEAR_ROWS=1): whether the
+# tensor-core kernel beats cuBLAS up to 16 rows on both shapes, or only up to some M.
+# At one row the matrix-vector kernel measured 1.3-1.9x cuBLAS's speed on the SmolLM2
+# shape's products and 0.97-1.25x on the 8B shape's (bf16).
+_DEFAULT_MODEL_ROWS = 16
+#: Token rows up to which the model sends a CUDA product to the kernels (else cuBLAS;
+#: ``PAGEDCORE_CUDA_LINEAR_ROWS`` overrides the default of 16, for benchmarks and A/B runs).
+CUDA_LINEAR_MODEL_ROWS = min(int(os.environ.get("PAGEDCORE_CUDA_LINEAR_ROWS", str(_DEFAULT_MODEL_ROWS))),
+                             CUDA_LINEAR_MAX_ROWS)
 _ENABLED = os.environ.get("PAGEDCORE_CUDA_LINEAR", "1") != "0"
 
 

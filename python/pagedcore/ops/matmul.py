@@ -59,8 +59,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
     On the CPU every output is summed in one fixed order, whatever the number of rows and
     threads, so a row's result does not depend on the rows it shares the call with. On
-    CUDA the order depends on the shape and on whether the call has one row or several
-    (one row splits each sum over 1-8 warps), never on the other rows' values. The order
+    CUDA that holds within one row and within 2-16 rows, which take different kernels
+    (a matrix-vector kernel whose sums are split over 1-8 warps by the shape; tensor
+    cores) whose sums round differently. The order
     is not torch's: results agree with ``F.linear`` to float32 rounding (a few ulps of
     the largest terms), not bit for bit.
 
