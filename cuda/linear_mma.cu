@@ -332,14 +332,18 @@ constexpr double kInputWeight = 0.5;  // an input byte from L2 against a weight 
 constexpr int kModelRows = 16;
 
 Plan plan(int groups, int chunks, int in_features, const Device& d, int capacity) {
-  const int max_parts = d.clusters ? kWarps * kMaxCluster : kWarps;
   int forced = 0;
   if (const char* env = std::getenv("PAGEDCORE_LINEAR_PARTS")) forced = std::atoi(env);
   if (forced > 0) {
+    const int max_parts = d.clusters ? kWarps * kMaxCluster : kWarps;
     int parts = 1;
     while (parts * 2 <= forced && parts * 2 <= max_parts && parts * 2 <= chunks) parts *= 2;
     return plan_for_parts(parts);
   }
+  // Clusters only where a warp of an 8-way split still has >= 4 chunks of k: on the
+  // H200 SmolLM2's qkv and o (18 chunks) took 2.9 / 2.8 us at 8 parts and 3.6 / 3.5 at
+  // the 16 (clusters of 2) this model gives them; its down (48 chunks) 3.8 at 16, 4.2 at 8.
+  const int max_parts = d.clusters && chunks >= 4 * kWarps ? kWarps * kMaxCluster : kWarps;
   const double weight_bytes = 32.0 * groups * in_features;  // 16 rows of 2-byte elements a group
   double costs[8] = {};
   int count = 0;

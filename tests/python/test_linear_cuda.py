@@ -44,7 +44,8 @@ def _check(x, w, b, out):
 ])
 def test_linear_against_float64(dtype, rows, in_features, out_features):
     x, w, b = _case(rows, in_features, out_features, dtype, bias=False)
-    assert ops.cuda_linear_eligible(x, w) == (rows <= ops.CUDA_LINEAR_MODEL_ROWS)
+    if w.numel() * w.element_size() <= 40 << 20:  # (larger weights: test_model_sends_products_where_faster)
+        assert ops.cuda_linear_eligible(x, w) == (rows <= ops.CUDA_LINEAR_MODEL_ROWS)
     out = ops.linear(x, w)
     _check(x, w, b, out)
 
@@ -92,6 +93,19 @@ def test_linear_row_sums_independent_of_the_other_rows(in_features, out_features
     for rows in (2, 3, 8, 9, 15):
         assert torch.equal(ops.linear(x[:rows], w, b), full[:rows]), f"rows 0..{rows - 1} alone differ"
         assert torch.equal(ops.linear(x[16 - rows:], w, b), full[16 - rows:]), f"last {rows} rows alone differ"
+
+
+@pytest.mark.parametrize("rows,in_features,out_features,expected", [
+    (1, 576, 960, True), (16, 576, 960, True), (16, 4096, 4096, True),  # latency-bound: the kernels
+    (2, 4096, 6144, False), (16, 4096, 28672, False),                  # large weights, 2-16 rows: cuBLAS
+    (1, 4096, 6144, True), (1, 4096, 128256, True),                    # one row: the kernel
+    (1, 576, 49152, False),                                            # except a large head of short rows
+])
+def test_model_sends_products_where_faster(rows, in_features, out_features, expected):
+    # Where the H200 measured the kernels faster than cuBLAS (ops/linear_cuda.py's NOTE).
+    x = torch.zeros((rows, in_features), dtype=torch.bfloat16, device="cuda")
+    w = torch.empty((out_features, in_features), dtype=torch.bfloat16, device="cuda")
+    assert ops.cuda_linear_eligible(x, w) == (expected and rows <= ops.CUDA_LINEAR_MODEL_ROWS)
 
 
 def test_linear_large_vocabulary_head():

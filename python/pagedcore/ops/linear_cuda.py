@@ -22,14 +22,19 @@ __all__ = ["CUDA_LINEAR_MAX_ROWS", "CUDA_LINEAR_MODEL_ROWS", "cuda_linear_eligib
 
 #: Token rows the kernel takes at most.
 CUDA_LINEAR_MAX_ROWS = int(getattr(_C, "CUDA_LINEAR_MAX_ROWS", 0))
-# NOTE: to be measured on the H200 (bench_kernels_gpu.py's linear rows at M = 2..16 and
-# bench_e2e_gpu.py at batch 16, against PAGEDCORE_CUDA_LINEAR_ROWS=1): whether the
-# tensor-core kernel beats cuBLAS up to 16 rows on both shapes, or only up to some M.
-# At one row the matrix-vector kernel measured 1.3-1.9x cuBLAS's speed on the SmolLM2
-# shape's products and 0.97-1.25x on the 8B shape's (bf16).
+# NOTE: measured on the H200 (bench_kernels_gpu.py's linear rows, weights read from
+# DRAM, at c4ceb6f): the kernels beat cuBLAS wherever the product is latency-bound,
+# i.e. its weight is small: SmolLM2's qkv/o/gate_up/down at 2-16 rows 2.6-4.0 us against
+# cuBLAS's 3.6-5.1, the 8B shape's o (33.5 MB) 10.6-12.1 against 13.4-13.7. Over larger
+# weights cuBLAS streams faster at 2-16 rows (8B qkv 18.8-23.9 us against 15.5-16.0,
+# gate_up 63-69 against 57-62), and at one row over a large weight of short rows (SmolLM2's
+# 576-wide LM head: 19.1 against 16.6 us). So: one row always, except large weights of
+# short rows; 2-16 rows over weights up to _LARGE_WEIGHT_BYTES.
 _DEFAULT_MODEL_ROWS = 16
-#: Token rows up to which the model sends a CUDA product to the kernels (else cuBLAS;
-#: ``PAGEDCORE_CUDA_LINEAR_ROWS`` overrides the default of 16, for benchmarks and A/B runs).
+_LARGE_WEIGHT_BYTES = 40 << 20
+#: Token rows up to which the model sends a CUDA product to the kernels (where its
+#: weight is small enough, see :func:`cuda_linear_eligible`; else cuBLAS).
+#: ``PAGEDCORE_CUDA_LINEAR_ROWS`` overrides the default of 16, for benchmarks and A/B runs.
 CUDA_LINEAR_MODEL_ROWS = min(int(os.environ.get("PAGEDCORE_CUDA_LINEAR_ROWS", str(_DEFAULT_MODEL_ROWS))),
                              CUDA_LINEAR_MAX_ROWS)
 _ENABLED = os.environ.get("PAGEDCORE_CUDA_LINEAR", "1") != "0"
@@ -42,12 +47,17 @@ def _aligned_rows(x: torch.Tensor) -> bool:
 def cuda_linear_eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether the model sends this product to :func:`linear` (else ``F.linear``): CUDA,
     1..:data:`CUDA_LINEAR_MODEL_ROWS` rows, bfloat16/float16 like the weight,
-    ``in_features`` a multiple of 8, 16-byte aligned dense rows, a contiguous weight."""
-    return (
+    ``in_features`` a multiple of 8, 16-byte aligned dense rows, a contiguous weight;
+    and where the kernels measured faster than cuBLAS: at one row unless the weight is
+    large (> 40 MiB) and its rows short (< 1024), at 2-16 rows over weights up to 40 MiB."""
+    if not (
         _ENABLED and x.device.type == "cuda" and x.dim() == 2 and 1 <= x.shape[0] <= CUDA_LINEAR_MODEL_ROWS
         and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
         and x.shape[1] % 8 == 0 and _aligned_rows(x) and weight.is_contiguous() and weight.data_ptr() % 16 == 0
-    )
+    ):
+        return False
+    large = weight.numel() * weight.element_size() > _LARGE_WEIGHT_BYTES
+    return not large if x.shape[0] > 1 else not (large and x.shape[1] < 1024)
 
 
 def linear_cuda(op: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
