@@ -43,7 +43,7 @@ from .outputs import CompletionOutput, Logprob, RequestOutput
 from .prompt_logprobs import logprob_dicts, score_prompt_tokens
 from .sampler import HostSamplerOutput, Sampler, SamplerOutput, SamplingMetadata, pack_for_host, unpack_on_host
 from .sampling_params import SamplingParams
-from .structured_outputs import StructuredOutputManager
+from .structured_outputs import BitmaskStaging, StructuredOutputManager
 
 logger = logging.getLogger("pagedcore")
 
@@ -375,6 +375,7 @@ class LLMEngine:
         self._generators: dict[int, torch.Generator] = {}
         self._structured: StructuredOutputManager | None = None  # built on first use
         self._matchers: dict[int, Any] = {}  # seq id -> matcher of a live constrained sequence
+        self._bitmask_staging: BitmaskStaging | None = None  # built on first use
         self._next_id = 0
         # Async output processing: step() launches step n+1 on the device before it
         # turns step n's tokens into outputs (see step()).
@@ -908,8 +909,9 @@ class LLMEngine:
         Every matcher has consumed all tokens sampled before this step: step()
         updates the previous step and processes its outputs (which advance the
         matchers) before it builds this metadata, so this holds with async
-        output processing too; the masks are computed while the device runs
-        the forward pass launched just before.
+        output processing and async scheduling too (_needs_host_tokens); the
+        masks are computed while the device runs the forward pass launched just
+        before, into BitmaskStaging's buffers.
         """
         rows, matchers = [], []
         for row, seq_id in enumerate(batch.sample_seq_ids.tolist()):
@@ -918,8 +920,10 @@ class LLMEngine:
                 rows.append(row)
                 matchers.append(matcher)
         if rows:
-            md.bitmask_rows = self._to_device(torch.tensor(rows, dtype=torch.int64))
-            md.token_bitmask = self._to_device(self._structured.bitmask(matchers))
+            if self._bitmask_staging is None:
+                self._bitmask_staging = BitmaskStaging(self._structured.num_words, self.device)
+            md.bitmask_rows, md.token_bitmask = self._bitmask_staging.stage(
+                rows, lambda out: self._structured.fill_bitmask(matchers, out))
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         """A host tensor's copy on the device, queued without waiting for the device."""
