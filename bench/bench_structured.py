@@ -104,6 +104,12 @@ class Timers:
             if part == "step":
                 self.steps += 1
 
+    def close(self) -> None:
+        """Restores the class-level hook, so that nothing keeps this engine alive (on
+        CUDA the next mode's engine needs its memory)."""
+        llm_engine._HostCopy.wait = _WAIT
+        self._engine = None
+
     def reset(self) -> None:
         self.total.clear()
         self.steps = 0
@@ -227,7 +233,8 @@ def main() -> None:
         ratios[name] = results["JSON schema"][0] / results["unconstrained"][0]
         if mode == modes[-1] and args.replay_steps:
             replay(engine, spec, results["JSON schema"][1], args.replay_steps)
-        del llm, engine, timers
+        timers.close()
+        del llm, engine, timers, results
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
