@@ -750,8 +750,15 @@ class LLMEngine:
 
     def _needs_host_tokens(self, batch: _C.StepBatch) -> bool:
         """Whether sampling the step needs the previous step's tokens on the host:
-        penalties count the outputs, grammar matchers consume them."""
-        return bool(self._matchers) or bool(self._slots.penalized[batch.sample_slots].any())
+        penalties count the outputs, grammar matchers consume them.
+
+        NOTE: only the step's own rows count: a matcher of a sequence outside the
+        batch (waiting, preempted) is advanced when the step holding its last token
+        resolves, which is before that sequence samples again.
+        """
+        if self._matchers and any(seq_id in self._matchers for seq_id in batch.sample_seq_ids.tolist()):
+            return True
+        return bool(self._slots.penalized[batch.sample_slots].any())
 
     def _resolve_launched(self, launched: _Launched) -> list[RequestOutput]:
         """Waits for a launched step's sampled ids, gives them to the engine

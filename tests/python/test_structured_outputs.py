@@ -62,10 +62,9 @@ def smollm2() -> LLM:
 
 
 @pytest.fixture(scope="module")
-def tiny_llms(tmp_path_factory) -> dict[bool, LLM]:
+def tiny_dir(tmp_path_factory) -> str:
     """SmolLM2's config shrunk to 2 layers of hidden size 64 (its 49152-token vocabulary
-    kept), random weights written directly: no transformers model or tokenizer to build.
-    One engine per async-scheduling mode (off, on)."""
+    kept), random weights written directly: no transformers model or tokenizer to build."""
     from safetensors.torch import save_file
 
     tokenizer_dir = pagedcore.default_model_path()
@@ -87,9 +86,18 @@ def tiny_llms(tmp_path_factory) -> dict[bool, LLM]:
     path = Path(tmp_path_factory.mktemp("tiny"))
     (path / "config.json").write_text(json.dumps(config))
     save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
-    return {mode: LLM(model=str(path), tokenizer=tokenizer_dir, num_kv_blocks=128, max_model_len=256,
-                      max_num_seqs=16, async_output_proc=True, async_scheduling=mode)
-            for mode in (False, True)}
+    return str(path)
+
+
+def tiny_pair(path: str, **kw) -> dict[bool, LLM]:
+    """The tiny model, one engine per async-scheduling mode (off, on)."""
+    return {mode: LLM(model=path, tokenizer=pagedcore.default_model_path(), async_output_proc=True,
+                      async_scheduling=mode, **kw) for mode in (False, True)}
+
+
+@pytest.fixture(scope="module")
+def tiny_llms(tiny_dir) -> dict[bool, LLM]:
+    return tiny_pair(tiny_dir, num_kv_blocks=128, max_model_len=256, max_num_seqs=16)
 
 
 def summary(outs) -> list:
@@ -218,6 +226,26 @@ def test_streaming_deltas_concatenate_to_valid_json(tiny_llms) -> None:
         assert llm.stats()["num_free_blocks"] == llm.stats()["num_blocks"]
         texts[mode] = text
     assert texts[True] == texts[False]
+
+
+def test_constrained_sequences_waiting_and_preempted(tiny_dir) -> None:
+    # Two running at a time: two unconstrained requests first, while the constrained
+    # ones wait (their matchers live, outside the batch: those steps do not wait for
+    # the previous step's tokens before sampling), then a constrained one beside the
+    # longer unconstrained one (a mixed batch), then the other constrained one. 5 blocks
+    # of 16 for two sequences of 27-token prompts growing past 32 tokens: a preemption.
+    llms = tiny_pair(tiny_dir, num_kv_blocks=5, max_model_len=80, max_num_seqs=2)
+    prompts = [f"Person {i}: a long preamble comes first, so that the prompt fills most of two blocks of "
+               "sixteen tokens, then JSON:" for i in range(4)]
+    params = [SamplingParams(temperature=0.9, seed=30 + i, max_tokens=n, ignore_eos=True) for i, n in enumerate((4, 10))]
+    params += [SamplingParams(temperature=0.9, seed=20 + i, max_tokens=24, structured_outputs=bounded_json())
+               for i in range(2)]
+    outs = generate(llms, prompts, params)
+    assert all(llm.stats()["num_recompute_preemptions"] > 0 for llm in llms.values())
+    for out in outs[2:]:
+        c = out.outputs[0]
+        assert c.finish_reason == "stop", c
+        BoundedPerson.model_validate_json(c.text)
 
 
 @pytest.mark.parametrize("kwargs, field", [
