@@ -23,7 +23,9 @@ time per step went (ms per engine step, medians over ``--repeats`` runs):
   ``compute`` is llguidance's and ``copy`` the rest (rows, staging, the copy queued)
 - ``sample``: the sampler's call (its kernels launched on CUDA, run on the CPU)
 
-and the rest of ``step()`` as ``other``. Then a replay of the constrained run's
+and the rest of ``step()`` as ``other``; on CUDA also ``gpu execute`` and ``gpu sample``,
+the device's time of the forward pass and of the sampler (CUDA events around them):
+for the rest of a step the device waits for the host. Then a replay of the constrained run's
 own tokens through fresh matchers times llguidance alone on this host, step by step
 over the same 64 rows: one mask at a time on one thread, a step's masks on
 llguidance's thread pool (1, 2, 4, 8 threads and its default), and, on CUDA, what
@@ -73,6 +75,8 @@ class Timers:
         self._wrap(engine, "_add_token_bitmask", "masks")
         self._wrap(engine.runner, "execute", "execute")
         self._engine = engine
+        self._cuda = engine.device.type == "cuda"
+        self._events: list = []  # (part, start, end) CUDA events, read after each run
         sampler = engine.sampler
         engine.sampler = lambda *a, **kw: self._timed("sample", sampler, *a, **kw)
         global _WAIT
@@ -96,6 +100,10 @@ class Timers:
         setattr(obj, name, lambda *a, **kw: self._timed(part, fn, *a, **kw))
 
     def _timed(self, part: str, fn, *args, **kwargs):
+        gpu = self._cuda and part in ("execute", "sample")
+        if gpu:  # the device's time of the forward pass and of the sampler, from events around them
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
         t0 = time.perf_counter()
         try:
             return fn(*args, **kwargs)
@@ -103,6 +111,10 @@ class Timers:
             self.total[part] += 1e3 * (time.perf_counter() - t0)
             if part == "step":
                 self.steps += 1
+            if gpu:
+                end = torch.cuda.Event(enable_timing=True)
+                end.record()
+                self._events.append((f"gpu {part}", start, end))
 
     def close(self) -> None:
         """Restores the class-level hook, so that nothing keeps this engine alive (on
@@ -113,8 +125,14 @@ class Timers:
     def reset(self) -> None:
         self.total.clear()
         self.steps = 0
+        self._events.clear()
 
     def per_step(self) -> dict[str, float]:
+        if self._events:
+            torch.cuda.synchronize()
+            for part, start, end in self._events:
+                self.total[part] += start.elapsed_time(end)
+            self._events.clear()
         t, n = self.total, max(self.steps, 1)
         parts = {p: t.get(p, 0.0) / n for p in PARTS if p not in ("copy", "other")}
         parts["copy"] = parts["masks"] - parts["compute"]
@@ -122,6 +140,10 @@ class Timers:
         parts["other"] = t.get("step", 0.0) / n - sum(parts[p] for p in ("execute", "wait", "process",
                                                                         "masks", "sample"))
         parts["step"] = t.get("step", 0.0) / n
+        if self._cuda:
+            # (the device is idle for the rest of a step: waiting for the host to launch)
+            parts["gpu execute"] = t.get("gpu execute", 0.0) / n
+            parts["gpu sample"] = t.get("gpu sample", 0.0) / n
         return parts
 
 
@@ -228,8 +250,9 @@ def main() -> None:
         for label, params in (("unconstrained", free), ("JSON schema", constrained)):
             wall, tokens, parts, outs = run(llm, timers, prompts, params, args.repeats)
             results[label] = (tokens / wall, outs)
+            gpu = tuple(p for p in ("gpu execute", "gpu sample") if p in parts)
             print(f"{label:14s} {tokens / wall:10.1f} output tokens/s ({wall:.3f} s); per step (ms): "
-                  + " ".join(f"{p} {parts[p]:.3f}" for p in ("step",) + PARTS))
+                  + " ".join(f"{p} {parts[p]:.3f}" for p in ("step",) + PARTS + gpu))
         ratios[name] = results["JSON schema"][0] / results["unconstrained"][0]
         if mode == modes[-1] and args.replay_steps:
             replay(engine, spec, results["JSON schema"][1], args.replay_steps)
