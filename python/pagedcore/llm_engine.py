@@ -386,6 +386,8 @@ class LLMEngine:
         self._async_scheduling = (self.device.type == "cuda" and args.async_output_proc is not False
                                   if args.async_scheduling is None else args.async_scheduling)
         self._launched: _Launched | None = None
+        # A step scheduled and its forward pass launched, not yet sampled (see _step_async).
+        self._prelaunched: tuple[_C.StepBatch, torch.Tensor] | None = None
         self._inflight: tuple[_C.StepBatch, _HostCopy | None] | None = None
         self._pending: _StepOutputs | None = None
         # Sequences a stop string finished while a step holding them was in flight:
@@ -654,7 +656,8 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         # NOTE: a step in flight may hold only sequences whose requests are done
         # (stop strings found while it ran); the next step() settles it.
-        return bool(self._requests) or self._inflight is not None or self._launched is not None
+        return (bool(self._requests) or self._inflight is not None or self._launched is not None
+                or self._prelaunched is not None)
 
     def stats(self) -> dict[str, Any]:
         return _C_stats(self.engine)
@@ -720,15 +723,25 @@ class LLMEngine:
         sample is dropped when step n+1 resolves. Steps whose sampling needs step n's
         tokens on the host (penalties count them, grammars consume them) resolve step
         n before their sampling metadata is built: the forward pass is queued by then.
+        Such a step also schedules and launches the next forward pass right after its
+        sampling (``_prelaunched``, taken by the next call): the device then runs it
+        while the host returns, resolves this step and builds the next masks, instead
+        of idling through the next call's scheduling and launch.
         """
         prev, self._launched = self._launched, None
         outputs: list[RequestOutput] = []
-        batch = self.engine.schedule()
-        self.engine.append_placeholders()
+        prelaunched, self._prelaunched = self._prelaunched, None
+        if prelaunched is None:
+            batch = self.engine.schedule()
+            self.engine.append_placeholders()
+        else:
+            batch, logits = prelaunched
+        waited = False
         try:
-            logits = self.runner.execute(batch, None if prev is None else prev.device_ids)
+            if prelaunched is None:
+                logits = self.runner.execute(batch, None if prev is None else prev.device_ids)
             if prev is not None and batch.num_samples and self._needs_host_tokens(batch):
-                prev, outputs = None, self._resolve_launched(prev)
+                prev, outputs, waited = None, self._resolve_launched(prev), True
             launched = _Launched(batch.num_samples, None, None)
             if batch.num_samples:
                 out = self.sampler(logits, self._sampling_metadata(batch))
@@ -744,6 +757,17 @@ class LLMEngine:
         if launched.num_samples == 0:  # nothing to wait for: resolved at once
             self._launched = None
             self._resolve_launched(launched)
+        elif waited and self.engine.has_unfinished_requests():
+            # NOTE: the engine holds two unresolved steps at most, as in the other
+            # path: this one and the next, which the next call resolves this one before
+            # it samples (it needs this step's tokens on the host, as this one did).
+            try:
+                following = self.engine.schedule()
+                self.engine.append_placeholders()
+                self._prelaunched = (following, self.runner.execute(following, launched.device_ids))
+            except BaseException:
+                self._fail_unresolved()
+                raise
         if self._requests and self._launched is None and not self.engine.has_unfinished_requests():
             raise RuntimeError(f"the engine ended every request, yet {sorted(self._requests)} remain")
         return outputs
@@ -794,7 +818,7 @@ class LLMEngine:
     def _fail_unresolved(self) -> None:
         """After a failure with async scheduling: placeholders for every step the
         engine waits on, then every request dropped (see _fail_step)."""
-        self._launched = None
+        self._launched = self._prelaunched = None
         ended: set[int] = set()
         while self.engine.num_unresolved_steps:
             result = self.engine.resolve(np.zeros(self.engine.num_unresolved_samples, dtype=np.int32))

@@ -210,20 +210,31 @@ def test_schema_cut_by_max_tokens_finishes_with_length(tiny_llms) -> None:
 
 
 def test_streaming_deltas_concatenate_to_valid_json(tiny_llms) -> None:
+    # Beside it, a constrained request aborted mid-run (with async scheduling, while the
+    # next step's forward pass is launched and holds its row).
     texts = {}
     for mode, llm in tiny_llms.items():
         engine = llm.llm_engine
         engine.add_request("so-stream", "Describe a person as JSON.", None, SamplingParams(
             temperature=0.7, seed=3, max_tokens=24, structured_outputs=bounded_json()), stream=True)
-        text, reasons, deltas = "", [], 0
+        engine.add_request("so-aborted", "Another person as JSON.", None, SamplingParams(
+            temperature=0.7, seed=4, max_tokens=24, structured_outputs=bounded_json()))
+        text, reasons, deltas, steps, aborted = "", [], 0, 0, None
         while engine.has_unfinished_requests():
             for out in engine.step():
-                text += out.outputs[0].text if out.outputs else ""
-                deltas += 1
-                reasons += [c.finish_reason for c in out.outputs if c.finish_reason]
+                if out.request_id == "so-stream":
+                    text += out.outputs[0].text if out.outputs else ""
+                    deltas += 1
+                    reasons += [c.finish_reason for c in out.outputs if c.finish_reason]
+            steps += 1
+            if steps == 4:
+                aborted = engine.abort("so-aborted")
+                assert llm.stats()["num_requests"] == 1  # the engine dropped it at once
         assert reasons == ["stop"] and deltas > 3
+        assert aborted is not None and aborted.outputs[0].finish_reason == "abort"
         BoundedPerson.model_validate_json(text)
-        assert llm.stats()["num_free_blocks"] == llm.stats()["num_blocks"]
+        stats = llm.stats()
+        assert stats["num_requests"] == 0 and stats["num_free_blocks"] == stats["num_blocks"], stats
         texts[mode] = text
     assert texts[True] == texts[False]
 
