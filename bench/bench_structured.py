@@ -4,11 +4,14 @@ against the same batch unconstrained (issue 15's target: <= 10% slower), like wi
 
 Both runs make exactly ``--max-tokens`` tokens per request, so that both do the same
 steps over the same batch sizes: unconstrained rows ignore EOS; constrained rows
-follow a schema that cannot finish in time (an array of at least 10,000 short
-strings), so each ends with "length" too. The model is the default one (real
-weights: the grammar needs its tokenizer); ``--load-format dummy`` draws random
-weights instead, which changes nothing for the masks (``--model DIR``: a directory
-with the default model's config.json and tokenizer files is enough then).
+follow a schema that cannot finish in time (an array of at least 10,000 strings,
+``--schema bounded``: of at most 8 characters, or ``plain``), so each ends with
+"length" too. The model is the default one (real weights: the grammar needs its
+tokenizer); ``--load-format dummy`` draws random weights instead (``--model DIR``: a
+directory with the default model's config.json and tokenizer files is enough then),
+whose near-uniform choices visit other grammar states than a trained model's: mostly
+the whitespace between items, where masks are cheap; the replay below times the
+string states apart.
 
 Each async-scheduling mode (``--async-scheduling both``: on, then off) runs the two
 batches in one engine and prints output tokens/s, their ratio, and where the host's
@@ -52,13 +55,21 @@ from pagedcore import llm_engine
 from pagedcore import structured_outputs
 from pagedcore.structured_outputs import StructuredOutputsParams
 
-SCHEMA = {
-    "type": "object",
-    "properties": {"items": {"type": "array", "minItems": 10000,
-                             "items": {"type": "string", "maxLength": 8}}},
-    "required": ["items"],
-    "additionalProperties": False,
-}
+def schema(max_length: int | None) -> dict:
+    """An array of at least 10,000 strings (of at most ``max_length`` characters)."""
+    item = {"type": "string"} if max_length is None else {"type": "string", "maxLength": max_length}
+    return {
+        "type": "object",
+        "properties": {"items": {"type": "array", "minItems": 10000, "items": item}},
+        "required": ["items"],
+        "additionalProperties": False,
+    }
+
+
+# bounded: llguidance's mask inside a string of at most 8 characters costs ~0.4 ms on the
+# 2-core CPU machine (each position a lexer state of its own), ~80x one inside a plain string.
+SCHEMAS = {"bounded": schema(8), "plain": schema(None)}
+SCHEMA = SCHEMAS["bounded"]
 _WAIT = None  # _HostCopy.wait before it was timed
 PARTS = ("execute", "wait", "process", "advance", "masks", "compute", "copy", "sample", "other")
 
@@ -206,6 +217,19 @@ def replay(engine, spec: StructuredOutputsParams, outs, steps: int) -> None:
         print(f"  {m:14s} {b} masks: median {statistics.median(xs):7.3f} ms, mean {statistics.mean(xs):7.3f} ms "
               f"(first {early} steps {statistics.mean(xs[:early]):7.3f}, later {statistics.mean(xs[early:]):7.3f}), "
               f"p90 {np.percentile(xs, 90):7.3f} ms; per mask {1e3 * statistics.median(xs) / b:7.1f} us (median)")
+    # One mask in a few grammar states (median of 20, each on a fresh copy: no cache).
+    for prefix in ('{"items": [', '{"items": ["', '{"items": ["ab'):
+        matcher = manager.new_matcher(spec)
+        for token in engine.tokenizer.encode(prefix, add_special_tokens=False):
+            if not matcher.consume_token(token):
+                raise SystemExit(f"replay: {prefix!r} refused by the schema")
+        single = []
+        for _ in range(20):
+            copy = matcher.deep_copy()
+            t0 = time.perf_counter()
+            copy.unsafe_compute_mask_ptr(out.data_ptr(), nbytes)
+            single.append(1e6 * (time.perf_counter() - t0))
+        print(f"  one mask after {prefix!r:16s}: median {statistics.median(single):8.1f} us")
     if engine.device.type == "cuda":
         # What the masks' path did before the staging buffers: a fresh tensor pinned and copied each step.
         pinned = []
@@ -228,10 +252,12 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--async-scheduling", choices=("both", "on", "off"), default="both")
     ap.add_argument("--replay-steps", type=int, default=64, help="steps of the replay (0: none)")
+    ap.add_argument("--schema", choices=sorted(SCHEMAS), default="bounded",
+                    help="the items' strings: of at most 8 characters (bounded) or any (plain)")
     args = ap.parse_args()
 
     prompts = [f"Request {i}: list some short words as JSON." for i in range(args.requests)]
-    spec = StructuredOutputsParams(json=SCHEMA)
+    spec = StructuredOutputsParams(json=SCHEMAS[args.schema])
     free = SamplingParams(temperature=0.8, seed=0, max_tokens=args.max_tokens, ignore_eos=True)
     constrained = SamplingParams(temperature=0.8, seed=0, max_tokens=args.max_tokens, structured_outputs=spec)
     modes = {"both": (True, False), "on": (True,), "off": (False,)}[args.async_scheduling]
@@ -245,7 +271,8 @@ def main() -> None:
         llm.generate(prompts[:4], [constrained] * 4, use_tqdm=False)
         timers.wrap_structured()
         name = f"async scheduling {'on' if mode else 'off'}"
-        print(f"== {name}: {args.requests} requests x {args.max_tokens} tokens on {engine.device}")
+        print(f"== {name}: {args.requests} requests x {args.max_tokens} tokens on {engine.device}, "
+              f"{args.schema} schema")
         results = {}
         for label, params in (("unconstrained", free), ("JSON schema", constrained)):
             wall, tokens, parts, outs = run(llm, timers, prompts, params, args.repeats)
