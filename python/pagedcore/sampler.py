@@ -125,9 +125,9 @@ class SamplingMetadata:
         ``[M]`` int64 each: (row, token) pairs whose logits are set to -inf
         before anything else (min_tokens). None or empty = none.
     bitmask_rows, token_bitmask : Tensor or None
-        ``[B]`` int64 rows and their ``[B, ceil(V / 32)]`` int32 bitmasks
-        (structured outputs): a token whose bit is 0 is blocked (-inf) before
-        anything else. None = no row is constrained.
+        ``[B]`` int64 rows (distinct; all S in order when B == S) and their
+        ``[B, ceil(V / 32)]`` int32 bitmasks (structured outputs): a token whose
+        bit is 0 is blocked (-inf) before anything else. None = no row is constrained.
     """
 
     temperature: Tensor
@@ -382,7 +382,7 @@ def apply_token_bitmask(logits: Tensor, rows: Tensor, bitmask: Tensor) -> Tensor
     logits : Tensor
         ``[S, V]`` float32, modified in place.
     rows : Tensor
-        ``[B]`` int64.
+        ``[B]`` int64, distinct; when ``B == S``, ``0 .. S - 1`` in order (every row).
     bitmask : Tensor
         ``[B, W]`` int32 on the logits' device.
 
@@ -396,11 +396,22 @@ def apply_token_bitmask(logits: Tensor, rows: Tensor, bitmask: Tensor) -> Tensor
     [0.0, -inf, 0.0]
     """
     vocab = logits.shape[1]
-    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).flatten(1).bool()  # [B, 32 W]
-    if allowed.shape[1] < vocab:
-        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
-    sub = logits.index_select(0, rows).masked_fill_(~allowed[:, :vocab], float("-inf"))
+    if bitmask.device.type == "cpu":
+        # NOTE: numpy unpacks the bits in one single-threaded pass (~0.2 ms for 64 rows of
+        # a 49k vocabulary); torch's shift-and-mask over [B, W, 32] took ~100 ms on two
+        # loaded cores. Bit t of a row is bit t % 8 of its byte t // 8 on a little-endian
+        # host; count pads with 0 (blocked) past 32 W, or cuts at the vocabulary.
+        bits = np.unpackbits(bitmask.contiguous().numpy().view(np.uint8), axis=1, count=vocab, bitorder="little")
+        blocked = torch.from_numpy(np.logical_not(bits.view(np.bool_)))
+    else:
+        shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+        blocked = ((bitmask.unsqueeze(-1) >> shifts) & 1).flatten(1) == 0  # [B, 32 W]
+        if blocked.shape[1] < vocab:
+            blocked = torch.nn.functional.pad(blocked, (0, vocab - blocked.shape[1]), value=True)
+        blocked = blocked[:, :vocab]
+    if rows.shape[0] == logits.shape[0]:  # every row, in order: no gather and scatter
+        return logits.masked_fill_(blocked, float("-inf"))
+    sub = logits.index_select(0, rows).masked_fill_(blocked, float("-inf"))
     return logits.index_copy_(0, rows, sub)
 
 
