@@ -19,6 +19,7 @@ Usage: python3 bench/bench_kernels_gpu.py [--quick]
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -353,8 +354,11 @@ def layer_op_rows(quick: bool) -> list[tuple]:
 
 
 def linear_rows(quick: bool) -> list[tuple]:
-    """(name, ours us, cuBLAS us, GB/s, rel err) of the decode steps' products."""
-    rows = []
+    """(name, ours us, cuBLAS us, GB/s of weight read by ours, rel err) of the decode steps' products
+    at M = 1, 2, 4, 8, 16 rows (quick: 1, 4, 16): the one-row kernel at M = 1, the tensor-core one
+    above, and at M = 16 (not quick) the tensor-core kernel with each split of k forced. Each
+    graph cycles through copies of the weight that together exceed the L2 cache (>= 128 MB), as
+    a model's layers do, so that the weight comes from DRAM at every call."""
     dtype = torch.bfloat16
     shapes = {
         "SmolLM2": {"qkv": (576, 960), "o": (576, 576), "gate_up": (576, 3072), "down": (1536, 576),
@@ -362,18 +366,50 @@ def linear_rows(quick: bool) -> list[tuple]:
         "8B": {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096),
                "lm_head": (4096, 128256)},
     }
+    token_counts = (1, 2, 4, 8, 16) if not quick else (1, 4, 16)
+    found = {}
     for shape, layers in shapes.items():
-        for tokens in ((1, 4, 16) if not quick else (1, 16)):
-            for name, (k, n) in layers.items():
+        for name, (k, n) in layers.items():
+            copies = max(1, -(-(128 << 20) // (n * k * 2)))
+            weights = [torch.randn(n, k, dtype=dtype, device="cuda") * k**-0.5 for _ in range(copies)]
+            for tokens in token_counts:
                 x = torch.randn(tokens, k, dtype=dtype, device="cuda")
-                w = torch.randn(n, k, dtype=dtype, device="cuda") * k**-0.5
                 out = torch.empty(tokens, n, dtype=dtype, device="cuda")
-                ref = F.linear(x, w)
-                err = ((ops.linear(x, w, out=out).float() - ref.float()).abs().max() / ref.float().abs().max()).item()
-                ours = time_graph(lambda: ops.linear(x, w, out=out))
-                theirs = time_graph(lambda: F.linear(x, w))
-                rows.append((f"linear {shape} {name} M={tokens} ({k}->{n})", ours, theirs, w.numel() * 2 / ours / 1e3, err))
-    return rows
+                ref = F.linear(x, weights[0])
+                got = ops.linear(x, weights[0], out=out).float()
+                err = ((got - ref.float()).abs().max() / ref.float().abs().max()).item()
+                calls = [0, 0]
+
+                def ours_call():
+                    ops.linear(x, weights[calls[0] % copies], out=out)
+                    calls[0] += 1
+
+                def cublas_call():
+                    F.linear(x, weights[calls[1] % copies])
+                    calls[1] += 1
+
+                ours = time_graph(ours_call, iters=max(20, copies))
+                theirs = time_graph(cublas_call, iters=max(20, copies))
+                found[(shape, tokens, name)] = [(f"linear {shape} {name} M={tokens} ({k}->{n})", ours, theirs,
+                                                 n * k * 2 / ours / 1e3, err)]
+                # The tensor-core kernel's split of k forced (PAGEDCORE_LINEAR_PARTS, read at each
+                # launch): where its cost model's choice stands among the others.
+                for parts in (1, 2, 4, 8, 16, 32, 64) if tokens == 16 and not quick else ():
+                    if parts > -(-k // 32):
+                        break
+                    before = os.environ.get("PAGEDCORE_LINEAR_PARTS")
+                    os.environ["PAGEDCORE_LINEAR_PARTS"] = str(parts)
+                    try:
+                        us = time_graph(ours_call, iters=max(20, copies))
+                    finally:
+                        os.environ.pop("PAGEDCORE_LINEAR_PARTS")
+                        if before is not None:
+                            os.environ["PAGEDCORE_LINEAR_PARTS"] = before
+                    found[(shape, tokens, name)].append((f"  same, k split in <= {parts} parts", us, theirs,
+                                                         n * k * 2 / us / 1e3, err))
+            del weights
+    return [row for shape, layers in shapes.items() for tokens in token_counts for name in layers
+            for row in found[(shape, tokens, name)]]
 
 
 def main() -> None:

@@ -1,21 +1,25 @@
 // out = input @ weight^T (+ bias) for the few rows of a decode step (contract:
-// pagedcore/cuda/layer_kernels.h, LinearParams).
+// pagedcore/cuda/layer_kernels.h, LinearParams). One row here; 2..16 rows on
+// tensor cores in linear_mma.cu.
 //
-// A warp computes one output feature (four, above one row: they share each load
-// of the input rows) for every input row: its lanes stream the weight rows with
-// 16-byte loads that bypass L1 (each weight byte is read once), several loads in
-// flight per lane, while the input rows (a few KB, read by every warp) stay in L1. Products accumulate in float32 per lane, then across the warp
-// by shuffles. At one to eight rows a GEMM library's tiles leave most of the GPU
-// idle and the call latency-bound; this kernel is bound by the weight's bytes.
+// 1-8 warps compute one output feature for the row (see linear_row_kernel): their
+// lanes stream the weight row with 16-byte loads that bypass L1 (each weight byte
+// is read once), several loads in flight per lane, while the input row (a few KB,
+// read by every warp) stays in L1. Products accumulate in float32 per lane, then
+// across the warp by shuffles. At one row a GEMM library's tiles leave most of the
+// GPU idle and the call latency-bound; this kernel is bound by the weight's bytes.
 // Launched with PDL (pdl.cuh): each warp's first weight loads are in flight
 // before the kernel that produced the input has finished.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <type_traits>
 
+#include "linear_mma.h"
 #include "pagedcore/cuda/layer_kernels.h"
 #include "pdl.cuh"
 
@@ -69,95 +73,153 @@ __device__ __forceinline__ T from_float(float x) {
   }
 }
 
-// M: rows the kernel is built for (p.num_tokens <= M); F: output features per
-// warp, which share each load of the input rows (at one row F = 1: more warps).
-template <typename T, int M, int F>
-__global__ void __launch_bounds__(32 * kWarps) linear_kernel(LinearParams p) {
-  constexpr int U = F >= 4 ? 1 : kUnroll;  // weight loads in flight per lane: F * U
+// One input row: KW warps share each output feature, each reading a contiguous
+// part of its weight row (split k), so that a product of few long rows still
+// makes many small CTAs: with one warp per feature and 8 features per CTA the
+// 512 CTAs of a 4096-feature product gave 4 CTAs to some SMs and 3 to others,
+// and ran at 3.5 TB/s where the 3,584 CTAs of gate_up ran at 4.2. Each lane keeps
+// two rounds of kUnroll 16-byte loads in flight (the next round is issued
+// before the current one is multiplied). Partial sums meet in shared memory in
+// a fixed order.
+//
+// GATED (LinearParams::silu_and_mul): the CTA's first R / 2 features are gate rows
+// j.., the others the matching up rows I + j..; the gate rows' threads combine them.
+template <typename T, int KW, bool GATED>
+__global__ void __launch_bounds__(32 * kWarps) linear_row_kernel(LinearParams p) {
+  constexpr int R = kWarps / KW;  // output features per CTA
+  constexpr int U = kUnroll;
+  static_assert(!GATED || R % 2 == 0, "gate and up rows in pairs");
+  __shared__ float partial[kWarps];
+  __shared__ float gated[R];
   const int lane = threadIdx.x % 32;
-  const int n0 = (blockIdx.x * kWarps + threadIdx.x / 32) * F;
-  if (n0 >= p.out_features) return;  // (no block-wide synchronisation below)
-  const int rows = p.num_tokens;
+  const int warp = threadIdx.x / 32;
+  const int part = warp % KW;
+  const int half = p.out_features / 2;  // (GATED: I)
+  int n;
+  bool active;
+  if constexpr (GATED) {
+    const int r = warp / KW;
+    const int j = blockIdx.x * (R / 2) + r % (R / 2);
+    active = j < half;
+    n = r < R / 2 ? j : half + j;
+  } else {
+    n = blockIdx.x * R + warp / KW;
+    active = n < p.out_features;
+  }
   const int vectors = p.in_features / 8;
+  const int per_part = (vectors + KW - 1) / KW;
+  const int v_begin = part * per_part;
+  const int v_end = min(vectors, v_begin + per_part);
   const T* input = static_cast<const T*>(p.input);
-  const T* wrow[F];
-#pragma unroll
-  for (int f = 0; f < F; ++f) {
-    // (a feature past the end re-reads the first one; its sum is not written)
-    const int n = n0 + f < p.out_features ? n0 + f : n0;
-    wrow[f] = static_cast<const T*>(p.weight) + static_cast<int64_t>(n) * p.in_features;
-  }
-  float acc[F][M];
-#pragma unroll
-  for (int f = 0; f < F; ++f) {
-#pragma unroll
-    for (int m = 0; m < M; ++m) acc[f][m] = 0.f;
-  }
-  uint4 w[U][F];
-  const auto load_weights = [&](int v0) {
+  const T* wrow = static_cast<const T*>(p.weight) + static_cast<int64_t>(active ? n : 0) * p.in_features;
+  uint4 w[U], next[U];
+  const auto load_weights = [&](uint4 (&dst)[U], int v0) {
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int v = v0 + 32 * u + lane;
-      if (v < vectors) {
-#pragma unroll
-        for (int f = 0; f < F; ++f) w[u][f] = load_streaming(wrow[f] + 8 * static_cast<int64_t>(v));
-      }
+      if (active && v < v_end) dst[u] = load_streaming(wrow + 8 * static_cast<int64_t>(v));
     }
   };
   // The first weight loads go out before the kernel that writes the input ends (PDL).
-  load_weights(0);
+  load_weights(w, v_begin);
   pdl_wait();
   pdl_launch_dependents();
-  for (int v0 = 0; v0 < vectors; v0 += 32 * U) {
-    if (v0 > 0) load_weights(v0);
+  float acc = 0.f;
+  for (int v0 = v_begin; v0 < v_end; v0 += 32 * U) {
+    if (v0 + 32 * U < v_end) load_weights(next, v0 + 32 * U);
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int v = v0 + 32 * u + lane;
-      if (v >= vectors) break;
-      float wf[F][8];
+      if (!active || v >= v_end) break;
+      float wf[8], xf[8];
+      widen8<T>(w[u], wf);
+      widen8<T>(__ldg(reinterpret_cast<const uint4*>(input + 8 * static_cast<int64_t>(v))), xf);
 #pragma unroll
-      for (int f = 0; f < F; ++f) widen8<T>(w[u][f], wf[f]);
-#pragma unroll
-      for (int m = 0; m < M; ++m) {
-        if (m >= rows) break;
-        float xf[8];
-        widen8<T>(__ldg(reinterpret_cast<const uint4*>(input + m * p.input_stride + 8 * static_cast<int64_t>(v))), xf);
-#pragma unroll
-        for (int f = 0; f < F; ++f) {
-#pragma unroll
-          for (int i = 0; i < 8; ++i) acc[f][m] = fmaf(xf[i], wf[f][i], acc[f][m]);
-        }
-      }
+      for (int i = 0; i < 8; ++i) acc = fmaf(xf[i], wf[i], acc);
     }
+#pragma unroll
+    for (int u = 0; u < U; ++u) w[u] = next[u];
   }
 #pragma unroll
-  for (int f = 0; f < F; ++f) {
-    const int n = n0 + f;
-    const float bias = p.bias != nullptr && n < p.out_features ? to_float(static_cast<const T*>(p.bias)[n]) : 0.f;
+  for (int o = 16; o > 0; o /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+  if constexpr (KW > 1) {
+    if (lane == 0) partial[warp] = acc;
+    __syncthreads();
+    if (part == 0 && lane == 0) {
+      acc = 0.f;
 #pragma unroll
-    for (int m = 0; m < M; ++m) {
-      if (m >= rows) break;
-      float s = acc[f][m];
-#pragma unroll
-      for (int o = 16; o > 0; o /= 2) s += __shfl_xor_sync(0xffffffffu, s, o);
-      if (lane == 0 && n < p.out_features) static_cast<T*>(p.out)[m * p.out_stride + n] = from_float<T>(s + bias);
+      for (int k = 0; k < KW; ++k) acc += partial[warp + k];
     }
+  }
+  const bool owner = part == 0 && lane == 0 && active;  // holds feature n's whole sum
+  const float bias = owner && p.bias != nullptr ? to_float(static_cast<const T*>(p.bias)[n]) : 0.f;
+  if constexpr (GATED) {
+    // The product rounded to the dtype (as the unfused path stores gate_up), then
+    // silu_and_mul's arithmetic: silu rounded to the dtype, times up, rounded once.
+    if (owner) gated[warp / KW] = to_float(from_float<T>(acc + bias));
+    __syncthreads();
+    if (!owner || warp / KW >= R / 2) return;
+    const float g = gated[warp / KW], u = gated[warp / KW + R / 2];
+    const float silu = to_float(from_float<T>(__fdiv_rn(g, __fadd_rn(1.f, expf(-g)))));
+    static_cast<T*>(p.out)[n] = from_float<T>(__fmul_rn(silu, u));
+  } else {
+    if (owner) static_cast<T*>(p.out)[n] = from_float<T>(acc + bias);
   }
 }
 
-template <typename T, int M, int F>
-cudaError_t launch_rows(const LinearParams& p, cudaStream_t stream) {
-  const dim3 grid((p.out_features + kWarps * F - 1) / (kWarps * F));
-  return launch_pdl(linear_kernel<T, M, F>, grid, dim3(32 * kWarps), 0, stream, p);
+// Warps per output feature for one row: the fewest that make >= 15 CTAs per SM,
+// keeping >= 64 weight vectors (1 KB) per warp. PAGEDCORE_LINEAR_ROW_SPLIT caps it
+// (1: one warp per feature, for comparisons; read once).
+int row_split(const LinearParams& p) {
+  static const int cap = [] {
+    const char* env = std::getenv("PAGEDCORE_LINEAR_ROW_SPLIT");
+    const int v = env != nullptr ? std::atoi(env) : kWarps;
+    return v >= 1 && v <= kWarps ? v : kWarps;
+  }();
+  static const int sms = [] {
+    int device = 0, count = 0;
+    if (cudaGetDevice(&device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
+      cudaGetLastError();
+      return 132;
+    }
+    return count;
+  }();
+  const int vectors = p.in_features / 8;
+  int kw = 1;
+  while (2 * kw <= cap && vectors / (2 * kw) >= 64 &&
+         static_cast<int64_t>(p.out_features + kWarps / kw - 1) / (kWarps / kw) < 15 * sms) {
+    kw *= 2;
+  }
+  return kw;
+}
+
+template <typename T, bool GATED>
+cudaError_t launch_one_row(const LinearParams& p, cudaStream_t stream) {
+  const int kw = GATED ? std::min(row_split(p), kWarps / 2) : row_split(p);
+  // GATED: a CTA's R features are R / 2 gate-up pairs.
+  const int per_cta = GATED ? kWarps / kw / 2 : kWarps / kw;
+  const int features = GATED ? p.out_features / 2 : p.out_features;
+  const dim3 grid((features + per_cta - 1) / per_cta);
+  const dim3 block(32 * kWarps);
+  switch (kw) {
+    case 1: return launch_pdl(linear_row_kernel<T, 1, GATED>, grid, block, 0, stream, p);
+    case 2: return launch_pdl(linear_row_kernel<T, 2, GATED>, grid, block, 0, stream, p);
+    case 4: return launch_pdl(linear_row_kernel<T, 4, GATED>, grid, block, 0, stream, p);
+    default:
+      if constexpr (GATED) {
+        return cudaErrorInvalidValue;  // (unreachable: kw <= 4)
+      } else {
+        return launch_pdl(linear_row_kernel<T, 8, false>, grid, block, 0, stream, p);
+      }
+  }
 }
 
 template <typename T>
 int launch(const LinearParams& p, cudaStream_t stream) {
-  if (p.num_tokens <= 1) return launch_rows<T, 1, 1>(p, stream);
-  if (p.num_tokens <= 2) return launch_rows<T, 2, 4>(p, stream);
-  if (p.num_tokens <= 4) return launch_rows<T, 4, 4>(p, stream);
-  if (p.num_tokens <= 8) return launch_rows<T, 8, 4>(p, stream);
-  return launch_rows<T, 16, 4>(p, stream);
+  if (p.silu_and_mul) return launch_one_row<T, true>(p, stream);
+  if (p.num_tokens <= 1) return launch_one_row<T, false>(p, stream);
+  return linear_mma(p, stream);
 }
 
 bool aligned16(const void* ptr) { return reinterpret_cast<std::uintptr_t>(ptr) % 16 == 0; }
@@ -167,8 +229,10 @@ bool aligned16(const void* ptr) { return reinterpret_cast<std::uintptr_t>(ptr) %
 int linear(const LinearParams& p, void* stream) {
   if (p.num_tokens == 0 || p.out_features == 0) return cudaSuccess;
   if (p.num_tokens < 0 || p.num_tokens > kLinearMaxRows || p.in_features <= 0 || p.in_features % 8 != 0 ||
-      p.out_features < 0 || p.input_stride % 8 != 0 || p.out_stride < p.out_features || !aligned16(p.input) ||
-      !aligned16(p.weight) || (p.num_tokens > 1 && p.input_stride < p.in_features)) {
+      p.out_features < 0 || p.input_stride % 8 != 0 ||
+      p.out_stride < (p.silu_and_mul ? p.out_features / 2 : p.out_features) || !aligned16(p.input) ||
+      !aligned16(p.weight) || (p.num_tokens > 1 && p.input_stride < p.in_features) ||
+      (p.silu_and_mul && (p.num_tokens != 1 || p.out_features % 2 != 0))) {
     return cudaErrorInvalidValue;
   }
   const auto s = static_cast<cudaStream_t>(stream);

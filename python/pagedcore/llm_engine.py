@@ -48,7 +48,7 @@ from .outputs import CompletionOutput, Logprob, RequestOutput
 from .prompt_logprobs import logprob_dicts, score_prompt_tokens
 from .sampler import HostSamplerOutput, Sampler, SamplerOutput, SamplingMetadata, pack_for_host, unpack_on_host
 from .sampling_params import SamplingParams
-from .structured_outputs import StructuredOutputManager
+from .structured_outputs import BitmaskStaging, StructuredOutputManager
 
 logger = logging.getLogger("pagedcore")
 
@@ -388,6 +388,7 @@ class LLMEngine:
         self._generators: dict[int, torch.Generator] = {}
         self._structured: StructuredOutputManager | None = None  # built on first use
         self._matchers: dict[int, Any] = {}  # seq id -> matcher of a live constrained sequence
+        self._bitmask_staging: BitmaskStaging | None = None  # built on first use
         self._next_id = 0
         # Async output processing: step() launches step n+1 on the device before it
         # turns step n's tokens into outputs (see step()).
@@ -398,6 +399,8 @@ class LLMEngine:
         self._async_scheduling = (self.device.type == "cuda" and args.async_output_proc is not False
                                   if args.async_scheduling is None else args.async_scheduling)
         self._launched: _Launched | None = None
+        # A step scheduled and its forward pass launched, not yet sampled (see _step_async).
+        self._prelaunched: tuple[_C.StepBatch, torch.Tensor] | None = None
         self._inflight: tuple[_C.StepBatch, _HostCopy | None] | None = None
         self._pending: _StepOutputs | None = None
         # Sequences a stop string finished while a step holding them was in flight:
@@ -668,7 +671,8 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         # NOTE: a step in flight may hold only sequences whose requests are done
         # (stop strings found while it ran); the next step() settles it.
-        return bool(self._requests) or self._inflight is not None or self._launched is not None
+        return (bool(self._requests) or self._inflight is not None or self._launched is not None
+                or self._prelaunched is not None)
 
     def stats(self) -> dict[str, Any]:
         return _C_stats(self.engine)
@@ -734,15 +738,25 @@ class LLMEngine:
         sample is dropped when step n+1 resolves. Steps whose sampling needs step n's
         tokens on the host (penalties count them, grammars consume them) resolve step
         n before their sampling metadata is built: the forward pass is queued by then.
+        Such a step also schedules and launches the next forward pass right after its
+        sampling (``_prelaunched``, taken by the next call): the device then runs it
+        while the host returns, resolves this step and builds the next masks, instead
+        of idling through the next call's scheduling and launch.
         """
         prev, self._launched = self._launched, None
         outputs: list[RequestOutput] = []
-        batch = self.engine.schedule()
-        self.engine.append_placeholders()
+        prelaunched, self._prelaunched = self._prelaunched, None
+        if prelaunched is None:
+            batch = self.engine.schedule()
+            self.engine.append_placeholders()
+        else:
+            batch, logits = prelaunched
+        waited = False
         try:
-            logits = self.runner.execute(batch, None if prev is None else prev.device_ids)
+            if prelaunched is None:
+                logits = self.runner.execute(batch, None if prev is None else prev.device_ids)
             if prev is not None and batch.num_samples and self._needs_host_tokens(batch):
-                prev, outputs = None, self._resolve_launched(prev)
+                prev, outputs, waited = None, self._resolve_launched(prev), True
             launched = _Launched(batch.num_samples, None, None)
             if batch.num_samples:
                 out = self.sampler(logits, self._sampling_metadata(batch))
@@ -758,14 +772,32 @@ class LLMEngine:
         if launched.num_samples == 0:  # nothing to wait for: resolved at once
             self._launched = None
             self._resolve_launched(launched)
+        elif waited and self.engine.has_unfinished_requests():
+            # NOTE: the engine holds two unresolved steps at most, as in the other
+            # path: this one and the next, which the next call resolves this one before
+            # it samples (it needs this step's tokens on the host, as this one did).
+            try:
+                following = self.engine.schedule()
+                self.engine.append_placeholders()
+                self._prelaunched = (following, self.runner.execute(following, launched.device_ids))
+            except BaseException:
+                self._fail_unresolved()
+                raise
         if self._requests and self._launched is None and not self.engine.has_unfinished_requests():
             raise RuntimeError(f"the engine ended every request, yet {sorted(self._requests)} remain")
         return outputs
 
     def _needs_host_tokens(self, batch: _C.StepBatch) -> bool:
         """Whether sampling the step needs the previous step's tokens on the host:
-        penalties count the outputs, grammar matchers consume them."""
-        return bool(self._matchers) or bool(self._slots.penalized[batch.sample_slots].any())
+        penalties count the outputs, grammar matchers consume them.
+
+        NOTE: only the step's own rows count: a matcher of a sequence outside the
+        batch (waiting, preempted) is advanced when the step holding its last token
+        resolves, which is before that sequence samples again.
+        """
+        if self._matchers and any(seq_id in self._matchers for seq_id in batch.sample_seq_ids.tolist()):
+            return True
+        return bool(self._slots.penalized[batch.sample_slots].any())
 
     def _resolve_launched(self, launched: _Launched) -> list[RequestOutput]:
         """Waits for a launched step's sampled ids, gives them to the engine
@@ -801,7 +833,7 @@ class LLMEngine:
     def _fail_unresolved(self) -> None:
         """After a failure with async scheduling: placeholders for every step the
         engine waits on, then every request dropped (see _fail_step)."""
-        self._launched = None
+        self._launched = self._prelaunched = None
         ended: set[int] = set()
         while self.engine.num_unresolved_steps:
             result = self.engine.resolve(np.zeros(self.engine.num_unresolved_samples, dtype=np.int32))
@@ -923,8 +955,9 @@ class LLMEngine:
         Every matcher has consumed all tokens sampled before this step: step()
         updates the previous step and processes its outputs (which advance the
         matchers) before it builds this metadata, so this holds with async
-        output processing too; the masks are computed while the device runs
-        the forward pass launched just before.
+        output processing and async scheduling too (_needs_host_tokens); the
+        masks are computed while the device runs the forward pass launched just
+        before, into BitmaskStaging's buffers.
         """
         rows, matchers = [], []
         for row, seq_id in enumerate(batch.sample_seq_ids.tolist()):
@@ -933,8 +966,10 @@ class LLMEngine:
                 rows.append(row)
                 matchers.append(matcher)
         if rows:
-            md.bitmask_rows = self._to_device(torch.tensor(rows, dtype=torch.int64))
-            md.token_bitmask = self._to_device(self._structured.bitmask(matchers))
+            if self._bitmask_staging is None:
+                self._bitmask_staging = BitmaskStaging(self._structured.num_words, self.device)
+            md.bitmask_rows, md.token_bitmask = self._bitmask_staging.stage(
+                rows, lambda out: self._structured.fill_bitmask(matchers, out))
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         """A host tensor's copy on the device, queued without waiting for the device."""

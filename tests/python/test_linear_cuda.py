@@ -1,8 +1,9 @@
-"""pagedcore.ops.linear on CUDA (the decode steps' matrix-vector kernel, bf16/fp16,
-1-16 rows) against a float64 product of the same rounded inputs: shapes of the model
-families (in_features 64..14336, out_features 1..~50k incl. non-multiples of the
-CTA's 8 features), bias, strided input rows, outputs poisoned with NaN, and a
-decode step's numbers equal with the kernel and with cuBLAS up to rounding."""
+"""pagedcore.ops.linear on CUDA (the decode steps' kernels, bf16/fp16, 1-16 rows: a
+matrix-vector kernel at one row, tensor cores at 2-16) against a float64 product of the
+same rounded inputs: shapes of the model families (in_features 64..14336, out_features
+1..~50k incl. non-multiples of the 16 features of an mma tile and in_features that are
+not multiples of its 32-element chunks), every split of k over the warps of a CTA and
+the CTAs of a cluster, bias, strided input rows, outputs poisoned with NaN."""
 
 from __future__ import annotations
 
@@ -38,23 +39,73 @@ def _check(x, w, b, out):
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 11, 16])
 @pytest.mark.parametrize("in_features,out_features", [
     (64, 1), (576, 960), (576, 3072), (1536, 576), (4096, 6144), (14336, 4096), (2048, 4099), (8, 13),
+    (8192, 1000), (8200, 7),  # one row: 8 warps per feature, parts of uneven length
+    (72, 40), (1000, 24),
 ])
 def test_linear_against_float64(dtype, rows, in_features, out_features):
     x, w, b = _case(rows, in_features, out_features, dtype, bias=False)
-    assert ops.cuda_linear_eligible(x, w) == (rows <= ops.CUDA_LINEAR_MODEL_ROWS)
+    if w.numel() * w.element_size() <= 40 << 20:  # (larger weights: test_model_sends_products_where_faster)
+        assert ops.cuda_linear_eligible(x, w) == (rows <= ops.CUDA_LINEAR_MODEL_ROWS)
     out = ops.linear(x, w)
     _check(x, w, b, out)
 
 
 @pytest.mark.parametrize("rows", [1, 6, 13])
-def test_linear_bias_strided_rows_and_out(rows):
+@pytest.mark.parametrize("in_features,out_features,row_stride", [(896, 1152, 1024), (4096, 1000, 4104)])
+def test_linear_bias_strided_rows_and_out(rows, in_features, out_features, row_stride):
     # Qwen's qkv bias; input rows inside a wider buffer; out a view into a poisoned buffer.
-    x, w, b = _case(rows, 896, 1152, torch.bfloat16, bias=True, row_stride=1024)
-    full = torch.full((rows, 1200), float("nan"), dtype=torch.bfloat16, device="cuda")
-    out = full[:, :1152]
+    # (4096 -> 1000 at one row: 8 warps per feature, the bias added once after the parts.)
+    x, w, b = _case(rows, in_features, out_features, torch.bfloat16, bias=True, row_stride=row_stride)
+    full = torch.full((rows, out_features + 48), float("nan"), dtype=torch.bfloat16, device="cuda")
+    out = full[:, :out_features]
     assert ops.linear(x, w, b, out=out) is out
     _check(x, w, b, out)
-    assert torch.isnan(full[:, 1152:]).all(), "wrote past out_features"
+    assert torch.isnan(full[:, out_features:]).all(), "wrote past out_features"
+
+
+@pytest.mark.parametrize("parts", [1, 2, 4, 8, 16, 64])
+@pytest.mark.parametrize("rows", [2, 9, 16])
+@pytest.mark.parametrize("in_features,out_features", [(2056, 20), (72, 40), (1536, 576)])
+def test_linear_every_split_of_k(monkeypatch, parts, rows, in_features, out_features):
+    # PAGEDCORE_LINEAR_PARTS (read at each launch) forces the split of a group's k over
+    # warps (<= 8) and cluster CTAs (16, 64: Hopper; fewer where the shape has fewer
+    # 32-element chunks: 72 has 3, the last one with one lane's worth of k). The
+    # partial sums meet in a fixed order; bias and strided rows ride along.
+    monkeypatch.setenv("PAGEDCORE_LINEAR_PARTS", str(parts))
+    x, w, b = _case(rows, in_features, out_features, torch.bfloat16, bias=True, seed=parts, row_stride=in_features + 8)
+    full = torch.full((rows, out_features + 8), float("nan"), dtype=torch.bfloat16, device="cuda")
+    out = full[:, :out_features]
+    ops.linear(x, w, b, out=out)
+    _check(x, w, b, out)
+    assert torch.isnan(full[:, out_features:]).all(), "wrote past out_features"
+    again = torch.full_like(out, float("nan"))
+    ops.linear(x, w, b, out=again)
+    assert torch.equal(again, out), "the same product twice gave different bits"
+
+
+@pytest.mark.parametrize("in_features,out_features", [(576, 960), (1536, 576), (4096, 6144)])
+def test_linear_row_sums_independent_of_the_other_rows(in_features, out_features):
+    # ops.linear's contract: on CUDA a row's result is the same bits whichever other rows
+    # (2-16 in all) share the call, so decode batches of 2..16 sequences agree.
+    x, w, b = _case(16, in_features, out_features, torch.bfloat16, bias=True, seed=7)
+    full = ops.linear(x, w, b)
+    _check(x, w, b, full)
+    for rows in (2, 3, 8, 9, 15):
+        assert torch.equal(ops.linear(x[:rows], w, b), full[:rows]), f"rows 0..{rows - 1} alone differ"
+        assert torch.equal(ops.linear(x[16 - rows:], w, b), full[16 - rows:]), f"last {rows} rows alone differ"
+
+
+@pytest.mark.parametrize("rows,in_features,out_features,expected", [
+    (1, 576, 960, True), (16, 576, 960, True), (16, 4096, 4096, True),  # latency-bound: the kernels
+    (2, 4096, 6144, False), (16, 4096, 28672, False),                  # large weights, 2-16 rows: cuBLAS
+    (1, 4096, 6144, True), (1, 4096, 128256, True),                    # one row: the kernel
+    (1, 576, 49152, False),                                            # except a large head of short rows
+])
+def test_model_sends_products_where_faster(rows, in_features, out_features, expected):
+    # Where the H200 measured the kernels faster than cuBLAS (ops/linear_cuda.py's NOTE).
+    x = torch.zeros((rows, in_features), dtype=torch.bfloat16, device="cuda")
+    w = torch.empty((out_features, in_features), dtype=torch.bfloat16, device="cuda")
+    assert ops.cuda_linear_eligible(x, w) == (expected and rows <= ops.CUDA_LINEAR_MODEL_ROWS)
 
 
 def test_linear_large_vocabulary_head():
@@ -76,3 +127,37 @@ def test_linear_refuses_what_the_kernel_cannot_take():
         ops.linear(x, w.half())
     with pytest.raises(TypeError, match=r"float32 products run on the CPU"):
         ops.linear(x.float(), w.float())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("in_features,intermediate", [(576, 1536), (4096, 14336), (2048, 1000), (1536, 13)])
+@pytest.mark.parametrize("bias", [False, True], ids=["", "bias"])
+def test_linear_silu_and_mul_one_row(dtype, in_features, intermediate, bias):
+    """The batch-1 MLP kernel (gate_up product and SiLU-mul in one) against the two ops
+    it replaces, bit for bit (gate_up shapes of the models, a feature count that is no
+    multiple of the CTA's pairs, 2-4 warps a feature), and against float64 arithmetic."""
+    x, w, b = _case(1, in_features, 2 * intermediate, dtype, bias=bias, seed=5)
+    full = torch.full((1, intermediate + 40), float("nan"), dtype=dtype, device="cuda")
+    out = full[:, :intermediate]
+    assert ops.linear_silu_and_mul(x, w, b, out=out) is out
+    assert torch.isnan(full[:, intermediate:]).all(), "wrote past intermediate_size"
+    two_ops = ops.silu_and_mul(ops.linear(x, w, b))
+    assert torch.equal(out, two_ops)
+    y = x.double() @ w.double().T + (b.double() if b is not None else 0.0)
+    expected = torch.nn.functional.silu(y[:, :intermediate]) * y[:, intermediate:]
+    eps = 2.0**-8 if dtype == torch.bfloat16 else 2.0**-11
+    # Roundings: gate and up (product, dtype), silu, the result; plus the float32 sums'
+    # order (1e-4 of the absolute dot products, as _check allows); silu' <= 1.1.
+    g, u = y[:, :intermediate], y[:, intermediate:]
+    scale = x.double().abs() @ w.double().abs().T
+    dg, du = eps * g.abs() + 1e-4 * scale[:, :intermediate], eps * u.abs() + 1e-4 * scale[:, intermediate:]
+    bound = 3 * eps * expected.abs() + 1.1 * dg * u.abs() + (g.abs() + 0.3) * du + 1e-6
+    assert ((out.double() - expected).abs() <= bound).all()
+
+
+def test_linear_silu_and_mul_refuses_more_rows_on_the_kernel():
+    x, w, _ = _case(2, 64, 2 * 32, torch.bfloat16, bias=False)
+    with pytest.raises(ValueError, match=r"linear: x has 2 rows|one row"):
+        ops.linear_cuda.linear_cuda("linear", x, w, None, None, silu_and_mul=True)
+    # the public op takes several rows as the two ops
+    assert torch.equal(ops.linear_silu_and_mul(x, w), ops.silu_and_mul(ops.linear(x, w)))

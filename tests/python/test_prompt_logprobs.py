@@ -159,17 +159,48 @@ def test_bad_prompt_logprobs_are_refused(value, words) -> None:
 
 
 # ---- on CUDA ------------------------------------------------------------------------------
-# The same requests on the GPU against transformers on the GPU (same weights, same
-# device). float32 (no TF32 on either side: torch's default, and pagedcore sets none)
-# keeps the CPU's 2e-4. In bfloat16 a fixed bound would be a guess: as in
+# The same kinds of requests on the GPU against transformers on the GPU (same weights, same
+# device). The GPU machine has no copy of SmolLM2 (its weights cannot be carried there), so
+# these run on a tiny random Llama saved as a transformers checkpoint (test_models_hf's:
+# initializer_range 0.2 gives peaked next-token distributions, a few nats from top to
+# bottom, so a wrong row, position or token moves a logprob by whole nats; attention biases
+# set) with a word-level tokenizer over its 384 ids, and prompts of random ids that share
+# their first 36 tokens. float32 (no TF32 on either side: torch's default, and pagedcore sets
+# none) keeps the CPU's 2e-4. In bfloat16 a fixed bound would be a guess: as in
 # test_half_precision.py, transformers run in bfloat16 on the same device sets it:
 # pagedcore may deviate from transformers' float32 by at most 1.5x (+ a little) what
 # transformers' own bfloat16 does, in the worst value compared and on average. Its own
 # is the envelope of its two attention implementations (sdpa, eager): one rounding path
-# is a single sample of bf16 noise, and on the CPU their worst positions differ by 1.8x
-# (0.16 vs 0.30 nats over these prompts; means 0.04-0.05). Ranks and top-k sets are
-# exact only up to ties within the bound: candidates closer than it may come in either
-# order, while a wrong row, position or token moves logprobs by whole nats.
+# is a single sample of bf16 noise. Ranks and top-k sets are exact only up to ties within
+# the bound: candidates closer than it may come in either order.
+# (The bodies take the device: run with "cpu" they check the same code on this machine.)
+
+CUDA_PREFIX_LEN = 36  # two whole blocks of 16 shared, then different endings
+CUDA_ENDING_LENS = (9, 6, 11)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> str:
+    from test_gpu_path import add_toy_tokenizer
+    from test_models_hf import VOCAB, make_checkpoint
+
+    path = make_checkpoint("llama", tmp_path_factory.mktemp("tiny-pl"))
+    add_toy_tokenizer(path, VOCAB)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def tiny_prompts() -> list[list[int]]:
+    from test_models_hf import VOCAB
+
+    g = torch.Generator().manual_seed(23)
+    prefix = torch.randint(3, VOCAB, (CUDA_PREFIX_LEN,), generator=g).tolist()
+    return [prefix + torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in CUDA_ENDING_LENS]
+
+
+@pytest.fixture(scope="module")
+def tiny_tokenizer(tiny_dir):
+    return transformers.AutoTokenizer.from_pretrained(tiny_dir)
 
 
 def check_within(prompt_logprobs, ids: list[int], ref: torch.Tensor, k: int, tol: float,
@@ -200,28 +231,34 @@ def check_within(prompt_logprobs, ids: list[int], ref: torch.Tensor, k: int, tol
     return errors
 
 
-def hf_logprobs(model_dir: str, sequences: list[list[int]], dtype: torch.dtype, attention: str) -> list[torch.Tensor]:
-    """transformers' float32 log-softmax ``[len(seq), vocab]`` of each sequence on the
-    GPU, the model run in ``dtype`` with the ``attention`` implementation."""
+def hf_logprobs(model_dir: str, sequences: list[list[int]], dtype: torch.dtype, attention: str,
+                device: str) -> list[torch.Tensor]:
+    """transformers' float32 log-softmax ``[len(seq), vocab]`` of each sequence on
+    ``device``, the model run in ``dtype`` with the ``attention`` implementation."""
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype,
-                                                              attn_implementation=attention).to("cuda")
+                                                              attn_implementation=attention).to(device)
     with torch.no_grad():
-        out = [torch.log_softmax(model(torch.tensor([s], device="cuda")).logits[0].float(), dim=-1).cpu()
+        out = [torch.log_softmax(model(torch.tensor([s], device=device)).logits[0].float(), dim=-1).cpu()
                for s in sequences]
     del model
-    torch.cuda.empty_cache()
+    if device == "cuda":
+        torch.cuda.empty_cache()
     return out
 
 
+def device_refs(model_dir: str, prompts: list[list[int]], device: str) -> dict[str, list[torch.Tensor]]:
+    """transformers on ``device``: float32 (sdpa), and bfloat16 with sdpa and eager attention."""
+    return {"float32": hf_logprobs(model_dir, prompts, torch.float32, "sdpa", device),
+            "bfloat16-sdpa": hf_logprobs(model_dir, prompts, torch.bfloat16, "sdpa", device),
+            "bfloat16-eager": hf_logprobs(model_dir, prompts, torch.bfloat16, "eager", device)}
+
+
 @pytest.fixture(scope="module")
-def cuda_refs(model_dir, prompts) -> dict[str, list[torch.Tensor]]:
-    """transformers on the GPU: float32 (sdpa), and bfloat16 with sdpa and eager attention."""
-    return {"float32": hf_logprobs(model_dir, prompts, torch.float32, "sdpa"),
-            "bfloat16-sdpa": hf_logprobs(model_dir, prompts, torch.bfloat16, "sdpa"),
-            "bfloat16-eager": hf_logprobs(model_dir, prompts, torch.bfloat16, "eager")}
+def cuda_refs(tiny_dir, tiny_prompts) -> dict[str, list[torch.Tensor]]:
+    return device_refs(tiny_dir, tiny_prompts, "cuda")
 
 
-def cuda_tolerance(dtype: str, refs: dict[str, list[torch.Tensor]], prompts: list[list[int]]):
+def device_tolerance(dtype: str, refs: dict[str, list[torch.Tensor]], prompts: list[list[int]]):
     """(tol, check of the scored tokens' deviations) for ``dtype``: 2e-4 in float32; in
     bfloat16, 1.5x (+ 0.02) transformers' own bfloat16 deviation from its float32 over
     every value the tests compare (each scored token and float32's top 5 at its
@@ -248,49 +285,61 @@ def cuda_tolerance(dtype: str, refs: dict[str, list[torch.Tensor]], prompts: lis
     return 1.5 * compared.max().item() + 0.02, on_average
 
 
-@pytest.mark.cuda
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_prompt_logprobs_on_cuda_equal_transformers(dtype, model_dir, cuda_refs, tokenizer, prompts) -> None:
-    # Whole prompts in one step (prefill graphs, async output processing: CUDA's
+def whole_prompts_on(device: str, dtype: str, model_dir: str, refs, tokenizer, prompts) -> None:
+    # Whole prompts in one step (on CUDA: prefill graphs, async scheduling, the
     # defaults); the second prompt after the first filled the prefix cache; n = 3.
-    tol, on_average = cuda_tolerance(dtype, cuda_refs, prompts)
-    llm = LLM(model=model_dir, device="cuda", dtype=dtype, num_kv_blocks=128, max_model_len=512, max_num_seqs=8)
-    assert llm.llm_engine.device.type == "cuda"
+    tol, on_average = device_tolerance(dtype, refs, prompts)
+    llm = LLM(model=model_dir, device=device, dtype=dtype, num_kv_blocks=128, max_model_len=512, max_num_seqs=8)
+    assert llm.llm_engine.device.type == device
     errors = []
     [out] = llm.generate([{"prompt_token_ids": prompts[0]}],
                          SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=5), use_tqdm=False)
-    errors += check_within(out.prompt_logprobs, prompts[0], cuda_refs["float32"][0], 5, tol, tokenizer)
+    errors += check_within(out.prompt_logprobs, prompts[0], refs["float32"][0], 5, tol, tokenizer)
     hits = llm.stats()["prefix_cache_hits"]
     [out] = llm.generate([{"prompt_token_ids": prompts[1]}], SamplingParams(max_tokens=1, prompt_logprobs=3),
                          use_tqdm=False)
-    errors += check_within(out.prompt_logprobs, prompts[1], cuda_refs["float32"][1], 3, tol, tokenizer)
+    errors += check_within(out.prompt_logprobs, prompts[1], refs["float32"][1], 3, tol, tokenizer)
     assert llm.stats()["prefix_cache_hits"] == hits  # computed, not read from the cache
+    llm.generate([{"prompt_token_ids": prompts[1]}], SamplingParams(max_tokens=1), use_tqdm=False)
+    assert llm.stats()["prefix_cache_hits"] - hits == 32  # ... yet filled: the next request hits two blocks
     [out] = llm.generate([{"prompt_token_ids": prompts[2]}],
                          SamplingParams(n=3, seed=1, max_tokens=2, prompt_logprobs=0), use_tqdm=False)
     assert len(out.outputs) == 3
     assert [list(e) for e in out.prompt_logprobs[1:]] == [[t] for t in prompts[2][1:]]
-    errors += check_within(out.prompt_logprobs, prompts[2], cuda_refs["float32"][2], 0, tol, tokenizer)
+    errors += check_within(out.prompt_logprobs, prompts[2], refs["float32"][2], 0, tol, tokenizer)
     on_average(errors)
     assert llm.stats()["num_free_blocks"] == llm.stats()["num_blocks"]
 
 
-@pytest.mark.cuda
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_prompt_logprobs_on_cuda_chunked_prefill_and_preemption(dtype, model_dir, cuda_refs, tokenizer, prompts,
-                                                                monkeypatch) -> None:
-    # As test_chunked_prefill_and_preemption, on the GPU: 16-token chunks (each a
-    # prefill graph's replay), logits in slices of 5 rows, recompute preemptions.
-    tol, on_average = cuda_tolerance(dtype, cuda_refs, prompts)
-    monkeypatch.setattr(pagedcore.prompt_logprobs, "SLICE_ROWS", 5)
-    small = LLM(model=model_dir, device="cuda", dtype=dtype, num_kv_blocks=10, max_model_len=160,
+def chunked_prefill_on(device: str, dtype: str, model_dir: str, refs, tokenizer, prompts) -> None:
+    # As test_chunked_prefill_and_preemption: 16-token chunks (on CUDA each a prefill
+    # graph's replay), logits in slices of 5 rows (SLICE_ROWS, set by the caller),
+    # recompute preemptions (5 blocks of 16 for three sequences growing to 61-67 tokens).
+    tol, on_average = device_tolerance(dtype, refs, prompts)
+    small = LLM(model=model_dir, device=device, dtype=dtype, num_kv_blocks=5, max_model_len=80,
                 max_num_seqs=3, max_num_batched_tokens=16)
     outs = small.generate([{"prompt_token_ids": p} for p in prompts],
                           SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, prompt_logprobs=4),
                           use_tqdm=False)
     assert small.stats()["num_recompute_preemptions"] > 0
     errors = []
-    for ids, out, ref in zip(prompts, outs, cuda_refs["float32"]):
+    for ids, out, ref in zip(prompts, outs, refs["float32"]):
         errors += check_within(out.prompt_logprobs, ids, ref, 4, tol, tokenizer)
         assert len(out.outputs[0].token_ids) == 16
     on_average(errors)
     assert small.stats()["num_free_blocks"] == small.stats()["num_blocks"]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_prompt_logprobs_on_cuda_equal_transformers(dtype, tiny_dir, cuda_refs, tiny_tokenizer,
+                                                    tiny_prompts) -> None:
+    whole_prompts_on("cuda", dtype, tiny_dir, cuda_refs, tiny_tokenizer, tiny_prompts)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_prompt_logprobs_on_cuda_chunked_prefill_and_preemption(dtype, tiny_dir, cuda_refs, tiny_tokenizer,
+                                                                tiny_prompts, monkeypatch) -> None:
+    monkeypatch.setattr(pagedcore.prompt_logprobs, "SLICE_ROWS", 5)
+    chunked_prefill_on("cuda", dtype, tiny_dir, cuda_refs, tiny_tokenizer, tiny_prompts)

@@ -21,6 +21,7 @@ from pagedcore.sampler import (
     apply_penalties,
     apply_top_k_top_p,
     pack_for_host,
+    row_max,
     token_bin_counts,
     unpack_on_host,
 )
@@ -911,3 +912,29 @@ def test_half_precision_logits_are_accepted(device: str) -> None:
     assert out.sampled_token_ids.tolist() == [1]
     assert math.isclose(out.sampled_logprobs.item(),
                         torch.log_softmax(logits.float(), -1)[0, 1].item(), abs_tol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("vocab", [49152, 128256, 1000, 96])
+def test_row_max_two_passes_match_one(device, vocab) -> None:
+    """The two-pass greedy max gives torch's values and first indices: ties within and
+    across chunks, a row whose maximum is -inf, a row with a nan, a maximum in the last
+    chunk; against a plain numpy argmax as the reference."""
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randint(-50, 50, (6, vocab), generator=g).float()
+    x[0, [3, vocab // 2, vocab - 1]] = 99.0        # three ties in different chunks: first wins
+    x[1, :] = NEG_INF
+    x[2, vocab // 3] = float("nan")
+    x[2, 0] = 1000.0
+    x[3, vocab - 1] = 77.0                         # the maximum in the last chunk
+    x[4, [vocab - 2, vocab - 1]] = 88.0           # a tie inside the last chunk
+    x = x.to(device)
+    top, idx = row_max(x, two_pass=True)
+    ref = x.cpu().numpy()
+    expected_idx = [int(np.argmax(r)) for r in ref]  # numpy: first max, first nan wins
+    assert idx.cpu().tolist() == expected_idx
+    assert idx.cpu().tolist()[:5] == [3, 0, vocab // 3, vocab - 1, vocab - 2]
+    got = top.cpu().numpy()
+    want = np.array([r[i] for r, i in zip(ref, expected_idx)])
+    assert np.array_equal(np.isnan(got), np.isnan(want))
+    assert np.array_equal(got[~np.isnan(got)], want[~np.isnan(want)])

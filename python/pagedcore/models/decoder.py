@@ -165,7 +165,13 @@ class DecoderLayer(nn.Module):
         add+norm, gate_up GEMM, SiLU-mul, down GEMM. Returns ``(hidden, residual)``."""
         hidden = self.reduce(_linear(self.o_proj, attn.reshape(attn.shape[0], self.spec.q_size)))
         x = self.post_attention_layernorm.add_forward(hidden, residual)
-        return self.reduce(_linear(self.down_proj, ops.silu_and_mul(_linear(self.gate_up_proj, x)))), residual
+        gate_up = self.gate_up_proj
+        if x.shape[0] == 1 and x.device.type == "cuda" and _ops_linear(x, gate_up.weight):
+            # (a batch-1 decode step: the product and SiLU-mul in one kernel)
+            act = ops.linear_silu_and_mul(x, gate_up.weight, gate_up.bias)
+        else:
+            act = ops.silu_and_mul(_linear(gate_up, x))
+        return self.reduce(_linear(self.down_proj, act)), residual
 
     def reduce(self, partial: torch.Tensor) -> torch.Tensor:
         """The sum over tensor-parallel ranks of a row-parallel projection's output

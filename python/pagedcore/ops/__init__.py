@@ -38,7 +38,7 @@ from .cache import copy_blocks, reshape_and_cache, swap_blocks, swap_in, swap_ou
 from .cpu import cpu_isa, get_num_threads, set_cpu_isa, set_num_threads
 from .layer import cos_sin_cache, fused_add_rms_norm, rms_norm, rotary_embedding, silu_and_mul
 from .linear_cuda import CUDA_LINEAR_MAX_ROWS, CUDA_LINEAR_MODEL_ROWS, cuda_linear_eligible
-from .matmul import LINEAR_MAX_ROWS, linear
+from .matmul import LINEAR_MAX_ROWS, linear, linear_silu_and_mul
 from .planning import AttentionPlan, plan_attention, plan_decode
 
 __all__ = [
@@ -54,6 +54,7 @@ __all__ = [
     "fused_add_rms_norm",
     "get_num_threads",
     "linear",
+    "linear_silu_and_mul",
     "paged_attention",
     "plan_attention",
     "plan_decode",

@@ -14,6 +14,7 @@ import torch
 
 from .. import _C
 from ._checks import _overlap, _tensor
+from .layer import silu_and_mul
 from .linear_cuda import linear_cuda
 
 __all__ = ["LINEAR_MAX_ROWS", "linear"]
@@ -56,8 +57,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     :data:`~pagedcore.ops.CUDA_LINEAR_MAX_ROWS` rows (float32 sums, ``in_features`` a
     multiple of 8, 16-byte aligned rows; the dtype of ``x`` everywhere).
 
-    Every output is summed in one fixed order, whatever the number of rows and threads,
-    so a row's result does not depend on the rows it shares the call with. The order
+    On the CPU every output is summed in one fixed order, whatever the number of rows and
+    threads, so a row's result does not depend on the rows it shares the call with. On
+    CUDA that holds within one row and within 2-16 rows, which take different kernels
+    (a matrix-vector kernel whose sums are split over 1-8 warps by the shape; tensor
+    cores) whose sums round differently. The order
     is not torch's: results agree with ``F.linear`` to float32 rounding (a few ulps of
     the largest terms), not bit for bit.
 
@@ -128,3 +132,50 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         _C.cpu_linear(out.data_ptr(), x.data_ptr(), weight.data_ptr(), bias_ptr, tokens, in_features,
                       out_features, x_stride, out_stride)
     return out
+
+
+def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                        out: torch.Tensor | None = None) -> torch.Tensor:
+    """``silu_and_mul(linear(x, weight, bias))``: the MLP's fused gate_up projection and
+    its activation. On CUDA, for one row (a batch-1 decode step), in one kernel: the
+    CTA that sums gate feature ``j`` also sums up feature ``I + j`` and writes
+    ``silu(gate) * up`` with :func:`~pagedcore.ops.silu_and_mul`'s arithmetic over the
+    product rounded to the dtype, so the result equals the two ops' (the product's
+    sum order is :func:`linear`'s, up to its split over at most 4 warps a feature).
+    Elsewhere the two ops, under :func:`linear`'s conditions.
+
+    Parameters
+    ----------
+    x : torch.Tensor
+        ``[num_tokens, in_features]``, as :func:`linear` takes it.
+    weight : torch.Tensor
+        ``[2 * intermediate_size, in_features]``: the gate rows, then the up rows.
+    bias : torch.Tensor, optional
+        ``[2 * intermediate_size]``.
+    out : torch.Tensor, optional
+        ``[num_tokens, intermediate_size]``, dense rows, overlapping no input.
+
+    Returns
+    -------
+    torch.Tensor
+        ``out``.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from pagedcore import ops
+    >>> x, w = torch.randn(1, 64), torch.randn(2 * 32, 64)
+    >>> y = x @ w.T
+    >>> ref = torch.nn.functional.silu(y[:, :32]) * y[:, 32:]
+    >>> bool(torch.allclose(ops.linear_silu_and_mul(x, w), ref, rtol=1e-4, atol=1e-4))
+    True
+    """
+    op = "linear_silu_and_mul"
+    _tensor(op, "x", x)
+    if x.device.type == "cuda" and x.dim() == 2 and x.shape[0] == 1:
+        _tensor(op, "weight", weight)
+        return linear_cuda(op, x, weight, bias, out, silu_and_mul=True)
+    if weight.dim() != 2 or weight.shape[0] % 2:
+        raise ValueError(f"{op}: weight must be [2 * intermediate_size, in_features], got shape "
+                         f"{tuple(getattr(weight, 'shape', ()))}")
+    return silu_and_mul(linear(x, weight, bias), out=out)

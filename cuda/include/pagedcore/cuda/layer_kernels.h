@@ -107,6 +107,10 @@ struct LinearParams {
   int64_t input_stride;
   int64_t out_stride;
   DType dtype;
+  // One row only: out[0, j] = silu(y[j]) * y[I + j] for j < I = out_features / 2, y the
+  // product (+ bias) rounded to the dtype: Hugging Face's act_fn(gate) * up over a fused
+  // gate_up weight, with silu_and_mul()'s arithmetic. out has I columns.
+  bool silu_and_mul = false;
 };
 int linear(const LinearParams& p, void* stream);
 
@@ -131,6 +135,6 @@ void silu_and_mul_at(std::uintptr_t out, std::uintptr_t input, DType dtype, int3
 
 void linear_at(std::uintptr_t out, std::uintptr_t input, std::uintptr_t weight, std::uintptr_t bias, DType dtype,
                int32_t num_tokens, int32_t in_features, int32_t out_features, int64_t input_stride,
-               int64_t out_stride, std::uintptr_t stream);
+               int64_t out_stride, std::uintptr_t stream, bool silu_and_mul = false);
 
 }  // namespace pagedcore::cuda

@@ -1,0 +1,420 @@
+// out = input @ weight^T (+ bias) for 2..16 rows on tensor cores (mma.sync
+// m16n8k16, bf16/fp16 in, float32 accumulation), bound by the weight's bytes like
+// the one-row kernel (linear_kernels.cu). Contract: LinearParams in
+// pagedcore/cuda/layer_kernels.h.
+//
+// Work: a warp owns a group of 16 output features (the mma's M: weight rows) and
+// all the token rows (N: one n8 tile up to 8 rows, two up to 16), over a range of
+// k. The k of a group is split over `splits` warps of a CTA and, on Hopper, over
+// the `cluster` CTAs of a thread-block cluster; the partial sums meet in shared
+// memory (distributed shared memory across the cluster) and are added in a fixed
+// order, so a result does not depend on timing.
+//
+// Fragments (PTX ISA, "Matrix Fragments for mma.m16n8k16", 16-bit types), per
+// 32-bit register of two elements, the lower-numbered in the low half. Lane =
+// 4 * g + t (g = lane / 4 in 0..7, t = lane % 4). Logical k in 0..15 of one mma:
+//   A (16x16, row): a0 = A[g][2t, 2t+1], a1 = A[g+8][2t, 2t+1],
+//                   a2 = A[g][2t+8, 2t+9], a3 = A[g+8][2t+8, 2t+9]
+//   B (16x8, col):  b0 = B[2t, 2t+1][g], b1 = B[2t+8, 2t+9][g]
+//   C (16x8 f32):   c0, c1 = C[g][2t, 2t+1], c2, c3 = C[g+8][2t, 2t+1]
+// A dot product does not care about the order of k, so A and B take the same
+// permutation of k: a chunk of 32 physical k (one 16-byte load of 8 elements per
+// lane and row) feeds two mmas; lane t's elements are physical k 8t..8t+7 of the
+// chunk, and mma j (0, 1) takes elements 4j..4j+3 of them as its logical k
+// {2t, 2t+1, 2t+8, 2t+9}. In 32-bit words w0..w3 of a lane's load:
+//   mma j: a = {lo.w[2j], hi.w[2j], lo.w[2j+1], hi.w[2j+1]}, b = {x.w[2j], x.w[2j+1]}
+// where lo, hi are weight rows g, g+8 of the group and x is token row g (tile 0)
+// or g+8 (tile 1). Logical k l of mma j of chunk c is physical
+//   32c + 8 * ((l % 8) / 2) + 4j + 2 * (l / 8) + l % 2,
+// a bijection of the chunk, the same for A and B. The accumulator c then holds
+// out[token 2t, 2t+1 (+8 in tile 1)][feature g, g+8 of the group].
+//
+// in_features is a multiple of 8, so a lane's 16 bytes are wholly inside or
+// wholly past the row: past it, A and B are zeros. Weight rows past out_features
+// re-read the last row (never written); token rows past num_tokens are zeros.
+//
+// Launched with PDL (pdl.cuh): each warp's first weight loads are in flight
+// before the kernel that writes the input has finished.
+#include "linear_mma.h"
+
+#include <cooperative_groups.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <type_traits>
+
+#include "pdl.cuh"
+
+namespace pagedcore::cuda {
+
+namespace {
+
+namespace cg = cooperative_groups;
+
+constexpr int kWarps = 8;       // warps per CTA
+constexpr int kChunk = 32;      // k per chunk: 16 bytes of a row per lane of a quad
+constexpr int kUnroll = 4;      // chunks in flight per warp (2 weight loads each per lane)
+constexpr int kMaxCluster = 8;  // portable cluster size
+
+__device__ __forceinline__ uint4 load_streaming(const void* ptr) {
+  uint4 r;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+               : "l"(ptr));
+  return r;
+}
+
+__device__ __forceinline__ uint32_t word(const uint4& v, int i) {
+  return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+
+// c += a * b on a 16x8x16 tile, float32 accumulators.
+template <typename T>
+__device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ float to_float(T v) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    return __bfloat162float(v);
+  } else {
+    return __half2float(v);
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ T from_float(float v) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    return __float2bfloat16_rn(v);
+  } else {
+    return __float2half_rn(v);
+  }
+}
+
+// NT: n8 tiles of tokens (1: up to 8 rows, 2: up to 16). splits: warps of a CTA
+// that share a group's k (a power of two dividing kWarps; the CTA holds
+// kWarps / splits groups); cluster: CTAs of a cluster that share it (1 below
+// sm_90). The group's k is cut into splits * cluster contiguous ranges of chunks.
+template <typename T, int NT>
+__global__ void __launch_bounds__(32 * kWarps, 2) linear_mma_kernel(LinearParams p, int splits, int cluster) {
+  // [warp][accumulator register][lane]: a lane's partial sums, then (in the first
+  // warp of each group) the CTA's sums.
+  __shared__ float partial[kWarps][NT * 4][32];
+  const int lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / 32;
+  const int g = lane / 4;
+  const int t = lane % 4;
+  const int rank = static_cast<int>(blockIdx.x) % cluster;  // (clusters are consecutive blocks along x)
+  const int split = warp % splits;
+  const int group = static_cast<int>(blockIdx.x) / cluster * (kWarps / splits) + warp / splits;
+  const int groups = (p.out_features + 15) / 16;
+  const bool active = group < groups;
+  const int chunks = (p.in_features + kChunk - 1) / kChunk;
+  const int parts = splits * cluster;
+  const int part = rank * splits + split;
+  const int chunk_begin = active ? static_cast<int>(static_cast<int64_t>(chunks) * part / parts) : 0;
+  const int chunk_end = active ? static_cast<int>(static_cast<int64_t>(chunks) * (part + 1) / parts) : 0;
+  const int rows = p.num_tokens;
+
+  const T* weight = static_cast<const T*>(p.weight);
+  const int last_row = p.out_features - 1;
+  const int row_lo = min(group * 16 + g, last_row);
+  const int row_hi = min(group * 16 + g + 8, last_row);
+  const T* w_lo = weight + static_cast<int64_t>(row_lo) * p.in_features + 8 * t;
+  const T* w_hi = weight + static_cast<int64_t>(row_hi) * p.in_features + 8 * t;
+  const T* input = static_cast<const T*>(p.input);
+
+  uint4 a[kUnroll][2];
+  const auto load_weights = [&](int c0) {
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int c = c0 + u;
+      if (c < chunk_end && c * kChunk + 8 * t < p.in_features) {
+        a[u][0] = load_streaming(w_lo + c * kChunk);
+        a[u][1] = load_streaming(w_hi + c * kChunk);
+      } else {
+        a[u][0] = make_uint4(0, 0, 0, 0);
+        a[u][1] = make_uint4(0, 0, 0, 0);
+      }
+    }
+  };
+
+  float acc[NT][4];
+#pragma unroll
+  for (int i = 0; i < NT; ++i) {
+#pragma unroll
+    for (int r = 0; r < 4; ++r) acc[i][r] = 0.f;
+  }
+
+  // The first weight loads go out before the kernel that writes the input ends (PDL).
+  load_weights(chunk_begin);
+  pdl_wait();
+  pdl_launch_dependents();
+  for (int c0 = chunk_begin; c0 < chunk_end; c0 += kUnroll) {
+    if (c0 != chunk_begin) load_weights(c0);
+    uint4 b[kUnroll][NT];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int c = c0 + u;
+      const bool in_k = c < chunk_end && c * kChunk + 8 * t < p.in_features;
+#pragma unroll
+      for (int i = 0; i < NT; ++i) {
+        const int token = g + 8 * i;
+        b[u][i] = in_k && token < rows
+                      ? __ldg(reinterpret_cast<const uint4*>(input + token * p.input_stride + c * kChunk + 8 * t))
+                      : make_uint4(0, 0, 0, 0);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      if (c0 + u >= chunk_end) break;  // (warp-uniform: every lane runs the mma)
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const uint32_t frag[4] = {word(a[u][0], 2 * j), word(a[u][1], 2 * j), word(a[u][0], 2 * j + 1),
+                                  word(a[u][1], 2 * j + 1)};
+#pragma unroll
+        for (int i = 0; i < NT; ++i) mma16816<T>(acc[i], frag, word(b[u][i], 2 * j), word(b[u][i], 2 * j + 1));
+      }
+    }
+  }
+
+  // Partial sums: the group's warps in order of their k ranges, then the
+  // cluster's CTAs in order of rank (fixed order: deterministic).
+#pragma unroll
+  for (int i = 0; i < NT; ++i) {
+#pragma unroll
+    for (int r = 0; r < 4; ++r) partial[warp][i * 4 + r][lane] = acc[i][r];
+  }
+  __syncthreads();
+  float sum[NT * 4] = {};
+  if (split == 0) {
+#pragma unroll
+    for (int r = 0; r < NT * 4; ++r) {
+      float s = partial[warp][r][lane];
+      for (int w = 1; w < splits; ++w) s += partial[warp + w][r][lane];
+      sum[r] = s;
+      partial[warp][r][lane] = s;  // (only this lane reads or writes this word now)
+    }
+  }
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if (cluster > 1) {
+    cg::cluster_group cluster_group = cg::this_cluster();
+    cluster_group.sync();  // every CTA's sums are in its shared memory
+    if (rank == 0 && split == 0) {
+      for (int q = 1; q < cluster; ++q) {
+        const float* remote = cluster_group.map_shared_rank(&partial[warp][0][0], q);
+#pragma unroll
+        for (int r = 0; r < NT * 4; ++r) sum[r] += remote[r * 32 + lane];
+      }
+    }
+    cluster_group.sync();  // no CTA leaves while rank 0 reads its shared memory
+  }
+#endif
+  if (rank != 0 || split != 0 || !active) return;
+  T* out = static_cast<T*>(p.out);
+  const T* bias = static_cast<const T*>(p.bias);
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int feature = group * 16 + g + 8 * h;
+    if (feature >= p.out_features) continue;
+    const float b = bias != nullptr ? to_float(bias[feature]) : 0.f;
+#pragma unroll
+    for (int i = 0; i < NT; ++i) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int token = 8 * i + 2 * t + e;
+        if (token < rows) out[token * p.out_stride + feature] = from_float<T>(sum[i * 4 + 2 * h + e] + b);
+      }
+    }
+  }
+}
+
+// Blocks of a kernel instance resident per SM (the occupancy calculator, once).
+template <typename T, int NT>
+int blocks_per_sm() {
+  static const int blocks = [] {
+    int b = 0;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, linear_mma_kernel<T, NT>, 32 * kWarps, 0) != cudaSuccess) {
+      cudaGetLastError();  // (leave no sticky error behind for the caller)
+      b = 1;
+    }
+    return b > 0 ? b : 1;
+  }();
+  return blocks;
+}
+
+struct Device {
+  int sms = 132;
+  bool clusters = false;  // launches thread-block clusters (sm_90+)
+};
+
+// The current device's (queried once per device; PAGEDCORE_LINEAR_CLUSTER=0, read
+// once per process, keeps every split of k inside a CTA, for comparisons).
+Device current_device() {
+  constexpr int kDevices = 64;
+  static const bool clusters_allowed = [] {
+    const char* env = std::getenv("PAGEDCORE_LINEAR_CLUSTER");
+    return env == nullptr || std::strcmp(env, "0") != 0;
+  }();
+  static std::mutex mutex;
+  static Device known[kDevices];
+  static bool queried[kDevices] = {};
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kDevices) {
+    cudaGetLastError();  // (leave no sticky error behind for the caller)
+    return Device{};
+  }
+  std::lock_guard<std::mutex> lock(mutex);
+  if (!queried[device]) {
+    int sms = 0, cluster_launch = 0;
+    if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&cluster_launch, cudaDevAttrClusterLaunch, device) != cudaSuccess) {
+      cudaGetLastError();
+      return Device{};
+    }
+    known[device].sms = sms > 0 ? sms : known[device].sms;
+    known[device].clusters = clusters_allowed && cluster_launch != 0;
+    queried[device] = true;
+  }
+  return known[device];
+}
+
+struct Plan {
+  int splits;   // warps of a CTA per group (the CTA holds kWarps / splits groups)
+  int cluster;  // CTAs of a cluster per group
+};
+
+Plan plan_for_parts(int parts) {
+  return parts <= kWarps ? Plan{parts, 1} : Plan{kWarps, parts / kWarps};
+}
+
+int64_t grid_ctas(int groups, const Plan& pl) {
+  const int groups_per_cta = kWarps / pl.splits;
+  return static_cast<int64_t>((groups + groups_per_cta - 1) / groups_per_cta) * pl.cluster;
+}
+
+// NOTE: how many parts (splits * cluster) a group's k is cut into. A rough model
+// of the time, in bytes: the busiest SM's bytes (ceil(CTAs / SMs) CTAs, each with
+// its share of the weight plus, at half weight (L2, not DRAM), the input rows of
+// its k ranges at 16 rows: warps of a CTA that share a k range share them in L1),
+// plus one DRAM latency (kLatencyBytes: ~1 us at an SM's share of the bandwidth)
+// per round of loads of a warp, per wave of resident CTAs. The model does not
+// look at the number of rows, so that a row's sums do not depend on the rows it
+// shares the call with. Few groups (SmolLM2's 36-192) want many parts, so that
+// more SMs stream the weight and each warp issues all its loads at once; within 3%
+// of the best the fewest parts win (less reduction, fewer clusters). At H200's
+// 132 SMs and 2 resident CTAs per SM this gives SmolLM2's qkv and o 16 parts
+// (clusters of 2; 120 and 72 CTAs), gate_up 8 (192 CTAs), down 16 (72 CTAs),
+// lm_head 1 (384 CTAs); the 8B shape's qkv 16 (768 CTAs), o and down 8 (256),
+// gate_up and lm_head 1 (224, 1002). To be measured on the GPU (bench_kernels_gpu.py
+// times every split at 16 rows): PAGEDCORE_LINEAR_PARTS=N (read at each launch; 0
+// or unset: this model) forces the largest number of parts <= N that the shape and
+// device allow.
+constexpr double kLatencyBytes = 32 * 1024;
+constexpr double kInputWeight = 0.5;  // an input byte from L2 against a weight byte from DRAM
+constexpr int kModelRows = 16;
+
+Plan plan(int groups, int chunks, int in_features, const Device& d, int capacity) {
+  int forced = 0;
+  if (const char* env = std::getenv("PAGEDCORE_LINEAR_PARTS")) forced = std::atoi(env);
+  if (forced > 0) {
+    const int max_parts = d.clusters ? kWarps * kMaxCluster : kWarps;
+    int parts = 1;
+    while (parts * 2 <= forced && parts * 2 <= max_parts && parts * 2 <= chunks) parts *= 2;
+    return plan_for_parts(parts);
+  }
+  // Clusters only where a warp of an 8-way split still has >= 4 chunks of k: on the
+  // H200 SmolLM2's qkv and o (18 chunks) took 2.9 / 2.8 us at 8 parts and 3.6 / 3.5 at
+  // the 16 (clusters of 2) this model gives them; its down (48 chunks) 3.8 at 16, 4.2 at 8.
+  const int max_parts = d.clusters && chunks >= 4 * kWarps ? kWarps * kMaxCluster : kWarps;
+  const double weight_bytes = 32.0 * groups * in_features;  // 16 rows of 2-byte elements a group
+  double costs[8] = {};
+  int count = 0;
+  for (int parts = 1; parts <= max_parts && parts <= chunks; parts *= 2, ++count) {
+    const Plan pl = plan_for_parts(parts);
+    const int64_t ctas = grid_ctas(groups, pl);
+    const int64_t per_sm = (ctas + d.sms - 1) / d.sms;
+    const int64_t waves = (ctas + capacity - 1) / capacity;
+    const int chunks_per_warp = (chunks + parts - 1) / parts;
+    const int rounds = (chunks_per_warp + kUnroll - 1) / kUnroll;
+    // a CTA's input bytes: its splits k ranges of in_features / parts, kModelRows rows
+    const double input_bytes = 2.0 * kModelRows * in_features / pl.cluster;
+    costs[count] = static_cast<double>(per_sm) *
+                       (weight_bytes / static_cast<double>(ctas) + kInputWeight * input_bytes) +
+                   static_cast<double>(waves) * rounds * kLatencyBytes;
+  }
+  double best = costs[0];
+  for (int i = 1; i < count; ++i) best = costs[i] < best ? costs[i] : best;
+  int i = 0;
+  while (costs[i] > 1.03 * best) ++i;
+  return plan_for_parts(1 << i);
+}
+
+template <typename T, int NT>
+cudaError_t launch(const LinearParams& p, const Plan& pl, cudaStream_t stream) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(static_cast<unsigned>(grid_ctas((p.out_features + 15) / 16, pl)));
+  config.blockDim = dim3(32 * kWarps);
+  config.dynamicSmemBytes = 0;
+  config.stream = stream;
+  cudaLaunchAttribute attributes[2];
+  unsigned count = 0;
+  if (pdl_enabled()) {
+    attributes[count].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attributes[count].val.programmaticStreamSerializationAllowed = 1;
+    ++count;
+  }
+  if (pl.cluster > 1) {
+    attributes[count].id = cudaLaunchAttributeClusterDimension;
+    attributes[count].val.clusterDim.x = static_cast<unsigned>(pl.cluster);
+    attributes[count].val.clusterDim.y = 1;
+    attributes[count].val.clusterDim.z = 1;
+    ++count;
+  }
+  config.attrs = attributes;
+  config.numAttrs = count;
+  return cudaLaunchKernelEx(&config, linear_mma_kernel<T, NT>, p, pl.splits, pl.cluster);
+}
+
+template <typename T, int NT>
+cudaError_t launch_planned(const LinearParams& p, cudaStream_t stream) {
+  const Device d = current_device();
+  const int capacity = blocks_per_sm<T, NT>() * d.sms;
+  const Plan pl = plan((p.out_features + 15) / 16, (p.in_features + kChunk - 1) / kChunk, p.in_features, d, capacity);
+  return launch<T, NT>(p, pl, stream);
+}
+
+template <typename T>
+cudaError_t launch_dtype(const LinearParams& p, cudaStream_t stream) {
+  return p.num_tokens <= 8 ? launch_planned<T, 1>(p, stream) : launch_planned<T, 2>(p, stream);
+}
+
+}  // namespace
+
+cudaError_t linear_mma(const LinearParams& p, cudaStream_t stream) {
+  if (p.num_tokens < 2 || p.num_tokens > 16) return cudaErrorInvalidValue;
+  switch (p.dtype) {
+    case DType::kBFloat16: return launch_dtype<__nv_bfloat16>(p, stream);
+    case DType::kFloat16: return launch_dtype<__half>(p, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+}  // namespace pagedcore::cuda
