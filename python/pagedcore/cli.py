@@ -99,8 +99,12 @@ def _serve_on(sock, args: argparse.Namespace) -> int:
         preemption_mode=args.preemption_mode, swap_space=args.swap_space, kv_cache_dtype=args.kv_cache_dtype,
         seed=args.seed, enforce_eager=args.enforce_eager, load_format=args.load_format,
         async_output_proc=False if args.disable_async_output_proc else None,
-        async_scheduling=args.async_scheduling,
+        async_scheduling=args.async_scheduling, tensor_parallel_size=args.tensor_parallel_size,
     )
+    if args.engine_process and args.tensor_parallel_size > 1:
+        # NOTE: the engine process is a daemon, and daemons may not start processes.
+        raise SystemExit("pagedcore serve: --engine-process does not combine with --tensor-parallel-size > 1 "
+                         "(the engine runs in the server process; its workers are its children)")
     if args.engine_process:
         from .server.engine_process import EngineProcess
 
@@ -215,6 +219,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="weights and activations: auto (float32 on the CPU; on a GPU the checkpoint's "
                           "half type, bfloat16 for a float32 one), float32, bfloat16, float16")
     srv.add_argument("--device", default="auto", help="auto (CUDA when there is a GPU), cpu or cuda")
+    srv.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                     help="split the model over this many GPUs (NCCL; rank r on cuda:r) or CPU processes (gloo)")
     srv.add_argument("--seed", type=int, default=0, help="seed of the random generator that requests without a seed of their own draw from")
     srv.add_argument("--max-queue-len", type=int, default=None,
                      help="waiting requests before new ones get 429 (default: no limit)")

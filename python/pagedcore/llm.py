@@ -74,6 +74,13 @@ class LLM:
         do not depend on it.
     seed : int
         Seeds torch's global RNG (requests without their own seed).
+    tensor_parallel_size : int
+        Split the model over this many ranks (Megatron tensor parallelism over
+        torch.distributed: NCCL between GPUs, rank r on ``cuda:r``; gloo between
+        CPU processes). This process is rank 0 (scheduler, sampler); ranks 1..N-1
+        are spawned worker processes, ended by :meth:`shutdown` or at exit. The
+        KV cache is per rank (``kv_cache_memory_bytes`` and ``num_kv_blocks``
+        size each rank's). One tensor-parallel LLM per process at a time.
 
     Examples
     --------
@@ -104,6 +111,7 @@ class LLM:
         load_format: str = "auto",
         async_output_proc: bool | None = None,
         async_scheduling: bool | None = None,
+        tensor_parallel_size: int = 1,
     ) -> None:
         configure_default_logging()
         if model is None:
@@ -119,9 +127,14 @@ class LLM:
                 enable_prefix_caching=enable_prefix_caching, preemption_mode=preemption_mode,
                 swap_space=swap_space, kv_cache_dtype=kv_cache_dtype, seed=seed,
                 enforce_eager=enforce_eager, load_format=load_format, async_output_proc=async_output_proc,
-                async_scheduling=async_scheduling,
+                async_scheduling=async_scheduling, tensor_parallel_size=tensor_parallel_size,
             )
         )
+
+    def shutdown(self) -> None:
+        """Ends the tensor-parallel worker processes (a no-op with one rank); the
+        LLM cannot generate afterwards. Idempotent; also runs at interpreter exit."""
+        self.llm_engine.shutdown()
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer

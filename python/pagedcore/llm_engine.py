@@ -12,6 +12,7 @@ loop over sequences.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -26,6 +27,9 @@ import torch
 
 from . import _C
 from .detokenizer import IncrementalDetokenizer
+from .distributed.driver import TensorParallelDriver
+from .distributed.weights import iter_safetensors_shard
+from .distributed.worker import WorkerLaunch
 from .model_loader import (
     build_uninitialized,
     iter_safetensors,
@@ -37,6 +41,7 @@ from .model_loader import (
 )
 from .model_runner import ModelRunner, kv_bytes_per_block, kv_cache_size_line, profile_peak_memory
 from .models import CausalLM, ModelSpec, model_spec_from_config
+from .models.parallel import ParallelCausalLM, TensorParallelShard
 from .models.spec import config_from_json
 from .ops import SUPPORTED_HEAD_DIMS
 from .outputs import CompletionOutput, Logprob, RequestOutput
@@ -84,6 +89,8 @@ class EngineArgs:
     # Schedule and launch step n+1 before step n's sampled ids reach the host.
     # None: on for CUDA (unless async_output_proc is False), off for the CPU.
     async_scheduling: bool | None = None
+    # Ranks the model is split over (Megatron tensor parallelism; docs/architecture.md).
+    tensor_parallel_size: int = 1
 
     def validate(self) -> None:
         """Checks every field before anything is loaded.
@@ -115,6 +122,7 @@ class EngineArgs:
         positive("kv_cache_memory_bytes", self.kv_cache_memory_bytes, allow_none=True)
         positive("max_model_len", self.max_model_len, allow_none=True)
         positive("max_num_seqs", self.max_num_seqs)
+        positive("tensor_parallel_size", self.tensor_parallel_size)
         positive("max_num_batched_tokens", self.max_num_batched_tokens, allow_none=True)
         if not 0 < number("gpu_memory_utilization", self.gpu_memory_utilization) <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
@@ -342,28 +350,33 @@ class LLMEngine:
         phases.done("config")
         torch.manual_seed(args.seed)
 
-        # Parameters are allocated uninitialised in the model's dtype on its device,
-        # then every one is filled (load_weights raises for a missing weight).
-        model = build_uninitialized(lambda: CausalLM(self.spec), self.dtype, self.device)
-        phases.done("model")
-        if args.load_format == "dummy":  # random weights, drawn on the device (benchmarks)
-            model.init_dummy_weights(args.seed)
-        else:
-            model.load_weights(with_load_progress(iter_safetensors(model_path, dtype=self.dtype), model_path))
-        self.model = model
-        self.model.inv_freq.data = self.spec.inv_freq().to(self.device)  # kept in float32
-        max_positions = self.spec.max_position_embeddings
-        self.model.init_rotary(min(args.max_model_len or max_positions, max_positions))
-        phases.done("weights")
-        self.tokenizer = tokenizer.result()
-        self.eos_token_ids = self._eos_token_ids(model_path)
-        phases.done("tokenizer (rest)")
-
-        engine_config = self._engine_config()
-        if engine_config.max_model_len != self.model.max_positions:  # capped to the cache
-            self.model.init_rotary(engine_config.max_model_len)
-        self.engine = _C.Engine(engine_config)
-        self.runner = ModelRunner(self.model, engine_config, self.device, self.kv_dtype, args.enforce_eager)
+        # Tensor parallelism: this process is rank 0 (the engine and the sampler live
+        # here); the workers build their shards alongside, in step with the
+        # collectives below (pagedcore.distributed).
+        self.tp: TensorParallelDriver | None = None
+        shard = None
+        if args.tensor_parallel_size > 1:
+            shard = TensorParallelShard(self.spec, 0, args.tensor_parallel_size)  # (checks the shapes)
+            self.tp = self._start_workers(model_path)
+        try:
+            self.model = load_model(args, model_path, self.spec, self.dtype, self.device, shard, phases)
+            if self.tp is not None:
+                self.tp.connect()  # (the workers imported torch while the weights loaded)
+            self.tokenizer = tokenizer.result()
+            self.eos_token_ids = self._eos_token_ids(model_path)
+            phases.done("tokenizer (rest)")
+            with self._tp_guard():
+                engine_config = self._engine_config()
+            if engine_config.max_model_len != self.model.max_positions:  # capped to the cache
+                self.model.init_rotary(engine_config.max_model_len)
+            self.engine = _C.Engine(engine_config)
+            with self._tp_guard():
+                self.runner = ModelRunner(self.model, engine_config, self.device, self.kv_dtype, args.enforce_eager,
+                                          tp_driver=self.tp)
+        except BaseException:
+            if self.tp is not None:
+                self.tp.shutdown()
+            raise
         phases.done("KV cache" if self.device.type == "cpu" or args.enforce_eager else "KV cache, CUDA graphs")
         phases.log()
         self.sampler = Sampler()
@@ -398,6 +411,34 @@ class LLMEngine:
         self._engine_done: set[str] = set()
 
     # ---- set-up -------------------------------------------------------------
+
+    def _start_workers(self, model_path: str) -> TensorParallelDriver:
+        size = self.args.tensor_parallel_size
+        if self.device.type == "cuda":
+            if torch.cuda.device_count() < size:
+                raise ValueError(f"tensor_parallel_size {size} needs {size} GPUs; torch sees "
+                                 f"{torch.cuda.device_count()}")
+            # Rank r runs on cuda:r; the driver is rank 0.
+            self.device = torch.device("cuda", 0)
+            torch.cuda.set_device(self.device)
+        launch = WorkerLaunch(args=self.args, model_path=model_path, spec=self.spec, dtype=self.dtype,
+                              kv_dtype=self.kv_dtype, device_type=self.device.type, size=size, port=0,
+                              log_level=max(logger.getEffectiveLevel(), logging.WARNING))
+        return TensorParallelDriver(launch, self.device)
+
+    def _tp_guard(self) -> Any:
+        """Start-up collectives with the workers: a dead worker becomes a clear error."""
+        return self.tp.guard() if self.tp is not None else contextlib.nullcontext()
+
+    def healthy(self) -> bool:
+        """False once a tensor-parallel worker has died (the engine cannot step any more)."""
+        return self.tp is None or self.tp.alive()
+
+    def shutdown(self) -> None:
+        """Stops the tensor-parallel workers (nothing to do with one rank). The
+        engine cannot step afterwards. Idempotent; also runs at interpreter exit."""
+        if self.tp is not None:
+            self.tp.shutdown()
 
     @staticmethod
     def _pick_device(device: str) -> torch.device:
@@ -439,27 +480,15 @@ class LLMEngine:
 
     def _engine_config(self) -> _C.EngineConfig:
         a, spec = self.args, self.spec
-        per_block = kv_bytes_per_block(spec, a.block_size, self.kv_dtype)
-        max_batched = a.max_num_batched_tokens or max(8192 if self.device.type == "cuda" else 2048, a.max_num_seqs)
-        if a.num_kv_blocks is not None:
-            num_blocks = a.num_kv_blocks
-            logger.info("KV cache sized by num_kv_blocks=%d", num_blocks)
-        elif self.device.type == "cuda":
-            num_blocks = self._gpu_blocks(per_block, max_batched)
-        else:
-            budget, source = a.kv_cache_memory_bytes, "kv_cache_memory_bytes"
-            if budget is None:
-                budget, source = _env_kv_cache_bytes()
-            num_blocks = budget // per_block
-            if num_blocks < 1:
-                raise ValueError(f"{source} {budget} holds no block of {per_block} bytes")
-            # NOTE: vLLM users pass gpu_memory_utilization everywhere; say that it
-            # does not size a CPU cache, and what does.
-            logger.info(
-                "KV cache on the CPU sized by %s: %d bytes (%.2f GiB); gpu_memory_utilization (%s) "
-                "applies to GPUs only (set kv_cache_memory_bytes, $%s or num_kv_blocks instead)",
-                source, budget, budget / 2**30, a.gpu_memory_utilization, KV_CACHE_BYTES_ENV,
-            )
+        # Per rank under tensor parallelism: each rank caches its own kv heads.
+        rank_spec = self.model.spec
+        per_block = kv_bytes_per_block(rank_spec, a.block_size, self.kv_dtype)
+        max_batched = max_batched_tokens(a, self.device)
+        if self.tp is not None:
+            self.tp.group.barrier()  # (the workers' weights are loaded: the profiling pass runs on all)
+        num_blocks = local_kv_blocks(a, self.model, self.kv_dtype, self.device, max_batched)
+        if self.tp is not None:
+            num_blocks = self.tp.group.min_int(num_blocks)  # the rank with the least memory decides
         max_model_len = a.max_model_len or spec.max_position_embeddings
         if max_model_len > spec.max_position_embeddings:
             raise ValueError(
@@ -481,8 +510,16 @@ class LLMEngine:
         if a.preemption_mode == "swap":
             num_cpu_blocks = max(1, int(a.swap_space * 2**30) // per_block)
         logger.info("# KV cache blocks: %d", num_blocks)
-        logger.info(kv_cache_size_line(spec, num_blocks, a.block_size, self.kv_dtype))
-        return _C.EngineConfig(
+        logger.info(kv_cache_size_line(rank_spec, num_blocks, a.block_size, self.kv_dtype))
+        if self.tp is not None:
+            size = a.tensor_parallel_size
+            ranks = [kv_bytes_per_block(TensorParallelShard(spec, r, size).local_spec, a.block_size, self.kv_dtype)
+                     for r in range(size)]
+            logger.info("KV cache per rank: %s (kv heads %s of %d); %d ranks: %s in total",
+                        " / ".join(_bytes(num_blocks * b) for b in ranks),
+                        " / ".join(str(TensorParallelShard(spec, r, size).num_kv_heads) for r in range(size)),
+                        spec.num_kv_heads, size, _bytes(num_blocks * sum(ranks)))
+        fields = dict(
             num_blocks=num_blocks,
             block_size=a.block_size,
             max_num_seqs=a.max_num_seqs,
@@ -494,31 +531,9 @@ class LLMEngine:
             sliding_window=spec.sliding_window or None,
             vocab_size=spec.vocab_size,
         )
-
-    def _gpu_blocks(self, per_block: int, max_batched: int) -> int:
-        """Blocks that fit in gpu_memory_utilization of the GPU once the weights and
-        the peak activations of the largest step (measured by a profiling pass) and
-        the memory other users hold are set aside."""
-        a = self.args
-        device = self.device
-        torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info(device)
-        others = total - free - torch.cuda.memory_reserved(device)
-        peak = profile_peak_memory(self.model, max_batched, a.max_num_seqs, a.block_size, self.kv_dtype)
-        # The sampler's work on [max_num_seqs, vocab] float32 (softmax, sort).
-        sampler = 4 * a.max_num_seqs * self.spec.vocab_size * 4
-        budget = int(total * a.gpu_memory_utilization) - others - peak - sampler
-        logger.info(
-            "GPU memory: %.2f GiB total, x %.2f utilization; weights + peak activations %.2f GiB, "
-            "other processes %.2f GiB; KV cache gets %.2f GiB",
-            total / 2**30, a.gpu_memory_utilization, peak / 2**30, others / 2**30, max(budget, 0) / 2**30,
-        )
-        if budget < per_block:
-            raise ValueError(
-                f"gpu_memory_utilization {a.gpu_memory_utilization} leaves no room for the KV cache "
-                f"({budget / 2**30:.2f} GiB after weights and activations)"
-            )
-        return budget // per_block
+        if self.tp is not None:
+            self.tp.group.broadcast_object(fields)
+        return _C.EngineConfig(**fields)
 
     @property
     def max_model_len(self) -> int:
@@ -1232,6 +1247,97 @@ class LLMEngine:
             return None
         request.prompt_logprobs_sent = True
         return request.prompt_logprobs
+
+
+def load_model(args: EngineArgs, model_path: str, spec: ModelSpec, dtype: torch.dtype, device: torch.device,
+               shard: TensorParallelShard | None = None, phases: _Phases | None = None) -> CausalLM:
+    """The model of ``spec`` (or rank ``shard.rank``'s shard of it) with its weights
+    on ``device`` and its rotary table made for ``args.max_model_len``."""
+    # Parameters are allocated uninitialised in the model's dtype on its device,
+    # then every one is filled (load_weights raises for a missing weight).
+    if shard is None:
+        model = build_uninitialized(lambda: CausalLM(spec), dtype, device)
+    else:
+        model = build_uninitialized(lambda: ParallelCausalLM(shard), dtype, device)
+    if phases is not None:
+        phases.done("model")
+    if args.load_format == "dummy":  # random weights, drawn on the device (benchmarks)
+        model.init_dummy_weights(args.seed)
+    elif shard is None:
+        model.load_weights(with_load_progress(iter_safetensors(model_path, dtype=dtype), model_path))
+    else:  # this rank's slices only
+        weights = iter_safetensors_shard(model_path, dtype, shard)
+        model.load_weights(with_load_progress(weights, model_path) if shard.rank == 0 else weights)
+    model.inv_freq.data = spec.inv_freq().to(device)  # kept in float32
+    max_positions = spec.max_position_embeddings
+    model.init_rotary(min(args.max_model_len or max_positions, max_positions))
+    if phases is not None:
+        phases.done("weights")
+    return model
+
+
+def max_batched_tokens(args: EngineArgs, device: torch.device) -> int:
+    """The token budget of a step: ``max_num_batched_tokens`` or the device's default."""
+    return args.max_num_batched_tokens or max(8192 if device.type == "cuda" else 2048, args.max_num_seqs)
+
+
+def local_kv_blocks(args: EngineArgs, model: CausalLM, kv_dtype: torch.dtype, device: torch.device,
+                    max_batched: int, quiet: bool = False) -> int:
+    """The KV blocks this process's memory holds (``num_kv_blocks`` when given).
+    On CUDA a profiling pass measures the peak activations (under tensor
+    parallelism every rank runs it at once: its collectives pair up)."""
+    per_block = kv_bytes_per_block(model.spec, args.block_size, kv_dtype)
+    log = logger.debug if quiet else logger.info
+    if args.num_kv_blocks is not None:
+        log("KV cache sized by num_kv_blocks=%d", args.num_kv_blocks)
+        return args.num_kv_blocks
+    if device.type == "cuda":
+        return _gpu_blocks(args, model, kv_dtype, per_block, max_batched, device, log)
+    budget, source = args.kv_cache_memory_bytes, "kv_cache_memory_bytes"
+    if budget is None:
+        budget, source = _env_kv_cache_bytes()
+    num_blocks = budget // per_block
+    if num_blocks < 1:
+        raise ValueError(f"{source} {budget} holds no block of {per_block} bytes")
+    # NOTE: vLLM users pass gpu_memory_utilization everywhere; say that it
+    # does not size a CPU cache, and what does.
+    log(
+        "KV cache on the CPU sized by %s: %d bytes (%.2f GiB%s); gpu_memory_utilization (%s) "
+        "applies to GPUs only (set kv_cache_memory_bytes, $%s or num_kv_blocks instead)",
+        source, budget, budget / 2**30, " per rank" if args.tensor_parallel_size > 1 else "",
+        args.gpu_memory_utilization, KV_CACHE_BYTES_ENV,
+    )
+    return num_blocks
+
+
+def _gpu_blocks(args: EngineArgs, model: CausalLM, kv_dtype: torch.dtype, per_block: int, max_batched: int,
+                device: torch.device, log: Any) -> int:
+    """Blocks that fit in gpu_memory_utilization of the GPU once the weights and
+    the peak activations of the largest step (measured by a profiling pass) and
+    the memory other users hold are set aside."""
+    a = args
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    others = total - free - torch.cuda.memory_reserved(device)
+    peak = profile_peak_memory(model, max_batched, a.max_num_seqs, a.block_size, kv_dtype)
+    # The sampler's work on [max_num_seqs, vocab] float32 (softmax, sort).
+    sampler = 4 * a.max_num_seqs * model.spec.vocab_size * 4
+    budget = int(total * a.gpu_memory_utilization) - others - peak - sampler
+    log(
+        "GPU memory (%s): %.2f GiB total, x %.2f utilization; weights + peak activations %.2f GiB, "
+        "other processes %.2f GiB; KV cache gets %.2f GiB",
+        device, total / 2**30, a.gpu_memory_utilization, peak / 2**30, others / 2**30, max(budget, 0) / 2**30,
+    )
+    if budget < per_block:
+        raise ValueError(
+            f"gpu_memory_utilization {a.gpu_memory_utilization} leaves no room for the KV cache "
+            f"({budget / 2**30:.2f} GiB after weights and activations on {device})"
+        )
+    return budget // per_block
+
+
+def _bytes(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def _env_kv_cache_bytes() -> tuple[int, str]:

@@ -23,12 +23,16 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from . import _C, ops
 from .models import AttentionMetadata, CausalLM, ModelSpec
+
+if TYPE_CHECKING:
+    from .distributed.driver import TensorParallelDriver
 
 logger = logging.getLogger("pagedcore")
 
@@ -140,6 +144,10 @@ class ModelRunner:
         Element type of the KV cache.
     enforce_eager : bool
         CUDA: run every step eagerly (no CUDA graphs).
+    tp_driver : TensorParallelDriver, optional
+        Tensor parallelism, on rank 0: each step (and each LM-head call of
+        :meth:`compute_logits`) is broadcast to the workers first, whose runners
+        then run it in step with this one (``model`` is rank 0's shard).
     """
 
     def __init__(
@@ -149,8 +157,10 @@ class ModelRunner:
         device: torch.device,
         kv_dtype: torch.dtype,
         enforce_eager: bool = False,
+        tp_driver: TensorParallelDriver | None = None,
     ) -> None:
         self.model = model
+        self.tp_driver = tp_driver
         self.spec = model.spec
         self.device = device
         self.block_size = engine_config.block_size
@@ -298,7 +308,7 @@ class ModelRunner:
         positions, slots = self._p_positions[:t], self._p_slot_mapping[:t]
         qkv, residual = self._p_qkv[:t], self._p_residual[:t]
         if i == 0:
-            torch.index_select(model.embed_tokens.weight, 0, self._p_input_ids[:t], out=residual)
+            model.embed(self._p_input_ids[:t], out=residual)
             key_cache, value_cache = self.kv_caches[0]
             layers[0].pre_attention(positions, residual, None, table, key_cache, value_cache, slots, qkv_out=qkv)
             return None
@@ -449,12 +459,20 @@ class ModelRunner:
         """
         # NOTE: the engine's slots and block ids are valid by construction; on the
         # GPU, checking them again would synchronise every layer.
+        if self.tp_driver is not None:
+            with self.tp_driver.guard(), ops.unchecked_indices():
+                self.tp_driver.send_step(batch, self.block_size, previous_sampled)
+                return self._execute(batch, previous_sampled)
         with ops.unchecked_indices():
             return self._execute(batch, previous_sampled)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits ``[rows, vocab]`` of final hidden states (e.g. of
         :attr:`prompt_hidden`)."""
+        if self.tp_driver is not None:
+            with self.tp_driver.guard():
+                self.tp_driver.send_logits(hidden)
+                return self.model.compute_logits(hidden)
         return self.model.compute_logits(hidden)
 
     def _execute(self, batch: _C.StepBatch, previous: torch.Tensor | None) -> torch.Tensor:

@@ -163,7 +163,7 @@ class DecoderLayer(nn.Module):
     def post_attention(self, attn: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer after attention (``attn`` ``[T, heads, head_dim]``): o GEMM,
         add+norm, gate_up GEMM, SiLU-mul, down GEMM. Returns ``(hidden, residual)``."""
-        hidden = _linear(self.o_proj, attn.reshape(attn.shape[0], self.spec.q_size))
+        hidden = self.reduce(_linear(self.o_proj, attn.reshape(attn.shape[0], self.spec.q_size)))
         x = self.post_attention_layernorm.add_forward(hidden, residual)
         gate_up = self.gate_up_proj
         if x.shape[0] == 1 and x.device.type == "cuda" and _ops_linear(x, gate_up.weight):
@@ -171,7 +171,13 @@ class DecoderLayer(nn.Module):
             act = ops.linear_silu_and_mul(x, gate_up.weight, gate_up.bias)
         else:
             act = ops.silu_and_mul(_linear(gate_up, x))
-        return _linear(self.down_proj, act), residual
+        return self.reduce(_linear(self.down_proj, act)), residual
+
+    def reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """The sum over tensor-parallel ranks of a row-parallel projection's output
+        (o, down); one rank holds the whole layer here, so it is ``partial`` itself
+        (:class:`pagedcore.models.parallel.ParallelDecoderLayer` all-reduces)."""
+        return partial
 
 
 class CausalLM(nn.Module):
@@ -185,11 +191,14 @@ class CausalLM(nn.Module):
     >>> logits = model.compute_logits(hidden[sample_indices])
     """
 
+    # The layer class (tensor parallelism substitutes one whose projections all-reduce).
+    decoder_layer: type[DecoderLayer] = DecoderLayer
+
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
         self.spec = spec
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(spec) for _ in range(spec.num_layers))
+        self.layers = nn.ModuleList(self.decoder_layer(spec) for _ in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         if not spec.tie_word_embeddings:
             self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
@@ -249,13 +258,17 @@ class CausalLM(nn.Module):
         if table is None or table.device != self.embed_tokens.weight.device:
             self.init_rotary(self.spec.max_position_embeddings)
             table = self.cos_sin_cache
-        hidden = self.embed_tokens(input_ids)
+        hidden = self.embed(input_ids)
         residual = None
         for layer, (key_cache, value_cache) in zip(self.layers, kv_caches):
             hidden, residual = layer(positions, hidden, residual, table, key_cache, value_cache, md)
         if residual is None:  # no layers
             return self.norm(hidden)
         return self.norm.add_forward(hidden, residual)
+
+    def embed(self, input_ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The embeddings ``[num_tokens, hidden_size]`` of ``input_ids`` (into ``out`` when given)."""
+        return torch.index_select(self.embed_tokens.weight, 0, input_ids, out=out)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

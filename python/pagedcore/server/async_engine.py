@@ -181,7 +181,10 @@ class AsyncEngine:
         return RequestStream(self, request_id, stream)
 
     def alive(self) -> bool:
-        return self._thread.is_alive() and not self._dead
+        # LLMEngine.healthy(): False once a tensor-parallel worker has died, even
+        # while idle (engines without it, e.g. test stubs, have no workers).
+        healthy = getattr(self.engine, "healthy", None)
+        return self._thread.is_alive() and not self._dead and (healthy is None or healthy())
 
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))

@@ -1,0 +1,246 @@
+#!/usr/bin/env python3
+"""Tensor parallelism: TP=N against TP=1 on the same machine, random weights in a real shape.
+
+For each tensor-parallel size of ``--tp`` (one LLM at a time, same process):
+
+* batch-1 time per output token: (generate of 1 + 64 tokens - generate of 1) / 64,
+  128-token prompt, medians of three;
+* throughput: the shape's workload of bench_e2e_gpu (``--requests``, lognormal
+  prompts, EOS ignored), output tokens per second;
+* the driver's per-step broadcast (the step message over the gloo control
+  group): median time per step and median message size.
+
+Then ``--collectives``: the collectives of one decode step alone, between ``N``
+spawned ranks, at batch 1 and ``--requests``: ``2 x layers + 1`` all-reduces of
+``[batch, hidden]`` and the all-gather of the logits ``[batch, vocab / N]``,
+captured in one CUDA graph on GPUs (as the decode graphs hold them), timed over
+replays; plus the bus bandwidth of a 256 MiB all-reduce, to set beside the
+physical link (``nvidia-smi nvlink``).
+
+Ratios are printed last. CPU figures (gloo) say what the control plane costs;
+the CPU's tokens per second under TP say nothing about speed (the ranks share
+the cores).
+
+Usage: python bench/bench_tp.py --shape llama3-8b --tp 1,2 [--device cuda] [--collectives]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_e2e_gpu import SHAPES, _free, checkpoint_dir, workload  # noqa: E402
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def measure(path: Path, fields: dict, tp: int, args) -> dict:
+    from pagedcore import LLM, SamplingParams
+
+    llm = LLM(model=str(path), load_format="dummy", dtype=args.dtype, device=args.device,
+              max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
+              max_num_seqs=args.max_num_seqs, enable_prefix_caching=False, tensor_parallel_size=tp,
+              **({"kv_cache_memory_bytes": 2 << 30} if args.device == "cpu" else {}))
+    sends: list[float] = []
+    sizes: list[int] = []
+    driver = llm.llm_engine.tp
+    if driver is not None:  # time the step broadcast on the driver
+        real = driver.send_step
+
+        def timed(batch, block_size, previous):
+            t = time.perf_counter()
+            real(batch, block_size, previous)
+            sends.append(time.perf_counter() - t)
+            sizes.append(int(driver._buf[1]))
+
+        driver.send_step = timed
+    rng = np.random.default_rng(args.seed)
+    prompt = [rng.integers(3, fields["vocab_size"], 128).tolist()]
+
+    def gen(ps, k: int) -> float:
+        params = SamplingParams(temperature=0.0, max_tokens=k, ignore_eos=True)
+        _sync(args.device)
+        t = time.perf_counter()
+        llm.generate([{"prompt_token_ids": p} for p in ps], params, use_tqdm=False)
+        _sync(args.device)
+        return time.perf_counter() - t
+
+    def median(fn) -> float:
+        fn()
+        return statistics.median(fn() for _ in range(3))
+
+    steps = args.tpot_tokens
+    tpot = (median(lambda: gen(prompt, 1 + steps)) - median(lambda: gen(prompt, 1))) / steps
+    decode_sends = list(sends)
+    _, requests, mean_prompt, out = SHAPES[args.shape]
+    requests = args.requests or requests
+    out = args.output_tokens or out
+    ps = workload(requests, mean_prompt, fields["vocab_size"], args.seed)
+    gen(ps[:8], 4)  # warm-up
+    sends.clear()
+    sizes.clear()
+    seconds = gen(ps, out)
+    result = {"tp": tp, "tpot_ms": tpot * 1e3, "tok_s": requests * out / seconds,
+              "send_us_batch1": statistics.median(decode_sends) * 1e6 if decode_sends else 0.0,
+              "send_us_load": statistics.median(sends) * 1e6 if sends else 0.0,
+              "msg_kib_load": statistics.median(sizes) * 4 / 1024 if sizes else 0.0,
+              "graph_replays": llm.llm_engine.runner.graph_replays}
+    llm.shutdown()
+    del llm, driver
+    _free()  # (the next size's KV sizing sees this one's memory given back)
+    return result
+
+
+# ---- the collectives of one decode step, alone -------------------------------------------------
+
+
+def _collectives_rank(rank: int, size: int, port: int, fields: dict, batches: list[int], device_type: str,
+                      dtype: torch.dtype, queue) -> None:
+    import torch.distributed as dist
+
+    if device_type == "cuda":
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+        torch.set_num_threads(1)
+    dist.init_process_group("nccl" if device_type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=rank, world_size=size, device_id=device if device_type == "cuda" else None)
+    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # (torch < 2.13)
+    hidden, layers, vocab = fields["hidden_size"], fields["num_hidden_layers"], fields["vocab_size"]
+    results = {}
+    for b in batches:
+        x = torch.randn(b, hidden, device=device).to(dtype)
+        local = torch.randn(b, -(-vocab // size), device=device).to(dtype)
+        gathered = torch.empty((size * b, local.shape[1]), dtype=dtype, device=device)
+
+        def step() -> None:
+            for _ in range(2 * layers + 1):  # o and down of each layer, the embedding
+                dist.all_reduce(x)
+            all_gather(gathered, local)
+
+        if device_type == "cuda":
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                step()
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                step()
+            run = graph.replay
+        else:
+            run = step
+        for _ in range(5):
+            run()
+        _sync(device_type)
+        dist.barrier()
+        reps = 50 if device_type == "cuda" else 10
+        t = time.perf_counter()
+        for _ in range(reps):
+            run()
+        _sync(device_type)
+        results[f"step_us_b{b}"] = (time.perf_counter() - t) / reps * 1e6
+    big = torch.empty((128 if device_type == "cuda" else 4) << 20,
+                      dtype=torch.bfloat16 if device_type == "cuda" else torch.float32, device=device)
+    nbytes = big.numel() * big.element_size()
+    for _ in range(3):
+        dist.all_reduce(big)
+    _sync(device_type)
+    reps = 10 if device_type == "cuda" else 2
+    t = time.perf_counter()
+    for _ in range(reps):
+        dist.all_reduce(big)
+    _sync(device_type)
+    seconds = (time.perf_counter() - t) / reps
+    # nccl-tests' convention: bus bandwidth = algbw x 2 (N - 1) / N.
+    results["allreduce_busbw_gbs"] = nbytes / seconds * 2 * (size - 1) / size / 1e9
+    results["allreduce_mib"] = nbytes / 2**20
+    if rank == 0:
+        queue.put(results)
+    dist.destroy_process_group()
+
+
+def collectives(fields: dict, size: int, batches: list[int], args) -> dict:
+    import torch.multiprocessing as mp
+
+    from pagedcore.distributed.group import free_port
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    dtype = getattr(torch, args.dtype) if args.dtype != "auto" else torch.float32
+    port = free_port()
+    procs = [ctx.Process(target=_collectives_rank, args=(r, size, port, fields, batches, args.device, dtype, queue))
+             for r in range(size)]
+    for p in procs:
+        p.start()
+    result = queue.get(timeout=300)
+    for p in procs:
+        p.join(60)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="smollm2")
+    parser.add_argument("--tp", default="1,2", help="comma list of tensor-parallel sizes")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on the CPU")
+    parser.add_argument("--requests", type=int, default=None)
+    parser.add_argument("--output-tokens", type=int, default=None)
+    parser.add_argument("--tpot-tokens", type=int, default=64)
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--collectives", action="store_true", help="also time one decode step's collectives")
+    args = parser.parse_args()
+    args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    fields = SHAPES[args.shape][0]
+    sizes = [int(s) for s in args.tp.split(",")]
+    rows = []
+    with tempfile.TemporaryDirectory() as root:
+        path = checkpoint_dir(fields, Path(root))
+        for tp in sizes:
+            rows.append(measure(path, fields, tp, args))
+            print(rows[-1], flush=True)
+    coll = {}
+    if args.collectives:
+        batch_max = args.requests or SHAPES[args.shape][1]
+        for tp in sizes:
+            if tp > 1:
+                coll[tp] = collectives(fields, tp, [1, batch_max], args)
+                print({"tp": tp, **coll[tp]}, flush=True)
+    print(f"\n{args.shape} on {args.device} ({args.dtype}), tensor parallelism")
+    print(f"{'tp':>3}{'TPOT b1 ms':>12}{'tok/s':>10}{'bcast us b1':>13}{'bcast us load':>15}{'msg KiB':>9}"
+          f"{'graphs':>8}")
+    for r in rows:
+        print(f"{r['tp']:>3}{r['tpot_ms']:12.2f}{r['tok_s']:10.0f}{r['send_us_batch1']:13.1f}"
+              f"{r['send_us_load']:15.1f}{r['msg_kib_load']:9.1f}{r['graph_replays']:8d}")
+    for tp, c in coll.items():
+        steps = ", ".join(f"batch {k[len('step_us_b'):]}: {v:.1f} us" for k, v in c.items() if k.startswith("step_us"))
+        print(f"TP={tp} collectives of one decode step ({2 * fields['num_hidden_layers'] + 1} all-reduces + the "
+              f"logits' all-gather): {steps}; all-reduce of {c['allreduce_mib']:.0f} MiB: bus bandwidth "
+              f"{c['allreduce_busbw_gbs']:.1f} GB/s")
+    base = next((r for r in rows if r["tp"] == 1), None)
+    if base is not None:
+        for r in rows:
+            if r["tp"] > 1:
+                print(f"TP={r['tp']} vs TP=1: TPOT x{r['tpot_ms'] / base['tpot_ms']:.2f} (target <= 0.6), "
+                      f"throughput x{r['tok_s'] / base['tok_s']:.2f} (target >= 1.6)")
+
+
+if __name__ == "__main__":
+    main()

