@@ -10,9 +10,8 @@ import math
 import pytest
 import torch
 
-from pagedcore import LLM, InvalidArgumentError, ops
+from pagedcore import InvalidArgumentError, ops
 from pagedcore.llm_engine import EngineArgs
-from test_models_hf import make_checkpoint
 
 FP8 = torch.float8_e4m3fn
 
@@ -22,11 +21,14 @@ def test_unknown_kv_cache_dtype_names_the_choices() -> None:
         EngineArgs(model="unused", kv_cache_dtype="int4").validate()
 
 
-def test_fp8_cache_needs_cuda(tmp_path) -> None:
-    path = make_checkpoint("llama", tmp_path)
-    with pytest.raises(ValueError, match="kv_cache_dtype 'fp8' needs device='cuda' and a bfloat16/float16 model, "
-                                         "got device cpu"):
-        LLM(model=str(path), device="cpu", kv_cache_dtype="fp8", num_kv_blocks=16)
+def test_calculate_kv_scales_must_be_a_bool() -> None:
+    with pytest.raises(ValueError, match="calculate_kv_scales must be True or False, got 'yes'"):
+        EngineArgs(model="unused", calculate_kv_scales="yes").validate()
+    from pagedcore.cli import build_parser
+
+    parser = build_parser()  # pagedcore serve --calculate-kv-scales, as vLLM's flag
+    assert parser.parse_args(["serve", "--calculate-kv-scales"]).calculate_kv_scales is True
+    assert parser.parse_args(["serve"]).calculate_kv_scales is False
 
 
 def e4m3(x: torch.Tensor, scale: float) -> torch.Tensor:
