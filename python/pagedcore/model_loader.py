@@ -337,7 +337,8 @@ def iter_safetensors(
     dtype : torch.dtype, optional
         Convert floating-point tensors to this dtype (``torch.float32``,
         ``torch.bfloat16`` or ``torch.float16``); integer and bool tensors keep
-        theirs. ``None`` keeps the stored dtype.
+        theirs, and so do fp8 KV-cache scales (:func:`kv_scale_name`). ``None``
+        keeps the stored dtype.
     device : str or torch.device, default "cpu"
         Device the tensors are created on.
 
@@ -590,7 +591,9 @@ def _iter_plan(
         with safe_open(file_path, framework="pt", device=device) as f:
             for name in names if names is not None else f.keys():
                 tensor = f.get_tensor(name)
-                if dtype is not None and tensor.is_floating_point() and tensor.dtype != dtype:
+                # (fp8 KV-cache scales keep their precision: they are read as floats.)
+                if (dtype is not None and tensor.is_floating_point() and tensor.dtype != dtype
+                        and kv_scale_name(name.removeprefix("model.")) is None):
                     tensor = tensor.to(dtype)
                 yield name, tensor
 

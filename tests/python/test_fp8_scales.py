@@ -88,6 +88,18 @@ def test_checkpoint_scales_load_by_their_vllm_names(tiny, tmp_path, scheme) -> N
     assert [(layer.k_scale, layer.v_scale) for layer in model.layers] == SCALES
 
 
+def test_scales_keep_float32_precision_in_a_bfloat16_model(tiny, tmp_path) -> None:
+    # The weights are converted to the model's dtype; the scales are not (0.0123 is
+    # 0.01233 in bfloat16): the cache is written and read with the checkpoint's scale.
+    tensors = {"model.layers.0.self_attn.k_scale": torch.tensor(0.0123),
+               "model.layers.0.self_attn.v_scale": torch.tensor(0.0456)}
+    path = scaled_checkpoint(tiny, tmp_path / "precise", tensors)
+    model = CausalLM(model_spec_from_config(config_from_json(load_config_json(str(path)))))
+    model.load_weights(iter_safetensors(str(path), dtype=torch.bfloat16))
+    assert (model.layers[0].k_scale, model.layers[0].v_scale) == (float(torch.tensor(0.0123)),
+                                                                  float(torch.tensor(0.0456)))
+
+
 def test_one_kv_scale_serves_k_and_v(tiny, tmp_path) -> None:
     # Older AutoFP8 checkpoints: self_attn.kv_scale, one scale for both.
     tensors = {f"model.layers.{i}.self_attn.kv_scale": torch.tensor(k) for i, (k, _) in enumerate(SCALES)}
