@@ -100,6 +100,7 @@ def _serve_on(sock, args: argparse.Namespace) -> int:
         seed=args.seed, enforce_eager=args.enforce_eager, load_format=args.load_format,
         async_output_proc=False if args.disable_async_output_proc else None,
         async_scheduling=args.async_scheduling, tensor_parallel_size=args.tensor_parallel_size,
+        calculate_kv_scales=args.calculate_kv_scales,
     )
     if args.engine_process and args.tensor_parallel_size > 1:
         # NOTE: the engine process is a daemon, and daemons may not start processes.
@@ -202,7 +203,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="what a preempted sequence's blocks become: recomputed later, or swapped to the CPU")
     srv.add_argument("--swap-space", type=float, default=4, help="CPU swap space for --preemption-mode swap, in GiB")
     srv.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
-                     help="KV-cache element type: auto (the model's dtype) or fp8 e4m3 (CUDA)")
+                     help="KV-cache element type: auto (the model's dtype) or fp8 e4m3")
+    srv.add_argument("--calculate-kv-scales", action="store_true",
+                     help="fp8 cache: measure per-layer K/V scales at start-up (default: the checkpoint's, else 1)")
     srv.add_argument("--enforce-eager", action="store_true",
                      help="CUDA: no CUDA graphs for decode steps (default: graphs)")
     srv.add_argument("--disable-async-output-proc", action="store_true",

@@ -53,8 +53,17 @@ class LLM:
     swap_space : float
         GiB of CPU memory for swapped-out blocks (``preemption_mode="swap"``).
     kv_cache_dtype : str
-        ``"auto"``: the model's dtype; ``"fp8"`` (or ``"fp8_e4m3"``): e4m3 with
-        scales of 1, half the bytes of bf16 (CUDA, bfloat16/float16 models).
+        ``"auto"``: the model's dtype; ``"fp8"`` (or ``"fp8_e4m3"``): e4m3, half
+        the bytes of bf16 (CUDA: bfloat16/float16 models; the CPU: any dtype), with
+        per-layer K and V scales from the checkpoint (``k_scale`` / ``v_scale``
+        tensors, as vLLM reads them) or calculated at start-up.
+    calculate_kv_scales : bool
+        fp8 cache: measure each layer's scales at start-up (``amax / 200`` for K,
+        ``amax / 100`` for V, vLLM's divisors, over a fixed calibration text),
+        replacing the checkpoint's. False (default, as vLLM): the checkpoint's,
+        else 1; on the default model scales of 1 measure as accurate as calculated
+        ones (bench/RESULTS.md). Worth it for a model whose keys or values exceed
+        e4m3's 448.
     enforce_eager : bool
         CUDA: never replay CUDA graphs (decode steps run eagerly).
     load_format : {"auto", "safetensors", "dummy"}
@@ -112,6 +121,7 @@ class LLM:
         async_output_proc: bool | None = None,
         async_scheduling: bool | None = None,
         tensor_parallel_size: int = 1,
+        calculate_kv_scales: bool = False,
     ) -> None:
         configure_default_logging()
         if model is None:
@@ -128,6 +138,7 @@ class LLM:
                 swap_space=swap_space, kv_cache_dtype=kv_cache_dtype, seed=seed,
                 enforce_eager=enforce_eager, load_format=load_format, async_output_proc=async_output_proc,
                 async_scheduling=async_scheduling, tensor_parallel_size=tensor_parallel_size,
+                calculate_kv_scales=calculate_kv_scales,
             )
         )
 

@@ -39,6 +39,7 @@ from .model_loader import (
     resolve_model_path,
     with_load_progress,
 )
+from .kv_scales import K_DIVISOR, V_DIVISOR, calculate_kv_scales, calibration_token_ids
 from .model_runner import ModelRunner, kv_bytes_per_block, kv_cache_size_line, profile_peak_memory
 from .models import CausalLM, ModelSpec, model_spec_from_config
 from .models.parallel import ParallelCausalLM, TensorParallelShard
@@ -56,7 +57,7 @@ DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 KV_CACHE_BYTES_ENV = "PAGEDCORE_KV_CACHE_BYTES"
 BLOCK_SIZES = (8, 16, 32, 64, 128)  # those the attention kernels are built for
 # kv_cache_dtype names (vLLM's) -> the cache's dtype (None: the model's).
-# fp8 stores K and V as e4m3 with scales of 1 (no calibration), on CUDA.
+# fp8 stores K / k_scale and V / v_scale as e4m3, per layer (see kv_scales.py).
 KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {
     "auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
 }
@@ -82,6 +83,10 @@ class EngineArgs:
     preemption_mode: str = "recompute"
     swap_space: float = 4
     kv_cache_dtype: str = "auto"
+    # fp8 cache: measure each layer's K / V scales at start-up (kv_scales.py), over the
+    # checkpoint's if it has some; False: the checkpoint's, else 1 (measured as accurate
+    # on the default model: bench/RESULTS.md).
+    calculate_kv_scales: bool = False
     seed: int = 0
     enforce_eager: bool = False
     load_format: str = "auto"
@@ -138,6 +143,11 @@ class EngineArgs:
             raise ValueError(
                 f"kv_cache_dtype must be one of {sorted(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}"
             )
+        flag("calculate_kv_scales", self.calculate_kv_scales)
+        if self.calculate_kv_scales and self.tensor_parallel_size > 1:
+            # (the calibration pass runs rank 0's shard alone; the workers would not join it)
+            raise ValueError(f"calculate_kv_scales does not combine with tensor_parallel_size > 1, got "
+                             f"tensor_parallel_size={self.tensor_parallel_size}")
         if self.load_format not in ("auto", "safetensors", "dummy"):
             raise ValueError(
                 f"load_format must be 'auto', 'safetensors' or 'dummy', got {self.load_format!r}"
@@ -365,6 +375,11 @@ class LLMEngine:
             self.tokenizer = tokenizer.result()
             self.eos_token_ids = self._eos_token_ids(model_path)
             phases.done("tokenizer (rest)")
+            self.kv_scale_source: str | None = None  # fp8 caches: where the layers' scales came from
+            if self.kv_dtype == torch.float8_e4m3fn:
+                # NOTE: before the runner captures CUDA graphs, which bake the scales in.
+                self.kv_scale_source = self._set_kv_scales(args.calculate_kv_scales)
+                phases.done("KV-cache scales")
             with self._tp_guard():
                 engine_config = self._engine_config()
             if engine_config.max_model_len != self.model.max_positions:  # capped to the cache
@@ -457,12 +472,33 @@ class LLMEngine:
     def _kv_dtype(self, name: str) -> torch.dtype:
         if KV_CACHE_DTYPES[name] is None:
             return self.dtype
-        if self.device.type != "cuda" or self.dtype not in (torch.bfloat16, torch.float16):
+        if self.device.type == "cuda" and self.dtype not in (torch.bfloat16, torch.float16):
             raise ValueError(
-                f"kv_cache_dtype {name!r} needs device='cuda' and a bfloat16/float16 model, "
-                f"got device {self.device.type} and dtype {self.dtype}"
+                f"kv_cache_dtype {name!r} on CUDA needs a bfloat16/float16 model, got dtype {self.dtype}"
             )
         return KV_CACHE_DTYPES[name]
+
+    def _set_kv_scales(self, calculate: bool) -> str:
+        """Sets the layers' fp8 cache scales: calculated at start-up when ``calculate``,
+        else the checkpoint's, else 1. Returns where they came from: ``"calculated"``,
+        ``"checkpoint"`` or ``"one"``."""
+        model = self.model
+        ids: list[int] = []
+        if calculate:
+            # (Ids the model's embedding lacks are dropped: a tokenizer from another directory.)
+            ids = [i for i in calibration_token_ids(self.tokenizer) if i < self.spec.vocab_size]
+            ids = ids[:model.max_positions]
+        if ids:
+            calculate_kv_scales(model, ids)
+            source, how = "calculated", f"calculated over {len(ids)} tokens (amax / {K_DIVISOR:g}, {V_DIVISOR:g})"
+        elif model.checkpoint_kv_scales:
+            source, how = "checkpoint", "the checkpoint"
+        else:  # (the layers' default)
+            source, how = "one", "none (1)"
+        ks, vs = [layer.k_scale for layer in model.layers], [layer.v_scale for layer in model.layers]
+        logger.info("fp8 KV-cache scales: %s; k_scale %.4g..%.4g, v_scale %.4g..%.4g", how, min(ks), max(ks),
+                    min(vs), max(vs))
+        return source
 
     def _eos_token_ids(self, path: str) -> list[int]:
         ids = set(self.spec.eos_token_ids)

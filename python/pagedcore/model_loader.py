@@ -12,6 +12,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -25,7 +26,8 @@ from .model_path import hf_hub_cache_dir, resolve_model_path
 logger = logging.getLogger("pagedcore")
 
 __all__ = [
-    "build_uninitialized", "checkpoint_size", "hf_hub_cache_dir", "iter_safetensors", "load_config_json",
+    "build_uninitialized", "checkpoint_size", "hf_hub_cache_dir", "iter_safetensors", "kv_scale_name",
+    "load_config_json",
     "load_model_config", "load_tokenizer", "load_tokenizer_in_background", "resolve_dtype",
     "resolve_model_path", "with_load_progress",
 ]
@@ -247,6 +249,47 @@ def _uninitialized_parameters(dtype: torch.dtype, device: torch.device) -> Itera
             setattr(nn.init, name, original)
 
 
+# fp8 KV-cache scale tensors of quantized checkpoints, as vLLM reads them
+# (weight_utils.maybe_remap_kv_scale_name and the quantization configs'
+# get_cache_scale), named after the layer's "model." prefix is dropped:
+#   layers.N.self_attn.k_scale / v_scale          llm-compressor, vLLM's own
+#   layers.N.self_attn.kv_scale                   older AutoFP8: one scale for K and V
+#   layers.N.self_attn.k_proj.k_scale / v_proj.v_scale        NVIDIA ModelOpt
+#   layers.N.self_attn.k_proj.output_scale / v_proj...        compressed-tensors, Quark
+# Query and softmax scales of fp8 attention (q_scale, q_proj.output_scale,
+# prob_output_scale) are recognised and not used: the queries stay unquantized.
+_KV_SCALE_NAMES = (
+    re.compile(r"layers\.(\d+)\.self_attn\.(?:attn\.)?(k|v|kv|q|prob)_scale"),
+    re.compile(r"layers\.(\d+)\.self_attn\.(k)_proj\.k_scale"),
+    re.compile(r"layers\.(\d+)\.self_attn\.(v)_proj\.v_scale"),
+    re.compile(r"layers\.(\d+)\.self_attn\.(k|v|q)_proj\.output_scale"),
+    re.compile(r"layers\.(\d+)\.self_attn\.(prob)_output_scale"),
+)
+
+
+def kv_scale_name(name: str) -> tuple[int, str] | None:
+    """``(layer, which)`` when ``name`` (a checkpoint tensor name without its
+    ``model.`` prefix) is an fp8 KV-cache scale, else None. ``which`` is ``"k"``,
+    ``"v"``, ``"kv"`` (one scale for both) or ``"unused"`` (a query or softmax
+    scale).
+
+    Examples
+    --------
+    >>> kv_scale_name("layers.3.self_attn.k_proj.output_scale")
+    (3, 'k')
+    >>> kv_scale_name("layers.0.self_attn.kv_scale")
+    (0, 'kv')
+    >>> kv_scale_name("layers.0.self_attn.k_proj.weight") is None
+    True
+    """
+    for pattern in _KV_SCALE_NAMES:
+        match = pattern.fullmatch(name)
+        if match:
+            which = match.group(2)
+            return int(match.group(1)), which if which in ("k", "v", "kv") else "unused"
+    return None
+
+
 def build_uninitialized(
     factory: Callable[[], nn.Module], dtype: torch.dtype, device: str | torch.device
 ) -> nn.Module:
@@ -294,7 +337,8 @@ def iter_safetensors(
     dtype : torch.dtype, optional
         Convert floating-point tensors to this dtype (``torch.float32``,
         ``torch.bfloat16`` or ``torch.float16``); integer and bool tensors keep
-        theirs. ``None`` keeps the stored dtype.
+        theirs, and so do fp8 KV-cache scales (:func:`kv_scale_name`). ``None``
+        keeps the stored dtype.
     device : str or torch.device, default "cpu"
         Device the tensors are created on.
 
@@ -547,7 +591,9 @@ def _iter_plan(
         with safe_open(file_path, framework="pt", device=device) as f:
             for name in names if names is not None else f.keys():
                 tensor = f.get_tensor(name)
-                if dtype is not None and tensor.is_floating_point() and tensor.dtype != dtype:
+                # (fp8 KV-cache scales keep their precision: they are read as floats.)
+                if (dtype is not None and tensor.is_floating_point() and tensor.dtype != dtype
+                        and kv_scale_name(name.removeprefix("model.")) is None):
                     tensor = tensor.to(dtype)
                 yield name, tensor
 

@@ -347,8 +347,10 @@ class ModelRunner:
 
         piece(0)
         for i, (key_cache, value_cache) in enumerate(self.kv_caches):
+            layer = self.model.layers[i]
             ops.paged_attention(q, key_cache, value_cache, md.block_tables, md.seq_lens, md.query_start_loc,
-                                scale=scale, sliding_window=window, plan=md.plan, out=attn)
+                                scale=scale, sliding_window=window, plan=md.plan, out=attn,
+                                k_scale=layer.k_scale, v_scale=layer.v_scale)
             hidden = piece(i + 1)
         self.prefill_graph_replays += 1
         return hidden[:n]

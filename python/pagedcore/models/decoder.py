@@ -17,6 +17,7 @@ as vLLM does (each layer returns ``(hidden, residual)`` and the next norm adds t
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -25,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import ops
+from ..model_loader import kv_scale_name
 from .spec import ModelSpec
 
 
@@ -93,6 +95,12 @@ class DecoderLayer(nn.Module):
             self.q_norm = RMSNorm(d, spec.rms_norm_eps)
             self.k_norm = RMSNorm(d, spec.rms_norm_eps)
         self.scale = d**-0.5
+        # Per-tensor scales of an fp8 KV cache: it stores k / k_scale and v / v_scale.
+        # Plain floats, baked into captured CUDA graphs: set them before capture
+        # (checkpoint tensors in load_weights, else the engine's calculated scales).
+        # Caches of the model's dtype ignore them.
+        self.k_scale = 1.0
+        self.v_scale = 1.0
         for p in self.parameters():
             p.requires_grad_(False)
 
@@ -116,7 +124,8 @@ class DecoderLayer(nn.Module):
                                          md.slot_mapping)
         attn = ops.paged_attention(
             q, key_cache, value_cache, md.block_tables, md.seq_lens, md.query_start_loc,
-            scale=self.scale, sliding_window=self.spec.sliding_window, plan=md.plan,
+            scale=self.scale, sliding_window=self.spec.sliding_window, plan=md.plan, k_scale=self.k_scale,
+            v_scale=self.v_scale,
         )
         return self.post_attention(attn, residual)
 
@@ -157,7 +166,8 @@ class DecoderLayer(nn.Module):
             self.k_norm(k, out=k)
         # Rotary on q and k in place, and the cache write of k and v, in one kernel.
         ops.rotary_embedding(positions, q, k, cos_sin_cache, value=v, key_cache=key_cache,
-                             value_cache=value_cache, slot_mapping=slot_mapping)
+                             value_cache=value_cache, slot_mapping=slot_mapping, k_scale=self.k_scale,
+                             v_scale=self.v_scale)
         return q, residual
 
     def post_attention(self, attn: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -206,6 +216,8 @@ class CausalLM(nn.Module):
         # Rotary cos/sin table (float32; a plain attribute, so that .to(dtype) keeps
         # it float32): made by init_rotary, else at the first forward.
         self.cos_sin_cache: torch.Tensor | None = None
+        # Whether load_weights found fp8 KV-cache scales (k_scale / v_scale) in the checkpoint.
+        self.checkpoint_kv_scales = False
         for p in self.parameters():
             p.requires_grad_(False)
 
@@ -325,6 +337,10 @@ class CausalLM(nn.Module):
                 continue  # tied: the embedding serves as the head
             if "rotary_emb" in name:
                 continue
+            scale = kv_scale_name(name)
+            if scale is not None:
+                self._load_kv_scale(name, scale, tensor)
+                continue
             target, offset, rows = name, None, None
             if name.startswith("layers."):
                 _, index, rest = name.split(".", 2)
@@ -347,3 +363,23 @@ class CausalLM(nn.Module):
         missing = [n for n, p in params.items() if filled[n] != p.numel()]
         if missing:
             raise ValueError(f"the checkpoint has no (or partial) weights for {missing[:5]}")
+
+    def _load_kv_scale(self, name: str, scale: tuple[int, str], tensor: torch.Tensor) -> None:
+        """Sets a layer's fp8 KV-cache scale(s) from a checkpoint tensor (see kv_scale_name)."""
+        index, which = scale
+        if not 0 <= index < len(self.layers):
+            raise ValueError(f"unexpected weight '{name}' in the checkpoint: the model has {len(self.layers)} layers")
+        if which == "unused":  # a query or softmax scale (fp8 attention): not the cache's
+            return
+        if tensor.numel() != 1:
+            raise ValueError(f"KV-cache scale '{name}' must hold one value (per-tensor), got shape "
+                             f"{tuple(tensor.shape)}")
+        value = float(tensor.float().reshape(()))
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(f"KV-cache scale '{name}' must be finite and > 0, got {value}")
+        layer = self.layers[index]
+        if which in ("k", "kv"):
+            layer.k_scale = value
+        if which in ("v", "kv"):
+            layer.v_scale = value
+        self.checkpoint_kv_scales = True

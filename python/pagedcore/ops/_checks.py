@@ -157,19 +157,18 @@ def _cache_pair(op: str, key_cache: object, value_cache: object) -> None:
 
 
 def _fp8_cache(op: str, key_cache: torch.Tensor, name: str, t: torch.Tensor, k_scale: object, v_scale: object) -> None:
-    # The cache holds t's dtype, or (CUDA only) fp8 e4m3 for bf16/fp16 t, with positive scales.
+    # The cache holds t's dtype, or fp8 e4m3 (CUDA: for bf16/fp16 t; CPU: any float t,
+    # see cpu_fp8), with positive scales.
     for sname, sv in (("k_scale", k_scale), ("v_scale", v_scale)):
         if isinstance(sv, bool) or not isinstance(sv, numbers.Real) or not (math.isfinite(sv) and sv > 0):
             raise ValueError(f"{op}: {sname} must be a finite float > 0, got {sv!r}")
     if key_cache.dtype != torch.float8_e4m3fn:
         _same_dtype(op, "key_cache", key_cache, name, t)
         return
-    if t.dtype not in (torch.bfloat16, torch.float16):
+    if key_cache.device.type == "cuda" and t.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(
-            f"{op}: an fp8 (float8_e4m3fn) cache needs bfloat16 or float16 {name}, got {t.dtype}"
+            f"{op}: an fp8 (float8_e4m3fn) cache on CUDA needs bfloat16 or float16 {name}, got {t.dtype}"
         )
-    if key_cache.device.type != "cuda":
-        raise NotImplementedError(f"{op}: an fp8 (float8_e4m3fn) KV cache needs CUDA tensors, got {key_cache.device}")
 
 
 def _block_mapping(op: str, block_mapping: object) -> torch.Tensor:

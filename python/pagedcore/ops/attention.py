@@ -10,6 +10,7 @@ import operator
 import torch
 
 from .. import _C
+from . import cpu_fp8
 from ._checks import (
     _CUDA_DTYPES,
     _cache_pair,
@@ -70,8 +71,9 @@ def paged_attention(
         ``head_dim`` must be one of :data:`SUPPORTED_HEAD_DIMS`.
     key_cache, value_cache : torch.Tensor
         ``[num_blocks, block_size, num_kv_heads, head_dim]``, contiguous, same dtype as
-        ``query`` (or, on CUDA with bfloat16/float16 queries, ``torch.float8_e4m3fn``
-        holding ``key / k_scale`` and ``value / v_scale``);
+        ``query`` (or ``torch.float8_e4m3fn`` holding ``key / k_scale`` and
+        ``value / v_scale``; on CUDA for bfloat16/float16 queries; on the CPU the
+        visible blocks are dequantized and read in float32, :mod:`.cpu_fp8`);
         ``num_heads % num_kv_heads == 0``.
     block_tables : torch.Tensor
         ``[num_seqs, max_blocks_per_seq]`` int32, ``stride(1) == 1`` (rows may be a
@@ -221,6 +223,15 @@ def paged_attention(
         )
         return out
 
+    if key_cache.dtype == cpu_fp8.FP8_DTYPE:
+        # The visible blocks dequantized, then the float32 kernel (see cpu_fp8).
+        keys, values, tables = cpu_fp8.dequantized_blocks(op, key_cache, value_cache, block_tables, seq_lens,
+                                                          k_scale, v_scale)
+        result = paged_attention(query.float(), keys, values, tables, seq_lens, query_start_loc, scale=scale,
+                                 sliding_window=sliding_window, softcap=softcap)
+        rows = int(query_start_loc[-1])
+        out[:rows].copy_(result[:rows])
+        return out
     _C.cpu_paged_attention(
         out=out.data_ptr(),
         query=query.data_ptr(),

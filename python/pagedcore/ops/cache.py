@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from .. import _C
+from . import cpu_fp8
 from ._checks import (
     _CUDA_DTYPES,
     _INDEX_TYPES,
@@ -56,9 +57,9 @@ def reshape_and_cache(
         stride is free, so slices of a fused qkv projection are accepted.
     key_cache, value_cache : torch.Tensor
         ``[num_blocks, block_size, num_kv_heads, head_dim]``, contiguous, same dtype
-        as ``key``, or (CUDA, bfloat16/float16 keys) ``torch.float8_e4m3fn``: then
-        ``key / k_scale`` and ``value / v_scale`` are stored, saturated to +-448.
-        Written in place.
+        as ``key``, or ``torch.float8_e4m3fn`` (on CUDA for bfloat16/float16 keys):
+        then ``key / k_scale`` and ``value / v_scale`` are stored, saturated to
+        +-448 (the CPU writes them in torch, :mod:`.cpu_fp8`). Written in place.
     slot_mapping : torch.Tensor
         ``[num_tokens]``, int32 or int64, contiguous. Slots ``>= 0`` must be distinct
         and ``< num_blocks * block_size`` (checked: ``InvalidArgumentError``).
@@ -118,6 +119,9 @@ def reshape_and_cache(
             value_stride=value_stride, cache_dtype=_CUDA_DTYPES[key_cache.dtype],
             k_scale=float(k_scale), v_scale=float(v_scale), stream=_stream(device),
         )
+        return
+    if key_cache.dtype == cpu_fp8.FP8_DTYPE:
+        cpu_fp8.write(op, key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
         return
     _C.cpu_reshape_and_cache(
         key=key.data_ptr(),
@@ -200,6 +204,11 @@ def copy_blocks(
             block_bytes=ref[0].numel() * ref.element_size(), stream=_stream(device),
         )
         return
+    if ref.dtype == cpu_fp8.FP8_DTYPE:
+        pairs = cpu_fp8.block_pairs(op, block_mapping, ref.shape[0], ref.shape[0], within=True)
+        for t in key_caches + value_caches:
+            cpu_fp8.copy_bytes(t, t, pairs)
+        return
     dtype = _float_dtype(op, "key_caches[0]", ref)
     _C.cpu_copy_blocks(
         key_caches=[t.data_ptr() for t in key_caches],
@@ -250,7 +259,8 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tenso
         raise ValueError(
             f"{op}: src blocks {tuple(src.shape[1:])} != dst blocks {tuple(dst.shape[1:])}"
         )
-    dtype = _float_dtype(op, "src", src)
+    fp8 = src.dtype == cpu_fp8.FP8_DTYPE
+    dtype = None if fp8 else _float_dtype(op, "src", src)
     _same_dtype(op, "dst", dst, "src", src)
     _contiguous(op, "src", src)
     _contiguous(op, "dst", dst)
@@ -265,6 +275,9 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tenso
         index_src = block_mapping[:, 0].to(device=src.device, dtype=torch.int64)
         index_dst = block_mapping[:, 1].to(device=dst.device, dtype=torch.int64)
         dst.index_copy_(0, index_dst, src.index_select(0, index_src).to(dst.device))
+        return
+    if fp8:
+        cpu_fp8.copy_bytes(src, dst, cpu_fp8.block_pairs(op, block_mapping, src.shape[0], dst.shape[0]))
         return
     _C.cpu_swap_blocks(
         src=src.data_ptr(),

@@ -17,6 +17,7 @@ import numbers
 import torch
 
 from .. import _C
+from . import cpu_fp8
 from ._checks import (
     _CUDA_DTYPES,
     _INDEX_TYPES,
@@ -246,7 +247,7 @@ def rotary_embedding(
     with each product and the sum rounded to the dtype, as Hugging Face computes it.
     With ``key_cache`` given, the rotated keys and the values are then written as
     :func:`~pagedcore.ops.reshape_and_cache` writes them (same arguments, same
-    semantics: slots ``< 0`` skipped, fp8 caches on CUDA).
+    semantics: slots ``< 0`` skipped, fp8 caches with their scales).
 
     Parameters
     ----------
@@ -353,6 +354,11 @@ def rotary_embedding(
             **write,
         )
         return
+    fp8 = key_cache is not None and key_cache.dtype == cpu_fp8.FP8_DTYPE
+    if fp8:  # rotary in C++, then the fp8 write in torch (cpu_fp8); slots checked before either
+        cpu_fp8.check_slots(op, slot_mapping, write["num_blocks"] * write["block_size"])
+        write = {"value": 0, "key_cache": 0, "value_cache": 0, "slot_mapping": 0, "num_blocks": 0,
+                 "block_size": 1, "value_stride": 0}
     _C.cpu_rotary_embedding(
         positions=positions.data_ptr(), positions_type=_INDEX_TYPES[positions.dtype], query=query.data_ptr(),
         key=key.data_ptr(), cos_sin_cache=cos_sin_cache.data_ptr(), dtype=dtype, num_tokens=tokens,
@@ -360,6 +366,8 @@ def rotary_embedding(
         key_stride=key_stride, max_position=max_position,
         slot_mapping_type=_INDEX_TYPES[slot_mapping.dtype if slot_mapping is not None else torch.int64], **write,
     )
+    if fp8:
+        cpu_fp8.write(op, key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
 
 
 def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
