@@ -28,6 +28,10 @@ def test_calculate_kv_scales_must_be_a_bool() -> None:
 
     parser = build_parser()  # pagedcore serve --calculate-kv-scales, as vLLM's flag
     assert parser.parse_args(["serve", "--calculate-kv-scales"]).calculate_kv_scales is True
+    # The calibration pass runs on rank 0's shard alone: refused with tensor parallelism.
+    with pytest.raises(ValueError, match="calculate_kv_scales does not combine with tensor_parallel_size > 1, "
+                                         "got tensor_parallel_size=2"):
+        EngineArgs(model="unused", kv_cache_dtype="fp8", calculate_kv_scales=True, tensor_parallel_size=2).validate()
     assert parser.parse_args(["serve"]).calculate_kv_scales is False
 
 
