@@ -267,14 +267,17 @@ def test_scaled_fp8_cache_on_the_cpu_matches_the_e4m3_reference(scaled, path) ->
 
 
 @pytest.mark.cuda
-def test_scaled_fp8_cache_on_the_gpu_tracks_the_e4m3_reference(scaled) -> None:
+def test_scaled_fp8_cache_on_the_gpu_tracks_the_e4m3_reference(scaled, tmp_path) -> None:
     # bfloat16 model, fp8 cache with the checkpoint's scales != 1, CUDA graphs on
     # (the scales are baked into the captured decode graphs): every one of 40 steps
     # as close to float32 transformers reading K / V through the same scaled round
     # trip as transformers in bfloat16 with that round trip is (x1.5 + 0.02, the
     # bound of test_half_precision).
+    from test_gpu_path import add_toy_tokenizer  # (the GPU machine has no default model)
+
+    add_toy_tokenizer(tmp_path, VOCAB)  # prompts are ids; outputs only decode
     ps, steps = prompts(), 40
-    llm = LLM(model=str(scaled), tokenizer=default_model_path(), device="cuda", dtype="bfloat16",
+    llm = LLM(model=str(scaled), tokenizer=str(tmp_path), device="cuda", dtype="bfloat16",
               kv_cache_dtype="fp8", num_kv_blocks=64, max_model_len=256)
     runner = llm.llm_engine.runner
     assert runner.kv_caches[0][0].dtype == torch.float8_e4m3fn and runner.graphs
