@@ -33,8 +33,10 @@ from .async_engine import (
     EngineDeadError,
     QueueFullError,
     RequestStream,
+    _Detokenizers,
     _fan_out,
     _Stream,
+    detokenized_here,
 )
 
 logger = logging.getLogger("pagedcore.server")
@@ -44,12 +46,24 @@ _ACCEPTED_MARK = "__accepted__"  # _ACCEPTED across the pipe (an object() does n
 
 class _PipeEngine(AsyncEngine):
     """(child) The engine thread, handing its outputs to the pipe: a "stream"
-    is the request id; one message per hand-over, with the stats."""
+    is the request id; one message per hand-over, with the stats.
+
+    NOTE: the engine thread only queues its outputs; a sender thread encodes,
+    pickles and writes them. A write blocks while the pipe is full (the HTTP
+    side is busy): the engine thread must never wait for that, and while the
+    sender waits, the outputs of later steps gather and go in one message."""
 
     def __init__(self, engine, out, send_lock: threading.Lock) -> None:
         self._out, self._send_lock = out, send_lock
         self._sent_stats: dict | None = None
-        self._started: set[str] = set()  # requests whose prompt went over already
+        self._started: set[str] = set()  # (sender thread) requests whose prompt went over already
+        self._queued = threading.Condition()
+        self._to_send: list[tuple[str, Any]] = []  # under _queued: items for the sender
+        self._send_stats: dict | None = None  # under _queued: the stats to send with them (None: nothing new)
+        self._sender_done = False  # under _queued: send what is left, then end
+        self._aborted: list[str] = []  # under _queued: requests for _started to forget
+        self._sender = threading.Thread(target=self._send_loop, name="pagedcore-engine-sender", daemon=True)
+        self._sender.start()
         super().__init__(engine)
 
     def _encode(self, request_id: str, item: Any) -> Any:
@@ -77,28 +91,55 @@ class _PipeEngine(AsyncEngine):
         item.prompt, item.prompt_token_ids = None, None  # (a delta of this step: nobody else holds it)
         return item
 
-    def abort(self, request_id: str) -> None:
-        self._started.discard(request_id)
-        super().abort(request_id)
-
     def _flush(self) -> None:
-        stats = self.engine.stats()
+        """(engine thread) Hands the queued items and the stats to the sender."""
+        stats = self.stats
         if not self._outbox and stats == self._sent_stats:
             return
-        items = [(rid, self._encode(rid, item)) for rid, item in self._outbox]
+        with self._queued:
+            self._to_send += self._outbox
+            self._send_stats = stats
+            self._queued.notify()
         self._outbox = []
         self._sent_stats = stats
-        try:
-            with self._send_lock:
-                self._out.send(("out", items, stats, self.errors))
-        except (OSError, ValueError):  # the HTTP side has gone: nothing to tell
-            self._stop.set()
 
-    def submit(self, request_id: str, prompt, ids, params, special: bool) -> None:
+    def _send_loop(self) -> None:
+        """(sender thread) Sends what the engine thread queued, all of it in one message."""
+        while True:
+            with self._queued:
+                while not self._to_send and self._send_stats is None and not self._sender_done:
+                    self._queued.wait()
+                if not self._to_send and self._send_stats is None:
+                    return  # (done, nothing left)
+                items, stats, self._to_send, self._send_stats = self._to_send, self._send_stats, [], None
+                aborted, self._aborted = self._aborted, []
+            message = ("out", [(rid, self._encode(rid, item)) for rid, item in items], stats, self.errors)
+            self._started.difference_update(aborted)
+            try:
+                with self._send_lock:
+                    self._out.send(message)
+            except (OSError, ValueError):  # the HTTP side has gone: nothing to tell
+                self._stop.set()
+                self._wake.set()
+                return
+
+    def abort(self, request_id: str) -> None:
+        with self._queued:
+            self._aborted.append(request_id)
+        super().abort(request_id)
+
+    def close_sender(self, timeout: float = 30.0) -> None:
+        """Sends what is queued and ends the sender thread (call after shutdown())."""
+        with self._queued:
+            self._sender_done = True
+            self._queued.notify()
+        self._sender.join(timeout)
+
+    def submit(self, request_id: str, prompt, ids, params, special: bool, here: bool) -> None:
         with self._lock:
             if not self._dead:
                 self._pending += 1
-                self._commands.put(("add", request_id, prompt, ids, params, special, request_id))
+                self._commands.put(("add", request_id, prompt, ids, params, special, here, request_id))
                 self._wake.set()
                 return
         with self._send_lock:
@@ -135,11 +176,24 @@ def _child_main(engine_args, commands, out, log_level: str, engine_factory) -> N
                 break
     finally:
         runner.shutdown(timeout=60.0)  # the thread ends every request left (an error each)
+        runner.close_sender()  # (its last messages go before "closed")
         try:
             with send_lock:
                 out.send(("closed",))
         except (OSError, ValueError):
             pass
+
+
+def _widen_pipe(fd: int, size: int = 1 << 20) -> None:
+    """Asks Linux for a pipe buffer of `size` bytes (64 KiB by default; 1 MiB is
+    the usual unprivileged limit): the outputs of more steps fit in while the
+    HTTP side is busy, before the engine's sender has to wait."""
+    try:
+        import fcntl
+
+        fcntl.fcntl(fd, getattr(fcntl, "F_SETPIPE_SZ", 1031), size)
+    except (ImportError, OSError):
+        pass  # (not Linux, or over the limit: the default size works, only with more waits)
 
 
 class EngineProcess:
@@ -166,6 +220,7 @@ class EngineProcess:
         self._proc.start()
         commands_in.close()
         out_end.close()
+        _widen_pipe(self._out.fileno())
         tokenizer = (load_tokenizer_in_background(resolve_model_path(engine_args.tokenizer or engine_args.model))
                      if engine_factory is None else None)
         try:
@@ -208,10 +263,11 @@ class EngineProcess:
             # NOTE: here, not in the engine's process: tokenizing is off the engine's path.
             prompt_token_ids = self.engine.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         stream = _Stream(asyncio.get_running_loop())
+        here = detokenized_here(self.engine.tokenizer, params)
         self._streams[request_id] = stream
         self._pending += 1
         try:
-            self._send(("add", request_id, prompt, prompt_token_ids, params, add_special_tokens))
+            self._send(("add", request_id, prompt, prompt_token_ids, params, add_special_tokens, here))
             items = await stream.take()
         except BaseException:
             self.abort(request_id)
@@ -223,7 +279,7 @@ class EngineProcess:
             self._streams.pop(request_id, None)
             raise verdict
         stream.items.extendleft(reversed(items[1:]))
-        return RequestStream(self, request_id, stream)
+        return RequestStream(self, request_id, stream, _Detokenizers(self.engine.tokenizer, params) if here else None)
 
     def abort(self, request_id: str) -> None:
         self._prompts.pop(request_id, None)
