@@ -183,8 +183,9 @@ def test_a_request_refused_by_the_engine_raises_from_add() -> None:
 
 
 def test_outputs_cross_the_engine_process_pipe_unchanged() -> None:
-    # What _PipeEngine._encode sends, EngineProcess._decode rebuilds: the prompt once (with
-    # a request's first output), later plain deltas as tuples, anything else whole.
+    # What _PipeEngine._encode sends, the stream's _Rebuilder rebuilds: the prompt once (with
+    # a request's first output), later plain deltas as tuples, anything else whole; taken
+    # together (merge), a run of tuples is one output: the deltas joined.
     import copy
     import pickle
 
@@ -203,15 +204,20 @@ def test_outputs_cross_the_engine_process_pipe_unchanged() -> None:
         ("c", out("c", " v", [15], n=2)),                 # two completions: whole, prompt dropped
         ("d", out("d", " w", [16])),
         ("d", out("d", " q", [17], logprobs=[{17: Logprob(-0.5, 1, " q")}])),  # logprobs: whole
+        ("a", out("a", " s", [18])),
         ("a", out("a", "", [2], finished=True, reason="stop")),
     ]
     sender = ep._PipeEngine.__new__(ep._PipeEngine)  # (its encoder alone: no engine thread)
     sender._started = set()
-    receiver = ep.EngineProcess.__new__(ep.EngineProcess)
-    receiver._prompts = {}
-    sent_tuples = 0
+    wires: dict[str, list] = {}
     for rid, item in sequence:
-        wire = pickle.loads(pickle.dumps(sender._encode(rid, copy.deepcopy(item))))
-        sent_tuples += isinstance(wire, tuple)
-        assert receiver._decode(rid, wire) == item, rid
-    assert sent_tuples == 2  # a's second and last outputs
+        wires.setdefault(rid, []).append(pickle.loads(pickle.dumps(sender._encode(rid, copy.deepcopy(item)))))
+    assert [w.__class__ is tuple for w in wires["a"]] == [False, True, True, True]
+    for rid in wires:  # one at a time: each output as it was
+        rebuild = ep._Rebuilder(rid)
+        got = [o for w in wires[rid] for o in rebuild([copy.deepcopy(w)], merge=False)]
+        assert got == [item for r, item in sequence if r == rid], rid
+    # a's outputs taken at once: its first output, then its three plain deltas as one.
+    merged = ep._Rebuilder("a")(copy.deepcopy(wires["a"]), merge=True)
+    assert merged == [sequence[0][1], RequestOutput("a", "the prompt", [5, 6, 7], [
+        CompletionOutput(0, " z s", [13, 18, 2], -1.5, None, "stop", None)], True)]

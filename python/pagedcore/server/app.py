@@ -395,7 +395,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
                                   if continuous else "")
                         if plain:
                             yield (f'{head}{index}, "text": {_dumps(c.text)}, "logprobs": null, "finish_reason": '
-                                   f'{_dumps(c.finish_reason)}, "stop_reason": {_dumps(c.stop_reason)}}}]{so_far}}}\n\n')
+                                   f'{_null_or(c.finish_reason)}, "stop_reason": {_null_or(c.stop_reason)}}}]{so_far}}}\n\n')
                             continue
                         text = c.text
                         first_of_echo = body.echo and (i, c.index) not in echoed
@@ -550,6 +550,11 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
 def _dumps(value: Any) -> str:
     """A JSON value as sse() writes it."""
     return json.dumps(value, ensure_ascii=False)
+
+
+def _null_or(value: Any) -> str:
+    """_dumps for a value that is None in most chunks."""
+    return "null" if value is None else _dumps(value)
 
 
 def _generation_error(e: Exception) -> APIError:

@@ -160,9 +160,12 @@ class RequestStream:
     stopped, a step failed) is raised after the outputs before it."""
 
     def __init__(self, engine: "AsyncEngine", request_id: str, stream: _Stream,
-                 detokenizers: _Detokenizers | None = None) -> None:
+                 detokenizers: _Detokenizers | None = None, rebuild=None) -> None:
         self._engine, self.request_id, self._stream = engine, request_id, stream
         self._detokenizers = detokenizers
+        # (engine process) rebuild(items, merge) -> the RequestOutputs the stream's
+        # items stand for (they stay as they crossed the pipe until taken here).
+        self._rebuild = rebuild
 
     def __aiter__(self) -> AsyncIterator[RequestOutput]:
         return self._one_by_one()
@@ -174,6 +177,8 @@ class RequestStream:
 
     async def batches(self) -> AsyncIterator[list[RequestOutput]]:
         async for batch in self._raw_batches():
+            if self._rebuild is not None:
+                batch = self._rebuild(batch, merge=False)
             if self._detokenizers is not None:
                 for out in batch:
                     self._detokenizers.fill(out)
@@ -184,7 +189,7 @@ class RequestStream:
         that keeps up gets one per engine step; one that fell behind, fewer and
         longer ones): text detokenized once per output, not once per token."""
         async for batch in self._raw_batches():
-            out = merge_outputs(batch)
+            out = merge_outputs(self._rebuild(batch, merge=True) if self._rebuild is not None else batch)
             if self._detokenizers is not None:
                 self._detokenizers.fill(out)
             yield out
@@ -201,7 +206,8 @@ class RequestStream:
                             yield batch
                         raise item
                     batch.append(item)
-                    if item.finished:
+                    # (a tuple: a plain delta as it crossed the engine process's pipe)
+                    if item[6] if item.__class__ is tuple else item.finished:
                         finished = True
                         break
                 if batch:

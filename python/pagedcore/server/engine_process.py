@@ -184,6 +184,58 @@ def _child_main(engine_args, commands, out, log_level: str, engine_factory) -> N
             pass
 
 
+class _Rebuilder:
+    """(event loop) A request's outputs as _PipeEngine._encode sent them, back
+    as RequestOutputs: the first one whole (its prompt is kept), later ones
+    without the prompt (put back), plain deltas as tuples. With ``merge``, each
+    run of tuples becomes one output (the deltas' texts joined, token ids
+    appended, the last finish): one object per chunk the handler sends, however
+    many steps it carries."""
+
+    __slots__ = ("request_id", "prompt", "prompt_token_ids")
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id, self.prompt, self.prompt_token_ids = request_id, None, []
+
+    def __call__(self, items: list, merge: bool) -> list[RequestOutput]:
+        outs: list[RequestOutput] = []
+        run: list[tuple] = []
+        for item in items:
+            if item.__class__ is tuple:
+                run.append(item)
+                if merge:
+                    continue
+            if run:
+                outs.append(self._from_tuples(run))
+                run = []
+            if item.__class__ is tuple:
+                continue
+            if item.prompt_token_ids is not None:  # (the request's first output)
+                self.prompt, self.prompt_token_ids = item.prompt, item.prompt_token_ids
+            else:
+                item.prompt, item.prompt_token_ids = self.prompt, self.prompt_token_ids
+            outs.append(item)
+        if run:
+            outs.append(self._from_tuples(run))
+        return outs
+
+    def _from_tuples(self, run: list[tuple]) -> RequestOutput:
+        completions: dict[int, CompletionOutput] = {}
+        for index, text, token_ids, cumulative, finish_reason, stop_reason, _ in run:
+            c = completions.get(index)
+            if c is None:
+                completions[index] = CompletionOutput(index, text, list(token_ids), cumulative, None, finish_reason,
+                                                      stop_reason)
+                continue
+            c.text += text
+            c.token_ids += token_ids
+            c.cumulative_logprob = cumulative
+            if finish_reason is not None:
+                c.finish_reason, c.stop_reason = finish_reason, stop_reason
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids,
+                             [completions[k] for k in sorted(completions)], run[-1][6])
+
+
 def _widen_pipe(fd: int, size: int = 1 << 20) -> None:
     """Asks Linux for a pipe buffer of `size` bytes (64 KiB by default; 1 MiB is
     the usual unprivileged limit): the outputs of more steps fit in while the
@@ -235,7 +287,6 @@ class EngineProcess:
         self.stats: dict[str, Any] = message[1]["stats"]
         self.errors = 0
         self._streams: dict[str, _Stream] = {}
-        self._prompts: dict[str, tuple] = {}  # request id -> (prompt text, ids), from its first output
         self._pending = 0  # adds sent, not answered yet
         self._send_lock = threading.Lock()
         self._dead = False
@@ -279,10 +330,10 @@ class EngineProcess:
             self._streams.pop(request_id, None)
             raise verdict
         stream.items.extendleft(reversed(items[1:]))
-        return RequestStream(self, request_id, stream, _Detokenizers(self.engine.tokenizer, params) if here else None)
+        return RequestStream(self, request_id, stream, _Detokenizers(self.engine.tokenizer, params) if here else None,
+                             _Rebuilder(request_id))
 
     def abort(self, request_id: str) -> None:
-        self._prompts.pop(request_id, None)
         if self._streams.pop(request_id, None) is not None and not self._dead:
             try:
                 self._send(("abort", request_id))
@@ -313,19 +364,6 @@ class EngineProcess:
 
     # ---- the pipe's reader (thread) --------------------------------------------------
 
-    def _decode(self, request_id: str, item: Any) -> RequestOutput:
-        """The RequestOutput that _PipeEngine._encode sent (see there)."""
-        if isinstance(item, RequestOutput) and item.prompt_token_ids is not None:
-            self._prompts[request_id] = (item.prompt, item.prompt_token_ids)  # (its first output)
-            return item
-        prompt, ids = self._prompts.get(request_id, (None, []))
-        if isinstance(item, RequestOutput):
-            item.prompt, item.prompt_token_ids = prompt, ids
-            return item
-        index, text, token_ids, cumulative, finish_reason, stop_reason, finished = item
-        return RequestOutput(request_id, prompt, ids, [CompletionOutput(
-            index, text, token_ids, cumulative, None, finish_reason, stop_reason)], finished)
-
     def _read(self) -> None:
         try:
             while True:
@@ -337,19 +375,17 @@ class EngineProcess:
                     self.stats = stats
                 self.errors = errors
                 by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+                # NOTE: the items stay as they crossed (a plain delta: a tuple); the
+                # stream's handler rebuilds RequestOutputs once per chunk, for all the
+                # deltas it takes at once (_Rebuilder), not one per delta here.
                 for request_id, item in items:
-                    if isinstance(item, str):  # _ACCEPTED_MARK
-                        stream, item = self._streams.get(request_id), _ACCEPTED
-                    elif isinstance(item, BaseException):
-                        stream = self._streams.pop(request_id, None)
-                        self._prompts.pop(request_id, None)
+                    if item.__class__ is tuple:
+                        finished = item[6]
+                    elif isinstance(item, str):  # _ACCEPTED_MARK
+                        item, finished = _ACCEPTED, False
                     else:
-                        item = self._decode(request_id, item)
-                        if item.finished:
-                            stream = self._streams.pop(request_id, None)
-                            self._prompts.pop(request_id, None)
-                        else:
-                            stream = self._streams.get(request_id)
+                        finished = isinstance(item, BaseException) or item.finished
+                    stream = self._streams.pop(request_id, None) if finished else self._streams.get(request_id)
                     if stream is not None:
                         by_loop.setdefault(stream.loop, []).append((stream, item))
                 for loop, deliveries in by_loop.items():
