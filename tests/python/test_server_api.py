@@ -431,6 +431,35 @@ def test_a_stream_read_late_gets_its_tokens_merged_into_one_chunk(server, http, 
     assert text == expected.text
 
 
+def _scrape(http) -> dict[str, float]:
+    values = {}
+    for line in http.get("/metrics").text.splitlines():
+        if line.startswith("pagedcore_"):
+            name, value = line.rsplit(" ", 1)
+            values[name] = float(value)
+    return values
+
+
+def test_metrics_count_each_step_of_a_request_and_the_loop_lag(server, http) -> None:
+    # One request alone, greedy, 12 tokens: its prefill step gives the first token,
+    # then each of 11 decode steps one more (the engine steps only while it runs).
+    before = _scrape(http)
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 12, "ignore_eos": True,
+                                           "temperature": 0})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 12
+    time.sleep(0.05)  # (the lag watcher wakes every 10 ms)
+    after = _scrape(http)
+
+    def grew(name: str) -> float:
+        return after[name] - before.get(name, 0.0)
+
+    assert grew('pagedcore_engine_step_seconds_count{kind="prefill"}') == 1
+    assert grew('pagedcore_engine_step_seconds_count{kind="decode"}') == 11
+    inf_decode = 'pagedcore_engine_step_seconds_bucket{kind="decode",le="+Inf"}'
+    assert grew(inf_decode) == 11 and grew('pagedcore_engine_step_seconds_sum{kind="decode"}') > 0
+    assert grew("pagedcore_event_loop_lag_seconds_count") >= 3
+
+
 def test_a_step_failing_under_a_non_streamed_request_is_500(server, http, caplog) -> None:
     server.faults.arm(2, nan_logits)
     with caplog.at_level("ERROR", logger="uvicorn.error"):
