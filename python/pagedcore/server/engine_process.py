@@ -8,7 +8,9 @@ process (the engine thread of :class:`~.async_engine.AsyncEngine`, unchanged)
 and the HTTP side keeps only the streams: prompts are tokenized on the HTTP
 side (off the engine's path), and each step's outputs for every stream cross
 the pipe in one message (with the engine's stats), as they cross to the event
-loop in one call in the thread version.
+loop in one call in the thread version. The engine's side writes from a
+sender thread (the engine never waits for a busy HTTP side); the HTTP side's
+event loop reads the pipe itself (no reader thread to hand the GIL to).
 
 :class:`EngineProcess` offers what the routes and the shutdown use of
 :class:`~.async_engine.AsyncEngine`: ``add``, ``abort``, ``alive``,
@@ -291,8 +293,12 @@ class EngineProcess:
         self._send_lock = threading.Lock()
         self._dead = False
         self._stopping = False
-        self._reader = threading.Thread(target=self._read, name="pagedcore-engine-pipe", daemon=True)
-        self._reader.start()
+        # NOTE: the pipe is read by the event loop itself (add_reader), attached at the
+        # first request, not by a thread: a reader thread must take the GIL from the
+        # busy loop for every message, which waits up to the switch interval (5 ms)
+        # and so delays every stream's tokens by as much.
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._closed = threading.Event()  # "closed" (or EOF) read: nothing more comes
 
     # ---- the routes' side (event loop) -------------------------------------------
 
@@ -313,7 +319,11 @@ class EngineProcess:
         if prompt_token_ids is None and prompt is not None:
             # NOTE: here, not in the engine's process: tokenizing is off the engine's path.
             prompt_token_ids = self.engine.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
-        stream = _Stream(asyncio.get_running_loop())
+        loop = asyncio.get_running_loop()
+        if self._loop is None:
+            self._loop = loop
+            loop.add_reader(self._out.fileno(), self._on_readable)
+        stream = _Stream(loop)
         here = detokenized_here(self.engine.tokenizer, params)
         self._streams[request_id] = stream
         self._pending += 1
@@ -349,7 +359,14 @@ class EngineProcess:
         except EngineDeadError:
             pass
         # (the child ends the step in flight, then every request left)
-        self._reader.join(timeout + 10)
+        loop = self._loop
+        on_loop = loop is not None and loop.is_running() and _running_loop() is loop
+        if loop is not None and loop.is_running() and not on_loop:
+            self._closed.wait(timeout + 10)  # (the loop reads the rest)
+        if not self._closed.is_set():  # the loop is gone (or is this thread): read the rest here
+            if loop is not None and not loop.is_closed() and (on_loop or not loop.is_running()):
+                loop.remove_reader(self._out.fileno())
+            self._drain(timeout + 10)
         self._proc.join(timeout)
         if self._proc.is_alive():
             self._proc.terminate()
@@ -362,51 +379,82 @@ class EngineProcess:
         except (OSError, ValueError):
             raise EngineDeadError("the engine loop has stopped") from None
 
-    # ---- the pipe's reader (thread) --------------------------------------------------
+    # ---- the pipe's reader (the event loop) ------------------------------------------
 
-    def _read(self) -> None:
+    def _on_readable(self) -> None:
+        """(event loop) Handles the messages the pipe holds (a few at a time: the
+        loop has streams to write too)."""
         try:
-            while True:
-                message = self._out.recv()
-                if message[0] == "closed":
+            for _ in range(64):
+                if not self._out.poll():
+                    return
+                if not self._handle(self._out.recv(), on_loop=True):
                     break
-                _, items, stats, errors = message
-                if stats is not None:
-                    self.stats = stats
-                self.errors = errors
-                by_loop: dict[asyncio.AbstractEventLoop, list] = {}
-                # NOTE: the items stay as they crossed (a plain delta: a tuple); the
-                # stream's handler rebuilds RequestOutputs once per chunk, for all the
-                # deltas it takes at once (_Rebuilder), not one per delta here.
-                for request_id, item in items:
-                    if item.__class__ is tuple:
-                        finished = item[6]
-                    elif isinstance(item, str):  # _ACCEPTED_MARK
-                        item, finished = _ACCEPTED, False
-                    else:
-                        finished = isinstance(item, BaseException) or item.finished
-                    stream = self._streams.pop(request_id, None) if finished else self._streams.get(request_id)
-                    if stream is not None:
-                        by_loop.setdefault(stream.loop, []).append((stream, item))
-                for loop, deliveries in by_loop.items():
-                    try:
-                        loop.call_soon_threadsafe(_fan_out, deliveries)
-                    except RuntimeError:  # its event loop is closed
-                        pass
         except (EOFError, OSError):
             if not self._stopping:
                 logger.error("the engine process has stopped (exit code %s)", self._proc.exitcode)
-        finally:
-            self._dead = True
-            why = "server shutting down" if self._stopping else "the engine process has stopped"
-            error = EngineDeadError if self._stopping else RuntimeError
-            by_loop = {}
-            for request_id in list(self._streams):
-                stream = self._streams.pop(request_id, None)
-                if stream is not None:
-                    by_loop.setdefault(stream.loop, []).append((stream, error(why)))
-            for loop, deliveries in by_loop.items():
-                try:
-                    loop.call_soon_threadsafe(_fan_out, deliveries)
-                except RuntimeError:
-                    pass
+        self._loop.remove_reader(self._out.fileno())
+        self._end(on_loop=True)
+
+    def _drain(self, timeout: float) -> None:
+        """(any thread, no loop reading the pipe) Handles the messages up to "closed"."""
+        try:
+            while self._out.poll(timeout) and self._handle(self._out.recv(), on_loop=False):
+                pass
+        except (EOFError, OSError):
+            pass
+        self._end(on_loop=False)
+
+    def _handle(self, message: tuple, on_loop: bool) -> bool:
+        """Routes one message's items to their streams; False for "closed"."""
+        if message[0] == "closed":
+            return False
+        _, items, stats, errors = message
+        if stats is not None:
+            self.stats = stats
+        self.errors = errors
+        deliveries = []
+        # NOTE: the items stay as they crossed (a plain delta: a tuple); the
+        # stream's handler rebuilds RequestOutputs once per chunk, for all the
+        # deltas it takes at once (_Rebuilder), not one per delta here.
+        for request_id, item in items:
+            if item.__class__ is tuple:
+                finished = item[6]
+            elif isinstance(item, str):  # _ACCEPTED_MARK
+                item, finished = _ACCEPTED, False
+            else:
+                finished = isinstance(item, BaseException) or item.finished
+            stream = self._streams.pop(request_id, None) if finished else self._streams.get(request_id)
+            if stream is not None:
+                deliveries.append((stream, item))
+        self._deliver(deliveries, on_loop)
+        return True
+
+    def _deliver(self, deliveries: list, on_loop: bool) -> None:
+        if on_loop:
+            _fan_out(deliveries)
+            return
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for stream, item in deliveries:
+            by_loop.setdefault(stream.loop, []).append((stream, item))
+        for loop, part in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_fan_out, part)
+            except RuntimeError:  # its event loop is closed: nobody is waiting any more
+                pass
+
+    def _end(self, on_loop: bool) -> None:
+        """Nothing more comes from the engine: the streams left get an error."""
+        self._dead = True
+        why = "server shutting down" if self._stopping else "the engine process has stopped"
+        error = EngineDeadError if self._stopping else RuntimeError
+        streams, self._streams = list(self._streams.values()), {}
+        self._deliver([(stream, error(why)) for stream in streams], on_loop)
+        self._closed.set()
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
