@@ -221,3 +221,71 @@ def test_outputs_cross_the_engine_process_pipe_unchanged() -> None:
     merged = ep._Rebuilder("a")(copy.deepcopy(wires["a"]), merge=True)
     assert merged == [sequence[0][1], RequestOutput("a", "the prompt", [5, 6, 7], [
         CompletionOutput(0, " z s", [13, 18, 2], -1.5, None, "stop", None)], True)]
+
+
+class CountingEngine:
+    """(in the engine process) Each step of ~1 ms gives every request its next
+    token: id k, text "<k>" for its k-th token, until max_tokens."""
+
+    tokenizer = None
+    max_model_len = 4096
+
+    def __init__(self) -> None:
+        self.running: dict[str, list[int]] = {}
+
+    def stats(self) -> dict:
+        return {"num_requests": len(self.running)}
+
+    def add_request(self, request_id, prompt, prompt_token_ids, params, stream=True, add_special_tokens=True):
+        self.running[request_id] = [0, params.max_tokens]
+
+    def abort(self, request_id: str) -> None:
+        self.running.pop(request_id, None)
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self.running
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.running)
+
+    def step(self) -> list[RequestOutput]:
+        time.sleep(0.001)
+        outs = []
+        for request_id, state in list(self.running.items()):
+            state[0] += 1
+            k, done = state[0], state[0] >= state[1]
+            outs.append(RequestOutput(request_id, None, [1], [CompletionOutput(
+                0, f"<{k}>", [k], None, None, "length" if done else None)], done))
+            if done:
+                del self.running[request_id]
+        return outs
+
+
+def _counting_engine(engine_args) -> CountingEngine:
+    return CountingEngine()
+
+
+def test_every_step_reaches_a_stream_whose_event_loop_stalled_while_the_engine_process_ran() -> None:
+    # The HTTP side's loop is blocked while the engine process makes its 150 steps:
+    # ~150 messages wait in the pipe, more than the loop reads at one wake-up. The
+    # stream must get every token, in order, merged, and no error.
+    from pagedcore.server.engine_process import EngineProcess
+
+    engine = EngineProcess(None, engine_factory=_counting_engine)
+
+    async def main() -> tuple[list[int], str, bool]:
+        stream = await engine.add("r", None, [1, 2], params(150))
+        time.sleep(1.5)  # (blocks the loop: nothing is read from the pipe meanwhile; 150 steps take ~0.2 s)
+        ids, text, finished = [], "", False
+        async for out in stream.merged():
+            ids += out.outputs[0].token_ids
+            text += out.outputs[0].text
+            finished = out.finished
+        return ids, text, finished
+
+    try:
+        ids, text, finished = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert ids == list(range(1, 151)) and finished
+    assert text == "".join(f"<{k}>" for k in range(1, 151))

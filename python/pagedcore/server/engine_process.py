@@ -389,7 +389,9 @@ class EngineProcess:
                 if not self._out.poll():
                     return
                 if not self._handle(self._out.recv(), on_loop=True):
-                    break
+                    break  # ("closed")
+            else:
+                return  # (more next time round: the pipe stays readable)
         except (EOFError, OSError):
             if not self._stopping:
                 logger.error("the engine process has stopped (exit code %s)", self._proc.exitcode)
