@@ -6,7 +6,8 @@ A stub engine stands in for LLMEngine: each step sleeps --step-ms (a GPU step,
 with the GIL released, as a CUDA synchronisation releases it) and gives every
 running request one token (" tok"), until --max-tokens. The real AsyncEngine and
 the real routes (build_app) serve it under uvicorn in a child process; N
-streams at once come from httpx in this process. Reported: the server process's
+streams at once come from bench_serving.py's raw client in this process.
+Reported: the server process's
 CPU time per streamed token (user + system, every thread: the figure that does
 not depend on what else runs on the machine), the wall time against the steps'
 floor (max_tokens x step), tokens/s, and how much longer a step took than its
@@ -27,10 +28,6 @@ import socket
 import statistics
 import time
 
-try:
-    import httpx
-except ImportError:  # the openai client of some environments ships httpx as `httpx2`
-    import httpx2 as httpx
 
 
 class StubEngine:
@@ -119,19 +116,21 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 
-async def load(url: str, streams: int, max_tokens: int) -> int:
-    body = {"model": "stub", "prompt": [1, 2, 3], "max_tokens": max_tokens, "stream": True}
-    limits = httpx.Limits(max_connections=streams + 8, max_keepalive_connections=streams + 8)
-    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
-        async def one() -> int:
-            tokens = 0
-            async with client.stream("POST", "/v1/completions", json=body) as r:
-                async for line in r.aiter_lines():
-                    if line.startswith("data: {"):
-                        tokens += json.loads(line[6:])["choices"][0]["text"].count("tok")
-            return tokens
+async def load(url: str, streams: int, max_tokens: int) -> tuple[int, int]:
+    """N streams at once from bench_serving.py's raw client (the lightest: the
+    client must not be what limits the server); returns the tokens and chunks."""
+    import sys
+    from urllib.parse import urlsplit
 
-        return sum(await asyncio.gather(*[one() for _ in range(streams)]))
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from bench_serving import request_raw
+
+    where = urlsplit(url)
+    results = await asyncio.gather(*[request_raw((where.hostname, where.port, None), "stub", [1, 2, 3], max_tokens,
+                                                 None) for _ in range(streams)])
+    failed = [r.error for r in results if not r.ok]
+    assert not failed, failed[:3]
+    return sum(r.output_tokens for r in results), sum(len(r.itl) + 1 for r in results)
 
 
 def main() -> int:
@@ -157,11 +156,12 @@ def main() -> int:
     child.start()
     sock.close()
     asyncio.run(load(url, 8, 4))  # warm-up
-    per_token, walls, stretch = [], [], []
+    per_token, walls, stretch, per_chunk = [], [], [], []
     for _ in range(args.repeat):
         cpu0, t0 = cpu_seconds(child.pid), time.perf_counter()
         s0, n0 = step_time[0], step_time[1]
-        tokens = asyncio.run(load(url, args.streams, args.max_tokens))
+        tokens, chunks = asyncio.run(load(url, args.streams, args.max_tokens))
+        per_chunk.append(tokens / chunks)
         wall, cpu = time.perf_counter() - t0, cpu_seconds(child.pid) - cpu0
         assert tokens == args.streams * args.max_tokens, tokens
         per_token.append(cpu / tokens * 1e6)
@@ -174,7 +174,8 @@ def main() -> int:
           f"(floor {floor:.2f} s): server CPU {statistics.median(per_token):.1f} us per token "
           f"(runs: {', '.join(f'{x:.1f}' for x in per_token)}), wall {wall:.2f} s "
           f"({wall / floor:.2f}x the floor), {args.streams * args.max_tokens / wall:.0f} tokens/s; "
-          f"a step took {statistics.median(stretch):.2f}x its {args.step_ms:g} ms (GIL waits)")
+          f"a step took {statistics.median(stretch):.2f}x its {args.step_ms:g} ms (GIL waits); "
+          f"{statistics.median(per_chunk):.2f} tokens per chunk")
     return 0
 
 

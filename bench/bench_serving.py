@@ -10,15 +10,25 @@ case). Arrivals are a Poisson process at each --request-rate: a number of
 requests per second, ``Nx`` for N times the saturation rate (the request
 throughput of the ``inf`` run, made first), or ``inf`` (all at once). Every
 request is a streamed /v1/completions request with a fixed max_tokens and
-ignore_eos, sent by the ``openai`` client (AsyncOpenAI in an asyncio loop; with
---client-processes several processes share the requests) or by plain httpx
-(--client httpx, a lighter parser). Each rate draws its own prompts (its own
-part; the system prompts are shared by all), so one rate finds nothing of
+ignore_eos, sent from an asyncio loop by the raw client (--client raw, the
+default: bare asyncio connections and one json.loads per event, so that the
+load generator is not what limits the run), by the ``openai`` client
+(AsyncOpenAI) or by plain httpx; with --client-processes N, N processes share
+the requests and their results are merged. Each rate draws its own prompts (its
+own part; the system prompts are shared by all), so one rate finds nothing of
 another's in the prefix cache but the system prompts.
 
 Measured on the client, as vLLM's benchmark does: TTFT (request sent -> first
-streamed chunk), TPOT per request ((E2E - TTFT) / (output tokens - 1)), ITL
-(the gap between chunks; the server streams one token a chunk).
+streamed chunk), TPOT per request ((E2E - TTFT) / (output tokens - 1), output
+tokens from the usage), ITL (the gap between chunks). The server merges the
+tokens a stream has pending into one chunk when its writer is behind; the raw
+client asks for continuous_usage_stats and so knows each chunk's tokens
+("tokens per chunk": 1.0 when every token had its own chunk). Each run also
+prints the CPU time of the clients and of the own server's processes over the
+run's wall time (a client-bound run shows as a client near 1.0 core per
+process), and the server's step times (steps that gave a request its first
+token apart) and event-loop lag from /metrics: what long inter-token gaps come
+from.
 
 --offline runs ``LLM.generate`` on the requests of the ``inf`` run (in a child
 process, before the server starts, with the same engine flags) and prints the
@@ -81,6 +91,7 @@ class Result:
     e2e: float = 0.0
     output_tokens: int = 0
     itl: list[float] = field(default_factory=list)  # seconds between chunks
+    chunk_tokens: list[int] = field(default_factory=list)  # tokens of each chunk (the raw client's)
     finish_reason: str | None = None
     end: float = 0.0  # time.perf_counter() of the answer's end (this process's clock)
 
@@ -137,6 +148,13 @@ def percentile(values: list[float], q: float) -> float:
 def _body(model: str, prompt: list[int], max_tokens: int) -> dict:
     return {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
             "ignore_eos": True, "stream_options": {"include_usage": True}}
+
+
+def _raw_body(model: str, prompt: list[int], max_tokens: int) -> dict:
+    # continuous_usage_stats (vLLM's extension): each chunk says how many tokens it
+    # carries (the server merges a stream's tokens into one chunk when it is behind).
+    return {**_body(model, prompt, max_tokens),
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
 
 
 def _finish(result: Result, start: float, chunk_times: list[float], usage_tokens: int | None) -> Result:
@@ -223,6 +241,103 @@ async def request_httpx(client, model: str, prompt: list[int], max_tokens: int, 
     return _finish(result, start, chunk_times, usage_tokens)
 
 
+class _RawConnection:
+    """One HTTP/1.1 connection over asyncio streams: what the raw client needs
+    (a POST, a status line, headers, a chunked or sized body), no more."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer = reader, writer
+
+    async def post(self, host: str, path: str, payload: bytes, api_key: str | None) -> tuple[int, dict[str, str]]:
+        auth = f"Authorization: Bearer {api_key}\r\n" if api_key else ""
+        self.writer.write(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                          f"Accept: text/event-stream\r\n{auth}Content-Length: {len(payload)}\r\n\r\n".encode()
+                          + payload)
+        status_line = await self.reader.readuntil(b"\r\n")
+        status = int(status_line.split()[1])
+        headers = {}
+        while True:
+            line = await self.reader.readuntil(b"\r\n")
+            if line == b"\r\n":
+                return status, headers
+            name, _, value = line.decode("latin-1").partition(":")
+            headers[name.strip().lower()] = value.strip()
+
+    async def body_parts(self, headers: dict[str, str]):
+        """The body as it arrives (chunked transfer encoding decoded)."""
+        if headers.get("transfer-encoding", "").lower() == "chunked":
+            while True:
+                size = int((await self.reader.readuntil(b"\r\n")).split(b";")[0], 16)
+                if size == 0:
+                    return
+                data = await self.reader.readexactly(size + 2)
+                yield data[:-2]
+        else:
+            yield await self.reader.readexactly(int(headers.get("content-length", "0")))
+
+    def close(self) -> None:
+        self.writer.transport.abort()  # (a hang-up mid-stream, as a client that goes away)
+
+
+async def request_raw(client, model: str, prompt: list[int], max_tokens: int, cancel_after: int | None) -> Result:
+    """The same request over a bare asyncio connection with a minimal parser: the
+    lightest client (one json.loads per server-sent event), so that the load
+    generator is not what limits the run. Counts each chunk's tokens from the
+    usage it carries (continuous_usage_stats)."""
+    host, port, api_key = client
+    result = Result(prompt_len=len(prompt))
+    chunk_times: list[float] = []
+    usage_tokens = None
+    start = time.perf_counter()
+    conn = None
+    try:
+        conn = _RawConnection(*await asyncio.open_connection(host, port))
+        status, headers = await conn.post(f"{host}:{port}", "/v1/completions",
+                                          json.dumps(_raw_body(model, prompt, max_tokens)).encode(), api_key)
+        result.status = status
+        if status != 200:
+            body = b"".join([part async for part in conn.body_parts(headers)])
+            result.error = f"HTTP {status}: {body[:200]!r}"
+            return _finish(result, start, chunk_times, usage_tokens)
+        buffer = b""
+        seen_tokens = 0
+        async for part in conn.body_parts(headers):
+            now = time.perf_counter()
+            buffer += part
+            *events, buffer = buffer.split(b"\n\n")
+            for event in events:
+                if not event.startswith(b"data: "):
+                    continue
+                data = event[6:]
+                if data == b"[DONE]":
+                    result.ok = True
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    result.error = f"error event: {chunk['error']}"
+                    break
+                if chunk.get("usage"):
+                    usage_tokens = chunk["usage"]["completion_tokens"]
+                if chunk["choices"]:
+                    chunk_times.append(now)
+                    result.chunk_tokens.append(usage_tokens - seen_tokens if usage_tokens is not None else 1)
+                    seen_tokens = usage_tokens if usage_tokens is not None else seen_tokens + 1
+                    reason = chunk["choices"][0].get("finish_reason")
+                    if reason is not None:
+                        result.finish_reason = reason
+                    if cancel_after is not None and len(chunk_times) >= cancel_after:
+                        result.cancelled = True
+                        break
+            if result.ok or result.cancelled or result.error:
+                break
+    except (OSError, asyncio.IncompleteReadError, ValueError) as e:
+        result.error = f"{type(e).__name__}: {e}"
+    finally:
+        if conn is not None:
+            conn.close()
+    return _finish(result, start, chunk_times, usage_tokens)
+
+
 @dataclass
 class Load:
     """What one client process sends: requests at times relative to `start_at`
@@ -241,7 +356,12 @@ class Load:
 
 async def _run_load(load: Load) -> list[Result]:
     n = len(load.prompts)
-    if load.client == "openai":
+    if load.client == "raw":
+        from urllib.parse import urlsplit
+
+        where = urlsplit(load.base_url)
+        client, send = (where.hostname, where.port or 80, load.api_key), request_raw
+    elif load.client == "openai":
         import openai
 
         http = openai.DefaultAsyncHttpxClient(limits=_limits(n), timeout=3600.0)
@@ -263,7 +383,10 @@ async def _run_load(load: Load) -> list[Result]:
     try:
         return list(await asyncio.gather(*[scheduled(i) for i in range(n)]))
     finally:
-        await (client.close() if load.client == "openai" else client.aclose())
+        if load.client == "openai":
+            await client.close()
+        elif load.client == "httpx":
+            await client.aclose()
 
 
 def _limits(n: int):
@@ -273,13 +396,27 @@ def _limits(n: int):
     return type(DEFAULT_CONNECTION_LIMITS)(max_connections=n + 8, max_keepalive_connections=n + 8)
 
 
+def _cpu_seconds() -> float:
+    """CPU time (user + system) of this process so far."""
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def _client_process(load: Load, conn) -> None:
     try:
-        conn.send([asdict(r) for r in asyncio.run(_run_load(load))])
+        cpu = _cpu_seconds()
+        results = asyncio.run(_run_load(load))
+        conn.send(([asdict(r) for r in results], _cpu_seconds() - cpu))
     except BaseException as e:  # noqa: BLE001 - the parent reports it
         conn.send(f"{type(e).__name__}: {e}")
     finally:
         conn.close()
+
+
+# CPU seconds the client processes used in the last run_load (the load generator's own cost).
+LAST_CLIENT_CPU_S = [0.0]
 
 
 def run_load(base_url: str, api_key: str | None, model: str, prompts: list[list[int]], arrivals: list[float],
@@ -287,12 +424,14 @@ def run_load(base_url: str, api_key: str | None, model: str, prompts: list[list[
              processes: int = 1) -> tuple[list[Result], float]:
     """Sends every request at its arrival time; returns the results (in the
     prompts' order) and the seconds from the first arrival to the last answer.
-    processes > 1: request i goes out from process i % processes."""
+    processes > 1: request i goes out from process i % processes. The clients'
+    CPU seconds go to LAST_CLIENT_CPU_S[0]."""
     cancel_after = cancel_after or [None] * len(prompts)
     if processes <= 1:
         load = Load(base_url, api_key, model, prompts, arrivals, max_tokens, cancel_after, client, time.time())
-        t0 = time.perf_counter()
+        t0, cpu = time.perf_counter(), _cpu_seconds()
         results = asyncio.run(_run_load(load))
+        LAST_CLIENT_CPU_S[0] = _cpu_seconds() - cpu
         return results, time.perf_counter() - t0
     ctx = multiprocessing.get_context("spawn")
     start_at = time.time() + 2.0  # (a spawned process takes ~0.5 s to start)
@@ -307,11 +446,14 @@ def run_load(base_url: str, api_key: str | None, model: str, prompts: list[list[
         child.close()
         workers.append((idx, parent, proc))
     results: list[Result | None] = [None] * len(prompts)
+    LAST_CLIENT_CPU_S[0] = 0.0
     for idx, parent, proc in workers:
         got = parent.recv()
         proc.join()
         if isinstance(got, str):
             raise RuntimeError(f"a client process failed: {got}")
+        got, cpu = got
+        LAST_CLIENT_CPU_S[0] += cpu
         for i, r in zip(idx, got):
             results[i] = Result(**r)
     # From the common start to the last answer (each request starts at its arrival).
@@ -417,6 +559,70 @@ def vocab_size_of(path: str) -> int:
         return json.load(f)["vocab_size"]
 
 
+def process_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds (user + system) so far of the server process ("http") and of
+    its children ("engine": the engine process of --engine-process), from /proc
+    (Linux; {} elsewhere)."""
+    tick = os.sysconf("SC_CLK_TCK")
+
+    def stat(p: str) -> tuple[int, float] | None:
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{p}/cmdline", "rb") as f:
+                if b"resource_tracker" in f.read():
+                    return None
+        except OSError:
+            return None
+        return int(fields[1]), (int(fields[11]) + int(fields[12])) / tick  # ppid; utime + stime
+
+    own = stat(str(pid))
+    if own is None:
+        return {}
+    cpu = {"http": own[1], "engine": 0.0}
+    for p in os.listdir("/proc"):
+        if p.isdigit() and p != str(pid):
+            got = stat(p)
+            if got is not None and got[0] == pid:
+                cpu["engine"] += got[1]
+    return cpu
+
+
+def histogram_quantiles(before: dict[str, float], after: dict[str, float], name: str, labels: str = "",
+                        qs: tuple[float, ...] = (50, 99)) -> tuple[float, list[float]]:
+    """The count and quantiles (linear inside a bucket, as Prometheus'
+    histogram_quantile) of a /metrics histogram's observations between two scrapes."""
+    prefix = f"pagedcore_{name}_bucket{{{labels + ',' if labels else ''}le=\""
+    bounds = sorted((float(k[len(prefix):-2]), after[k] - before.get(k, 0.0)) for k in after if k.startswith(prefix))
+    if not bounds or bounds[-1][1] <= 0:
+        return 0.0, [float("nan")] * len(qs)
+    total, out = bounds[-1][1], []
+    for q in qs:
+        rank, lower, below = total * q / 100, 0.0, 0.0
+        for upper, cumulative in bounds:
+            if cumulative >= rank:
+                if math.isinf(upper):
+                    out.append(lower)
+                else:
+                    inside = cumulative - below
+                    out.append(lower + (upper - lower) * ((rank - below) / inside if inside else 1.0))
+                break
+            lower, below = upper, cumulative
+    return total, out
+
+
+def server_diagnostics(before: dict[str, float], after: dict[str, float]) -> dict:
+    """Where long inter-token gaps come from: the engine's step times (steps that
+    gave a request its first token apart) and the HTTP side's event-loop lag."""
+    d = {}
+    for key, name, labels in (("decode_step", "engine_step_seconds", 'kind="decode"'),
+                              ("prefill_step", "engine_step_seconds", 'kind="prefill"'),
+                              ("loop_lag", "event_loop_lag_seconds", "")):
+        count, (p50, p99) = histogram_quantiles(before, after, name, labels)
+        d[f"{key}_count"], d[f"{key}_p50_ms"], d[f"{key}_p99_ms"] = count, p50 * 1e3, p99 * 1e3
+    return d
+
+
 # ---- one run's figures --------------------------------------------------------------------------
 
 
@@ -427,7 +633,9 @@ def summarize(results: list[Result], duration: float) -> dict:
     ttft = [r.ttft * 1e3 for r in ok]
     tpot = [(r.e2e - r.ttft) / (r.output_tokens - 1) * 1e3 for r in ok if r.output_tokens > 1]
     itl = [x * 1e3 for r in ok for x in r.itl]
+    chunks = [n for r in ok for n in r.chunk_tokens]
     s = {"completed": len(ok), "failed": sum(1 for r in results if not r.ok and not r.cancelled),
+         "tokens_per_chunk": statistics.mean(chunks) if chunks else float("nan"),
          "cancelled": sum(1 for r in results if r.cancelled),
          "http_5xx": sum(1 for r in results if r.status >= 500),
          "error_events": sum(1 for r in results if r.status == 200 and r.error),
@@ -466,6 +674,20 @@ def print_result(title: str, s: dict) -> None:
     print("=" * w)
 
 
+def print_costs(s: dict, duration: float, args: argparse.Namespace) -> None:
+    """Who was busy (CPU seconds over the run's wall time: 1.0 is one core all
+    the time) and the server's diagnostics of long gaps."""
+    cpu = s["server_cpu_s"]
+    busy = ", ".join(f"{name} {seconds / duration:.2f}" for name, seconds in cpu.items())
+    print(f"CPU busy (cores): client ({args.client} x {args.client_processes}) {s['client_cpu_s'] / duration:.2f}"
+          f"{', server ' + busy if busy else ''}; tokens per chunk {s['tokens_per_chunk']:.2f}")
+    d = s["diagnostics"]
+    print(f"engine steps: {d['decode_step_count']:.0f} decode-only p50/p99 {d['decode_step_p50_ms']:.2f}/"
+          f"{d['decode_step_p99_ms']:.2f} ms, {d['prefill_step_count']:.0f} with a prefill p50/p99 "
+          f"{d['prefill_step_p50_ms']:.2f}/{d['prefill_step_p99_ms']:.2f} ms; HTTP event-loop lag p50/p99 "
+          f"{d['loop_lag_p50_ms']:.2f}/{d['loop_lag_p99_ms']:.2f} ms")
+
+
 # ---- the offline run ------------------------------------------------------------------------------
 
 
@@ -489,12 +711,13 @@ def offline_run(args: argparse.Namespace, prompts: list[list[int]], warmup: list
     if warmup:
         llm.generate([{"prompt_token_ids": p} for p in warmup], SamplingParams(max_tokens=4, ignore_eos=True),
                      use_tqdm=False)
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    duration = time.perf_counter() - start
+    duration, cpu = time.perf_counter() - start, time.process_time() - cpu
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     in_tokens = sum(len(p) for p in prompts)
-    return {"duration_s": duration, "total_output_tokens": out_tokens, "output_throughput": out_tokens / duration,
+    return {"duration_s": duration, "cpu_s": cpu, "total_output_tokens": out_tokens,
+            "output_throughput": out_tokens / duration,
             "request_throughput": len(prompts) / duration,
             "total_token_throughput": (in_tokens + out_tokens) / duration}
 
@@ -534,7 +757,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-shared-prefixes", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warmup", type=int, default=4, help="short requests sent before measuring")
-    p.add_argument("--client", choices=["openai", "httpx"], default="openai")
+    p.add_argument("--client", choices=["raw", "openai", "httpx"], default="raw",
+                   help="raw: bare asyncio connections with a minimal parser (the lightest); openai: AsyncOpenAI")
     p.add_argument("--client-processes", type=int, default=1)
     p.add_argument("--offline", action="store_true", help="LLM.generate on the inf run's requests, for the ratio")
     p.add_argument("--offline-from", default=None,
@@ -704,14 +928,20 @@ def main(argv: list[str] | None = None) -> int:
             run = 0 if math.isinf(rate) else k + 1
             prompts = prompts_for(run)
             before = server_metrics(url)
+            cpu_before = process_cpu(proc.pid) if proc is not None else {}
             results, duration = run_load(url, args.api_key, args.model, prompts,
                                          arrival_times(len(prompts), rate, args.seed + run), args.max_tokens,
                                          client=args.client, processes=args.client_processes)
+            client_cpu = LAST_CLIENT_CPU_S[0]
+            cpu_after = process_cpu(proc.pid) if proc is not None else {}
             after = server_metrics(url)
             s = summarize(results, duration)
             s["rate"] = rate
             s["server"] = {k2.removeprefix("pagedcore_"): after[k2] - before.get(k2, 0) for k2 in after
                            if k2.endswith("_total")}
+            s["client_cpu_s"] = client_cpu
+            s["server_cpu_s"] = {k2: cpu_after[k2] - cpu_before.get(k2, 0.0) for k2 in cpu_after}
+            s["diagnostics"] = server_diagnostics(before, after)
             if math.isinf(rate):
                 saturation = s["request_throughput"]
             name = "inf" if math.isinf(rate) else f"{rate:.2f} req/s" + (f" ({value:g}x)" if relative else "")
@@ -721,6 +951,7 @@ def main(argv: list[str] | None = None) -> int:
             queries = s["server"].get("prefix_cache_queries_total", 0)
             print(f"server: preemptions {s['server'].get('preemptions_total', 0):.0f}, prefix-cache hits "
                   f"{hits:.0f} of {queries:.0f} prompt tokens")
+            print_costs(s, duration, args)
             ok &= s["failed"] == 0
         if args.disconnect_fraction > 0:
             summary["disconnect"] = disconnect_check(args, url, vocab)
@@ -751,6 +982,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"saturation: online {runs[inf_key]['output_throughput']:.0f} output tok/s, offline LLM.generate "
               f"{offline['output_throughput']:.0f} ({offline['duration_s']:.2f} s): ratio {ratio:.3f} "
               f"(target >= 0.9)")
+        engine_cpu = runs[inf_key].get("server_cpu_s", {}).get("engine")
+        if engine_cpu and offline.get("cpu_s"):
+            # (on a CPU device the engine's CPU time is its work; on a GPU, its host side)
+            tokens = runs[inf_key]["total_output_tokens"]
+            print(f"engine process CPU per output token at saturation: {engine_cpu / tokens * 1e6:.1f} us online, "
+                  f"{offline['cpu_s'] / offline['total_output_tokens'] * 1e6:.1f} us offline")
     half = next((k for k in runs if k == "0.5x"), None)
     if half is not None:
         r = runs[half]

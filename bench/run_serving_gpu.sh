@@ -72,7 +72,7 @@ for shape in "${shapes[@]}"; do
     *) echo "unknown shape $shape"; continue ;;
   esac
   common=(--shape "$shape" --dtype bfloat16 "${flags[@]}" --max-model-len 2048 --shared-prefix-len 512
-          --shared-prefix-fraction 0.5 --num-shared-prefixes 4 --request-rate 0.5x inf --client openai
+          --shared-prefix-fraction 0.5 --num-shared-prefixes 4 --request-rate 0.5x inf --client raw
           --client-processes 4)
   # The server with its engine in a process of its own: every check.
   echo "== $shape, --engine-process ($((SECONDS - t0)) s)"
@@ -123,6 +123,25 @@ for shape, name in rows:
           f"{verdict(s, 'disconnect'):>11}{verdict(s, 'sigterm'):>9}")
 print("targets: ratio >= 0.9; ITL p99/p50 <= 2 at 0.5x saturation; disconnect: 0 5xx, all KV blocks free, "
       "/health 200; SIGTERM: every stream drained, exit 0 within --shutdown-timeout")
+print()
+print(f"{'where the time goes':<20}{'run':>5}{'tok/chunk':>10}{'CPU cores: client':>18}{'http':>6}{'engine':>7}"
+      f"{'decode step p50/p99 ms':>24}{'prefill step p50/p99 ms':>25}{'loop lag p50/p99 ms':>21}")
+for shape, name in rows:
+    path = os.path.join(out, name)
+    if not os.path.exists(path):
+        continue
+    s = json.load(open(path))
+    for run in ("inf", "0.5x"):
+        r = s["runs"].get(run)
+        if not r or "diagnostics" not in r:
+            continue
+        d, cpu, dur = r["diagnostics"], r.get("server_cpu_s", {}), r["duration_s"]
+        print(f"{shape:<20}{run:>5}{r.get('tokens_per_chunk', float('nan')):>10.2f}"
+              f"{r.get('client_cpu_s', float('nan')) / dur:>18.2f}{cpu.get('http', float('nan')) / dur:>6.2f}"
+              f"{cpu.get('engine', float('nan')) / dur:>7.2f}"
+              f"{d['decode_step_p50_ms']:>15.2f}/{d['decode_step_p99_ms']:<8.2f}"
+              f"{d['prefill_step_p50_ms']:>16.2f}/{d['prefill_step_p99_ms']:<8.2f}"
+              f"{d['loop_lag_p50_ms']:>12.2f}/{d['loop_lag_p99_ms']:<8.2f}")
 EOF
 for shape in "${shapes[@]}"; do echo "$shape: ${status[$shape]:-not run}"; done
 echo "commit ${PAGEDCORE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo '?')}  $(cat "$out/gpu.txt")"

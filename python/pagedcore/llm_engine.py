@@ -589,12 +589,17 @@ class LLMEngine:
         params: SamplingParams,
         stream: bool = False,
         add_special_tokens: bool = True,
+        detokenize: bool = True,
     ) -> None:
         """Tokenizes (if needed), validates and queues one request.
 
         With ``stream``, :meth:`step` returns this request's new text and tokens
         every step (``RequestOutput`` with ``finished=False`` and delta
-        completions), not only the full result at the end.
+        completions), not only the full result at the end. ``detokenize=False``
+        (streamed requests without stop strings only) leaves the deltas' text
+        empty: the caller turns the token ids into text (the server does, in its
+        HTTP process, off the engine's path). The token that ends a completion
+        with finish_reason "stop" (EOS or a stop token) is not text.
 
         Raises ValueError (nothing is queued) for an empty or too long prompt,
         a max_tokens that does not fit the context, or a bad token id.
@@ -606,6 +611,8 @@ class LLMEngine:
             prompt_token_ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        if not detokenize and (not stream or params.stop):
+            raise ValueError("detokenize=False needs stream=True and no stop strings (they are matched on the text)")
         if not self._async_scheduling and any(owner == request_id for _, owner in self._late_stops):
             # A stop string ended it while a step held it: the engine lets the id go
             # once that step is updated.
@@ -640,7 +647,7 @@ class LLMEngine:
         # Everything that can fail is built before the engine takes the request,
         # so that a failure leaves nothing half-admitted.
         detokenizers = [None] * params.n
-        if params.stop or stream:
+        if params.stop or (stream and detokenize):
             detokenizers = [
                 IncrementalDetokenizer(
                     self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens,
@@ -1170,9 +1177,9 @@ class LLMEngine:
         if c.sent_done:
             return None
         done = c.finish_reason is not None
-        if done:
+        if done and c.detokenizer is not None:
             c.detokenizer.flush()
-        text = c.detokenizer.text
+        text = c.detokenizer.text if c.detokenizer is not None else ""  # (None: the caller detokenizes)
         if not done and len(text) == c.sent_text and len(c.token_ids) == c.sent_tokens:
             return None
         out = CompletionOutput(

@@ -183,8 +183,9 @@ def test_a_request_refused_by_the_engine_raises_from_add() -> None:
 
 
 def test_outputs_cross_the_engine_process_pipe_unchanged() -> None:
-    # What _PipeEngine._encode sends, EngineProcess._decode rebuilds: the prompt once (with
-    # a request's first output), later plain deltas as tuples, anything else whole.
+    # What _PipeEngine._encode sends, the stream's _Rebuilder rebuilds: the prompt once (with
+    # a request's first output), later plain deltas as tuples, anything else whole; taken
+    # together (merge), a run of tuples is one output: the deltas joined.
     import copy
     import pickle
 
@@ -203,15 +204,88 @@ def test_outputs_cross_the_engine_process_pipe_unchanged() -> None:
         ("c", out("c", " v", [15], n=2)),                 # two completions: whole, prompt dropped
         ("d", out("d", " w", [16])),
         ("d", out("d", " q", [17], logprobs=[{17: Logprob(-0.5, 1, " q")}])),  # logprobs: whole
+        ("a", out("a", " s", [18])),
         ("a", out("a", "", [2], finished=True, reason="stop")),
     ]
     sender = ep._PipeEngine.__new__(ep._PipeEngine)  # (its encoder alone: no engine thread)
     sender._started = set()
-    receiver = ep.EngineProcess.__new__(ep.EngineProcess)
-    receiver._prompts = {}
-    sent_tuples = 0
+    wires: dict[str, list] = {}
     for rid, item in sequence:
-        wire = pickle.loads(pickle.dumps(sender._encode(rid, copy.deepcopy(item))))
-        sent_tuples += isinstance(wire, tuple)
-        assert receiver._decode(rid, wire) == item, rid
-    assert sent_tuples == 2  # a's second and last outputs
+        wires.setdefault(rid, []).append(pickle.loads(pickle.dumps(sender._encode(rid, copy.deepcopy(item)))))
+    assert [w.__class__ is tuple for w in wires["a"]] == [False, True, True, True]
+    for rid in wires:  # one at a time: each output as it was
+        rebuild = ep._Rebuilder(rid)
+        got = [o for w in wires[rid] for o in rebuild([copy.deepcopy(w)], merge=False)]
+        assert got == [item for r, item in sequence if r == rid], rid
+    # a's outputs taken at once: its first output, then its three plain deltas as one.
+    merged = ep._Rebuilder("a")(copy.deepcopy(wires["a"]), merge=True)
+    assert merged == [sequence[0][1], RequestOutput("a", "the prompt", [5, 6, 7], [
+        CompletionOutput(0, " z s", [13, 18, 2], -1.5, None, "stop", None)], True)]
+
+
+class CountingEngine:
+    """(in the engine process) Each step of ~1 ms gives every request its next
+    token: id k, text "<k>" for its k-th token, until max_tokens."""
+
+    tokenizer = None
+    max_model_len = 4096
+
+    def __init__(self) -> None:
+        self.running: dict[str, list[int]] = {}
+
+    def stats(self) -> dict:
+        return {"num_requests": len(self.running)}
+
+    def add_request(self, request_id, prompt, prompt_token_ids, params, stream=True, add_special_tokens=True):
+        self.running[request_id] = [0, params.max_tokens]
+
+    def abort(self, request_id: str) -> None:
+        self.running.pop(request_id, None)
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self.running
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.running)
+
+    def step(self) -> list[RequestOutput]:
+        time.sleep(0.001)
+        outs = []
+        for request_id, state in list(self.running.items()):
+            state[0] += 1
+            k, done = state[0], state[0] >= state[1]
+            outs.append(RequestOutput(request_id, None, [1], [CompletionOutput(
+                0, f"<{k}>", [k], None, None, "length" if done else None)], done))
+            if done:
+                del self.running[request_id]
+        return outs
+
+
+def _counting_engine(engine_args) -> CountingEngine:
+    return CountingEngine()
+
+
+def test_every_step_reaches_a_stream_whose_event_loop_stalled_while_the_engine_process_ran() -> None:
+    # The HTTP side's loop is blocked while the engine process makes its 150 steps:
+    # ~150 messages wait in the pipe, more than the loop reads at one wake-up. The
+    # stream must get every token, in order, merged, and no error.
+    from pagedcore.server.engine_process import EngineProcess
+
+    engine = EngineProcess(None, engine_factory=_counting_engine)
+
+    async def main() -> tuple[list[int], str, bool]:
+        stream = await engine.add("r", None, [1, 2], params(150))
+        time.sleep(1.5)  # (blocks the loop: nothing is read from the pipe meanwhile; 150 steps take ~0.2 s)
+        ids, text, finished = [], "", False
+        async for out in stream.merged():
+            ids += out.outputs[0].token_ids
+            text += out.outputs[0].text
+            finished = out.finished
+        return ids, text, finished
+
+    try:
+        ids, text, finished = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert ids == list(range(1, 151)) and finished
+    assert text == "".join(f"<{k}>" for k in range(1, 151))

@@ -116,6 +116,7 @@ class Served:
     url: str
     engine: AsyncEngine
     faults: FaultInjector
+    loop: object  # the server's event loop
 
 
 @pytest.fixture(scope="module")
@@ -137,7 +138,7 @@ def serve(checkpoint):
                 assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
                 time.sleep(0.02)
             port = server.servers[0].sockets[0].getsockname()[1]
-            yield Served(f"http://127.0.0.1:{port}", async_engine, faults)
+            yield Served(f"http://127.0.0.1:{port}", async_engine, faults, server.servers[0].get_loop())
         finally:
             server.should_exit = True
             thread.join(30)
@@ -386,6 +387,77 @@ def test_a_step_failing_mid_stream_sends_an_error_event_then_done(server, http, 
     assert http.get("/health").status_code == 200
     again = http.post(path, json={**body, "stream": False, "max_tokens": 3})
     assert again.status_code == 200
+
+
+@pytest.mark.parametrize("route", list(STREAMS))
+def test_a_stream_read_late_gets_its_tokens_merged_into_one_chunk(server, http, llm, route) -> None:
+    # The server's event loop stalls from the 2nd forward pass until the engine has
+    # made every token: the stream's handler then finds ~60 outputs waiting and
+    # must send them as one chunk whose text is theirs joined (detokenized on the
+    # HTTP side, as one piece) and whose usage counts each token.
+    path, fields = STREAMS[route]
+    max_tokens = 64
+    body = {"model": MODEL, "temperature": 0, "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}, **fields}
+
+    def stall_the_loop() -> None:  # (on the server's loop)
+        deadline = time.monotonic() + 30
+        while server.engine.stats.get("num_requests", 1) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        time.sleep(0.05)  # (the last step's hand-over follows its stats)
+
+    def stall_from_here(logits: torch.Tensor) -> torch.Tensor:  # (on the engine thread)
+        server.loop.call_soon_threadsafe(stall_the_loop)
+        return logits
+
+    server.faults.arm(1, stall_from_here)
+    with http.stream("POST", path, json=body) as r:
+        assert r.status_code == 200
+        payloads = sse_payloads(r)
+    assert payloads[-1] == "[DONE]"
+    chunks = [json.loads(p) for p in payloads[:-1]]
+    *chunks, final = chunks
+    assert final["choices"] == [] and final["usage"]["completion_tokens"] == max_tokens
+    counts = [c["usage"]["completion_tokens"] for c in chunks]
+    per_chunk = [b - a for a, b in zip([0, *counts], counts) if b > a]
+    assert sum(per_chunk) == max_tokens and len(per_chunk) <= 3 and max(per_chunk) >= max_tokens - 4, per_chunk
+    text = "".join(_text_of(c) for c in chunks)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    if route == "chat":
+        [expected] = llm.chat(fields["messages"], params, use_tqdm=False)[0].outputs
+    else:
+        [expected] = llm.generate(PROMPT, params, use_tqdm=False)[0].outputs
+    assert len(expected.token_ids) == max_tokens
+    assert text == expected.text
+
+
+def _scrape(http) -> dict[str, float]:
+    values = {}
+    for line in http.get("/metrics").text.splitlines():
+        if line.startswith("pagedcore_"):
+            name, value = line.rsplit(" ", 1)
+            values[name] = float(value)
+    return values
+
+
+def test_metrics_count_each_step_of_a_request_and_the_loop_lag(server, http) -> None:
+    # One request alone, greedy, 12 tokens: its prefill step gives the first token,
+    # then each of 11 decode steps one more (the engine steps only while it runs).
+    before = _scrape(http)
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 12, "ignore_eos": True,
+                                           "temperature": 0})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 12
+    time.sleep(0.05)  # (the lag watcher wakes every 10 ms)
+    after = _scrape(http)
+
+    def grew(name: str) -> float:
+        return after[name] - before.get(name, 0.0)
+
+    assert grew('pagedcore_engine_step_seconds_count{kind="prefill"}') == 1
+    assert grew('pagedcore_engine_step_seconds_count{kind="decode"}') == 11
+    inf_decode = 'pagedcore_engine_step_seconds_bucket{kind="decode",le="+Inf"}'
+    assert grew(inf_decode) == 11 and grew('pagedcore_engine_step_seconds_sum{kind="decode"}') > 0
+    assert grew("pagedcore_event_loop_lag_seconds_count") >= 3
 
 
 def test_a_step_failing_under_a_non_streamed_request_is_500(server, http, caplog) -> None:

@@ -4,6 +4,7 @@ streaming as server-sent events), /v1/models, /health, /metrics."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
 import time
@@ -16,7 +17,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException
 
 from ..outputs import CompletionOutput, RequestOutput
-from .async_engine import AsyncEngine, EngineDeadError, QueueFullError
+from .async_engine import AsyncEngine, EngineDeadError, QueueFullError, merge_outputs
 from .metrics import Metrics
 from .protocol import (
     MAX_BODY_BYTES,
@@ -30,8 +31,17 @@ from .protocol import (
 
 
 def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None = None) -> FastAPI:
-    app = FastAPI(title="pagedcore", docs_url=None, redoc_url=None, openapi_url=None)
     metrics = Metrics(engine)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        watcher = asyncio.create_task(metrics.watch_loop_lag())
+        try:
+            yield
+        finally:
+            watcher.cancel()
+
+    app = FastAPI(title="pagedcore", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     tokenizer = engine.engine.tokenizer
     max_model_len = engine.engine.max_model_len
     created = int(time.time())
@@ -116,9 +126,9 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
     async def run(prompts: list[tuple[str | None, list[int] | None]], params, special: bool, prompt_field: str,
                   request_id: str, body) -> AsyncIterator[list[tuple[int, RequestOutput]]]:
         """Starts one engine request per prompt (all validated before any output)
-        and yields lists of (prompt index, delta output): what has arrived since
-        the last list (one output per request and engine step, more when the
-        consumer fell behind)."""
+        and yields lists of (prompt index, delta output): for each request, what
+        has arrived since the last list merged into one output (one engine step's
+        delta when the consumer keeps up, several steps' when it fell behind)."""
         # Every prompt is admitted (validated) before any output is awaited.
         gens = []
         try:
@@ -140,8 +150,8 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
             if len(gens) == 1:  # (the common case: no task, no queue in between)
                 i, gen = gens[0]
                 try:
-                    async for outs in gen.batches():
-                        yield [(i, out) for out in outs]
+                    async for out in gen.merged():
+                        yield [(i, out)]
                 except Exception as e:  # noqa: BLE001 - the engine's end of the request
                     raise _generation_error(e) from e
                 return
@@ -149,8 +159,8 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
 
             async def pump(i: int, gen) -> None:
                 try:
-                    async for outs in gen.batches():
-                        return_queue.put_nowait((i, outs))
+                    async for out in gen.merged():
+                        return_queue.put_nowait((i, out))
                 except BaseException as e:  # noqa: BLE001 - handed to the consumer
                     return_queue.put_nowait((i, e))
                 finally:
@@ -163,7 +173,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
                     got = [await return_queue.get()]
                     while not return_queue.empty():
                         got.append(return_queue.get_nowait())
-                    batch = []
+                    by_prompt: dict[int, list[RequestOutput]] = {}
                     for i, item in got:
                         if item is None:
                             remaining -= 1
@@ -172,9 +182,9 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
                         elif isinstance(item, BaseException):
                             raise item
                         else:
-                            batch += [(i, out) for out in item]
-                    if batch:
-                        yield batch
+                            by_prompt.setdefault(i, []).append(item)
+                    if by_prompt:
+                        yield [(i, merge_outputs(outs)) for i, outs in by_prompt.items()]
             finally:
                 for task in tasks:
                     task.cancel()
@@ -192,6 +202,13 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
 
     def sse(payload: dict[str, Any]) -> str:
         return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+    def chunk_head(request_id: str, object_: str, created_at: int) -> str:
+        """The start of every streamed chunk of a response, up to its choice's
+        index: the same bytes as sse() gives for these leading fields, made once
+        per response (the hot path then encodes only the text)."""
+        return (f'data: {{"id": {_dumps(request_id)}, "object": "{object_}", "created": {created_at}, '
+                f'"model": {_dumps(served_model_name)}, "choices": [{{"index": ')
 
     def legacy_logprobs(token_ids: list[int], entries: list, offset: int, top: int) -> dict[str, Any]:
         """OpenAI's legacy completion logprobs of tokens whose text starts at
@@ -342,6 +359,10 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
                                  "usage": usage(sum(prompt_tokens), completion_tokens)})
 
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        continuous = bool(body.stream_options and body.stream_options.continuous_usage_stats)
+        created_at = int(time.time())  # (one for all chunks of the response, as OpenAI's)
+        head = chunk_head(request_id, "text_completion", created_at)
+        plain = body.logprobs is None and not body.echo  # chunks of text only: the pre-built form
 
         async def events() -> AsyncIterator[str]:
             prompt_tokens: dict[int, int] = {}
@@ -364,12 +385,18 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
                             echoed.add((i, c.index))
                             logprobs = (echo_logprobs(out.prompt_token_ids, prompt_lps.get(i), None, 0, body.logprobs)
                                         if body.logprobs is not None else None)
-                            yield sse({"id": request_id, "object": "text_completion", "created": int(time.time()),
+                            yield sse({"id": request_id, "object": "text_completion", "created": created_at,
                                        "model": served_model_name, "choices": [{
                                            "index": index, "text": prompt_text(i, out), "logprobs": logprobs,
                                            "finish_reason": "length", "stop_reason": None}]})
                             continue
                         completion_tokens += len(c.token_ids)
+                        so_far = (', "usage": ' + _dumps(usage(sum(prompt_tokens.values()), completion_tokens))
+                                  if continuous else "")
+                        if plain:
+                            yield (f'{head}{index}, "text": {_dumps(c.text)}, "logprobs": null, "finish_reason": '
+                                   f'{_null_or(c.finish_reason)}, "stop_reason": {_null_or(c.stop_reason)}}}]{so_far}}}\n\n')
+                            continue
                         text = c.text
                         first_of_echo = body.echo and (i, c.index) not in echoed
                         if first_of_echo:
@@ -383,14 +410,17 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
                             logprobs = echo_logprobs(out.prompt_token_ids, prompt_lps.get(i), c, offset, body.logprobs)
                         else:
                             logprobs = completion_logprobs(c, offset, body.logprobs)
-                        yield sse({"id": request_id, "object": "text_completion", "created": int(time.time()),
-                                   "model": served_model_name, "choices": [{
-                                       "index": index, "text": text, "logprobs": logprobs,
-                                       "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]})
+                        chunk = {"id": request_id, "object": "text_completion", "created": created_at,
+                                 "model": served_model_name, "choices": [{
+                                     "index": index, "text": text, "logprobs": logprobs,
+                                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]}
+                        if continuous:
+                            chunk["usage"] = usage(sum(prompt_tokens.values()), completion_tokens)
+                        yield sse(chunk)
                 yield _FLUSH
             timer.done()
             if include_usage:
-                yield sse({"id": request_id, "object": "text_completion", "created": int(time.time()),
+                yield sse({"id": request_id, "object": "text_completion", "created": created_at,
                            "model": served_model_name, "choices": [],
                            "usage": usage(sum(prompt_tokens.values()), completion_tokens)})
             yield "data: [DONE]\n\n"
@@ -471,40 +501,60 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
 
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
+        continuous = bool(body.stream_options and body.stream_options.continuous_usage_stats)
+        created_at = int(time.time())  # (one for all chunks of the response, as OpenAI's)
+        head = chunk_head(request_id, "chat.completion.chunk", created_at)
+
         async def events() -> AsyncIterator[str]:
             started: set[int] = set()
             prompt_tokens = completion_tokens = 0
-            base = {"id": request_id, "object": "chat.completion.chunk", "model": served_model_name}
+            base = {"id": request_id, "object": "chat.completion.chunk", "created": created_at,
+                    "model": served_model_name}
             async for batch in _chain(first, stream):
                 for _, out in batch:
                     timer.observe(out)
                     prompt_tokens = len(out.prompt_token_ids)
                     for c in out.outputs:
-                        completion_tokens += len(c.token_ids)
                         if c.index not in started:
                             started.add(c.index)
-                            yield sse({**base, "created": int(time.time()), "choices": [
+                            extra = {"usage": usage(prompt_tokens, completion_tokens)} if continuous else {}
+                            yield sse({**base, "choices": [
                                 {"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                 "finish_reason": None}]})
-                        if c.text or c.logprobs:  # (an EOS token alone is no content)
-                            yield sse({**base, "created": int(time.time()), "choices": [{
-                                "index": c.index, "delta": {"content": c.text},
-                                "logprobs": chat_logprobs(c, top) if c.logprobs is not None else None,
-                                "finish_reason": None}]})
+                                 "finish_reason": None}], **extra})
+                        completion_tokens += len(c.token_ids)
+                        extra = {"usage": usage(prompt_tokens, completion_tokens)} if continuous else {}
+                        if c.logprobs is not None or continuous:
+                            if c.text or c.logprobs:  # (an EOS token alone is no content)
+                                yield sse({**base, "choices": [{
+                                    "index": c.index, "delta": {"content": c.text},
+                                    "logprobs": chat_logprobs(c, top) if c.logprobs is not None else None,
+                                    "finish_reason": None}], **extra})
+                        elif c.text:
+                            yield (f'{head}{c.index}, "delta": {{"content": {_dumps(c.text)}}}, "logprobs": null, '
+                                   f'"finish_reason": null}}]}}\n\n')
                         if c.finish_reason is not None:
-                            yield sse({**base, "created": int(time.time()), "choices": [
+                            yield sse({**base, "choices": [
                                 {"index": c.index, "delta": {}, "logprobs": None, "finish_reason": c.finish_reason,
-                                 "stop_reason": c.stop_reason}]})
+                                 "stop_reason": c.stop_reason}], **extra})
                 yield _FLUSH
             timer.done()
             if include_usage:
-                yield sse({**base, "created": int(time.time()), "choices": [],
-                           "usage": usage(prompt_tokens, completion_tokens)})
+                yield sse({**base, "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(_guarded(_coalesced(events())), media_type="text/event-stream")
 
     return app
+
+
+def _dumps(value: Any) -> str:
+    """A JSON value as sse() writes it."""
+    return json.dumps(value, ensure_ascii=False)
+
+
+def _null_or(value: Any) -> str:
+    """_dumps for a value that is None in most chunks."""
+    return "null" if value is None else _dumps(value)
 
 
 def _generation_error(e: Exception) -> APIError:

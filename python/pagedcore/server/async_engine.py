@@ -9,23 +9,33 @@ next step boundary.
 
 The fan-out is batched: a step's outputs for every stream cross to the event
 loop in one ``call_soon_threadsafe`` (one wake-up of the loop, not one per
-stream), and a handler takes every output its stream holds at once
-(:meth:`RequestStream.batches`), so a handler that fell behind by several steps
-catches up with one response write.
+stream), and a handler takes every output its stream holds at once, merged
+into one output (:meth:`RequestStream.merged`), so a handler that fell behind
+by several steps catches up with one server-sent event and one write.
+
+Detokenization: a streamed request without stop strings or an output
+constraint (the engine needs the text of those) is turned into text here, on
+the handler's side, not by the engine: the engine sends token ids only, and
+the handler decodes what arrived since it last ran in one call (one decode per
+write, however many tokens it carries). With the engine in a process of its
+own (engine_process.py) that takes the work off the engine's critical path.
 """
 
 from __future__ import annotations
 
 import asyncio
+import bisect
 import collections
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+from ..detokenizer import IncrementalDetokenizer
 from ..llm_engine import LLMEngine
-from ..outputs import RequestOutput
+from ..outputs import CompletionOutput, RequestOutput
 from ..sampling_params import SamplingParams
 
 logger = logging.getLogger("pagedcore.server")
@@ -77,14 +87,85 @@ def _fan_out(deliveries: list[tuple[_Stream, Any]]) -> None:
 _ACCEPTED = object()  # first item of a stream: the request passed validation
 
 
+def detokenized_here(tokenizer, params: SamplingParams) -> bool:
+    """Whether the server, not the engine, turns a streamed request's tokens
+    into text: it can when the engine needs no text (no stop strings) and the
+    finish tells which last token is not text (no output constraint: a
+    completed grammar's last token is text, an EOS is not, and both finish
+    with "stop")."""
+    return tokenizer is not None and not params.stop and params.structured_outputs is None
+
+
+class _Detokenizers:
+    """The text of one request's completions, made from the token ids of its
+    deltas (see the module's docstring): one incremental detokenizer per
+    completion, fed everything that arrived since it last ran."""
+
+    __slots__ = ("tokenizer", "skip_special_tokens", "by_index")
+
+    def __init__(self, tokenizer, params: SamplingParams) -> None:
+        self.tokenizer, self.skip_special_tokens = tokenizer, params.skip_special_tokens
+        self.by_index: dict[int, IncrementalDetokenizer] = {}
+
+    def fill(self, out: RequestOutput) -> None:
+        """Sets the text of out's completions (their token ids are new since the last call)."""
+        for c in out.outputs:
+            d = self.by_index.get(c.index)
+            if d is None:
+                d = self.by_index[c.index] = IncrementalDetokenizer(
+                    self.tokenizer, (), skip_special_tokens=self.skip_special_tokens)
+            ids = c.token_ids
+            if c.finish_reason == "stop" and ids:
+                ids = ids[:-1]  # NOTE: the EOS or stop token that ended it is not text (as in the engine)
+            text = d.append(ids)[0] if ids else ""
+            if c.finish_reason is not None:
+                text += d.flush()
+            c.text = text
+
+
+def merge_outputs(outs: list[RequestOutput]) -> RequestOutput:
+    """One delta output for a request's consecutive deltas (vLLM's merge of a
+    stream's pending outputs): per completion the texts concatenated, token
+    ids and logprobs appended, the latest cumulative logprob and finish; the
+    prompt logprobs that one of them carried."""
+    if len(outs) == 1:
+        return outs[0]
+    merged: dict[int, CompletionOutput] = {}
+    for out in outs:
+        for c in out.outputs:
+            m = merged.get(c.index)
+            if m is None:
+                merged[c.index] = CompletionOutput(
+                    c.index, c.text, list(c.token_ids), c.cumulative_logprob,
+                    list(c.logprobs) if c.logprobs is not None else None, c.finish_reason, c.stop_reason)
+                continue
+            m.text += c.text
+            m.token_ids += c.token_ids
+            if c.logprobs is not None:
+                m.logprobs = (m.logprobs or []) + c.logprobs
+            m.cumulative_logprob = c.cumulative_logprob
+            if c.finish_reason is not None:
+                m.finish_reason, m.stop_reason = c.finish_reason, c.stop_reason
+    first, last = outs[0], outs[-1]
+    prompt_logprobs = next((o.prompt_logprobs for o in outs if o.prompt_logprobs is not None), None)
+    return RequestOutput(first.request_id, first.prompt, first.prompt_token_ids,
+                         [merged[k] for k in sorted(merged)], last.finished, last.metrics, prompt_logprobs)
+
+
 class RequestStream:
     """The delta outputs of one request: ``async for out in stream`` one by one,
-    or ``async for outs in stream.batches()`` as lists of what has arrived.
-    Leaving either early aborts the request. An error that ends the request
-    (the engine stopped, a step failed) is raised after the outputs before it."""
+    ``async for outs in stream.batches()`` as lists of what has arrived, or
+    ``async for out in stream.merged()`` as one output per list. Leaving any of
+    them early aborts the request. An error that ends the request (the engine
+    stopped, a step failed) is raised after the outputs before it."""
 
-    def __init__(self, engine: "AsyncEngine", request_id: str, stream: _Stream) -> None:
+    def __init__(self, engine: "AsyncEngine", request_id: str, stream: _Stream,
+                 detokenizers: _Detokenizers | None = None, rebuild=None) -> None:
         self._engine, self.request_id, self._stream = engine, request_id, stream
+        self._detokenizers = detokenizers
+        # (engine process) rebuild(items, merge) -> the RequestOutputs the stream's
+        # items stand for (they stay as they crossed the pipe until taken here).
+        self._rebuild = rebuild
 
     def __aiter__(self) -> AsyncIterator[RequestOutput]:
         return self._one_by_one()
@@ -95,6 +176,25 @@ class RequestStream:
                 yield out
 
     async def batches(self) -> AsyncIterator[list[RequestOutput]]:
+        async for batch in self._raw_batches():
+            if self._rebuild is not None:
+                batch = self._rebuild(batch, merge=False)
+            if self._detokenizers is not None:
+                for out in batch:
+                    self._detokenizers.fill(out)
+            yield batch
+
+    async def merged(self) -> AsyncIterator[RequestOutput]:
+        """One output for everything that arrived since the last one (a consumer
+        that keeps up gets one per engine step; one that fell behind, fewer and
+        longer ones): text detokenized once per output, not once per token."""
+        async for batch in self._raw_batches():
+            out = merge_outputs(self._rebuild(batch, merge=True) if self._rebuild is not None else batch)
+            if self._detokenizers is not None:
+                self._detokenizers.fill(out)
+            yield out
+
+    async def _raw_batches(self) -> AsyncIterator[list[RequestOutput]]:
         finished = False
         try:
             while not finished:
@@ -106,13 +206,42 @@ class RequestStream:
                             yield batch
                         raise item
                     batch.append(item)
-                    if item.finished:
+                    # (a tuple: a plain delta as it crossed the engine process's pipe)
+                    if item[6] if item.__class__ is tuple else item.finished:
                         finished = True
                         break
-                yield batch
+                if batch:
+                    yield batch
         finally:
             if not finished:
                 self._engine.abort(self.request_id)
+
+
+# Upper bounds (seconds) of the engine-step histogram's buckets (/metrics).
+STEP_BUCKETS = (0.0005, 0.001, 0.0015, 0.002, 0.003, 0.004, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075,
+                0.1, 0.2, 0.5, 1.0, 2.0)
+
+
+class StepTimes:
+    """Wall time of the engine's steps (each ``LLMEngine.step()`` call), apart
+    for steps that gave some request its first token (a prefill ran in them)
+    and the others (decode only): the steps that can stretch a stream's
+    inter-token gap. Cumulative bucket counts, as a Prometheus histogram."""
+
+    KINDS = ("decode", "prefill")
+
+    def __init__(self) -> None:
+        self.counts = {kind: [0] * (len(STEP_BUCKETS) + 1) for kind in self.KINDS}
+        self.sums = dict.fromkeys(self.KINDS, 0.0)
+
+    def observe(self, seconds: float, prefill: bool) -> None:
+        kind = "prefill" if prefill else "decode"
+        self.counts[kind][bisect.bisect_left(STEP_BUCKETS, seconds)] += 1
+        self.sums[kind] += seconds
+
+    def snapshot(self) -> dict[str, tuple[tuple[int, ...], float]]:
+        """{kind: (count per bucket, the last one past STEP_BUCKETS; sum of seconds)}."""
+        return {kind: (tuple(self.counts[kind]), self.sums[kind]) for kind in self.KINDS}
 
 
 class AsyncEngine:
@@ -132,7 +261,8 @@ class AsyncEngine:
         # under the same lock, so every add either sees it or is queued before
         # the thread's last drain of the commands (which answers it).
         self._dead = False
-        self.stats: dict[str, Any] = engine.stats()
+        self.step_times = StepTimes()
+        self.stats: dict[str, Any] = {**engine.stats(), "step_seconds": self.step_times.snapshot()}
         self.errors = 0
         self._thread = threading.Thread(target=self._run, name="pagedcore-engine", daemon=True)
         self._thread.start()
@@ -161,11 +291,13 @@ class AsyncEngine:
         if self.max_queue_len is not None and self.num_waiting() >= self.max_queue_len:
             raise QueueFullError(f"the server has {self.num_waiting()} requests waiting (max_queue_len {self.max_queue_len})")
         stream = _Stream(asyncio.get_running_loop())
+        here = detokenized_here(getattr(self.engine, "tokenizer", None), params)
         with self._lock:
             if self._dead:
                 raise EngineDeadError("the engine loop has stopped")
             self._pending += 1
-            self._commands.put(("add", request_id, prompt, prompt_token_ids, params, add_special_tokens, stream))
+            self._commands.put(("add", request_id, prompt, prompt_token_ids, params, add_special_tokens, here,
+                                stream))
         self._wake.set()
         try:
             items = await stream.take()
@@ -178,7 +310,7 @@ class AsyncEngine:
         if isinstance(verdict, BaseException):
             raise verdict
         stream.items.extendleft(reversed(items[1:]))  # outputs that came with the verdict
-        return RequestStream(self, request_id, stream)
+        return RequestStream(self, request_id, stream, _Detokenizers(self.engine.tokenizer, params) if here else None)
 
     def alive(self) -> bool:
         # LLMEngine.healthy(): False once a tensor-parallel worker has died, even
@@ -222,11 +354,14 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if command[0] == "add":
-                _, request_id, prompt, ids, params, special, stream = command
+                _, request_id, prompt, ids, params, special, here, stream = command
                 with self._lock:
                     self._pending -= 1
                 try:
-                    self.engine.add_request(request_id, prompt, ids, params, stream=True, add_special_tokens=special)
+                    # (detokenize passed only when off: the benchmarks' stub engines lack it)
+                    kwargs = {"detokenize": False} if here else {}
+                    self.engine.add_request(request_id, prompt, ids, params, stream=True, add_special_tokens=special,
+                                            **kwargs)
                 except Exception as e:  # bad input: nothing was queued
                     self._deliver(stream, e)
                     self._fail_dropped(e)  # (or the step in flight failed while it waited)
@@ -259,12 +394,14 @@ class AsyncEngine:
                 self._apply_commands()
                 self._flush()  # (the verdicts of the adds: a bad request hears at once)
                 if not self.engine.has_unfinished_requests():
+                    self._publish_stats()
                     self._flush()
-                    self.stats = self.engine.stats()
                     self._wake.wait(0.1)
                     self._wake.clear()
                     continue
+                started = time.perf_counter()
                 outputs = self.engine.step()
+                elapsed = time.perf_counter() - started
             except Exception as e:  # the engine aborted every request; tell them
                 logger.exception("engine step failed")
                 self.errors += 1
@@ -280,8 +417,18 @@ class AsyncEngine:
                 self._deliver(stream, out)
             # NOTE: the stats first: a client that has its last token reads them
             # already counting its request as done (/metrics right after a response).
-            self.stats = self.engine.stats()
+            self._publish_stats(elapsed)
             self._flush()
+
+    def _publish_stats(self, step_seconds: float | None = None) -> None:
+        """The engine's stats for /metrics, with the step just made (if any) counted."""
+        stats = self.engine.stats()
+        if step_seconds is not None:
+            # (a request's first token came out of this step: its prefill ran in it)
+            prefill = stats.get("num_prompt_tokens", 0) > self.stats.get("num_prompt_tokens", 0)
+            self.step_times.observe(step_seconds, prefill)
+        stats["step_seconds"] = self.step_times.snapshot()
+        self.stats = stats
 
     def _close(self) -> None:
         """Ends every caller's wait as the thread stops: the adds still queued and

@@ -8,7 +8,9 @@ process (the engine thread of :class:`~.async_engine.AsyncEngine`, unchanged)
 and the HTTP side keeps only the streams: prompts are tokenized on the HTTP
 side (off the engine's path), and each step's outputs for every stream cross
 the pipe in one message (with the engine's stats), as they cross to the event
-loop in one call in the thread version.
+loop in one call in the thread version. The engine's side writes from a
+sender thread (the engine never waits for a busy HTTP side); the HTTP side's
+event loop reads the pipe itself (no reader thread to hand the GIL to).
 
 :class:`EngineProcess` offers what the routes and the shutdown use of
 :class:`~.async_engine.AsyncEngine`: ``add``, ``abort``, ``alive``,
@@ -21,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing
+import pickle
 import signal
 import threading
 from types import SimpleNamespace
@@ -33,8 +36,10 @@ from .async_engine import (
     EngineDeadError,
     QueueFullError,
     RequestStream,
+    _Detokenizers,
     _fan_out,
     _Stream,
+    detokenized_here,
 )
 
 logger = logging.getLogger("pagedcore.server")
@@ -44,12 +49,24 @@ _ACCEPTED_MARK = "__accepted__"  # _ACCEPTED across the pipe (an object() does n
 
 class _PipeEngine(AsyncEngine):
     """(child) The engine thread, handing its outputs to the pipe: a "stream"
-    is the request id; one message per hand-over, with the stats."""
+    is the request id; one message per hand-over, with the stats.
+
+    NOTE: the engine thread only queues its outputs; a sender thread encodes,
+    pickles and writes them. A write blocks while the pipe is full (the HTTP
+    side is busy): the engine thread must never wait for that, and while the
+    sender waits, the outputs of later steps gather and go in one message."""
 
     def __init__(self, engine, out, send_lock: threading.Lock) -> None:
         self._out, self._send_lock = out, send_lock
         self._sent_stats: dict | None = None
-        self._started: set[str] = set()  # requests whose prompt went over already
+        self._started: set[str] = set()  # (sender thread) requests whose prompt went over already
+        self._queued = threading.Condition()
+        self._to_send: list[tuple[str, Any]] = []  # under _queued: items for the sender
+        self._send_stats: dict | None = None  # under _queued: the stats to send with them (None: nothing new)
+        self._sender_done = False  # under _queued: send what is left, then end
+        self._aborted: list[str] = []  # under _queued: requests for _started to forget
+        self._sender = threading.Thread(target=self._send_loop, name="pagedcore-engine-sender", daemon=True)
+        self._sender.start()
         super().__init__(engine)
 
     def _encode(self, request_id: str, item: Any) -> Any:
@@ -77,28 +94,55 @@ class _PipeEngine(AsyncEngine):
         item.prompt, item.prompt_token_ids = None, None  # (a delta of this step: nobody else holds it)
         return item
 
-    def abort(self, request_id: str) -> None:
-        self._started.discard(request_id)
-        super().abort(request_id)
-
     def _flush(self) -> None:
-        stats = self.engine.stats()
+        """(engine thread) Hands the queued items and the stats to the sender."""
+        stats = self.stats
         if not self._outbox and stats == self._sent_stats:
             return
-        items = [(rid, self._encode(rid, item)) for rid, item in self._outbox]
+        with self._queued:
+            self._to_send += self._outbox
+            self._send_stats = stats
+            self._queued.notify()
         self._outbox = []
         self._sent_stats = stats
-        try:
-            with self._send_lock:
-                self._out.send(("out", items, stats, self.errors))
-        except (OSError, ValueError):  # the HTTP side has gone: nothing to tell
-            self._stop.set()
 
-    def submit(self, request_id: str, prompt, ids, params, special: bool) -> None:
+    def _send_loop(self) -> None:
+        """(sender thread) Sends what the engine thread queued, all of it in one message."""
+        while True:
+            with self._queued:
+                while not self._to_send and self._send_stats is None and not self._sender_done:
+                    self._queued.wait()
+                if not self._to_send and self._send_stats is None:
+                    return  # (done, nothing left)
+                items, stats, self._to_send, self._send_stats = self._to_send, self._send_stats, [], None
+                aborted, self._aborted = self._aborted, []
+            message = ("out", [(rid, self._encode(rid, item)) for rid, item in items], stats, self.errors)
+            self._started.difference_update(aborted)
+            try:
+                with self._send_lock:
+                    self._out.send_bytes(_dumps(message))
+            except (OSError, ValueError):  # the HTTP side has gone: nothing to tell
+                self._stop.set()
+                self._wake.set()
+                return
+
+    def abort(self, request_id: str) -> None:
+        with self._queued:
+            self._aborted.append(request_id)
+        super().abort(request_id)
+
+    def close_sender(self, timeout: float = 30.0) -> None:
+        """Sends what is queued and ends the sender thread (call after shutdown())."""
+        with self._queued:
+            self._sender_done = True
+            self._queued.notify()
+        self._sender.join(timeout)
+
+    def submit(self, request_id: str, prompt, ids, params, special: bool, here: bool) -> None:
         with self._lock:
             if not self._dead:
                 self._pending += 1
-                self._commands.put(("add", request_id, prompt, ids, params, special, request_id))
+                self._commands.put(("add", request_id, prompt, ids, params, special, here, request_id))
                 self._wake.set()
                 return
         with self._send_lock:
@@ -135,11 +179,76 @@ def _child_main(engine_args, commands, out, log_level: str, engine_factory) -> N
                 break
     finally:
         runner.shutdown(timeout=60.0)  # the thread ends every request left (an error each)
+        runner.close_sender()  # (its last messages go before "closed")
         try:
             with send_lock:
                 out.send(("closed",))
         except (OSError, ValueError):
             pass
+
+
+class _Rebuilder:
+    """(event loop) A request's outputs as _PipeEngine._encode sent them, back
+    as RequestOutputs: the first one whole (its prompt is kept), later ones
+    without the prompt (put back), plain deltas as tuples. With ``merge``, each
+    run of tuples becomes one output (the deltas' texts joined, token ids
+    appended, the last finish): one object per chunk the handler sends, however
+    many steps it carries."""
+
+    __slots__ = ("request_id", "prompt", "prompt_token_ids")
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id, self.prompt, self.prompt_token_ids = request_id, None, []
+
+    def __call__(self, items: list, merge: bool) -> list[RequestOutput]:
+        outs: list[RequestOutput] = []
+        run: list[tuple] = []
+        for item in items:
+            if item.__class__ is tuple:
+                run.append(item)
+                if merge:
+                    continue
+            if run:
+                outs.append(self._from_tuples(run))
+                run = []
+            if item.__class__ is tuple:
+                continue
+            if item.prompt_token_ids is not None:  # (the request's first output)
+                self.prompt, self.prompt_token_ids = item.prompt, item.prompt_token_ids
+            else:
+                item.prompt, item.prompt_token_ids = self.prompt, self.prompt_token_ids
+            outs.append(item)
+        if run:
+            outs.append(self._from_tuples(run))
+        return outs
+
+    def _from_tuples(self, run: list[tuple]) -> RequestOutput:
+        completions: dict[int, CompletionOutput] = {}
+        for index, text, token_ids, cumulative, finish_reason, stop_reason, _ in run:
+            c = completions.get(index)
+            if c is None:
+                completions[index] = CompletionOutput(index, text, list(token_ids), cumulative, None, finish_reason,
+                                                      stop_reason)
+                continue
+            c.text += text
+            c.token_ids += token_ids
+            c.cumulative_logprob = cumulative
+            if finish_reason is not None:
+                c.finish_reason, c.stop_reason = finish_reason, stop_reason
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids,
+                             [completions[k] for k in sorted(completions)], run[-1][6])
+
+
+def _widen_pipe(fd: int, size: int = 1 << 20) -> None:
+    """Asks Linux for a pipe buffer of `size` bytes (64 KiB by default; 1 MiB is
+    the usual unprivileged limit): the outputs of more steps fit in while the
+    HTTP side is busy, before the engine's sender has to wait."""
+    try:
+        import fcntl
+
+        fcntl.fcntl(fd, getattr(fcntl, "F_SETPIPE_SZ", 1031), size)
+    except (ImportError, OSError):
+        pass  # (not Linux, or over the limit: the default size works, only with more waits)
 
 
 class EngineProcess:
@@ -166,6 +275,7 @@ class EngineProcess:
         self._proc.start()
         commands_in.close()
         out_end.close()
+        _widen_pipe(self._out.fileno())
         tokenizer = (load_tokenizer_in_background(resolve_model_path(engine_args.tokenizer or engine_args.model))
                      if engine_factory is None else None)
         try:
@@ -180,13 +290,16 @@ class EngineProcess:
         self.stats: dict[str, Any] = message[1]["stats"]
         self.errors = 0
         self._streams: dict[str, _Stream] = {}
-        self._prompts: dict[str, tuple] = {}  # request id -> (prompt text, ids), from its first output
         self._pending = 0  # adds sent, not answered yet
         self._send_lock = threading.Lock()
         self._dead = False
         self._stopping = False
-        self._reader = threading.Thread(target=self._read, name="pagedcore-engine-pipe", daemon=True)
-        self._reader.start()
+        # NOTE: the pipe is read by the event loop itself (add_reader), attached at the
+        # first request, not by a thread: a reader thread must take the GIL from the
+        # busy loop for every message, which waits up to the switch interval (5 ms)
+        # and so delays every stream's tokens by as much.
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._closed = threading.Event()  # "closed" (or EOF) read: nothing more comes
 
     # ---- the routes' side (event loop) -------------------------------------------
 
@@ -207,11 +320,16 @@ class EngineProcess:
         if prompt_token_ids is None and prompt is not None:
             # NOTE: here, not in the engine's process: tokenizing is off the engine's path.
             prompt_token_ids = self.engine.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
-        stream = _Stream(asyncio.get_running_loop())
+        loop = asyncio.get_running_loop()
+        if self._loop is None:
+            self._loop = loop
+            loop.add_reader(self._out.fileno(), self._on_readable)
+        stream = _Stream(loop)
+        here = detokenized_here(self.engine.tokenizer, params)
         self._streams[request_id] = stream
         self._pending += 1
         try:
-            self._send(("add", request_id, prompt, prompt_token_ids, params, add_special_tokens))
+            self._send(("add", request_id, prompt, prompt_token_ids, params, add_special_tokens, here))
             items = await stream.take()
         except BaseException:
             self.abort(request_id)
@@ -223,10 +341,10 @@ class EngineProcess:
             self._streams.pop(request_id, None)
             raise verdict
         stream.items.extendleft(reversed(items[1:]))
-        return RequestStream(self, request_id, stream)
+        return RequestStream(self, request_id, stream, _Detokenizers(self.engine.tokenizer, params) if here else None,
+                             _Rebuilder(request_id))
 
     def abort(self, request_id: str) -> None:
-        self._prompts.pop(request_id, None)
         if self._streams.pop(request_id, None) is not None and not self._dead:
             try:
                 self._send(("abort", request_id))
@@ -242,7 +360,14 @@ class EngineProcess:
         except EngineDeadError:
             pass
         # (the child ends the step in flight, then every request left)
-        self._reader.join(timeout + 10)
+        loop = self._loop
+        on_loop = loop is not None and loop.is_running() and _running_loop() is loop
+        if loop is not None and loop.is_running() and not on_loop:
+            self._closed.wait(timeout + 10)  # (the loop reads the rest)
+        if not self._closed.is_set():  # the loop is gone (or is this thread): read the rest here
+            if loop is not None and not loop.is_closed() and (on_loop or not loop.is_running()):
+                loop.remove_reader(self._out.fileno())
+            self._drain(timeout + 10)
         self._proc.join(timeout)
         if self._proc.is_alive():
             self._proc.terminate()
@@ -251,70 +376,96 @@ class EngineProcess:
     def _send(self, message: tuple) -> None:
         try:
             with self._send_lock:
-                self._commands.send(message)
+                self._commands.send_bytes(_dumps(message))
         except (OSError, ValueError):
             raise EngineDeadError("the engine loop has stopped") from None
 
-    # ---- the pipe's reader (thread) --------------------------------------------------
+    # ---- the pipe's reader (the event loop) ------------------------------------------
 
-    def _decode(self, request_id: str, item: Any) -> RequestOutput:
-        """The RequestOutput that _PipeEngine._encode sent (see there)."""
-        if isinstance(item, RequestOutput) and item.prompt_token_ids is not None:
-            self._prompts[request_id] = (item.prompt, item.prompt_token_ids)  # (its first output)
-            return item
-        prompt, ids = self._prompts.get(request_id, (None, []))
-        if isinstance(item, RequestOutput):
-            item.prompt, item.prompt_token_ids = prompt, ids
-            return item
-        index, text, token_ids, cumulative, finish_reason, stop_reason, finished = item
-        return RequestOutput(request_id, prompt, ids, [CompletionOutput(
-            index, text, token_ids, cumulative, None, finish_reason, stop_reason)], finished)
-
-    def _read(self) -> None:
+    def _on_readable(self) -> None:
+        """(event loop) Handles the messages the pipe holds (a few at a time: the
+        loop has streams to write too)."""
         try:
-            while True:
-                message = self._out.recv()
-                if message[0] == "closed":
-                    break
-                _, items, stats, errors = message
-                if stats is not None:
-                    self.stats = stats
-                self.errors = errors
-                by_loop: dict[asyncio.AbstractEventLoop, list] = {}
-                for request_id, item in items:
-                    if isinstance(item, str):  # _ACCEPTED_MARK
-                        stream, item = self._streams.get(request_id), _ACCEPTED
-                    elif isinstance(item, BaseException):
-                        stream = self._streams.pop(request_id, None)
-                        self._prompts.pop(request_id, None)
-                    else:
-                        item = self._decode(request_id, item)
-                        if item.finished:
-                            stream = self._streams.pop(request_id, None)
-                            self._prompts.pop(request_id, None)
-                        else:
-                            stream = self._streams.get(request_id)
-                    if stream is not None:
-                        by_loop.setdefault(stream.loop, []).append((stream, item))
-                for loop, deliveries in by_loop.items():
-                    try:
-                        loop.call_soon_threadsafe(_fan_out, deliveries)
-                    except RuntimeError:  # its event loop is closed
-                        pass
+            for _ in range(64):
+                if not self._out.poll():
+                    return
+                if not self._handle(self._out.recv(), on_loop=True):
+                    break  # ("closed")
+            else:
+                return  # (more next time round: the pipe stays readable)
         except (EOFError, OSError):
             if not self._stopping:
                 logger.error("the engine process has stopped (exit code %s)", self._proc.exitcode)
-        finally:
-            self._dead = True
-            why = "server shutting down" if self._stopping else "the engine process has stopped"
-            error = EngineDeadError if self._stopping else RuntimeError
-            by_loop = {}
-            for request_id in list(self._streams):
-                stream = self._streams.pop(request_id, None)
-                if stream is not None:
-                    by_loop.setdefault(stream.loop, []).append((stream, error(why)))
-            for loop, deliveries in by_loop.items():
-                try:
-                    loop.call_soon_threadsafe(_fan_out, deliveries)
-                except RuntimeError:
-                    pass
+        self._loop.remove_reader(self._out.fileno())
+        self._end(on_loop=True)
+
+    def _drain(self, timeout: float) -> None:
+        """(any thread, no loop reading the pipe) Handles the messages up to "closed"."""
+        try:
+            while self._out.poll(timeout) and self._handle(self._out.recv(), on_loop=False):
+                pass
+        except (EOFError, OSError):
+            pass
+        self._end(on_loop=False)
+
+    def _handle(self, message: tuple, on_loop: bool) -> bool:
+        """Routes one message's items to their streams; False for "closed"."""
+        if message[0] == "closed":
+            return False
+        _, items, stats, errors = message
+        if stats is not None:
+            self.stats = stats
+        self.errors = errors
+        deliveries = []
+        # NOTE: the items stay as they crossed (a plain delta: a tuple); the
+        # stream's handler rebuilds RequestOutputs once per chunk, for all the
+        # deltas it takes at once (_Rebuilder), not one per delta here.
+        for request_id, item in items:
+            if item.__class__ is tuple:
+                finished = item[6]
+            elif isinstance(item, str):  # _ACCEPTED_MARK
+                item, finished = _ACCEPTED, False
+            else:
+                finished = isinstance(item, BaseException) or item.finished
+            stream = self._streams.pop(request_id, None) if finished else self._streams.get(request_id)
+            if stream is not None:
+                deliveries.append((stream, item))
+        self._deliver(deliveries, on_loop)
+        return True
+
+    def _deliver(self, deliveries: list, on_loop: bool) -> None:
+        if on_loop:
+            _fan_out(deliveries)
+            return
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for stream, item in deliveries:
+            by_loop.setdefault(stream.loop, []).append((stream, item))
+        for loop, part in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_fan_out, part)
+            except RuntimeError:  # its event loop is closed: nobody is waiting any more
+                pass
+
+    def _end(self, on_loop: bool) -> None:
+        """Nothing more comes from the engine: the streams left get an error."""
+        self._dead = True
+        why = "server shutting down" if self._stopping else "the engine process has stopped"
+        error = EngineDeadError if self._stopping else RuntimeError
+        streams, self._streams = list(self._streams.values()), {}
+        self._deliver([(stream, error(why)) for stream in streams], on_loop)
+        self._closed.set()
+
+
+def _dumps(message: tuple) -> bytes:
+    """A message for Connection.send_bytes (recv() on the other end reads it).
+    NOTE: plain pickle: Connection.send builds a ForkingPickler (with its reducer
+    table) per message, ~5% of a request's admission; messages hold no sockets
+    or connections, which is all it is for."""
+    return pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None

@@ -1,16 +1,21 @@
 """Prometheus metrics of the server: engine gauges and counters read from the
-engine thread's latest stats snapshot at scrape time, and latency histograms
-observed by the request handlers."""
+engine thread's latest stats snapshot at scrape time, latency histograms
+observed by the request handlers, and two that tell where a stream's long
+inter-token gaps come from: the engine's step times (steps with a prefill
+apart) and the lag of the HTTP side's event loop."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from ..outputs import RequestOutput
 
+LOOP_LAG_INTERVAL_S = 0.01
+_LAG_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 _BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 
@@ -39,6 +44,20 @@ class _EngineCollector:
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(name, doc, value=value)
+        steps = s.get("step_seconds")
+        if steps:
+            from .async_engine import STEP_BUCKETS
+
+            family = HistogramMetricFamily(
+                "pagedcore_engine_step_seconds", "wall time of engine steps; kind=prefill: a request's first "
+                "token came out of the step", labels=["kind"])
+            for kind, (counts, total) in steps.items():
+                cumulative, buckets = 0, []
+                for bound, count in zip((*map(str, STEP_BUCKETS), "+Inf"), counts):
+                    cumulative += count
+                    buckets.append((bound, cumulative))
+                family.add_metric([kind], buckets, sum_value=total)
+            yield family
 
 
 class RequestTimer:
@@ -72,6 +91,19 @@ class Metrics:
                              registry=self.registry)
         self.e2e = Histogram("pagedcore_e2e_request_latency_seconds", "request latency, arrival to last token",
                              buckets=_BUCKETS, registry=self.registry)
+        self.loop_lag = Histogram("pagedcore_event_loop_lag_seconds",
+                                  f"how late the HTTP side's event loop ran a callback due every "
+                                  f"{LOOP_LAG_INTERVAL_S * 1e3:g} ms (a stall delays every stream's writes)",
+                                  buckets=_LAG_BUCKETS, registry=self.registry)
+
+    async def watch_loop_lag(self) -> None:
+        """Runs until cancelled: sleeps LOOP_LAG_INTERVAL_S at a time and records how
+        much later than due each wake-up came."""
+        loop = asyncio.get_running_loop()
+        while True:
+            due = loop.time() + LOOP_LAG_INTERVAL_S
+            await asyncio.sleep(LOOP_LAG_INTERVAL_S)
+            self.loop_lag.observe(max(0.0, loop.time() - due))
 
     def request_timer(self, arrival: float) -> RequestTimer:
         return RequestTimer(self, arrival)
