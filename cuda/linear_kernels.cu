@@ -19,6 +19,7 @@
 #include <cstdlib>
 #include <type_traits>
 
+#include "device_ops.cuh"
 #include "linear_mma.h"
 #include "pagedcore/cuda/layer_kernels.h"
 #include "pdl.cuh"
@@ -27,16 +28,12 @@ namespace pagedcore::cuda {
 
 namespace {
 
+using dev::from_float;
+using dev::load_streaming;
+using dev::to_float;
+
 constexpr int kWarps = 8;   // output features per CTA
 constexpr int kUnroll = 4;  // 16-byte weight loads in flight per lane
-
-__device__ __forceinline__ uint4 load_streaming(const void* p) {
-  uint4 r;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-               : "l"(p));
-  return r;
-}
 
 // Eight T (16 bytes) as floats.
 template <typename T>
@@ -55,23 +52,6 @@ __device__ __forceinline__ void widen8(const uint4& raw, float (&f)[8]) {
   }
 }
 
-template <typename T>
-__device__ __forceinline__ float to_float(T x) {
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    return __bfloat162float(x);
-  } else {
-    return __half2float(x);
-  }
-}
-
-template <typename T>
-__device__ __forceinline__ T from_float(float x) {
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    return __float2bfloat16_rn(x);
-  } else {
-    return __float2half_rn(x);
-  }
-}
 
 // One input row: KW warps share each output feature, each reading a contiguous
 // part of its weight row (split k), so that a product of few long rows still

@@ -47,6 +47,7 @@
 #include <mutex>
 #include <type_traits>
 
+#include "device_ops.cuh"
 #include "pdl.cuh"
 
 namespace pagedcore::cuda {
@@ -54,58 +55,18 @@ namespace pagedcore::cuda {
 namespace {
 
 namespace cg = cooperative_groups;
+using dev::from_float;
+using dev::load_streaming;
+using dev::mma16816;
+using dev::to_float;
 
 constexpr int kWarps = 8;       // warps per CTA
 constexpr int kChunk = 32;      // k per chunk: 16 bytes of a row per lane of a quad
 constexpr int kUnroll = 4;      // chunks in flight per warp (2 weight loads each per lane)
 constexpr int kMaxCluster = 8;  // portable cluster size
 
-__device__ __forceinline__ uint4 load_streaming(const void* ptr) {
-  uint4 r;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-               : "l"(ptr));
-  return r;
-}
-
 __device__ __forceinline__ uint32_t word(const uint4& v, int i) {
   return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
-}
-
-// c += a * b on a 16x8x16 tile, float32 accumulators.
-template <typename T>
-__device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  } else {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-}
-
-template <typename T>
-__device__ __forceinline__ float to_float(T v) {
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    return __bfloat162float(v);
-  } else {
-    return __half2float(v);
-  }
-}
-
-template <typename T>
-__device__ __forceinline__ T from_float(float v) {
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    return __float2bfloat16_rn(v);
-  } else {
-    return __float2half_rn(v);
-  }
 }
 
 // NT: n8 tiles of tokens (1: up to 8 rows, 2: up to 16). splits: warps of a CTA
