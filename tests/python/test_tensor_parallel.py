@@ -34,15 +34,9 @@ from pagedcore.distributed.driver import TensorParallelError  # noqa: E402
 from pagedcore.models import model_spec_from_config  # noqa: E402
 from pagedcore.models.parallel import TensorParallelShard  # noqa: E402
 
-VOCAB = 384
+from test_models_hf import COMMON, PROMPT_LENS, VOCAB  # noqa: E402  (the tiny models' shared shape)
+
 NEW_TOKENS = 24
-PROMPT_LENS = (3, 17, 40, 77)
-COMMON = dict(
-    vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-    num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
-    rms_norm_eps=1e-6, initializer_range=0.2, tie_word_embeddings=False,
-    bos_token_id=1, eos_token_id=2, pad_token_id=0,
-)
 # name -> (config class, overrides): every family of test_models_hf, and the GQA
 # shapes that split differently over 2 ranks.
 MODELS = {
