@@ -415,6 +415,8 @@ def linear_rows(quick: bool) -> list[tuple]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--only", choices=("decode",), default=None,
+                        help="decode: the decode attention rows alone (and FlashInfer's)")
     args = parser.parse_args()
     torch.manual_seed(0)
     with ops.unchecked_indices():  # checks synchronise; graphs cannot capture that
@@ -446,6 +448,11 @@ def run(args) -> None:
     ours, theirs, nbytes, err = decode_case(64, 4096, 32, 8, 128, 16, fp8=True)
     rows.append(("decode fp8 KV B=64 L=4096 bs=16 (32/8, d128)", ours, theirs, nbytes / ours / 1e3, err))
     fp8_ratio = ours / bf16_us
+    if args.only == "decode":
+        print_rows(bw, rows)
+        print(f"fp8 KV / bf16 KV time at B=64 L=4k bs=16: {fp8_ratio:.2f}x")
+        print_flashinfer(rows)
+        return
 
     # Cache write of 16k tokens, block copy, swap.
     kv, hd = 8, 128
@@ -480,11 +487,7 @@ def run(args) -> None:
     prefill_ours, prefill_sdpa, prefill_err = prefill_case(8192 if not args.quick else 2048, 32, 8, 128)
     prefill_flops = 4 * 8192 * 8192 / 2 * 32 * 128 if not args.quick else 4 * 2048 * 2048 / 2 * 32 * 128
 
-    print(f"\ncopy bandwidth (read+write): {bw:.0f} GB/s; {torch.cuda.get_device_name()}")
-    print(f"{'case':<48}{'pagedcore us':>14}{'peer us':>10}{'peer/ours':>11}{'GB/s':>9}{'rel err':>10}")
-    for name, ours, theirs, gbs, err in rows:
-        peer = f"{theirs:10.1f}{theirs / ours:10.2f}x" if theirs is not None else f"{'-':>10}{'-':>11}"
-        print(f"{name:<48}{ours:14.1f}{peer}{gbs:9.0f}{err:10.1e}")
+    print_rows(bw, rows)
     print(f"{'prefill 8k causal (32/8, d128) vs SDPA flash':<48}{prefill_ours:14.1f}{prefill_sdpa:10.1f}"
           f"{prefill_sdpa / prefill_ours:10.2f}x{prefill_flops / prefill_ours / 1e6:7.0f} TFLOP/s{prefill_err:9.1e}")
     print(f"fp8 KV / bf16 KV time at B=64 L=4k bs=16: {fp8_ratio:.2f}x")
@@ -493,6 +496,18 @@ def run(args) -> None:
         print(f"{name:<42}{kernel:<26}{us:10.1f}{tflops:9.0f}{err:10.1e}")
     for note in prefill_notes:
         print(f"prefill peer {note}")
+    print_flashinfer(rows)
+
+
+def print_rows(bw: float, rows: list[tuple]) -> None:
+    print(f"\ncopy bandwidth (read+write): {bw:.0f} GB/s; {torch.cuda.get_device_name()}")
+    print(f"{'case':<48}{'pagedcore us':>14}{'peer us':>10}{'peer/ours':>11}{'GB/s':>9}{'rel err':>10}")
+    for name, ours, theirs, gbs, err in rows:
+        peer = f"{theirs:10.1f}{theirs / ours:10.2f}x" if theirs is not None else f"{'-':>10}{'-':>11}"
+        print(f"{name:<48}{ours:14.1f}{peer}{gbs:9.0f}{err:10.1e}")
+
+
+def print_flashinfer(rows: list[tuple]) -> None:
     if "error" in FLASHINFER:
         print(f"FlashInfer 0.6.13 peer: {FLASHINFER['error']}")
     for label, (us, err) in FLASHINFER.items() if "error" not in FLASHINFER else []:
