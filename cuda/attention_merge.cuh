@@ -88,16 +88,20 @@ __device__ void merge_splits(const PagedAttentionParams& p, int work, int kv_hea
       const int v = i / Q;
       const int d = (i % Q) * 4;
       float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+      // NOTE: the loads do not depend on the weights, so that an unrolled
+      // loop has them all in flight at once (a branch per split serialised
+      // them); a zero weight's partial is dropped by a select, not a
+      // product, in case its slot holds anything but a finite number.
 #pragma unroll 8
       for (int s = 0; s < splits; ++s) {
-        const float w = s_w[s * kChunk + v];
-        if (w == 0.f) continue;  // an empty split's output is never written
         const int64_t slot = first + static_cast<int64_t>(s) * kSlots + v0 + v;
         const float4 x = __ldcg(reinterpret_cast<const float4*>(partial_out + slot * HD + d));
-        acc.x += w * x.x;
-        acc.y += w * x.y;
-        acc.z += w * x.z;
-        acc.w += w * x.w;
+        const float w = s_w[s * kChunk + v];
+        const bool use = w != 0.f;
+        acc.x += use ? w * x.x : 0.f;
+        acc.y += use ? w * x.y : 0.f;
+        acc.z += use ? w * x.z : 0.f;
+        acc.w += use ? w * x.w : 0.f;
       }
       const int vv = v0 + v;
       T* dst = out + ((q_begin + t0 + static_cast<int64_t>(vv / group)) * p.num_heads + kv_head * group + vv % group) * HD + d;
