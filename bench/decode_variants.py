@@ -4,7 +4,7 @@ replays, median us) under each setting of the environment switches the kernel re
 with its error against SDPA on the same keys gathered contiguously.
 
   PAGEDCORE_DECODE_DEEP_CTAS  decode launches of at most this many CTAs keep more tiles in
-                              flight (default two per SM; 0: never, 100000: always)
+                              flight (default one per SM; 0: never, 100000: always)
   PAGEDCORE_FP8_FAST_CVT      fp8 widened by integer operations (1, default) or cvt (0)
 
 Usage: python3 bench/decode_variants.py

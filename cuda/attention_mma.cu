@@ -686,15 +686,19 @@ int launch_variant(const PagedAttentionParams& p, cudaStream_t stream) {
   return merge_attention_splits(p, DECODE, stream);
 }
 
-// Decode launches of at most PAGEDCORE_DECODE_DEEP_CTAS CTAs (default: two per
-// multiprocessor; 0 turns it off) take the deep pipeline; fp8 caches are
-// widened by integer operations unless PAGEDCORE_FP8_FAST_CVT=0.
+// Decode launches of at most PAGEDCORE_DECODE_DEEP_CTAS CTAs (default: one per
+// multiprocessor, the deep variant's occupancy; 0 turns it off) take the deep
+// pipeline; fp8 caches are widened by integer operations unless
+// PAGEDCORE_FP8_FAST_CVT=0. NOTE: measured on the H200 (bench/decode_variants.py):
+// deep 14.6 against 15.1 us at B=1 L=4k, no change at L=256; at two per SM it
+// also took B=1 L=32k (264 CTAs of ~1000 keys) and lost there, 61.5 against 52.3.
+// Integer fp8 widening: 197.5 against 200.8 us at B=64 L=4k (within the noise).
 template <typename T, typename CT, int HD, bool DECODE>
 int launch_kernel(const PagedAttentionParams& p, cudaStream_t stream) {
   constexpr bool FP8 = std::is_same_v<CT, uint8_t>;
   if constexpr (DECODE) {
     const int64_t ctas = static_cast<int64_t>(p.num_kv_heads) * p.num_decode * p.decode_splits;
-    const bool deep = ctas <= env_int("PAGEDCORE_DECODE_DEEP_CTAS", 2 * multiprocessors());
+    const bool deep = ctas <= env_int("PAGEDCORE_DECODE_DEEP_CTAS", multiprocessors());
     const bool fast = FP8 && env_int("PAGEDCORE_FP8_FAST_CVT", 1) != 0;
     if (deep) {
       return fast ? launch_variant<T, CT, HD, true, deep_stages<HD>(), FP8>(p, stream)
