@@ -39,6 +39,8 @@ from pagedcore.llm_engine import EngineArgs, LLMEngine  # noqa: E402
 from pagedcore.server.app import build_app  # noqa: E402
 from pagedcore.server.async_engine import AsyncEngine  # noqa: E402
 
+from server_faults import FaultInjector, kill_thread, nan_logits  # noqa: E402
+
 MODEL = "tiny"
 ENGINE = dict(num_kv_blocks=64, max_model_len=256, device="cpu")
 PROMPT = "A dog of France is"
@@ -69,65 +71,19 @@ def llm(checkpoint) -> LLM:
     return LLM(model=str(checkpoint), tokenizer=pagedcore.default_model_path(), **ENGINE)
 
 
-class FaultInjector:
-    """Wraps a model runner's ``execute``: once armed, the forward pass after
-    ``healthy`` more good ones fails the way the test asks.
-
-    NOTE: no real failure of the engine can be triggered on demand, so it is
-    injected here, at the model's output, and everything after it is the real
-    path: NaN logits are what a numerical blow-up gives, and the sampler, the
-    failed-step handling of LLMEngine, the engine thread and the server react
-    to them as they would in production."""
-
-    def __init__(self, runner) -> None:
-        self._execute = runner.execute
-        self._healthy: int | None = None
-        self._fault = None
-        runner.execute = self
-
-    def arm(self, healthy: int, fault) -> None:
-        self._healthy, self._fault = healthy, fault
-
-    def __call__(self, batch):
-        logits = self._execute(batch)
-        if self._healthy is None:
-            return logits
-        if self._healthy > 0:
-            self._healthy -= 1
-            return logits
-        fault, self._healthy, self._fault = self._fault, None, None
-        return fault(logits)
-
-
-def nan_logits(logits: torch.Tensor) -> torch.Tensor:
-    return torch.full_like(logits, float("nan"))
-
-
-class EngineThreadKilled(BaseException):
-    """Not an Exception: what no handler of the engine loop catches."""
-
-
-def kill_thread(logits: torch.Tensor) -> torch.Tensor:
-    raise EngineThreadKilled("injected")
-
-
 @dataclass
 class Served:
     url: str
     engine: AsyncEngine
-    faults: FaultInjector
+    faults: FaultInjector | None  # (None: the engine is in a process of its own)
     loop: object  # the server's event loop
 
 
-@pytest.fixture(scope="module")
-def serve(checkpoint):
-    """Builds a fresh engine and app and serves them on 127.0.0.1 (a context manager)."""
-
-    @contextmanager
-    def start() -> Iterator[Served]:
-        engine = LLMEngine(EngineArgs(model=str(checkpoint), tokenizer=pagedcore.default_model_path(), **ENGINE))
-        faults = FaultInjector(engine.runner)
-        async_engine = AsyncEngine(engine)
+@contextmanager
+def serving(async_engine, faults: FaultInjector | None = None) -> Iterator[Served]:
+    """Serves the app over ``async_engine`` on 127.0.0.1 (uvicorn in a thread);
+    shuts the engine down at the end."""
+    try:
         server = uvicorn.Server(uvicorn.Config(build_app(async_engine, MODEL), host="127.0.0.1", port=0,
                                                log_level="warning", access_log=False))
         thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)
@@ -142,7 +98,22 @@ def serve(checkpoint):
         finally:
             server.should_exit = True
             thread.join(30)
-            async_engine.shutdown()
+    finally:
+        async_engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def serve(checkpoint):
+    """Builds a fresh engine (EngineArgs overrides as keywords) and app and serves
+    them on 127.0.0.1 (a context manager)."""
+
+    @contextmanager
+    def start(**overrides) -> Iterator[Served]:
+        engine = LLMEngine(EngineArgs(model=str(checkpoint), tokenizer=pagedcore.default_model_path(),
+                                      **{**ENGINE, **overrides}))
+        faults = FaultInjector(engine.runner)
+        with serving(AsyncEngine(engine), faults) as served:
+            yield served
 
     return start
 
@@ -151,6 +122,22 @@ def serve(checkpoint):
 def server(serve) -> Iterator[Served]:
     with serve() as served:
         yield served
+
+
+@pytest.fixture(scope="module")
+def server_async_scheduling(serve) -> Iterator[Served]:
+    """As ``server``, with async scheduling (step n+1 launched before step n's
+    tokens reach the host; the default on CUDA)."""
+    with serve(async_scheduling=True) as served:
+        yield served
+
+
+@pytest.fixture(params=["sync", "async scheduling"])
+def faulty(request, server, server_async_scheduling) -> Iterator[tuple[Served, httpx.Client]]:
+    """Each server (without and with async scheduling) and a client of it."""
+    served = server if request.param == "sync" else server_async_scheduling
+    with httpx.Client(base_url=served.url, timeout=60) as c:
+        yield served, c
 
 
 @pytest.fixture(scope="module")
@@ -361,10 +348,12 @@ def _text_of(chunk: dict) -> str:
 
 
 @pytest.mark.parametrize("route", list(STREAMS))
-def test_a_step_failing_mid_stream_sends_an_error_event_then_done(server, http, llm, route) -> None:
+def test_a_step_failing_mid_stream_sends_an_error_event_then_done(faulty, llm, route) -> None:
+    server, http = faulty
     path, fields = STREAMS[route]
     body = {"model": MODEL, "temperature": 0, "max_tokens": 20, "ignore_eos": True, "stream": True, **fields}
     # The prefill and 2 decode steps go well (3 tokens); the 4th forward pass gives NaN logits.
+    # (With async scheduling the 5th is launched before the 4th's NaN is seen: still 3 tokens.)
     server.faults.arm(3, nan_logits)
     with http.stream("POST", path, json=body) as r:
         assert r.status_code == 200
@@ -460,7 +449,8 @@ def test_metrics_count_each_step_of_a_request_and_the_loop_lag(server, http) -> 
     assert grew("pagedcore_event_loop_lag_seconds_count") >= 3
 
 
-def test_a_step_failing_under_a_non_streamed_request_is_500(server, http, caplog) -> None:
+def test_a_step_failing_under_a_non_streamed_request_is_500(faulty, caplog) -> None:
+    server, http = faulty
     server.faults.arm(2, nan_logits)
     with caplog.at_level("ERROR", logger="uvicorn.error"):
         r = http.post("/v1/completions",
