@@ -12,7 +12,9 @@ would in production.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -52,3 +54,26 @@ class EngineThreadKilled(BaseException):
 
 def kill_thread(logits: torch.Tensor) -> torch.Tensor:
     raise EngineThreadKilled("injected")
+
+
+def stall(logits: torch.Tensor) -> torch.Tensor:
+    """The engine loop hangs in this step (until its process is killed)."""
+    time.sleep(3600)
+    return logits
+
+
+@dataclass(frozen=True)
+class FaultyEngine:
+    """An ``engine_factory`` for :class:`pagedcore.server.engine_process.EngineProcess`:
+    the real LLMEngine of the engine args, armed at once with ``fault`` (a
+    function of this module) after ``healthy`` good forward passes."""
+
+    healthy: int
+    fault: Callable[[torch.Tensor], torch.Tensor]
+
+    def __call__(self, engine_args):
+        from pagedcore.llm_engine import LLMEngine
+
+        engine = LLMEngine(engine_args)
+        FaultInjector(engine.runner).arm(self.healthy, self.fault)
+        return engine

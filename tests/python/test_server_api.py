@@ -3,7 +3,9 @@ HTTP (the official ``openai`` client and raw httpx) against ``LLM.generate`` /
 ``LLM.chat`` on the same weights: every sampling field reaches the engine with
 its value, seeds reproduce, several prompts with n > 1 map to OpenAI's choice
 indices, chat content given as text parts, and what clients get when a step
-fails mid-stream or the engine thread dies.
+fails mid-stream (async scheduling off and on) or the engine dies: its loop
+raises (engine thread, and engine process), or the engine process is killed
+while requests wait for admission.
 
 The app and its engine thread run in this process, served by uvicorn on
 127.0.0.1, over a tiny random Llama (float32, CPU) that reads SmolLM2's
@@ -14,6 +16,8 @@ decoding repeats tokens: penalties change what it generates."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -39,7 +43,7 @@ from pagedcore.llm_engine import EngineArgs, LLMEngine  # noqa: E402
 from pagedcore.server.app import build_app  # noqa: E402
 from pagedcore.server.async_engine import AsyncEngine  # noqa: E402
 
-from server_faults import FaultInjector, kill_thread, nan_logits  # noqa: E402
+from server_faults import FaultInjector, kill_thread, nan_logits, stall  # noqa: E402
 
 MODEL = "tiny"
 ENGINE = dict(num_kv_blocks=64, max_model_len=256, device="cpu")
@@ -464,28 +468,115 @@ def test_a_step_failing_under_a_non_streamed_request_is_500(faulty, caplog) -> N
     assert http.get("/health").status_code == 200
 
 
-# ---- the engine thread dies ------------------------------------------------------------------------
+# ---- the engine dies ----------------------------------------------------------------------------------
+
+DIED = "engine died: the engine loop raised EngineThreadKilled: injected"
 
 
-def test_health_is_503_after_the_engine_thread_died(serve) -> None:
-    with serve() as served, httpx.Client(base_url=served.url, timeout=30) as http:
+def _refused_as_dead(http, message: str) -> None:
+    """/health and new requests (each route) get 503 with ``message``, at once."""
+    r = http.get("/health")
+    assert r.status_code == 503
+    assert r.json()["error"] == {"message": message, "type": "service_unavailable", "param": None,
+                                 "code": "engine_dead"}
+    for path, fields in STREAMS.values():
+        r = http.post(path, json={"model": MODEL, "max_tokens": 2, **fields})
+        assert r.status_code == 503, r.text
+        assert r.json()["error"] == {"message": message, "type": "service_unavailable", "param": None,
+                                     "code": "engine_dead"}
+
+
+@contextmanager
+def engine_process(checkpoint, fault, healthy: int) -> Iterator[Served]:
+    """The server with its engine in a process of its own (``serve --engine-process``):
+    the real engine there, its forward pass after ``healthy`` good ones failing with
+    ``fault`` (built in that process: server_faults.FaultyEngine)."""
+    from pagedcore.server.engine_process import EngineProcess
+
+    from server_faults import FaultyEngine
+
+    args = EngineArgs(model=str(checkpoint), tokenizer=pagedcore.default_model_path(), **ENGINE)
+    engine = EngineProcess(args, "WARNING", engine_factory=FaultyEngine(healthy, fault))
+    try:
+        with serving(engine) as served:
+            yield served
+    finally:
+        engine._proc.kill()  # (a stalled one would take the shutdown's timeouts)
+
+
+@pytest.mark.parametrize("mode", ["thread", "thread, async scheduling", "engine process"])
+def test_health_is_503_with_the_reason_after_the_engine_loop_died(serve, checkpoint, mode, caplog, capfd) -> None:
+    if mode == "engine process":
+        started = engine_process(checkpoint, kill_thread, healthy=2)
+    else:
+        started = serve(async_scheduling=mode.endswith("async scheduling"))
+    with started as served, httpx.Client(base_url=served.url, timeout=30) as http:
         assert http.get("/health").status_code == 200
-        served.faults.arm(2, kill_thread)
+        if served.faults is not None:
+            served.faults.arm(2, kill_thread)
         body = {"model": MODEL, "prompt": PROMPT, "temperature": 0, "max_tokens": 20, "ignore_eos": True,
                 "stream": True}
-        with http.stream("POST", "/v1/completions", json=body) as r:
+        with caplog.at_level("INFO"), http.stream("POST", "/v1/completions", json=body) as r:
             assert r.status_code == 200
             payloads = sse_payloads(r)
         # The stream in flight ends with an error event and [DONE] (it does not hang).
         assert payloads[-1] == "[DONE]"
-        assert json.loads(payloads[-2])["error"]["message"] == "generation failed: the engine loop has stopped"
-        assert len(payloads) == 2 + 2  # the 2 tokens of the healthy steps
-        r = http.get("/health")
-        assert r.status_code == 503
-        assert r.json()["error"]["message"] == "the engine loop has stopped"
-        # New requests are refused at once rather than queued for a thread that is gone.
-        for path, fields in STREAMS.values():
-            r = http.post(path, json={"model": MODEL, "max_tokens": 2, **fields})
-            assert r.status_code == 503, r.text
-            assert r.json()["error"] == {"message": "the engine loop has stopped", "type": "service_unavailable",
-                                         "param": None, "code": None}
+        assert json.loads(payloads[-2])["error"] == {"message": DIED, "type": "service_unavailable",
+                                                     "param": None, "code": "engine_dead"}
+        # The tokens of the 2 healthy forward passes; with async scheduling the 3rd pass
+        # fails before the 2nd's tokens reach the host.
+        assert len(payloads) - 2 == (1 if mode.endswith("async scheduling") else 2)
+        # /health says why; new requests are refused at once rather than queued for a loop that is gone.
+        _refused_as_dead(http, DIED)
+    # The log says it once, with the reason (the engine process logs it there).
+    died = [rec for rec in caplog.records if "engine died" in rec.getMessage()]
+    child = [line for line in capfd.readouterr().err.splitlines() if "engine died" in line]
+    if mode == "engine process":
+        assert (len(died), child) == (0, [f"ERROR {child[0][6:14]} pagedcore.server: {DIED}"]), child
+    else:
+        assert [(rec.name, rec.levelname, rec.getMessage()) for rec in died] == [("pagedcore.server", "ERROR", DIED)]
+
+
+def test_requests_waiting_for_admission_when_the_engine_process_dies_get_503(checkpoint, caplog) -> None:
+    # The engine process's loop hangs in its 3rd forward pass (2 tokens streamed);
+    # two requests wait for admission, then the process is killed.
+    with engine_process(checkpoint, stall, healthy=2) as served, \
+            httpx.Client(base_url=served.url, timeout=30) as http, caplog.at_level("INFO"):
+        body = {"model": MODEL, "prompt": PROMPT, "temperature": 0, "max_tokens": 20, "ignore_eos": True}
+        answers: dict[str, httpx.Response] = {}
+
+        def post(name: str, path: str, fields: dict) -> None:
+            with httpx.Client(base_url=served.url, timeout=30) as own:
+                answers[name] = own.post(path, json={**body, "stream": False, **fields})
+
+        with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+            lines = r.iter_lines()
+            streamed = []
+            while len(streamed) < 2:
+                line = next(lines)
+                if line:
+                    streamed.append(line)
+            waiting = [threading.Thread(target=post, args=(route, *STREAMS[route])) for route in STREAMS]
+            for t in waiting:
+                t.start()
+            deadline = time.monotonic() + 20
+            while served.engine._pending < len(waiting):
+                assert time.monotonic() < deadline, "the requests did not reach the engine"
+                time.sleep(0.01)
+            pid = served.engine._proc.pid
+            os.kill(pid, signal.SIGKILL)
+            for t in waiting:
+                t.join(30)
+            payloads = streamed + [line for line in lines if line]
+        message = "engine died: the engine process exited with code -9 (SIGKILL)"
+        error = {"message": message, "type": "service_unavailable", "param": None, "code": "engine_dead"}
+        # Each waiting request: a clean 503 saying why, in OpenAI's shape.
+        for route in STREAMS:
+            assert (answers[route].status_code, answers[route].json()) == (503, {"error": error}), route
+        # The stream in flight: its 2 tokens, then the error event and [DONE].
+        assert payloads[2:] == [f"data: {json.dumps({'error': error})}", "data: [DONE]"]
+        _refused_as_dead(http, message)
+    # No traceback (the ASGI server logs one for an unhandled error), and the death said once.
+    assert [rec.getMessage() for rec in caplog.records if rec.name.startswith("uvicorn")] == []
+    died = [(rec.name, rec.levelname, rec.getMessage()) for rec in caplog.records if "engine died" in rec.getMessage()]
+    assert died == [("pagedcore.server", "ERROR", message)]
