@@ -156,6 +156,33 @@ def test_generate_shows_the_start_up_lines(snapshot, monkeypatch, capsys) -> Non
     assert capsys.readouterr().out.strip()  # the completion, on stdout
 
 
+def test_generate_loads_with_a_torch_thread_fewer_and_gives_it_back(tmp_path, monkeypatch, capsys) -> None:
+    # The tokenizer loads in a thread while the weights load: with a copying thread
+    # on every core they fight for the cores (see cli.loading_threads).
+    from types import SimpleNamespace
+
+    seen: dict[str, int] = {}
+
+    class RecordingLLM:
+        def __init__(self, **_) -> None:
+            seen["loading"] = torch.get_num_threads()
+
+        def generate(self, *_, **__) -> list:
+            seen["generating"] = torch.get_num_threads()
+            return [SimpleNamespace(outputs=[SimpleNamespace(text="text")])]
+
+    monkeypatch.setattr("pagedcore.llm.LLM", RecordingLLM)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        assert cli.main(["generate", "Hello", "--model", str(tmp_path)]) == 0  # (a directory: not loaded)
+        assert torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(threads)
+    assert seen == {"loading": 2, "generating": 3}
+    assert capsys.readouterr().out == "text\n"
+
+
 # ---- what start-up says ---------------------------------------------------------------
 
 

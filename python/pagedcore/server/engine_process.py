@@ -160,12 +160,14 @@ def _child_main(engine_args, commands, out, log_level: str, engine_factory) -> N
     # The HTTP side owns the signals: it asks this process to stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    from ..cli import loading_threads
     from ..llm_engine import LLMEngine
     from ..logging_setup import configure_cli_logging
 
     configure_cli_logging(log_level)
     try:
-        engine = (engine_factory or LLMEngine)(engine_args)
+        with loading_threads():
+            engine = (engine_factory or LLMEngine)(engine_args)
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises it
         out.send(("failed", e if isinstance(e, ValueError) else RuntimeError(f"{type(e).__name__}: {e}")))
         return
