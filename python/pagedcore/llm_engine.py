@@ -449,6 +449,11 @@ class LLMEngine:
         """False once a tensor-parallel worker has died (the engine cannot step any more)."""
         return self.tp is None or self.tp.alive()
 
+    def health_error(self) -> str | None:
+        """Why the engine cannot step any more (a tensor-parallel worker died or
+        failed: which one, its exit code), or None while :meth:`healthy`."""
+        return None if self.tp is None else self.tp.failure()
+
     def shutdown(self) -> None:
         """Stops the tensor-parallel workers (nothing to do with one rank). The
         engine cannot step afterwards. Idempotent; also runs at interpreter exit."""

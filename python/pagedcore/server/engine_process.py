@@ -32,8 +32,10 @@ from typing import Any
 from ..outputs import CompletionOutput, RequestOutput
 from .async_engine import (
     _ACCEPTED,
+    SHUTTING_DOWN,
     AsyncEngine,
     EngineDeadError,
+    EngineDiedError,
     QueueFullError,
     RequestStream,
     _Detokenizers,
@@ -65,6 +67,7 @@ class _PipeEngine(AsyncEngine):
         self._send_stats: dict | None = None  # under _queued: the stats to send with them (None: nothing new)
         self._sender_done = False  # under _queued: send what is left, then end
         self._aborted: list[str] = []  # under _queued: requests for _started to forget
+        self._death_flushed = False  # (engine thread) the engine's death went to the sender
         self._sender = threading.Thread(target=self._send_loop, name="pagedcore-engine-sender", daemon=True)
         self._sender.start()
         super().__init__(engine)
@@ -97,8 +100,11 @@ class _PipeEngine(AsyncEngine):
     def _flush(self) -> None:
         """(engine thread) Hands the queued items and the stats to the sender."""
         stats = self.stats
-        if not self._outbox and stats == self._sent_stats:
+        # (the death is read by the sender from self._death: set before this call, seen under _queued)
+        death_news = self._death is not None and not self._death_flushed
+        if not self._outbox and stats == self._sent_stats and not death_news:
             return
+        self._death_flushed = self._death is not None
         with self._queued:
             self._to_send += self._outbox
             self._send_stats = stats
@@ -116,7 +122,8 @@ class _PipeEngine(AsyncEngine):
                     return  # (done, nothing left)
                 items, stats, self._to_send, self._send_stats = self._to_send, self._send_stats, [], None
                 aborted, self._aborted = self._aborted, []
-            message = ("out", [(rid, self._encode(rid, item)) for rid, item in items], stats, self.errors)
+            message = ("out", [(rid, self._encode(rid, item)) for rid, item in items], stats, self.errors,
+                       self._death)
             self._started.difference_update(aborted)
             try:
                 with self._send_lock:
@@ -146,19 +153,21 @@ class _PipeEngine(AsyncEngine):
                 self._wake.set()
                 return
         with self._send_lock:
-            self._out.send(("out", [(request_id, EngineDeadError("the engine loop has stopped"))], None, self.errors))
+            self._out.send(("out", [(request_id, self._dead_error())], None, self.errors, self._death))
 
 
 def _child_main(engine_args, commands, out, log_level: str, engine_factory) -> None:
     # The HTTP side owns the signals: it asks this process to stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    from ..cli import loading_threads
     from ..llm_engine import LLMEngine
     from ..logging_setup import configure_cli_logging
 
     configure_cli_logging(log_level)
     try:
-        engine = (engine_factory or LLMEngine)(engine_args)
+        with loading_threads():
+            engine = (engine_factory or LLMEngine)(engine_args)
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises it
         out.send(("failed", e if isinstance(e, ValueError) else RuntimeError(f"{type(e).__name__}: {e}")))
         return
@@ -257,8 +266,9 @@ class EngineProcess:
     Construction starts the child and returns once its engine has loaded
     (raising the child's ValueError for bad arguments, RuntimeError otherwise).
     ``engine_factory`` (a picklable callable of the engine args; default
-    LLMEngine) lets a benchmark put a stub engine there; it comes without a
-    tokenizer (prompts as token ids only).
+    LLMEngine) lets a benchmark put a stub engine there, or a test a faulty
+    one; with ``engine_args`` None there is no tokenizer (prompts as token ids
+    only).
     """
 
     def __init__(self, engine_args, log_level: str = "WARNING", max_queue_len: int | None = None,
@@ -277,7 +287,7 @@ class EngineProcess:
         out_end.close()
         _widen_pipe(self._out.fileno())
         tokenizer = (load_tokenizer_in_background(resolve_model_path(engine_args.tokenizer or engine_args.model))
-                     if engine_factory is None else None)
+                     if engine_args is not None else None)
         try:
             message = self._out.recv()
         except EOFError:
@@ -293,6 +303,9 @@ class EngineProcess:
         self._pending = 0  # adds sent, not answered yet
         self._send_lock = threading.Lock()
         self._dead = False
+        # Why the engine died (its loop raised, as the engine process says, or the
+        # process exited); None while it serves, and for a shutdown.
+        self._death: str | None = None
         self._stopping = False
         # NOTE: the pipe is read by the event loop itself (add_reader), attached at the
         # first request, not by a thread: a reader thread must take the GIL from the
@@ -306,8 +319,21 @@ class EngineProcess:
     def num_waiting(self) -> int:
         return self.stats.get("num_waiting_seqs", 0) + self._pending
 
+    def health_error(self) -> str | None:
+        """As :meth:`AsyncEngine.health_error`: None while the engine serves,
+        ``engine died: <reason>`` once it died (its loop raised, or the process
+        exited: noticed here, by the pipe's reader or by an add, whichever
+        comes first), or that the server is shutting down."""
+        if self._death is None and not self._stopping and not self._proc.is_alive():
+            self._died(self._exit_reason())
+        if self._death is not None:
+            return str(EngineDiedError(self._death))
+        if self._dead or self._stopping:
+            return SHUTTING_DOWN
+        return None
+
     def alive(self) -> bool:
-        return self._proc.is_alive() and not self._dead
+        return self.health_error() is None
 
     async def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None, params,
                   add_special_tokens: bool = True) -> RequestStream:
@@ -315,8 +341,8 @@ class EngineProcess:
         if self.max_queue_len is not None and self.num_waiting() >= self.max_queue_len:
             raise QueueFullError(f"the server has {self.num_waiting()} requests waiting "
                                  f"(max_queue_len {self.max_queue_len})")
-        if self._dead:
-            raise EngineDeadError("the engine loop has stopped")
+        if self._dead or self._death is not None:  # (a death not seen yet: _send finds it)
+            raise self._dead_error()
         if prompt_token_ids is None and prompt is not None:
             # NOTE: here, not in the engine's process: tokenizing is off the engine's path.
             prompt_token_ids = self.engine.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
@@ -378,7 +404,33 @@ class EngineProcess:
             with self._send_lock:
                 self._commands.send_bytes(_dumps(message))
         except (OSError, ValueError):
-            raise EngineDeadError("the engine loop has stopped") from None
+            if not self._stopping:
+                self._died(self._exit_reason())
+            raise self._dead_error() from None
+
+    # ---- the engine's death ----------------------------------------------------------
+
+    def _died(self, reason: str) -> None:
+        """Notes why the engine died and logs it, once. (A death that the engine
+        process reports comes through _handle: it logged it itself.)"""
+        if self._death is None:
+            self._death = reason
+            logger.error("engine died: %s", reason)
+
+    def _exit_reason(self) -> str:
+        self._proc.join(1.0)  # (its pipe closes a moment before its exit code can be read)
+        code = self._proc.exitcode
+        if code is None:
+            return "the engine process closed its pipe"
+        if code < 0:
+            try:
+                return f"the engine process exited with code {code} ({signal.Signals(-code).name})"
+            except ValueError:
+                pass
+        return f"the engine process exited with code {code}"
+
+    def _dead_error(self) -> EngineDeadError:
+        return EngineDiedError(self._death) if self._death is not None else EngineDeadError(SHUTTING_DOWN)
 
     # ---- the pipe's reader (the event loop) ------------------------------------------
 
@@ -395,7 +447,7 @@ class EngineProcess:
                 return  # (more next time round: the pipe stays readable)
         except (EOFError, OSError):
             if not self._stopping:
-                logger.error("the engine process has stopped (exit code %s)", self._proc.exitcode)
+                self._died(self._exit_reason())
         self._loop.remove_reader(self._out.fileno())
         self._end(on_loop=True)
 
@@ -412,10 +464,13 @@ class EngineProcess:
         """Routes one message's items to their streams; False for "closed"."""
         if message[0] == "closed":
             return False
-        _, items, stats, errors = message
+        _, items, stats, errors, death = message
         if stats is not None:
             self.stats = stats
         self.errors = errors
+        if death is not None and self._death is None:
+            # (the engine process logged it; its streams' errors come in this message)
+            self._death, self._dead = death, True
         deliveries = []
         # NOTE: the items stay as they crossed (a plain delta: a tuple); the
         # stream's handler rebuilds RequestOutputs once per chunk, for all the
@@ -449,10 +504,10 @@ class EngineProcess:
     def _end(self, on_loop: bool) -> None:
         """Nothing more comes from the engine: the streams left get an error."""
         self._dead = True
-        why = "server shutting down" if self._stopping else "the engine process has stopped"
-        error = EngineDeadError if self._stopping else RuntimeError
+        if self._death is None and not self._stopping:  # (never expected: _died comes first)
+            self._death = "the engine process has stopped"
         streams, self._streams = list(self._streams.values()), {}
-        self._deliver([(stream, error(why)) for stream in streams], on_loop)
+        self._deliver([(stream, self._dead_error()) for stream in streams], on_loop)
         self._closed.set()
 
 
