@@ -365,7 +365,12 @@ class StructuredOutputManager:
         returns whether each was accepted."""
         if self.mask_threads == 0 or len(matchers) < 2:
             return [m.ll.consume_token(t) for m, t in zip(matchers, tokens)]
-        return self._pool().consume_token_par([(m.ll, t) for m, t in zip(matchers, tokens)])
+        order = sorted(range(len(matchers)), key=lambda i: matchers[i].lane)  # (see start_masks)
+        accepted = self._pool().consume_token_par([(matchers[i].ll, tokens[i]) for i in order])
+        out = [False] * len(matchers)
+        for i, ok in zip(order, accepted):
+            out[i] = ok
+        return out
 
     def start_masks(self, matchers: list[GrammarMatcher], out: torch.Tensor,
                     release: Callable[[], None] | None = None) -> MaskJob:
@@ -397,7 +402,7 @@ class StructuredOutputManager:
         else:
             # NOTE: rows grouped by lane: the pool splits the list into contiguous runs,
             # so that its threads mostly take different lanes (different locks).
-            pairs = sorted(((m.ll, row) for row, m in enumerate(matchers)), key=lambda p: matchers[p[1]].lane)
+            pairs = [(matchers[row].ll, row) for row in sorted(range(len(matchers)), key=lambda i: matchers[i].lane)]
             executor, rows = self._pool(), len(matchers)
             if self._jobs is None:
                 self._jobs = queue.SimpleQueue()
