@@ -49,6 +49,9 @@ GRAMMAR_CACHE_SIZE = 128
 #: the pool's threads only compete with the engine's (measured on 2 loaded cores, 64
 #: rows: 2.4 ms a step on the engine's thread, 8.7 ms on the pool).
 MASK_THREADS_ENV = "PAGEDCORE_MASK_THREADS"
+#: From this many rows on, a step's tokens are fed to the matchers on the pool (a token
+#: costs ~3 us on one thread outside strings; waking the pool's threads, tens of us).
+CONSUME_POOL_MIN_ROWS = 16
 #: "0": on CUDA, the host waits for a step's masks before it queues the sampler,
 #: instead of queuing it behind a device-side wait for them (see BitmaskStaging).
 DEVICE_WAIT_ENV = "PAGEDCORE_MASK_DEVICE_WAIT"
@@ -363,7 +366,7 @@ class StructuredOutputManager:
     def consume(self, matchers: list[GrammarMatcher], tokens: list[int]) -> list[bool]:
         """Feeds ``tokens[i]`` to ``matchers[i]`` (on the pool when there is one);
         returns whether each was accepted."""
-        if self.mask_threads == 0 or len(matchers) < 2:
+        if self.mask_threads == 0 or len(matchers) < CONSUME_POOL_MIN_ROWS:
             return [m.ll.consume_token(t) for m, t in zip(matchers, tokens)]
         order = sorted(range(len(matchers)), key=lambda i: matchers[i].lane)  # (see start_masks)
         accepted = self._pool().consume_token_par([(matchers[i].ll, tokens[i]) for i in order])

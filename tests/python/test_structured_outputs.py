@@ -351,7 +351,8 @@ def token_texts(tokenizer) -> list[str]:
 
 def test_masks_on_the_pool_spread_over_lanes(byte_model, monkeypatch) -> None:
     """A pool of two threads: each spec's matchers come from two compiled copies of its
-    grammar in turn (their lexers have a lock each); a step's masks, computed in the
+    grammar in turn (their lexers have a lock each), and take a step's tokens on the
+    pool; a step's masks, computed in the
     background, are each row's own, step by step to the end of random walks under three
     grammars: equal to an independent matcher's (compiled apart, its mask computed on
     this thread through llguidance's other entry point), within what the regex module
@@ -359,9 +360,11 @@ def test_masks_on_the_pool_spread_over_lanes(byte_model, monkeypatch) -> None:
     import llguidance
     import transformers
 
+    from pagedcore import structured_outputs
     from pagedcore.structured_outputs import _grammar_text
 
     monkeypatch.setenv("PAGEDCORE_MASK_THREADS", "2")
+    monkeypatch.setattr(structured_outputs, "CONSUME_POOL_MIN_ROWS", 2)  # (the tokens fed on the pool too)
     path, eos = byte_model
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     manager = StructuredOutputManager(tokenizer, BYTE_VOCAB, [eos])
