@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import statistics
 import threading
 import time
 import weakref
@@ -49,9 +50,10 @@ GRAMMAR_CACHE_SIZE = 128
 #: the pool's threads only compete with the engine's (measured on 2 loaded cores, 64
 #: rows: 2.4 ms a step on the engine's thread, 8.7 ms on the pool).
 MASK_THREADS_ENV = "PAGEDCORE_MASK_THREADS"
-#: From this many rows on, a step's tokens are fed to the matchers on the pool (a token
-#: costs ~3 us on one thread outside strings; waking the pool's threads, tens of us).
+#: From this many rows on, a step's tokens may be fed to the matchers on the pool (see
+#: StructuredOutputManager.consume), which tries both ways over its first CONSUME_TRIALS calls.
 CONSUME_POOL_MIN_ROWS = 16
+CONSUME_TRIALS = 16
 #: "0": on CUDA, the host waits for a step's masks before it queues the sampler,
 #: instead of queuing it behind a device-side wait for them (see BitmaskStaging).
 DEVICE_WAIT_ENV = "PAGEDCORE_MASK_DEVICE_WAIT"
@@ -332,6 +334,9 @@ class StructuredOutputManager:
         self.num_lanes = max(self.mask_threads, 1)
         self._executor: Any = None  # llguidance's thread pool, built on first use
         self._jobs: queue.SimpleQueue | None = None  # the background thread's queue
+        # consume(): per-token times of each way while they take turns (None once chosen)
+        self._consume_trials: dict[bool, list[float]] | None = {True: [], False: []}
+        self._consume_on_pool = False
         self.num_words = (vocab_size + 31) // 32
 
     @property
@@ -364,15 +369,33 @@ class StructuredOutputManager:
         return template
 
     def consume(self, matchers: list[GrammarMatcher], tokens: list[int]) -> list[bool]:
-        """Feeds ``tokens[i]`` to ``matchers[i]`` (on the pool when there is one);
-        returns whether each was accepted."""
+        """Feeds ``tokens[i]`` to ``matchers[i]``; returns whether each was accepted.
+
+        From CONSUME_POOL_MIN_ROWS rows on, with a pool, the tokens go one by one or on
+        the pool, whichever proves faster per token on this host: the two take turns
+        over the first CONSUME_TRIALS such calls, then the faster one (by median) stays.
+        A token costs ~3 us on one thread outside strings; waking the pool's threads
+        costs tens of us on an idle host and milliseconds on a loaded one (measured on 2
+        loaded cores: 64 tokens 0.39 ms one by one, 0.48-3.7 ms on a pool of 2).
+        """
         if self.mask_threads == 0 or len(matchers) < CONSUME_POOL_MIN_ROWS:
             return [m.ll.consume_token(t) for m, t in zip(matchers, tokens)]
-        order = sorted(range(len(matchers)), key=lambda i: matchers[i].lane)  # (see start_masks)
-        accepted = self._pool().consume_token_par([(matchers[i].ll, tokens[i]) for i in order])
-        out = [False] * len(matchers)
-        for i, ok in zip(order, accepted):
-            out[i] = ok
+        trials = self._consume_trials
+        on_pool = self._consume_on_pool if trials is None else len(trials[True]) < len(trials[False])
+        t0 = time.perf_counter()
+        if on_pool:
+            order = sorted(range(len(matchers)), key=lambda i: matchers[i].lane)  # (see start_masks)
+            accepted = self._pool().consume_token_par([(matchers[i].ll, tokens[i]) for i in order])
+            out = [False] * len(matchers)
+            for i, ok in zip(order, accepted):
+                out[i] = ok
+        else:
+            out = [m.ll.consume_token(t) for m, t in zip(matchers, tokens)]
+        if trials is not None:
+            trials[on_pool].append((time.perf_counter() - t0) / len(matchers))
+            if min(len(trials[True]), len(trials[False])) >= CONSUME_TRIALS // 2:
+                self._consume_on_pool = statistics.median(trials[True]) < statistics.median(trials[False])
+                self._consume_trials = None
         return out
 
     def start_masks(self, matchers: list[GrammarMatcher], out: torch.Tensor,

@@ -451,3 +451,43 @@ def test_masks_in_the_background_give_the_outputs_of_masks_in_line(byte_model, m
             cut = outs[4].outputs[0]
             assert cut.finish_reason == "stop" and cut.stop_reason == "-" and re.fullmatch(r"[0-9]{3}", cut.text)
     assert all(run == runs[0] for run in runs), "the outputs differ between the ways of computing the masks"
+
+
+@pytest.mark.parametrize("pool_cost, loop_cost, chosen", [(1, 5, True), (5, 1, False)])
+def test_consume_keeps_the_faster_way_after_its_trials(byte_model, monkeypatch, pool_cost, loop_cost, chosen) -> None:
+    """The tokens go one by one and on the pool in turn over the first CONSUME_TRIALS
+    calls of 16+ rows, then the way with the lower median time per token stays: here
+    each way's time on a fake clock that its (fake) matchers and pool advance."""
+    import transformers
+
+    from pagedcore import structured_outputs
+    from pagedcore.structured_outputs import CONSUME_TRIALS, GrammarMatcher
+
+    monkeypatch.setenv("PAGEDCORE_MASK_THREADS", "2")
+    clock = [0.0]
+    monkeypatch.setattr(structured_outputs.time, "perf_counter", lambda: clock[0])
+
+    class Matcher:
+        def consume_token(self, token: int) -> bool:
+            clock[0] += loop_cost
+            return token >= 0
+
+    class Pool:
+        def consume_token_par(self, pairs):
+            clock[0] += pool_cost * len(pairs)
+            return [t >= 0 for _, t in pairs]
+
+    path, eos = byte_model
+    manager = StructuredOutputManager(transformers.AutoTokenizer.from_pretrained(path), BYTE_VOCAB, [eos])
+    manager._executor = Pool()
+    matchers = [GrammarMatcher(Matcher(), lane=i % 2) for i in range(16)]
+    ways = []
+    for step in range(CONSUME_TRIALS + 3):
+        before = clock[0]
+        assert manager.consume(matchers, [step] * 16) == [True] * 16
+        ways.append(clock[0] - before == 16 * pool_cost)  # (True: it went on the pool)
+    assert ways[:CONSUME_TRIALS] == [False, True] * (CONSUME_TRIALS // 2)
+    assert ways[CONSUME_TRIALS:] == [chosen] * 3
+    before = clock[0]
+    assert manager.consume(matchers[:15], [1] * 15) == [True] * 15
+    assert clock[0] - before == 15 * loop_cost  # (fewer than 16 rows: one by one)
