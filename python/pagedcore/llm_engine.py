@@ -808,7 +808,8 @@ class LLMEngine:
             if batch.num_samples:
                 out = self.sampler(logits, self._sampling_metadata(batch))
                 launched = _Launched(batch.num_samples, self._host_copies.launch(out), out.sampled_token_ids)
-            self._join_masks()
+            if not waited:  # (masks started by the metadata: joined before the resolution below)
+                self._join_masks()
             if batch.num_prompt_logprob_tokens:
                 self._score_prompts(batch)
         except BaseException:
@@ -829,6 +830,16 @@ class LLMEngine:
                 following = self.engine.schedule()
                 self.engine.append_placeholders()
                 self._prelaunched = (following, self.runner.execute(following, launched.device_ids))
+            except BaseException:
+                self._join_masks(failed=True)
+                self._fail_unresolved()
+                raise
+        if waited:
+            # NOTE: the masks are joined only once the next forward pass is queued too:
+            # when they take longer than queuing the sampler, the device then runs the
+            # sampler and that forward pass back to back once they are in.
+            try:
+                self._join_masks()
             except BaseException:
                 self._fail_unresolved()
                 raise
@@ -1038,10 +1049,11 @@ class LLMEngine:
 
     def _join_masks(self, failed: bool = False) -> None:
         """Waits for the step's masks (computed in the background), whose matchers
-        nothing may touch until then. Called right after the sampler is queued: on
-        CUDA with the device's wait, the device starts sampling once the masks are
-        in; the wait bounds how long that may take to be seen. ``failed``: the step
-        is failing; an error of the masks' own is not raised over it."""
+        nothing may touch until then. Called once the sampler is queued (with async
+        scheduling, and the next forward pass): on CUDA with the device's wait, the
+        device samples once the mask thread has written the flag, which needs the GIL;
+        this wait hands it over. ``failed``: the step is failing; an error of the
+        masks' own is not raised over it."""
         job, self._mask_job = self._mask_job, None
         if job is None:
             return
