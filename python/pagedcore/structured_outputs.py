@@ -48,7 +48,8 @@ GRAMMAR_CACHE_SIZE = 128
 #: for none (every mask on the engine's thread, before the sampler). Unset: llguidance's
 #: default (80% of the CPUs, up to 32) on hosts of 4 CPUs or more, none on fewer, where
 #: the pool's threads only compete with the engine's (measured on 2 loaded cores, 64
-#: rows: 2.4 ms a step on the engine's thread, 8.7 ms on the pool).
+#: rows: 2.4 ms a step on the engine's thread, 8.7 ms on the pool before lanes; with
+#: lanes, handing a step over to threads that wait for a core still costs ~2 ms there).
 MASK_THREADS_ENV = "PAGEDCORE_MASK_THREADS"
 #: From this many rows on, a step's tokens may be fed to the matchers on the pool (see
 #: StructuredOutputManager.consume), which tries both ways over its first CONSUME_TRIALS calls.
