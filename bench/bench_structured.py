@@ -26,8 +26,10 @@ time per step went (ms per engine step, medians over ``--repeats`` runs):
 - ``masks``: the grammar bitmasks in the sampling metadata (``_add_token_bitmask``: their
   copy queued, behind the device's wait for them; without the pool or the device wait,
   waiting for them too)
-- ``join``: after the sampler is queued, waiting for the masks' computation to end: the
-  part of it that the step did not hide
+- ``handover`` (async scheduling): right after the sampler is queued, up to 0.2 ms to let
+  the mask thread, if done, take the GIL and write the device's flag
+- ``join``: once the step's work is queued (with async scheduling, the next forward pass
+  too), waiting for the masks' computation to end: the part of it the step did not hide
 - ``sample``: the sampler's call (its kernels launched on CUDA, run on the CPU)
 
 and the rest of ``step()`` as ``other``; ``compute`` is the masks' computation itself (on
@@ -60,7 +62,7 @@ import numpy as np
 import torch
 
 from pagedcore import LLM, SamplingParams, default_model_path
-from pagedcore import llm_engine
+from pagedcore import llm_engine, structured_outputs
 from pagedcore.structured_outputs import DEVICE_WAIT_ENV, MASK_THREADS_ENV, StructuredOutputsParams
 
 def schema(max_length: int | None) -> dict:
@@ -79,7 +81,8 @@ def schema(max_length: int | None) -> dict:
 SCHEMAS = {"bounded": schema(8), "plain": schema(None)}
 SCHEMA = SCHEMAS["bounded"]
 _WAIT = None  # _HostCopy.wait before it was timed
-PARTS = ("execute", "wait", "process", "advance", "start", "masks", "join", "sample", "other")
+PARTS = ("execute", "wait", "process", "advance", "start", "masks", "handover", "join", "sample", "other")
+_JOB_WAIT = None  # MaskJob.wait before it was timed
 STRING_TOKENS = 1000  # a mask allowing more tokens than this: its row is inside a string
 
 
@@ -106,6 +109,12 @@ class Timers:
         if _WAIT is None:  # (the class is patched once; each engine's timers take their turn)
             _WAIT = llm_engine._HostCopy.wait
         llm_engine._HostCopy.wait = lambda copy: self._timed("wait", _WAIT, copy)
+        global _JOB_WAIT
+        if _JOB_WAIT is None:
+            _JOB_WAIT = structured_outputs.MaskJob.wait
+        # (a wait with a timeout: the hand-over right after the sampler; without: the join's own)
+        structured_outputs.MaskJob.wait = lambda job, timeout=None: (
+            _JOB_WAIT(job) if timeout is None else self._timed("handover", _JOB_WAIT, job, timeout))
         if self._cuda:  # the device's wait for the masks (device_wait), timed on the device
             from pagedcore.ops import bitmask as bitmask_ops
 
@@ -154,6 +163,7 @@ class Timers:
         """Restores the module-level hooks, so that nothing keeps this engine alive (on
         CUDA the next mode's engine needs its memory)."""
         llm_engine._HostCopy.wait = _WAIT
+        structured_outputs.MaskJob.wait = _JOB_WAIT
         if self._cuda:
             from pagedcore.ops import bitmask as bitmask_ops
 
@@ -176,11 +186,11 @@ class Timers:
         parts = {p: t.get(p, 0.0) / n for p in PARTS if p != "other"}
         # (advance and start are inside process or masks; join, when the masks were not
         # in yet, is the part of their computation the step did not hide)
-        parts["other"] = t.get("step", 0.0) / n - sum(parts[p] for p in ("execute", "wait", "process",
-                                                                        "masks", "join", "sample"))
+        parts["other"] = t.get("step", 0.0) / n - sum(parts[p] for p in ("execute", "wait", "process", "masks",
+                                                                        "handover", "join", "sample"))
         parts["step"] = t.get("step", 0.0) / n
         for job in self.jobs:
-            job.wait()
+            _JOB_WAIT(job)
         parts["compute"] = 1e3 * sum(job.compute_seconds for job in self.jobs) / n
         if self._cuda:
             # (the device is idle for the rest of a step: waiting for the host to launch)

@@ -53,6 +53,10 @@ from .structured_outputs import BitmaskStaging, MaskJob, StructuredOutputManager
 
 logger = logging.getLogger("pagedcore")
 
+#: Seconds a step waiting for its masks (async scheduling) lets the mask thread finish
+#: right after the sampler is queued, before it queues the next forward pass.
+MASK_HANDOVER_S = 0.0002
+
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 KV_CACHE_BYTES_ENV = "PAGEDCORE_KV_CACHE_BYTES"
 BLOCK_SIZES = (8, 16, 32, 64, 128)  # those the attention kernels are built for
@@ -810,6 +814,12 @@ class LLMEngine:
                 launched = _Launched(batch.num_samples, self._host_copies.launch(out), out.sampled_token_ids)
             if not waited:  # (masks started by the metadata: joined before the resolution below)
                 self._join_masks()
+            elif self._mask_job is not None and self._bitmask_staging.device_wait:
+                # NOTE: the mask thread, done, may wait for the GIL to write the device's
+                # flag (up to the 5 ms switch interval while this thread runs Python);
+                # a short wait hands it over. Masks that are not done by then are joined
+                # once the next forward pass is queued.
+                self._mask_job.wait(MASK_HANDOVER_S)
             if batch.num_prompt_logprob_tokens:
                 self._score_prompts(batch)
         except BaseException:

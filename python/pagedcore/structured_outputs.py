@@ -262,12 +262,16 @@ class MaskJob:
     def done(self) -> bool:
         return self._done.is_set()
 
-    def wait(self) -> None:
-        """Returns once every mask is in the buffer (and the release has run); raises
-        RuntimeError if the computation failed."""
-        self._done.wait()
+    def wait(self, timeout: float | None = None) -> bool:
+        """Returns True once every mask is in the buffer (and the release has run),
+        False if ``timeout`` seconds passed first; raises RuntimeError if the
+        computation failed. While it waits, this thread lets the mask thread have the
+        GIL, which it needs to finish."""
+        if not self._done.wait(timeout):
+            return False
         if self._error is not None:
             raise RuntimeError(f"computing the grammar bitmasks failed: {self._error!r}") from self._error
+        return True
 
     def _run(self, compute: Callable[[], None]) -> None:
         try:
