@@ -19,6 +19,7 @@
 // Scores, softmax and O are float32; P is rounded to the query type.
 #include "attention_wgmma.h"
 
+#include <cuda.h>  // CUtensorMap and its enums only: the encoder comes through the runtime, no libcuda link
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -42,11 +43,24 @@ namespace {
 
 using namespace wgmma_attention;  // NOLINT: the kernels are made of these parts
 
+// Tensor maps over the key and value caches for the TMA variants (encoded on
+// the host per launch, passed by value: CUDA graphs capture them with the
+// launch); unused by the others.
+struct KvTensorMaps {
+  CUtensorMap k;
+  CUtensorMap v;
+};
+
 // ---- the kernel without warp specialization (PAGEDCORE_PREFILL_KERNEL=wgmma) ----
 //
 // All 256 threads copy; a __syncthreads closes each key tile.
 // SOFTCAP: p.softcap > 0 (its tanh costs registers the common case should not pay).
-template <typename T, int HD, bool SOFTCAP>
+// LATE (=wgmma-late): each tile's copies are issued after its GEMMs rather than
+// before, so that their block-table loads overlap the tensor cores; the gathers
+// are then branch-free (KvGather::load_branchless: past the last tile they
+// zero-fill buffers already consumed) and each side of if (t > 0) issues and
+// waits on its own, which keeps ptxas from serializing the wgmma.
+template <typename T, int HD, bool SOFTCAP, bool LATE>
 __global__ void __launch_bounds__(kThreads, 1) wgmma_prefill_kernel(const __grid_constant__ PagedAttentionParams p) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int ON = HD / 2;          // output registers per thread
@@ -101,9 +115,19 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_prefill_kernel(const __grid
     // K_{t+2} and V_{t+1} into the buffers that S_{t-1} and P_{t-2} V_{t-2}
     // read (stage (t + 2) % 3 = (t - 1) % 3, (t + 1) % 3 = (t - 2) % 3), both
     // retired before the barrier that closed tile t-1.
-    if (t + 2 < n_tiles) kv.template load<kThreads, 8>(k_s + st_prev * TB, kv.key_base, kbase + 2 * kKeys, it.s_hi, tid);
-    if (t + 1 < n_tiles) kv.template load<kThreads, 8>(v_s + st_next * TB, kv.value_base, kbase + kKeys, it.s_hi, tid);
-    wgmma::cp_async_commit();
+    auto copy_ahead = [&]() {
+      if constexpr (LATE) {
+        kv.template load_branchless<kThreads, 8>(k_s + st_prev * TB, kv.key_base, kbase + 2 * kKeys, it.s_hi, tid,
+                                                 t + 2 < n_tiles);
+        kv.template load_branchless<kThreads, 8>(v_s + st_next * TB, kv.value_base, kbase + kKeys, it.s_hi, tid,
+                                                 t + 1 < n_tiles);
+      } else {
+        if (t + 2 < n_tiles) kv.template load<kThreads, 8>(k_s + st_prev * TB, kv.key_base, kbase + 2 * kKeys, it.s_hi, tid);
+        if (t + 1 < n_tiles) kv.template load<kThreads, 8>(v_s + st_next * TB, kv.value_base, kbase + kKeys, it.s_hi, tid);
+      }
+      wgmma::cp_async_commit();
+    };
+    if constexpr (!LATE) copy_ahead();
 
     float s[kKeys / 2];
     __syncwarp();
@@ -115,8 +139,10 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_prefill_kernel(const __grid
     if (t > 0) {
       issue_pv<T, HD>(o, pa, v_s + st_prev * TB);
       wgmma::commit();
+      if constexpr (LATE) copy_ahead();
       wgmma::wait<1>();
     } else {
+      if constexpr (LATE) copy_ahead();
       wgmma::wait<0>();
     }
     wgmma::pin(s);
@@ -161,6 +187,183 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_prefill_kernel(const __grid
 #endif
 }
 
+// ---- the plain kernel copying by TMA (PAGEDCORE_PREFILL_KERNEL=wgmma-tma-plain) ----
+//
+// wgmma_prefill_kernel's schedule (K_{t+2} and V_{t+1} requested at the top of
+// tile t, a __syncthreads closing each tile) with warp 0 issuing one TMA copy
+// per cache block and 64-dim half instead of every thread's cp.async gathers:
+// the full mbarrier of each K and V buffer counts lane 0's arrival and the
+// bytes; V's edge rows (blocks not wholly inside [s_lo, s_hi)) still come by
+// cp.async from all threads, zero-filled, in the commit group of their tile.
+// Warp 0's lanes look a block id up one tile before its copy, so the table's
+// latency is not in front of that warp's GEMM issue. No softcap.
+template <typename T, int HD>
+__global__ void __launch_bounds__(kThreads, 1)
+    wgmma_tma_prefill_kernel(const __grid_constant__ PagedAttentionParams p, const __grid_constant__ KvTensorMaps maps) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr int ON = HD / 2;
+  constexpr int PK = kKeys / 16;
+  constexpr int TB = tile_bytes<HD>(kKeys);
+  static_assert(HD == 64 || HD == 128, "head dim");
+  static_assert(kStages == 3, "the buffer rotation below");
+
+  extern __shared__ unsigned char smem_raw[];
+  __shared__ __align__(8) uint64_t bars[2 * kStages];  // full K, full V
+  const uint32_t raw = wgmma::smem_addr(smem_raw);
+  const uint32_t q_s = (raw + 1023u) & ~1023u;
+  const uint32_t k_s = q_s + tile_bytes<HD>(kRows);
+  const uint32_t v_s = k_s + kStages * TB;
+  const uint32_t bar0 = wgmma::smem_addr(bars);
+  auto full_k = [&](int st) { return bar0 + 8 * st; };
+  auto full_v = [&](int st) { return bar0 + 8 * (kStages + st); };
+
+  const Item it = item_of(p);
+  const int tid = threadIdx.x;
+  const int wg = tid / 128;
+  const int warp = tid / 32;
+  const int lane = tid % 32;
+  const int qd = lane % 4;
+  const int bs = p.block_size;
+  RowState rs(p, it, wg, warp % 4, lane);
+  // Tiles start on a block boundary: keys before s_lo are masked like keys past s_hi.
+  rs.key_from[0] = max(rs.key_from[0], it.s_lo);
+  rs.key_from[1] = max(rs.key_from[1], it.s_lo);
+  const ScoreScale sc(p);
+  const KvGather<T, HD> kv(p, it);
+  const TileSpan span = block_aligned_tiles(it, bs);
+  const int n_tiles = span.n;
+  if (tid == 0) {
+    for (int st = 0; st < kStages; ++st) {
+      wgmma::mbar_init(full_k(st), 1);
+      wgmma::mbar_init(full_v(st), 1);
+    }
+    wgmma::mbar_init_fence();
+    wgmma::tma_prefetch_map(&maps.k);
+    wgmma::tma_prefetch_map(&maps.v);
+  }
+  __syncthreads();
+
+  // V tile `tile` into stage `st`: warp 0's TMA (its lanes' block ids `block`)
+  // and everyone's edge rows.
+  auto copy_v = [&](int tile, int st, int block) {
+    const int kbase = span.k0 + tile * kKeys;
+    int lo, hi;
+    full_block_rows(kbase, it.s_lo, it.s_hi, bs, lo, hi);
+    if (warp == 0) tma_v_blocks<HD>(&maps.v, it.kv_head, v_s + st * TB, full_v(st), block, bs, lo, hi, lane);
+    kv.load_edge_rows(v_s + st * TB, kv.value_base, kbase, lo, hi, it.s_lo, it.s_hi, tid, kThreads);
+  };
+  auto block_of = [&](int tile) { return tile < n_tiles ? tile_block(kv, span.k0 + tile * kKeys, it.s_lo, it.s_hi, lane) : -1; };
+
+  // Groups of cp.async: {Q, V_0's edge rows}, then one per tile t: {V_{t+1}'s
+  // edge rows} (empty past the end), waited for one tile ahead with the TMA of
+  // the same tiles. Warp 0 keeps the block ids of V_{t+1} (id_v) and K_{t+2}
+  // (id_k) at the top of tile t.
+  int id_v = -1, id_k = -1;
+  load_q<T, HD>(p, it, q_s, 0, kRows, tid, kThreads);
+  if (warp == 0) {
+    const int id0 = block_of(0);
+    id_v = block_of(1);
+    id_k = block_of(2);
+    if (n_tiles > 0) tma_k_blocks<HD>(&maps.k, it.kv_head, k_s, full_k(0), id0, bs, lane);
+    if (n_tiles > 1) tma_k_blocks<HD>(&maps.k, it.kv_head, k_s + TB, full_k(1), id_v, bs, lane);
+    if (n_tiles > 0) {
+      int lo, hi;
+      full_block_rows(span.k0, it.s_lo, it.s_hi, bs, lo, hi);
+      tma_v_blocks<HD>(&maps.v, it.kv_head, v_s, full_v(0), id0, bs, lo, hi, lane);
+    }
+  }
+  if (n_tiles > 0) {
+    int lo, hi;
+    full_block_rows(span.k0, it.s_lo, it.s_hi, bs, lo, hi);
+    kv.load_edge_rows(v_s, kv.value_base, span.k0, lo, hi, it.s_lo, it.s_hi, tid, kThreads);
+  }
+  wgmma::cp_async_commit();
+  wgmma::cp_async_wait<0>();
+  if (n_tiles > 0) wgmma::mbar_wait(full_k(0), 0);
+  wgmma::fence_proxy_async();
+  __syncthreads();
+
+  float o[ON];
+#pragma unroll
+  for (int i = 0; i < ON; ++i) o[i] = 0.f;
+  uint32_t pa[PK][4];
+#pragma unroll
+  for (int k = 0; k < PK; ++k) pa[k][0] = pa[k][1] = pa[k][2] = pa[k][3] = 0u;
+  const uint32_t q_wg = q_s + wg * 64 * 128;
+
+#pragma unroll 1
+  for (int t = 0; t < n_tiles; ++t) {
+    const int kbase = span.k0 + t * kKeys;
+    const int st = t % kStages;
+    const int st_prev = st == 0 ? kStages - 1 : st - 1;
+    const int st_next = st == kStages - 1 ? 0 : st + 1;
+    // V_{t+1} and K_{t+2} into the buffers that P_{t-2} V_{t-2} and S_{t-1}
+    // read, both retired before the barrier that closed tile t-1.
+    if (t + 1 < n_tiles) copy_v(t + 1, st_next, id_v);
+    if (warp == 0) {
+      if (t + 2 < n_tiles) tma_k_blocks<HD>(&maps.k, it.kv_head, k_s + st_prev * TB, full_k(st_prev), id_k, bs, lane);
+      id_v = id_k;
+      id_k = block_of(t + 3);
+    }
+    wgmma::cp_async_commit();
+
+    float s[kKeys / 2];
+    __syncwarp();
+    wgmma::pin(o);
+    wgmma::pin(pa);
+    wgmma::fence();
+    issue_s<T, HD>(s, q_wg, k_s + st * TB);
+    wgmma::commit();
+    if (t > 0) {
+      issue_pv<T, HD>(o, pa, v_s + st_prev * TB);
+      wgmma::commit();
+      wgmma::wait<1>();
+    } else {
+      wgmma::wait<0>();
+    }
+    wgmma::pin(s);
+
+    uint32_t pn[PK][4];
+    float corr[2];
+    bool grow;
+    softmax_tile<T, false>(s, pn, rs, sc, kbase, qd, corr, grow);
+
+    wgmma::wait<0>();
+    wgmma::pin(o);
+    wgmma::pin(pa);
+    if (grow) rescale(o, corr);
+#pragma unroll
+    for (int k = 0; k < PK; ++k) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) pa[k][i] = pn[k][i];
+    }
+    // K_{t+1} and V_t (TMA, and V_t's edge rows: the group of tile t-1) for the next tile.
+    wgmma::cp_async_wait<1>();
+    if (t + 1 < n_tiles) wgmma::mbar_wait(full_k(st_next), ((t + 1) / kStages) & 1);
+    wgmma::mbar_wait(full_v(st), (t / kStages) & 1);
+    wgmma::fence_proxy_async();
+    __syncthreads();
+  }
+  if (n_tiles > 0) {
+    __syncwarp();
+    wgmma::pin(o);
+    wgmma::pin(pa);
+    wgmma::fence();
+    issue_pv<T, HD>(o, pa, v_s + ((n_tiles - 1) % kStages) * TB);
+    wgmma::commit();
+    wgmma::wait<0>();
+    wgmma::pin(o);
+  }
+  wgmma::cp_async_wait<0>();
+  store_rows<T, HD>(p, it, o, rs, qd);
+  if (it.splits > 1 && p.split_counters != nullptr) {
+    __syncthreads();  // every wgmma, TMA and cp.async has retired: the buffers are scratch
+    unsigned char* const scratch = smem_raw + (k_s - raw);
+    merge::count_and_merge<T, HD, kThreads, false>(p, it.work, it.kv_head, reinterpret_cast<float*>(scratch));
+  }
+#endif
+}
+
 // ---- the warp-specialized kernel (PAGEDCORE_PREFILL_KERNEL=wgmma-ws) ----
 //
 // Warpgroup 0 copies (cp.async, 40 registers), warpgroups 1 and 2 compute
@@ -169,13 +372,19 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_prefill_kernel(const __grid
 // (the 128 copying threads arrive when their copies land) and an "empty" one
 // (each of the 8 computing warps arrives once its warpgroup's wgmma that read
 // the buffer retired). The two computing warpgroups never wait for each other.
+// TMA (=wgmma-tma, =wgmma-tma-pp): the copying warpgroup's first warp issues
+// one TMA copy per cache block and 64-dim half (tma_k_blocks / tma_v_blocks in
+// attention_wgmma_parts.cuh); key tiles start on a block boundary; the full K
+// barrier counts lane 0's arrival plus the bytes, the full V barrier that and
+// the 128 threads' cp.async arrivals (edge rows of V, zero-filled).
 constexpr int kWsThreads = 384;
 constexpr int kWsCopyRegs = 40;
 constexpr int kWsMathRegs = 232;
 constexpr int kWsJoinRegs = 168;  // everyone's share again (65536 / 384), for the split merge
 
-template <typename T, int HD, bool PINGPONG>
-__global__ void __launch_bounds__(kWsThreads, 1) wgmma_ws_prefill_kernel(const __grid_constant__ PagedAttentionParams p) {
+template <typename T, int HD, bool PINGPONG, bool TMA>
+__global__ void __launch_bounds__(kWsThreads, 1)
+    wgmma_ws_prefill_kernel(const __grid_constant__ PagedAttentionParams p, const __grid_constant__ KvTensorMaps maps) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int ON = HD / 2;
   constexpr int PK = kKeys / 16;
@@ -205,8 +414,8 @@ __global__ void __launch_bounds__(kWsThreads, 1) wgmma_ws_prefill_kernel(const _
   const bool merge = p.num_splits > 1 && p.split_counters != nullptr;
   if (tid == 0) {
     for (int st = 0; st < kStages; ++st) {
-      wgmma::mbar_init(full_k(st), 128);
-      wgmma::mbar_init(full_v(st), 128);
+      wgmma::mbar_init(full_k(st), TMA ? 1 : 128);
+      wgmma::mbar_init(full_v(st), TMA ? 1 + 128 : 128);
       wgmma::mbar_init(empty_k(st), 8);
       wgmma::mbar_init(empty_v(st), 8);
     }
@@ -216,6 +425,10 @@ __global__ void __launch_bounds__(kWsThreads, 1) wgmma_ws_prefill_kernel(const _
 
   if (wg == 0) {
     wgmma::reg_dealloc<kWsCopyRegs>();
+    if (TMA && tid == 0) {
+      wgmma::tma_prefetch_map(&maps.k);
+      wgmma::tma_prefetch_map(&maps.v);
+    }
     // Tile g of this CTA (over all its items) uses stage g % kStages for the
     // (g / kStages)-th time: its full barrier completes phase g / kStages;
     // before the copy, the empty barrier must have completed the previous
@@ -225,17 +438,32 @@ __global__ void __launch_bounds__(kWsThreads, 1) wgmma_ws_prefill_kernel(const _
     for (int linear = blockIdx.x; linear < total; linear += gridDim.x) {
       const Item it = item_at(p, linear);
       const KvGather<T, HD> kv(p, it);
+      const TileSpan span = TMA ? block_aligned_tiles(it, p.block_size) : TileSpan{it.s_lo, it.n_tiles};
 #pragma unroll 1
-      for (int t = 0; t < it.n_tiles; ++t, ++g) {
+      for (int t = 0; t < span.n; ++t, ++g) {
         const int st = g % kStages;
         const uint32_t use = g / kStages;
-        const int kbase = it.s_lo + t * kKeys;
+        const int kbase = span.k0 + t * kKeys;
         if (use > 0) wgmma::mbar_wait(empty_k(st), (use - 1) & 1);
-        kv.template load<128, 4>(k_s + st * TB, kv.key_base, kbase, it.s_hi, tid);
-        wgmma::cp_async_arrive(full_k(st));
+        // (TMA: warp 0's lanes look up the tile's blocks once, for K and V.)
+        const int block = TMA && tid < 32 ? tile_block(kv, kbase, it.s_lo, it.s_hi, tid) : -1;
+        if constexpr (TMA) {
+          if (tid < 32) tma_k_blocks<HD>(&maps.k, it.kv_head, k_s + st * TB, full_k(st), block, p.block_size, tid);
+        } else {
+          kv.template load<128, 4>(k_s + st * TB, kv.key_base, kbase, it.s_hi, tid);
+          wgmma::cp_async_arrive(full_k(st));
+        }
         if (use > 0) wgmma::mbar_wait(empty_v(st), (use - 1) & 1);
-        kv.template load<128, 4>(v_s + st * TB, kv.value_base, kbase, it.s_hi, tid);
-        wgmma::cp_async_arrive(full_v(st));
+        if constexpr (TMA) {
+          int lo, hi;
+          full_block_rows(kbase, it.s_lo, it.s_hi, p.block_size, lo, hi);
+          if (tid < 32) tma_v_blocks<HD>(&maps.v, it.kv_head, v_s + st * TB, full_v(st), block, p.block_size, lo, hi, tid);
+          kv.load_edge_rows(v_s + st * TB, kv.value_base, kbase, lo, hi, it.s_lo, it.s_hi, tid, 128);
+          wgmma::cp_async_arrive(full_v(st));
+        } else {
+          kv.template load<128, 4>(v_s + st * TB, kv.value_base, kbase, it.s_hi, tid);
+          wgmma::cp_async_arrive(full_v(st));
+        }
       }
     }
     wgmma::cp_async_wait<0>();
@@ -269,6 +497,13 @@ __global__ void __launch_bounds__(kWsThreads, 1) wgmma_ws_prefill_kernel(const _
     for (int linear = blockIdx.x; linear < total; linear += gridDim.x) {
       const Item it = item_at(p, linear);
       RowState rs(p, it, mwg, (tid / 32) % 4, lane);
+      const TileSpan span = TMA ? block_aligned_tiles(it, p.block_size) : TileSpan{it.s_lo, it.n_tiles};
+      if constexpr (TMA) {
+        // Tiles start on a block boundary: keys before s_lo (another split's,
+        // or outside the window) are masked like keys past s_hi.
+        rs.key_from[0] = max(rs.key_from[0], it.s_lo);
+        rs.key_from[1] = max(rs.key_from[1], it.s_lo);
+      }
       wgmma::cp_async_wait<0>();
       wgmma::fence_proxy_async();
       wgmma::named_sync(1 + mwg, 128);
@@ -281,8 +516,8 @@ __global__ void __launch_bounds__(kWsThreads, 1) wgmma_ws_prefill_kernel(const _
       for (int k = 0; k < PK; ++k) pa[k][0] = pa[k][1] = pa[k][2] = pa[k][3] = 0u;
 
 #pragma unroll 1
-      for (int t = 0; t < it.n_tiles; ++t, ++g) {
-        const int kbase = it.s_lo + t * kKeys;
+      for (int t = 0; t < span.n; ++t, ++g) {
+        const int kbase = span.k0 + t * kKeys;
         const int st = g % kStages;
         const uint32_t use = g / kStages;
         const int pg = g - 1;  // the tile whose P V runs now (t > 0: same item)
@@ -312,7 +547,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) wgmma_ws_prefill_kernel(const _
         wgmma::pin(s);
         __syncwarp();
         if (lane == 0) wgmma::mbar_arrive(empty_k(st));  // S retired: the K buffer is free
-        if (t == it.n_tiles - 1) prefetch_q(linear + gridDim.x);
+        if (t == span.n - 1) prefetch_q(linear + gridDim.x);
 
         uint32_t pn[PK][4];
         float corr[2];
@@ -333,7 +568,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) wgmma_ws_prefill_kernel(const _
           for (int i = 0; i < 4; ++i) pa[k][i] = pn[k][i];
         }
       }
-      if (it.n_tiles > 0) {
+      if (span.n > 0) {
         const int pg = g - 1;
         const int pst = pg % kStages;
         wgmma::mbar_wait(full_v(pst), (pg / kStages) & 1);
@@ -400,9 +635,9 @@ int sm_count() {
 // items of that grid in launch order, blockIdx.x + k gridDim.x (without key
 // splits only); merges the splits with the merge kernel when there are no
 // counters.
-template <int HD>
-int launch(void (*kernel)(PagedAttentionParams), bool& configured, int threads, const PagedAttentionParams& p,
-           cudaStream_t stream, bool persistent = false) {
+template <int HD, typename... Args>
+int launch(void (*kernel)(PagedAttentionParams, Args...), bool& configured, int threads, const PagedAttentionParams& p,
+           cudaStream_t stream, bool persistent, const Args&... args) {
   constexpr size_t smem = smem_bytes<HD>();
   static_assert(smem - 1024 - tile_bytes<HD>(kRows) >= merge::kScratchFloats * 4, "split merge space");
   if (!configured) {  // NOTE: per kernel; raising the limit is idempotent
@@ -415,33 +650,102 @@ int launch(void (*kernel)(PagedAttentionParams), bool& configured, int threads, 
   if (persistent) {
     const int64_t total = static_cast<int64_t>(p.num_kv_heads) * p.num_work * p.num_splits;
     const int grid = static_cast<int>(p.num_splits > 1 ? total : std::min<int64_t>(total, sm_count()));
-    kernel<<<grid, threads, smem, stream>>>(p);
+    kernel<<<grid, threads, smem, stream>>>(p, args...);
   } else {
-    kernel<<<dim3(p.num_kv_heads, p.num_work, p.num_splits), threads, smem, stream>>>(p);
+    kernel<<<dim3(p.num_kv_heads, p.num_work, p.num_splits), threads, smem, stream>>>(p, args...);
   }
   const cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess || p.num_splits == 1 || p.split_counters != nullptr) return e;
   return merge_attention_splits(p, false, stream);
 }
 
+// cuTensorMapEncodeTiled from the driver through the runtime (no libcuda
+// link), looked up once; null where the driver has none.
+using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                   const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                   CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+EncodeTiledFn tensor_map_encoder() {
+  static const EncodeTiledFn fn = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+#if CUDART_VERSION >= 12050
+    const cudaError_t e = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &found);
+#else
+    const cudaError_t e = cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &f, cudaEnableDefault, &found);
+#endif
+    if (e != cudaSuccess || found != cudaDriverEntryPointSuccess) {
+      cudaGetLastError();
+      f = nullptr;
+    }
+    return reinterpret_cast<EncodeTiledFn>(f);
+  }();
+  return fn;
+}
+
+// The TMA variants serve block sizes 8..128 that are powers of two (a box is
+// one block; kKeys / block_size boxes per tile half, at most 16 = the lanes
+// that issue them).
+bool tma_block_size(int bs) { return bs >= 8 && bs <= kKeys && (bs & (bs - 1)) == 0; }
+
+// Encodes the K and V tensor maps of `p`'s cache (see tma_k_blocks in
+// attention_wgmma_parts.cuh): dims (HD, kv heads, block_size, num_blocks),
+// box (64, 1, block_size, 1), 128-byte swizzle. False if it cannot.
+template <typename T, int HD>
+bool encode_kv_maps(const PagedAttentionParams& p, KvTensorMaps& maps) {
+  const EncodeTiledFn encode = tensor_map_encoder();
+  if (encode == nullptr || p.num_blocks <= 0 || !tma_block_size(p.block_size)) return false;
+  const CUtensorMapDataType type =
+      std::is_same_v<T, __nv_bfloat16> ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+  const cuuint64_t row = static_cast<cuuint64_t>(HD) * sizeof(T);
+  const cuuint64_t dims[4] = {static_cast<cuuint64_t>(HD), static_cast<cuuint64_t>(p.num_kv_heads),
+                              static_cast<cuuint64_t>(p.block_size), static_cast<cuuint64_t>(p.num_blocks)};
+  const cuuint64_t strides[3] = {row, row * p.num_kv_heads, row * p.num_kv_heads * p.block_size};  // bytes, dims 1..3
+  const cuuint32_t box[4] = {64, 1, static_cast<cuuint32_t>(p.block_size), 1};
+  const cuuint32_t elem_strides[4] = {1, 1, 1, 1};
+  auto one = [&](CUtensorMap* map, const void* cache) {
+    return encode(map, type, 4, const_cast<void*>(cache), dims, strides, box, elem_strides,
+                  CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                  CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+  };
+  return one(&maps.k, p.key_cache) && one(&maps.v, p.value_cache);
+}
+
 template <typename T, int HD>
 int launch_head_dim(const PagedAttentionParams& p, int choice, cudaStream_t stream) {
   // NOTE: the warp-specialized kernel's computing warpgroups have 232
-  // registers; softcap's tanh needs more, so softcap stays on the plain one.
+  // registers; softcap's tanh needs more, so softcap stays on the plain one
+  // (as do block sizes the TMA variants do not serve).
+  KvTensorMaps maps{};
   if (choice == 2 && p.softcap == 0.f) {
     static bool configured = false;
-    return launch<HD>(wgmma_ws_prefill_kernel<T, HD, false>, configured, kWsThreads, p, stream, true);
+    return launch<HD>(wgmma_ws_prefill_kernel<T, HD, false, false>, configured, kWsThreads, p, stream, true, maps);
   }
   if (choice == 3 && p.softcap == 0.f) {
     static bool configured = false;
-    return launch<HD>(wgmma_ws_prefill_kernel<T, HD, true>, configured, kWsThreads, p, stream, true);
+    return launch<HD>(wgmma_ws_prefill_kernel<T, HD, true, false>, configured, kWsThreads, p, stream, true, maps);
+  }
+  if (choice == 5 && p.softcap == 0.f && encode_kv_maps<T, HD>(p, maps)) {
+    static bool configured = false;
+    return launch<HD>(wgmma_ws_prefill_kernel<T, HD, false, true>, configured, kWsThreads, p, stream, true, maps);
+  }
+  if (choice == 6 && p.softcap == 0.f && encode_kv_maps<T, HD>(p, maps)) {
+    static bool configured = false;
+    return launch<HD>(wgmma_ws_prefill_kernel<T, HD, true, true>, configured, kWsThreads, p, stream, true, maps);
+  }
+  if (choice == 7 && p.softcap == 0.f && encode_kv_maps<T, HD>(p, maps)) {
+    static bool configured = false;
+    return launch<HD>(wgmma_tma_prefill_kernel<T, HD>, configured, kThreads, p, stream, false, maps);
   }
   if (p.softcap > 0.f) {
     static bool configured = false;
-    return launch<HD>(wgmma_prefill_kernel<T, HD, true>, configured, kThreads, p, stream);
+    return launch<HD>(wgmma_prefill_kernel<T, HD, true, false>, configured, kThreads, p, stream, false);
+  }
+  if (choice == 4) {
+    static bool configured = false;
+    return launch<HD>(wgmma_prefill_kernel<T, HD, false, true>, configured, kThreads, p, stream, false);
   }
   static bool configured = false;
-  return launch<HD>(wgmma_prefill_kernel<T, HD, false>, configured, kThreads, p, stream);
+  return launch<HD>(wgmma_prefill_kernel<T, HD, false, false>, configured, kThreads, p, stream, false);
 }
 
 template <typename T>
@@ -454,9 +758,12 @@ int dispatch_head_dim(const PagedAttentionParams& p, int choice, cudaStream_t st
 }
 
 // PAGEDCORE_PREFILL_KERNEL: 1 = "wgmma", 2 = "wgmma-ws", 3 = "wgmma-pp" (wgmma-ws
-// with the warpgroups taking turns at the tensor cores), 0 = "mma" (the
-// mma.sync kernel) or anything else unknown; unset, empty or "auto": the
-// variant measured fastest for the head dim (kAuto*).
+// with the warpgroups taking turns at the tensor cores), 4 = "wgmma-late"
+// (the plain kernel, copies issued after the GEMMs), 5 = "wgmma-tma"
+// (wgmma-ws copying by TMA), 6 = "wgmma-tma-pp" (the same with ping-pong),
+// 7 = "wgmma-tma-plain" (the plain kernel copying by TMA),
+// 0 = "mma" (the mma.sync kernel) or anything else unknown; unset, empty or
+// "auto": the variant measured fastest for the head dim (kAuto*).
 // NOTE: measured on the H200 (bench/check_wgmma.py, at 7feb9e8; all variants
 // correct): 8k causal d128 bs16 mma 3109 us, wgmma 2189 (251 TFLOP/s), ws 2490,
 // pp 2473, FA2 varlen 1714; SmolLM2 16 x 512 d64 mma 50.3, wgmma 62.9, ws 55.8,
@@ -473,6 +780,10 @@ int kernel_choice(const PagedAttentionParams& p) {
   if (std::strcmp(choice, "wgmma") == 0) return 1;
   if (std::strcmp(choice, "wgmma-ws") == 0) return 2;
   if (std::strcmp(choice, "wgmma-pp") == 0) return 3;
+  if (std::strcmp(choice, "wgmma-late") == 0) return 4;
+  if (std::strcmp(choice, "wgmma-tma") == 0) return 5;
+  if (std::strcmp(choice, "wgmma-tma-pp") == 0) return 6;
+  if (std::strcmp(choice, "wgmma-tma-plain") == 0) return 7;
   return 0;  // "mma", or anything else
 }
 

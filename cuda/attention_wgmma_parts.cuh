@@ -161,7 +161,129 @@ struct KvGather {
       wgmma::cp_async16(dst + wgmma::swizzled<kKeys>(j, chunk), src, valid);
     }
   }
+
+  // load() without branches, for copies issued while wgmma are in flight
+  // (ptxas serializes wgmma whose accumulators live across a branch join):
+  // keys at or past s_hi, and all keys when !enable, read the table at a valid
+  // key (s_hi - 1) and copy 0 bytes (zero-fill).
+  template <int NTHREADS, int UNROLL>
+  __device__ __forceinline__ void load_branchless(uint32_t dst, const T* base, int kbase, int s_hi, int tid,
+                                                  bool enable) const {
+    constexpr int CH = HD / 8;
+    constexpr int PASS_ROWS = NTHREADS / CH;
+    static_assert(NTHREADS % CH == 0 && kKeys % PASS_ROWS == 0, "copy shape");
+    const int chunk = tid % CH;
+#pragma unroll UNROLL
+    for (int pass = 0; pass < kKeys / PASS_ROWS; ++pass) {
+      const int j = pass * PASS_ROWS + tid / CH;
+      const int key = kbase + j;
+      const bool valid = enable && key < s_hi;
+      const int k = max(0, min(key, s_hi - 1));
+      const int b = bs_shift >= 0 ? k >> bs_shift : k / bs;
+      const T* src =
+          base + static_cast<int64_t>(table[b]) * block_elems + static_cast<int64_t>(k - b * bs) * slot_elems + chunk * 8;
+      wgmma::cp_async16(dst + wgmma::swizzled<kKeys>(j, chunk), src, valid);
+    }
+  }
+
+  // Rows `row` of a tile (keys kbase + row) for row in [0, lo) and [hi, kKeys):
+  // keys in [s_lo, s_hi) copied, others zero-filled; by `nthreads` threads.
+  __device__ __forceinline__ void load_edge_rows(uint32_t dst, const T* base, int kbase, int lo, int hi, int s_lo,
+                                                 int s_hi, int tid, int nthreads) const {
+    constexpr int CH = HD / 8;
+    const int count = (lo + kKeys - hi) * CH;
+#pragma unroll 1
+    for (int i = tid; i < count; i += nthreads) {
+      const int e = i / CH;
+      const int chunk = i % CH;
+      const int row = e < lo ? e : hi + (e - lo);
+      const int key = kbase + row;
+      const bool valid = key >= s_lo && key < s_hi;
+      const T* src = base;
+      if (valid) {
+        const int b = key >> bs_shift;
+        src = base + static_cast<int64_t>(table[b]) * block_elems + static_cast<int64_t>(key - b * bs) * slot_elems +
+              chunk * 8;
+      }
+      wgmma::cp_async16(dst + wgmma::swizzled<kKeys>(row, chunk), src, valid);
+    }
+  }
 };
+
+// ---- TMA (PAGEDCORE_PREFILL_KERNEL=wgmma-tma*): one copy per cache block ----
+//
+// A tensor map over the cache [num_blocks, block_size, num_kv_heads, HD]
+// (dims HD, kv heads, block_size, num_blocks; box 64 x 1 x block_size x 1,
+// 128-byte swizzle) brings one block's rows of one kv head's 64-dim half per
+// copy, straight into the swizzled tile layout (a box of block_size rows lands
+// at row offset j * block_size, a multiple of 8: the swizzle phase matches).
+// NOTE: a box is a whole block, so key tiles start at s_lo rounded down to a
+// block (block sizes: powers of two 8..128, dividing kKeys). Rows of a tile
+// outside [s_lo, s_hi): K rows may hold anything (stale or NaN; their scores
+// are masked to -inf by select); V rows must be finite, since P = 0 times NaN
+// is NaN: V blocks wholly inside [s_lo, s_hi) come by TMA, the rows of the
+// others by cp.async, zero-filled outside the range.
+struct TileSpan {
+  int k0;  // first key of tile 0 (a block boundary)
+  int n;   // tiles
+};
+__device__ __forceinline__ TileSpan block_aligned_tiles(const Item& it, int bs) {
+  TileSpan ts;
+  ts.k0 = it.s_lo & ~(bs - 1);
+  ts.n = it.s_hi > it.s_lo ? (it.s_hi - ts.k0 + kKeys - 1) / kKeys : 0;
+  return ts;
+}
+
+// The cache block that lane `lane` of a warp copies by TMA for the tile at
+// kbase (block lane of the tile), or -1 if that block holds no key in
+// [s_lo, s_hi) (or lies past the tile).
+template <typename T, int HD>
+__device__ __forceinline__ int tile_block(const KvGather<T, HD>& kv, int kbase, int s_lo, int s_hi, int lane) {
+  const int kb = kbase + lane * kv.bs;
+  const bool any = lane * kv.bs < kKeys && kb < s_hi && kb + kv.bs > s_lo;
+  return any ? kv.table[kb >> kv.bs_shift] : -1;
+}
+
+// Rows [lo, hi) of the tile at kbase: the whole blocks inside [s_lo, s_hi)
+// (V rows by TMA); the others are edge rows (KvGather::load_edge_rows).
+__device__ __forceinline__ void full_block_rows(int kbase, int s_lo, int s_hi, int bs, int& lo, int& hi) {
+  lo = min(kKeys, (max(0, s_lo - kbase) + bs - 1) & ~(bs - 1));
+  hi = max(lo, min(kKeys, (s_hi - kbase) & ~(bs - 1)));
+}
+
+// K tile -> dst, by one warp: lane j copies block j of the tile (its
+// tile_block, all 64-dim halves) unless it is -1; lane 0 first arms `bar`
+// with the bytes of them all (its one arrival).
+template <int HD>
+__device__ __forceinline__ void tma_k_blocks(const void* map, int kv_head, uint32_t dst, uint32_t bar, int block, int bs,
+                                             int lane) {
+  const unsigned mask = __ballot_sync(0xffffffffu, block >= 0);
+  if (lane == 0) wgmma::mbar_arrive_expect_tx(bar, __popc(mask) * bs * HD * 2);
+  __syncwarp();
+  if (block >= 0) {
+#pragma unroll
+    for (int h = 0; h < HD / 64; ++h) {
+      wgmma::tma_load_4d(dst + h * kKeys * 128 + lane * bs * 128, map, h * 64, kv_head, 0, block, bar);
+    }
+  }
+}
+
+// V tile -> dst, by one warp: the blocks of rows [lo, hi) (full_block_rows;
+// lane j: block j, its tile_block), lane 0 arming `bar` with their bytes (its
+// one arrival). The edge rows are the caller's (cp.async, zero-filled).
+template <int HD>
+__device__ __forceinline__ void tma_v_blocks(const void* map, int kv_head, uint32_t dst, uint32_t bar, int block, int bs,
+                                             int lo, int hi, int lane) {
+  const bool load = lane * bs >= lo && lane * bs < hi;
+  if (lane == 0) wgmma::mbar_arrive_expect_tx(bar, (hi - lo) * HD * 2);
+  __syncwarp();
+  if (load) {
+#pragma unroll
+    for (int h = 0; h < HD / 64; ++h) {
+      wgmma::tma_load_4d(dst + h * kKeys * 128 + lane * bs * 128, map, h * 64, kv_head, 0, block, bar);
+    }
+  }
+}
 
 // One warpgroup thread's share of the online softmax: its two accumulator
 // rows (vectors vr[r] = 64 * warpgroup + 16 * warp + lane / 4 + 8 r), the
