@@ -2,7 +2,7 @@
 """One device call to tell whether the Hopper prefill kernels (wgmma) work and how fast.
 
 Runs pagedcore.ops.paged_attention on a few prefill cases with
-PAGEDCORE_PREFILL_KERNEL=mma, =wgmma, =wgmma-ws and =wgmma-pp (same plan, same data), against float32 torch
+PAGEDCORE_PREFILL_KERNEL=mma and each wgmma variant (KERNELS; same plan, same data), against float32 torch
 math over the keys gathered from the paged cache (block 0 and every slot past a row's
 length hold NaN), and times both beside FlashAttention-2's varlen kernel in torch
 (``aten._flash_attention_forward``, causal aligned bottom-right, GQA) on the same keys
@@ -28,7 +28,8 @@ import torch
 from pagedcore import _C, ops
 
 ENV = "PAGEDCORE_PREFILL_KERNEL"
-KERNELS = ("mma", "wgmma", "wgmma-ws", "wgmma-pp")
+KERNELS = ("mma", "wgmma", "wgmma-ws", "wgmma-pp", "wgmma-late", "wgmma-tma", "wgmma-tma-pp", "wgmma-tma-plain")
+PROBE_SECONDS = 60
 
 
 @dataclass
@@ -58,6 +59,8 @@ EXTRA_CASES = [
     Case("group 1, d128, bs32, prefix", [(200, 700), (128, 128), (255, 300)], heads=4, kv_heads=4, block_size=32),
     Case("key splits: 40 over 5000 (32/8)", [(40, 5000)]),
     Case("window 256 + softcap 30 (32/8, d128)", [(1000, 3000)], window=256, softcap=30.0),
+    # (first keys mid-block, for the TMA variants' block-aligned tiles)
+    Case("window 200, bs64, splits (32/8, d128)", [(1000, 3000), (40, 5000)], window=200, block_size=64),
 ]
 
 
@@ -263,16 +266,18 @@ def main() -> None:
     alive, dropped = ["mma"], []
     for kernel in KERNELS[1:]:
         try:
-            done = subprocess.run([sys.executable, __file__, "--probe", kernel], timeout=180)
+            done = subprocess.run([sys.executable, __file__, "--probe", kernel], timeout=PROBE_SECONDS)
             if done.returncode == 0:
                 alive.append(kernel)
             else:
                 print(f"{kernel}: the probe failed (exit {done.returncode}); left out")
                 dropped.append(f"[{kernel}: probe failed]")
         except subprocess.TimeoutExpired:
-            print(f"{kernel}: HANGS (probe still running after 180 s); left out")
+            print(f"{kernel}: HANGS (probe still running after {PROBE_SECONDS} s); left out")
             dropped.append(f"[{kernel}: hangs]")
     KERNELS = tuple(alive)
+    # (for the device command: PAGEDCORE_TEST_PREFILL_KERNELS=$(... | sed -n 's/^ALIVE=//p'))
+    print(f"ALIVE={','.join(alive)}", flush=True)
     cases = EXTRA_CASES + ([] if args.quick else ISSUE_CASES)
     rows = []
     with ops.unchecked_indices():
