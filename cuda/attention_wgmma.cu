@@ -12,14 +12,17 @@
 //   waits for S_t, masks it (diagonal tiles, window, tile end) and runs the
 //   online softmax while the P V product is still in the tensor cores,
 //   waits for P V, rescales O if the running max moved.
-// Two variants: PAGEDCORE_PREFILL_KERNEL=wgmma, where all threads' cp.async
+// Variants (PAGEDCORE_PREFILL_KERNEL): =wgmma, where all threads' cp.async
 // copies bring K_{t+2} and V_{t+1} (three buffers each) and a __syncthreads
-// closes each tile; =wgmma-ws, where a third warpgroup copies and mbarriers
-// hand buffers between it and the two computing warpgroups (no softcap).
+// closes each tile; =wgmma-late, the same with the copies issued after the
+// GEMMs; =wgmma-ws, where a third warpgroup copies and mbarriers hand buffers
+// between it and the two computing warpgroups (no softcap); =wgmma-pp, wgmma-ws
+// with the two taking turns at the tensor cores; =wgmma-tma, =wgmma-tma-pp,
+// =wgmma-tma-plain: wgmma-ws, wgmma-pp and wgmma copying by TMA, one copy per
+// cache block (attention_wgmma_tma.cuh).
 // Scores, softmax and O are float32; P is rounded to the query type.
 #include "attention_wgmma.h"
 
-#include <cuda.h>  // CUtensorMap and its enums only: the encoder comes through the runtime, no libcuda link
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -34,6 +37,7 @@
 #include "attention_merge.cuh"
 #include "attention_mma.h"
 #include "attention_wgmma_parts.cuh"
+#include "attention_wgmma_tma.cuh"
 #include "pagedcore/cuda/kernels.h"
 #include "wgmma_ops.cuh"
 
@@ -42,14 +46,6 @@ namespace pagedcore::cuda {
 namespace {
 
 using namespace wgmma_attention;  // NOLINT: the kernels are made of these parts
-
-// Tensor maps over the key and value caches for the TMA variants (encoded on
-// the host per launch, passed by value: CUDA graphs capture them with the
-// launch); unused by the others.
-struct KvTensorMaps {
-  CUtensorMap k;
-  CUtensorMap v;
-};
 
 // ---- the kernel without warp specialization (PAGEDCORE_PREFILL_KERNEL=wgmma) ----
 //
@@ -657,57 +653,6 @@ int launch(void (*kernel)(PagedAttentionParams, Args...), bool& configured, int 
   const cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess || p.num_splits == 1 || p.split_counters != nullptr) return e;
   return merge_attention_splits(p, false, stream);
-}
-
-// cuTensorMapEncodeTiled from the driver through the runtime (no libcuda
-// link), looked up once; null where the driver has none.
-using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
-                                   const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
-                                   CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-EncodeTiledFn tensor_map_encoder() {
-  static const EncodeTiledFn fn = [] {
-    void* f = nullptr;
-    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
-#if CUDART_VERSION >= 12050
-    const cudaError_t e = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &found);
-#else
-    const cudaError_t e = cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &f, cudaEnableDefault, &found);
-#endif
-    if (e != cudaSuccess || found != cudaDriverEntryPointSuccess) {
-      cudaGetLastError();
-      f = nullptr;
-    }
-    return reinterpret_cast<EncodeTiledFn>(f);
-  }();
-  return fn;
-}
-
-// The TMA variants serve block sizes 8..128 that are powers of two (a box is
-// one block; kKeys / block_size boxes per tile half, at most 16 = the lanes
-// that issue them).
-bool tma_block_size(int bs) { return bs >= 8 && bs <= kKeys && (bs & (bs - 1)) == 0; }
-
-// Encodes the K and V tensor maps of `p`'s cache (see tma_k_blocks in
-// attention_wgmma_parts.cuh): dims (HD, kv heads, block_size, num_blocks),
-// box (64, 1, block_size, 1), 128-byte swizzle. False if it cannot.
-template <typename T, int HD>
-bool encode_kv_maps(const PagedAttentionParams& p, KvTensorMaps& maps) {
-  const EncodeTiledFn encode = tensor_map_encoder();
-  if (encode == nullptr || p.num_blocks <= 0 || !tma_block_size(p.block_size)) return false;
-  const CUtensorMapDataType type =
-      std::is_same_v<T, __nv_bfloat16> ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
-  const cuuint64_t row = static_cast<cuuint64_t>(HD) * sizeof(T);
-  const cuuint64_t dims[4] = {static_cast<cuuint64_t>(HD), static_cast<cuuint64_t>(p.num_kv_heads),
-                              static_cast<cuuint64_t>(p.block_size), static_cast<cuuint64_t>(p.num_blocks)};
-  const cuuint64_t strides[3] = {row, row * p.num_kv_heads, row * p.num_kv_heads * p.block_size};  // bytes, dims 1..3
-  const cuuint32_t box[4] = {64, 1, static_cast<cuuint32_t>(p.block_size), 1};
-  const cuuint32_t elem_strides[4] = {1, 1, 1, 1};
-  auto one = [&](CUtensorMap* map, const void* cache) {
-    return encode(map, type, 4, const_cast<void*>(cache), dims, strides, box, elem_strides,
-                  CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                  CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
-  };
-  return one(&maps.k, p.key_cache) && one(&maps.v, p.value_cache);
 }
 
 template <typename T, int HD>
