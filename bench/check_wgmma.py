@@ -247,6 +247,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="the small cases only")
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--probe", help=argparse.SUPPRESS)
+    parser.add_argument("--kernels", help="comma-separated variants to run, without the hang probes "
+                        "(e.g. the ALIVE= line of an earlier run)")
     args = parser.parse_args()
     if args.probe:
         probe(args.probe)
@@ -264,7 +266,9 @@ def main() -> None:
     # NOTE: a kernel that deadlocks would take the whole device call with it: each
     # wgmma variant first runs in a child process with a time limit.
     alive, dropped = ["mma"], []
-    for kernel in KERNELS[1:]:
+    if args.kernels:  # probed by an earlier run: no children
+        alive += [k for k in args.kernels.split(",") if k and k != "mma"]
+    for kernel in () if args.kernels else KERNELS[1:]:
         try:
             done = subprocess.run([sys.executable, __file__, "--probe", kernel], timeout=PROBE_SECONDS)
             if done.returncode == 0:
@@ -305,6 +309,11 @@ def main() -> None:
         if r["flash_us"]:
             print(f"{r['case']:<42}{r['splits']:>7}  {'FA2':<10}{'':>10}{'':>7}{r['flash_us']:10.1f}"
                   f"{tf / r['flash_us']:9.0f}")
+        correct = [k for k in KERNELS if k != "mma" and not r[f"{k}_nan"] and r[f"{k}_err"] <= 0.05]
+        if correct:
+            best = min(correct, key=lambda k: r[f"{k}_us"])
+            vs = f", {r['flash_us'] / r[f'{best}_us']:.2f}x FA2's speed" if r["flash_us"] else ""
+            print(f"{'':<51}fastest correct wgmma variant: {best} {r[f'{best}_us']:.1f} us{vs}")
     for note in {r["flash_note"] for r in rows if r.get("flash_note")}:
         print(f"FA2 peer: {note}")
     print("wgmma kernels: OK" if not bad else f"wgmma kernels: FAILED on {bad}")
