@@ -19,7 +19,8 @@
 // between it and the two computing warpgroups (no softcap); =wgmma-pp, wgmma-ws
 // with the two taking turns at the tensor cores; =wgmma-tma, =wgmma-tma-pp,
 // =wgmma-tma-plain: wgmma-ws, wgmma-pp and wgmma copying by TMA, one copy per
-// cache block (attention_wgmma_tma.cuh).
+// cache block (attention_wgmma_tma.cuh). A "-rev" suffix launches the
+// non-persistent ones' work items longest first.
 // Scores, softmax and O are float32; P is rounded to the query type.
 #include "attention_wgmma.h"
 
@@ -32,6 +33,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <string>
 #include <type_traits>
 
 #include "attention_merge.cuh"
@@ -56,8 +58,10 @@ using namespace wgmma_attention;  // NOLINT: the kernels are made of these parts
 // are then branch-free (KvGather::load_branchless: past the last tile they
 // zero-fill buffers already consumed) and each side of if (t > 0) issues and
 // waits on its own, which keeps ptxas from serializing the wgmma.
+// reverse_items: the grid's work items in reverse order (the "-rev" variants).
 template <typename T, int HD, bool SOFTCAP, bool LATE>
-__global__ void __launch_bounds__(kThreads, 1) wgmma_prefill_kernel(const __grid_constant__ PagedAttentionParams p) {
+__global__ void __launch_bounds__(kThreads, 1)
+    wgmma_prefill_kernel(const __grid_constant__ PagedAttentionParams p, int reverse_items) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int ON = HD / 2;          // output registers per thread
   constexpr int PK = kKeys / 16;      // k steps of O += P V
@@ -71,7 +75,7 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_prefill_kernel(const __grid
   const uint32_t k_s = q_s + tile_bytes<HD>(kRows);
   const uint32_t v_s = k_s + kStages * TB;
 
-  const Item it = item_of(p);
+  const Item it = item_of(p, reverse_items != 0);
   const int tid = threadIdx.x;
   const int wg = tid / 128;
   const int lane = tid % 32;
@@ -195,7 +199,8 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_prefill_kernel(const __grid
 // latency is not in front of that warp's GEMM issue. No softcap.
 template <typename T, int HD>
 __global__ void __launch_bounds__(kThreads, 1)
-    wgmma_tma_prefill_kernel(const __grid_constant__ PagedAttentionParams p, const __grid_constant__ KvTensorMaps maps) {
+    wgmma_tma_prefill_kernel(const __grid_constant__ PagedAttentionParams p, const __grid_constant__ KvTensorMaps maps,
+                             int reverse_items) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int ON = HD / 2;
   constexpr int PK = kKeys / 16;
@@ -213,7 +218,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   auto full_k = [&](int st) { return bar0 + 8 * st; };
   auto full_v = [&](int st) { return bar0 + 8 * (kStages + st); };
 
-  const Item it = item_of(p);
+  const Item it = item_of(p, reverse_items != 0);
   const int tid = threadIdx.x;
   const int wg = tid / 128;
   const int warp = tid / 32;
@@ -678,12 +683,17 @@ int launch(void (*kernel)(PagedAttentionParams, Args...), bool& configured, int 
   return merge_attention_splits(p, false, stream);
 }
 
+// A flag on kernel_choice(): the "-rev" suffix.
+constexpr int kReverseItems = 16;
+
 template <typename T, int HD>
 int launch_head_dim(const PagedAttentionParams& p, int choice, cudaStream_t stream) {
   // NOTE: the warp-specialized kernel's computing warpgroups have 232
   // registers; softcap's tanh needs more, so softcap stays on the plain one
   // (as do block sizes the TMA variants do not serve).
   KvTensorMaps maps{};
+  const int reverse = (choice & kReverseItems) != 0 ? 1 : 0;  // (the persistent kernels have their own order)
+  choice &= ~kReverseItems;
   if (choice == 2 && p.softcap == 0.f) {
     static bool configured = false;
     return launch<HD>(wgmma_ws_prefill_kernel<T, HD, false, false>, configured, kWsThreads, p, stream, true, maps);
@@ -702,18 +712,18 @@ int launch_head_dim(const PagedAttentionParams& p, int choice, cudaStream_t stre
   }
   if (choice == 7 && p.softcap == 0.f && encode_kv_maps<T, HD>(p, maps)) {
     static bool configured = false;
-    return launch<HD>(wgmma_tma_prefill_kernel<T, HD>, configured, kThreads, p, stream, false, maps);
+    return launch<HD>(wgmma_tma_prefill_kernel<T, HD>, configured, kThreads, p, stream, false, maps, reverse);
   }
   if (p.softcap > 0.f) {
     static bool configured = false;
-    return launch<HD>(wgmma_prefill_kernel<T, HD, true, false>, configured, kThreads, p, stream, false);
+    return launch<HD>(wgmma_prefill_kernel<T, HD, true, false>, configured, kThreads, p, stream, false, reverse);
   }
   if (choice == 4) {
     static bool configured = false;
-    return launch<HD>(wgmma_prefill_kernel<T, HD, false, true>, configured, kThreads, p, stream, false);
+    return launch<HD>(wgmma_prefill_kernel<T, HD, false, true>, configured, kThreads, p, stream, false, reverse);
   }
   static bool configured = false;
-  return launch<HD>(wgmma_prefill_kernel<T, HD, false, false>, configured, kThreads, p, stream, false);
+  return launch<HD>(wgmma_prefill_kernel<T, HD, false, false>, configured, kThreads, p, stream, false, reverse);
 }
 
 template <typename T>
@@ -731,7 +741,9 @@ int dispatch_head_dim(const PagedAttentionParams& p, int choice, cudaStream_t st
 // (wgmma-ws copying by TMA), 6 = "wgmma-tma-pp" (the same with ping-pong),
 // 7 = "wgmma-tma-plain" (the plain kernel copying by TMA),
 // 0 = "mma" (the mma.sync kernel) or anything else unknown; unset, empty or
-// "auto": the variant measured fastest for the head dim (kAuto*).
+// "auto": the variant measured fastest for the head dim (kAuto*). A "-rev"
+// suffix on a wgmma variant adds kReverseItems: the non-persistent kernels
+// (wgmma, wgmma-late, wgmma-tma-plain) take the work items longest first.
 // NOTE: measured on the H200 (bench/check_wgmma.py, at 7feb9e8; all variants
 // correct): 8k causal d128 bs16 mma 3109 us, wgmma 2189 (251 TFLOP/s), ws 2490,
 // pp 2473, FA2 varlen 1714; SmolLM2 16 x 512 d64 mma 50.3, wgmma 62.9, ws 55.8,
@@ -741,18 +753,26 @@ constexpr int kAutoD64 = 0;
 int kernel_choice(const PagedAttentionParams& p) {
   // NOTE: read on every call (a getenv per layer is noise) so that a process
   // can switch kernels, as the tests and benchmarks do.
-  const char* choice = std::getenv("PAGEDCORE_PREFILL_KERNEL");
-  if (choice == nullptr || choice[0] == '\0' || std::strcmp(choice, "auto") == 0) {
+  const char* env = std::getenv("PAGEDCORE_PREFILL_KERNEL");
+  if (env == nullptr || env[0] == '\0' || std::strcmp(env, "auto") == 0) {
     return p.head_dim == 128 ? kAutoD128 : p.head_dim == 64 ? kAutoD64 : 0;
   }
-  if (std::strcmp(choice, "wgmma") == 0) return 1;
-  if (std::strcmp(choice, "wgmma-ws") == 0) return 2;
-  if (std::strcmp(choice, "wgmma-pp") == 0) return 3;
-  if (std::strcmp(choice, "wgmma-late") == 0) return 4;
-  if (std::strcmp(choice, "wgmma-tma") == 0) return 5;
-  if (std::strcmp(choice, "wgmma-tma-pp") == 0) return 6;
-  if (std::strcmp(choice, "wgmma-tma-plain") == 0) return 7;
-  return 0;  // "mma", or anything else
+  std::string name(env);
+  int flags = 0;
+  constexpr const char* kRev = "-rev";
+  if (name.size() > 4 && name.compare(name.size() - 4, 4, kRev) == 0) {
+    name.resize(name.size() - 4);
+    flags = kReverseItems;
+  }
+  int base = 0;  // "mma", or anything else
+  if (name == "wgmma") base = 1;
+  if (name == "wgmma-ws") base = 2;
+  if (name == "wgmma-pp") base = 3;
+  if (name == "wgmma-late") base = 4;
+  if (name == "wgmma-tma") base = 5;
+  if (name == "wgmma-tma-pp") base = 6;
+  if (name == "wgmma-tma-plain") base = 7;
+  return base == 0 ? 0 : base | flags;
 }
 
 bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0; }

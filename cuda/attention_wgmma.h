@@ -10,8 +10,9 @@ namespace pagedcore::cuda {
 // Whether paged_attention_wgmma serves the work items (prefill tiles) of `p`:
 // the kernel was compiled (a build for sm_90), PAGEDCORE_PREFILL_KERNEL picks
 // a wgmma variant (wgmma, wgmma-ws, wgmma-pp, wgmma-late, wgmma-tma,
-// wgmma-tma-pp, wgmma-tma-plain; unset or auto: the one measured fastest for
-// the head dim, or mma.sync), scale > 0, the current device is
+// wgmma-tma-pp, wgmma-tma-plain, each also with a "-rev" suffix: work items
+// longest first; unset or auto: the one measured fastest for the head dim, or
+// mma.sync), scale > 0, the current device is
 // compute capability
 // 9.0, queries and cache are both bf16 or both fp16, head_dim is 64 or 128,
 // and queries, cache and output are 16-byte aligned (query rows too).

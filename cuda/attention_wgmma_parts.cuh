@@ -89,8 +89,12 @@ __device__ __forceinline__ Item item_of(const PagedAttentionParams& p, int kv_he
 
 // The CTA of a (kv heads, work items, splits) grid, or item `linear` in that
 // grid's launch order (kv head fastest) for a persistent CTA.
-__device__ __forceinline__ Item item_of(const PagedAttentionParams& p) {
-  return item_of(p, blockIdx.x, blockIdx.y, blockIdx.z);
+// reverse: work items in the opposite order of the grid's (the plan lists each
+// row's items by ascending key range, and the grid launches in order: this
+// starts the longest first, leaving the short ones for the tail).
+__device__ __forceinline__ Item item_of(const PagedAttentionParams& p, bool reverse = false) {
+  return item_of(p, blockIdx.x, reverse ? p.num_work - 1 - static_cast<int>(blockIdx.y) : static_cast<int>(blockIdx.y),
+                 blockIdx.z);
 }
 __device__ __forceinline__ Item item_at(const PagedAttentionParams& p, int linear) {
   const int rest = linear / p.num_kv_heads;
