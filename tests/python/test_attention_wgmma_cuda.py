@@ -34,7 +34,9 @@ from test_ops_cuda import TOLERANCE  # noqa: E402
 # powers of two in 8..128). mma: the mma.sync kernel, which the default (auto) no longer
 # picks for head dim 128 here. PAGEDCORE_TEST_PREFILL_KERNELS (comma-separated) narrows
 # the list, e.g. to leave out a variant that bench/check_wgmma.py found hanging.
-KERNELS = ["mma", "wgmma", "wgmma-ws", "wgmma-pp", "wgmma-late", "wgmma-tma", "wgmma-tma-pp", "wgmma-tma-plain"]
+# "-rev": the non-persistent kernels taking the work items in reverse (longest first).
+KERNELS = ["mma", "wgmma", "wgmma-ws", "wgmma-pp", "wgmma-late", "wgmma-tma", "wgmma-tma-pp", "wgmma-tma-plain",
+           "wgmma-rev", "wgmma-late-rev", "wgmma-tma-plain-rev"]
 if os.environ.get("PAGEDCORE_TEST_PREFILL_KERNELS"):
     KERNELS = [k for k in os.environ["PAGEDCORE_TEST_PREFILL_KERNELS"].split(",") if k]
 
