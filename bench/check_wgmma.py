@@ -20,6 +20,7 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,7 +31,7 @@ from pagedcore import _C, ops
 ENV = "PAGEDCORE_PREFILL_KERNEL"
 KERNELS = ("mma", "wgmma", "wgmma-ws", "wgmma-pp", "wgmma-late", "wgmma-tma", "wgmma-tma-pp", "wgmma-tma-plain",
            "wgmma-rev", "wgmma-late-rev", "wgmma-tma-plain-rev")
-PROBE_SECONDS = 60
+PROBE_SECONDS = 90
 
 
 @dataclass
@@ -269,15 +270,21 @@ def main() -> None:
     alive, dropped = ["mma"], []
     if args.kernels:  # probed by an earlier run: no children
         alive += [k for k in args.kernels.split(",") if k and k != "mma"]
-    for kernel in () if args.kernels else KERNELS[1:]:
+    # (all probes at once: a hung kernel does not stop the other processes' kernels)
+    probes = {} if args.kernels else {
+        kernel: subprocess.Popen([sys.executable, __file__, "--probe", kernel]) for kernel in KERNELS[1:]}
+    deadline = time.monotonic() + PROBE_SECONDS
+    for kernel, child in probes.items():
         try:
-            done = subprocess.run([sys.executable, __file__, "--probe", kernel], timeout=PROBE_SECONDS)
-            if done.returncode == 0:
+            code = child.wait(timeout=max(1.0, deadline - time.monotonic()))
+            if code == 0:
                 alive.append(kernel)
             else:
-                print(f"{kernel}: the probe failed (exit {done.returncode}); left out")
+                print(f"{kernel}: the probe failed (exit {code}); left out")
                 dropped.append(f"[{kernel}: probe failed]")
         except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
             print(f"{kernel}: HANGS (probe still running after {PROBE_SECONDS} s); left out")
             dropped.append(f"[{kernel}: hangs]")
     KERNELS = tuple(alive)
