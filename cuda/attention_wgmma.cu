@@ -122,8 +122,12 @@ __global__ void __launch_bounds__(kThreads, 1)
         kv.template load_branchless<kThreads, 8>(v_s + st_next * TB, kv.value_base, kbase + kKeys, it.s_hi, tid,
                                                  t + 1 < n_tiles);
       } else {
-        if (t + 2 < n_tiles) kv.template load<kThreads, 8>(k_s + st_prev * TB, kv.key_base, kbase + 2 * kKeys, it.s_hi, tid);
-        if (t + 1 < n_tiles) kv.template load<kThreads, 8>(v_s + st_next * TB, kv.value_base, kbase + kKeys, it.s_hi, tid);
+        if (t + 2 < n_tiles) {
+          kv.template load<kThreads, 8>(k_s + st_prev * TB, kv.key_base, kbase + 2 * kKeys, it.s_hi, tid);
+        }
+        if (t + 1 < n_tiles) {
+          kv.template load<kThreads, 8>(v_s + st_next * TB, kv.value_base, kbase + kKeys, it.s_hi, tid);
+        }
       }
       wgmma::cp_async_commit();
     };
@@ -253,7 +257,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (warp == 0) tma_v_blocks<HD>(&maps.v, it.kv_head, v_s + st * TB, full_v(st), block, bs, lo, hi, lane);
     kv.load_edge_rows(v_s + st * TB, kv.value_base, kbase, lo, hi, it.s_lo, it.s_hi, tid, kThreads);
   };
-  auto block_of = [&](int tile) { return tile < n_tiles ? tile_block(kv, span.k0 + tile * kKeys, it.s_lo, it.s_hi, lane) : -1; };
+  auto block_of = [&](int tile) {
+    return tile < n_tiles ? tile_block(kv, span.k0 + tile * kKeys, it.s_lo, it.s_hi, lane) : -1;
+  };
 
   // Groups of cp.async: {Q, V_0's edge rows}, then one per tile t: {V_{t+1}'s
   // edge rows} (empty past the end), waited for one tile ahead with the TMA of
@@ -480,7 +486,9 @@ __global__ void __launch_bounds__(kWsThreads, 1)
         if constexpr (TMA) {
           int lo, hi;
           full_block_rows(kbase, it.s_lo, it.s_hi, p.block_size, lo, hi);
-          if (tid < 32) tma_v_blocks<HD>(&maps.v, it.kv_head, v_s + st * TB, full_v(st), block, p.block_size, lo, hi, tid);
+          if (tid < 32) {
+            tma_v_blocks<HD>(&maps.v, it.kv_head, v_s + st * TB, full_v(st), block, p.block_size, lo, hi, tid);
+          }
           kv.load_edge_rows(v_s + st * TB, kv.value_base, kbase, lo, hi, it.s_lo, it.s_hi, tid, 128);
           wgmma::cp_async_arrive(full_v(st));
         } else {
