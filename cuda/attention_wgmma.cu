@@ -19,7 +19,8 @@
 // between it and the two computing warpgroups (no softcap); =wgmma-pp, wgmma-ws
 // with the two taking turns at the tensor cores; =wgmma-tma, =wgmma-tma-pp,
 // =wgmma-tma-plain: wgmma-ws, wgmma-pp and wgmma copying by TMA, one copy per
-// cache block (attention_wgmma_tma.cuh). A "-rev" suffix launches the
+// cache block (attention_wgmma_tma.cuh); =wgmma-tma-async, wgmma-tma-plain
+// without a CTA barrier per tile. A "-rev" suffix launches the
 // non-persistent ones' work items longest first.
 // Scores, softmax and O are float32; P is rounded to the query type.
 #include "attention_wgmma.h"
@@ -201,7 +202,12 @@ __global__ void __launch_bounds__(kThreads, 1)
 // cp.async from all threads, zero-filled, in the commit group of their tile.
 // Warp 0's lanes look a block id up one tile before its copy, so the table's
 // latency is not in front of that warp's GEMM issue. No softcap.
-template <typename T, int HD>
+// ASYNC (=wgmma-tma-async): no CTA barrier per tile: each warp arrives on an
+// "empty" mbarrier of a buffer once its warpgroup's wgmma reading it retired,
+// the next copy into it waits for all 8 (warp 0 for K; every thread for V,
+// whose edge rows all threads write), and V's edge rows arrive on the full
+// barrier by cp.async (count 1 + 256): a warpgroup may run up to a tile ahead.
+template <typename T, int HD, bool ASYNC>
 __global__ void __launch_bounds__(kThreads, 1)
     wgmma_tma_prefill_kernel(const __grid_constant__ PagedAttentionParams p, const __grid_constant__ KvTensorMaps maps,
                              int reverse_items) {
@@ -213,7 +219,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   static_assert(kStages == 3, "the buffer rotation below");
 
   extern __shared__ unsigned char smem_raw[];
-  __shared__ __align__(8) uint64_t bars[2 * kStages];  // full K, full V
+  __shared__ __align__(8) uint64_t bars[4 * kStages];  // full K, full V, empty K, empty V (ASYNC)
   const uint32_t raw = wgmma::smem_addr(smem_raw);
   const uint32_t q_s = (raw + 1023u) & ~1023u;
   const uint32_t k_s = q_s + tile_bytes<HD>(kRows);
@@ -221,6 +227,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   const uint32_t bar0 = wgmma::smem_addr(bars);
   auto full_k = [&](int st) { return bar0 + 8 * st; };
   auto full_v = [&](int st) { return bar0 + 8 * (kStages + st); };
+  auto empty_k = [&](int st) { return bar0 + 8 * (2 * kStages + st); };
+  auto empty_v = [&](int st) { return bar0 + 8 * (3 * kStages + st); };
 
   const Item it = item_of(p, reverse_items != 0);
   const int tid = threadIdx.x;
@@ -240,7 +248,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (tid == 0) {
     for (int st = 0; st < kStages; ++st) {
       wgmma::mbar_init(full_k(st), 1);
-      wgmma::mbar_init(full_v(st), 1);
+      wgmma::mbar_init(full_v(st), ASYNC ? 1 + kThreads : 1);
+      wgmma::mbar_init(empty_k(st), kThreads / 32);
+      wgmma::mbar_init(empty_v(st), kThreads / 32);
     }
     wgmma::mbar_init_fence();
     wgmma::tma_prefetch_map(&maps.k);
@@ -256,6 +266,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     full_block_rows(kbase, it.s_lo, it.s_hi, bs, lo, hi);
     if (warp == 0) tma_v_blocks<HD>(&maps.v, it.kv_head, v_s + st * TB, full_v(st), block, bs, lo, hi, lane);
     kv.load_edge_rows(v_s + st * TB, kv.value_base, kbase, lo, hi, it.s_lo, it.s_hi, tid, kThreads);
+    if constexpr (ASYNC) wgmma::cp_async_arrive(full_v(st));
   };
   auto block_of = [&](int tile) {
     return tile < n_tiles ? tile_block(kv, span.k0 + tile * kKeys, it.s_lo, it.s_hi, lane) : -1;
@@ -283,6 +294,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     int lo, hi;
     full_block_rows(span.k0, it.s_lo, it.s_hi, bs, lo, hi);
     kv.load_edge_rows(v_s, kv.value_base, span.k0, lo, hi, it.s_lo, it.s_hi, tid, kThreads);
+    if constexpr (ASYNC) wgmma::cp_async_arrive(full_v(0));
   }
   wgmma::cp_async_commit();
   wgmma::cp_async_wait<0>();
@@ -305,14 +317,28 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int st_prev = st == 0 ? kStages - 1 : st - 1;
     const int st_next = st == kStages - 1 ? 0 : st + 1;
     // V_{t+1} and K_{t+2} into the buffers that P_{t-2} V_{t-2} and S_{t-1}
-    // read, both retired before the barrier that closed tile t-1.
-    if (t + 1 < n_tiles) copy_v(t + 1, st_next, id_v);
+    // read, both retired before the barrier that closed tile t-1 (ASYNC: once
+    // every warp said so on the buffer's empty barrier).
+    if (t + 1 < n_tiles) {
+      if (ASYNC && t >= 2) wgmma::mbar_wait(empty_v(st_next), ((t - 2) / kStages) & 1);
+      copy_v(t + 1, st_next, id_v);
+    }
     if (warp == 0) {
-      if (t + 2 < n_tiles) tma_k_blocks<HD>(&maps.k, it.kv_head, k_s + st_prev * TB, full_k(st_prev), id_k, bs, lane);
+      if (t + 2 < n_tiles) {
+        if (ASYNC && t >= 1) wgmma::mbar_wait(empty_k(st_prev), ((t - 1) / kStages) & 1);
+        tma_k_blocks<HD>(&maps.k, it.kv_head, k_s + st_prev * TB, full_k(st_prev), id_k, bs, lane);
+      }
       id_v = id_k;
       id_k = block_of(t + 3);
     }
-    wgmma::cp_async_commit();
+    if constexpr (ASYNC) {
+      // K_t and V_{t-1} (V_{t-1}'s edge rows: the 256 threads' cp.async arrivals)
+      wgmma::mbar_wait(full_k(st), (t / kStages) & 1);
+      if (t > 0) wgmma::mbar_wait(full_v(st_prev), ((t - 1) / kStages) & 1);
+      wgmma::fence_proxy_async();
+    } else {
+      wgmma::cp_async_commit();
+    }
 
     float s[kKeys / 2];
     __syncwarp();
@@ -329,6 +355,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       wgmma::wait<0>();
     }
     wgmma::pin(s);
+    if constexpr (ASYNC) {
+      __syncwarp();
+      if (lane == 0) wgmma::mbar_arrive(empty_k(st));  // S_t retired: this warp is done with K_t
+    }
 
     uint32_t pn[PK][4];
     float corr[2];
@@ -338,20 +368,33 @@ __global__ void __launch_bounds__(kThreads, 1)
     wgmma::wait<0>();
     wgmma::pin(o);
     wgmma::pin(pa);
+    if constexpr (ASYNC) {
+      if (t > 0) {
+        __syncwarp();
+        if (lane == 0) wgmma::mbar_arrive(empty_v(st_prev));  // P_{t-1} V_{t-1} retired
+      }
+    }
     if (grow) rescale(o, corr);
 #pragma unroll
     for (int k = 0; k < PK; ++k) {
 #pragma unroll
       for (int i = 0; i < 4; ++i) pa[k][i] = pn[k][i];
     }
-    // K_{t+1} and V_t (TMA, and V_t's edge rows: the group of tile t-1) for the next tile.
-    wgmma::cp_async_wait<1>();
-    if (t + 1 < n_tiles) wgmma::mbar_wait(full_k(st_next), ((t + 1) / kStages) & 1);
-    wgmma::mbar_wait(full_v(st), (t / kStages) & 1);
-    wgmma::fence_proxy_async();
-    __syncthreads();
+    if constexpr (!ASYNC) {
+      // K_{t+1} and V_t (TMA, and V_t's edge rows: the group of tile t-1) for the next tile.
+      wgmma::cp_async_wait<1>();
+      if (t + 1 < n_tiles) wgmma::mbar_wait(full_k(st_next), ((t + 1) / kStages) & 1);
+      wgmma::mbar_wait(full_v(st), (t / kStages) & 1);
+      wgmma::fence_proxy_async();
+      __syncthreads();
+    }
   }
   if (n_tiles > 0) {
+    if constexpr (ASYNC) {
+      const int last = n_tiles - 1;
+      wgmma::mbar_wait(full_v(last % kStages), (last / kStages) & 1);
+      wgmma::fence_proxy_async();
+    }
     __syncwarp();
     wgmma::pin(o);
     wgmma::pin(pa);
@@ -720,7 +763,11 @@ int launch_head_dim(const PagedAttentionParams& p, int choice, cudaStream_t stre
   }
   if (choice == 7 && p.softcap == 0.f && encode_kv_maps<T, HD>(p, maps)) {
     static bool configured = false;
-    return launch<HD>(wgmma_tma_prefill_kernel<T, HD>, configured, kThreads, p, stream, false, maps, reverse);
+    return launch<HD>(wgmma_tma_prefill_kernel<T, HD, false>, configured, kThreads, p, stream, false, maps, reverse);
+  }
+  if (choice == 8 && p.softcap == 0.f && encode_kv_maps<T, HD>(p, maps)) {
+    static bool configured = false;
+    return launch<HD>(wgmma_tma_prefill_kernel<T, HD, true>, configured, kThreads, p, stream, false, maps, reverse);
   }
   if (p.softcap > 0.f) {
     static bool configured = false;
@@ -747,7 +794,8 @@ int dispatch_head_dim(const PagedAttentionParams& p, int choice, cudaStream_t st
 // with the warpgroups taking turns at the tensor cores), 4 = "wgmma-late"
 // (the plain kernel, copies issued after the GEMMs), 5 = "wgmma-tma"
 // (wgmma-ws copying by TMA), 6 = "wgmma-tma-pp" (the same with ping-pong),
-// 7 = "wgmma-tma-plain" (the plain kernel copying by TMA),
+// 7 = "wgmma-tma-plain" (the plain kernel copying by TMA), 8 =
+// "wgmma-tma-async" (the same without a CTA barrier per tile),
 // 0 = "mma" (the mma.sync kernel) or anything else unknown; unset, empty or
 // "auto": the variant measured fastest for the head dim (kAuto*). A "-rev"
 // suffix on a wgmma variant adds kReverseItems: the non-persistent kernels
@@ -780,6 +828,7 @@ int kernel_choice(const PagedAttentionParams& p) {
   if (name == "wgmma-tma") base = 5;
   if (name == "wgmma-tma-pp") base = 6;
   if (name == "wgmma-tma-plain") base = 7;
+  if (name == "wgmma-tma-async") base = 8;
   return base == 0 ? 0 : base | flags;
 }
 
