@@ -30,7 +30,7 @@ from pagedcore import _C, ops
 
 ENV = "PAGEDCORE_PREFILL_KERNEL"
 KERNELS = ("mma", "wgmma", "wgmma-ws", "wgmma-pp", "wgmma-late", "wgmma-tma", "wgmma-tma-pp", "wgmma-tma-plain",
-           "wgmma-rev", "wgmma-late-rev", "wgmma-tma-plain-rev")
+           "wgmma-tma-async", "wgmma-rev", "wgmma-late-rev", "wgmma-tma-plain-rev", "wgmma-tma-async-rev")
 PROBE_SECONDS = 90
 
 

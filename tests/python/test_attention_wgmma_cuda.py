@@ -30,13 +30,13 @@ from test_ops_cuda import TOLERANCE  # noqa: E402
 # wgmma-late: the plain kernel issuing its copies after the GEMMs. wgmma-tma /
 # wgmma-tma-pp: wgmma-ws / wgmma-pp copying K and V by TMA, one copy per cache block,
 # key tiles starting on a block boundary; wgmma-tma-plain: the plain kernel copying by
-# TMA (the TMA variants run the plain kernel with softcap or block sizes that are not
+# TMA, wgmma-tma-async: the same without a CTA barrier per tile (the TMA variants run the plain kernel with softcap or block sizes that are not
 # powers of two in 8..128). mma: the mma.sync kernel, which the default (auto) no longer
 # picks for head dim 128 here. PAGEDCORE_TEST_PREFILL_KERNELS (comma-separated) narrows
 # the list, e.g. to leave out a variant that bench/check_wgmma.py found hanging.
 # "-rev": the non-persistent kernels taking the work items in reverse (longest first).
 KERNELS = ["mma", "wgmma", "wgmma-ws", "wgmma-pp", "wgmma-late", "wgmma-tma", "wgmma-tma-pp", "wgmma-tma-plain",
-           "wgmma-rev", "wgmma-late-rev", "wgmma-tma-plain-rev"]
+           "wgmma-tma-async", "wgmma-rev", "wgmma-late-rev", "wgmma-tma-plain-rev", "wgmma-tma-async-rev"]
 if os.environ.get("PAGEDCORE_TEST_PREFILL_KERNELS"):
     KERNELS = [k for k in os.environ["PAGEDCORE_TEST_PREFILL_KERNELS"].split(",") if k]
 
