@@ -2,7 +2,7 @@
 """One device call to tell whether the Hopper prefill kernels (wgmma) work and how fast.
 
 Runs pagedcore.ops.paged_attention on a few prefill cases with
-PAGEDCORE_PREFILL_KERNEL=mma, =wgmma, =wgmma-ws and =wgmma-pp (same plan, same data), against float32 torch
+PAGEDCORE_PREFILL_KERNEL=mma and each wgmma variant (KERNELS; same plan, same data), against float32 torch
 math over the keys gathered from the paged cache (block 0 and every slot past a row's
 length hold NaN), and times both beside FlashAttention-2's varlen kernel in torch
 (``aten._flash_attention_forward``, causal aligned bottom-right, GQA) on the same keys
@@ -20,6 +20,7 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,7 +29,9 @@ import torch
 from pagedcore import _C, ops
 
 ENV = "PAGEDCORE_PREFILL_KERNEL"
-KERNELS = ("mma", "wgmma", "wgmma-ws", "wgmma-pp")
+KERNELS = ("mma", "wgmma", "wgmma-ws", "wgmma-pp", "wgmma-late", "wgmma-tma", "wgmma-tma-pp", "wgmma-tma-plain",
+           "wgmma-tma-async", "wgmma-rev", "wgmma-late-rev", "wgmma-tma-plain-rev", "wgmma-tma-async-rev")
+PROBE_SECONDS = 90
 
 
 @dataclass
@@ -58,6 +61,8 @@ EXTRA_CASES = [
     Case("group 1, d128, bs32, prefix", [(200, 700), (128, 128), (255, 300)], heads=4, kv_heads=4, block_size=32),
     Case("key splits: 40 over 5000 (32/8)", [(40, 5000)]),
     Case("window 256 + softcap 30 (32/8, d128)", [(1000, 3000)], window=256, softcap=30.0),
+    # (first keys mid-block, for the TMA variants' block-aligned tiles)
+    Case("window 200, bs64, splits (32/8, d128)", [(1000, 3000), (40, 5000)], window=200, block_size=64),
 ]
 
 
@@ -244,6 +249,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="the small cases only")
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--probe", help=argparse.SUPPRESS)
+    parser.add_argument("--kernels", help="comma-separated variants to run, without the hang probes "
+                        "(e.g. the ALIVE= line of an earlier run)")
     args = parser.parse_args()
     if args.probe:
         probe(args.probe)
@@ -261,18 +268,28 @@ def main() -> None:
     # NOTE: a kernel that deadlocks would take the whole device call with it: each
     # wgmma variant first runs in a child process with a time limit.
     alive, dropped = ["mma"], []
-    for kernel in KERNELS[1:]:
+    if args.kernels:  # probed by an earlier run: no children
+        alive += [k for k in args.kernels.split(",") if k and k != "mma"]
+    # (all probes at once: a hung kernel does not stop the other processes' kernels)
+    probes = {} if args.kernels else {
+        kernel: subprocess.Popen([sys.executable, __file__, "--probe", kernel]) for kernel in KERNELS[1:]}
+    deadline = time.monotonic() + PROBE_SECONDS
+    for kernel, child in probes.items():
         try:
-            done = subprocess.run([sys.executable, __file__, "--probe", kernel], timeout=180)
-            if done.returncode == 0:
+            code = child.wait(timeout=max(1.0, deadline - time.monotonic()))
+            if code == 0:
                 alive.append(kernel)
             else:
-                print(f"{kernel}: the probe failed (exit {done.returncode}); left out")
+                print(f"{kernel}: the probe failed (exit {code}); left out")
                 dropped.append(f"[{kernel}: probe failed]")
         except subprocess.TimeoutExpired:
-            print(f"{kernel}: HANGS (probe still running after 180 s); left out")
+            child.kill()
+            child.wait()
+            print(f"{kernel}: HANGS (probe still running after {PROBE_SECONDS} s); left out")
             dropped.append(f"[{kernel}: hangs]")
     KERNELS = tuple(alive)
+    # (for the device command: PAGEDCORE_TEST_PREFILL_KERNELS=$(... | sed -n 's/^ALIVE=//p'))
+    print(f"ALIVE={','.join(alive)}", flush=True)
     cases = EXTRA_CASES + ([] if args.quick else ISSUE_CASES)
     rows = []
     with ops.unchecked_indices():
@@ -300,6 +317,11 @@ def main() -> None:
         if r["flash_us"]:
             print(f"{r['case']:<42}{r['splits']:>7}  {'FA2':<10}{'':>10}{'':>7}{r['flash_us']:10.1f}"
                   f"{tf / r['flash_us']:9.0f}")
+        correct = [k for k in KERNELS if k != "mma" and not r[f"{k}_nan"] and r[f"{k}_err"] <= 0.05]
+        if correct:
+            best = min(correct, key=lambda k: r[f"{k}_us"])
+            vs = f", {r['flash_us'] / r[f'{best}_us']:.2f}x FA2's speed" if r["flash_us"] else ""
+            print(f"{'':<51}fastest correct wgmma variant: {best} {r[f'{best}_us']:.1f} us{vs}")
     for note in {r["flash_note"] for r in rows if r.get("flash_note")}:
         print(f"FA2 peer: {note}")
     print("wgmma kernels: OK" if not bad else f"wgmma kernels: FAILED on {bad}")

@@ -1,6 +1,7 @@
 """The Hopper prefill kernels (wgmma, sm_90a) through pagedcore.ops.paged_attention with
-PAGEDCORE_PREFILL_KERNEL=wgmma, =wgmma-ws and =wgmma-pp (and =mma, the kernel they
-replace), each against the float64 references of test_ops_cuda.py
+PAGEDCORE_PREFILL_KERNEL=wgmma, =wgmma-ws, =wgmma-pp, =wgmma-late, =wgmma-tma, =wgmma-tma-pp
+and =wgmma-tma-plain (and =mma, the kernel they replace), each against the float64
+references of test_ops_cuda.py
 (fresh random inputs, NaN in every cache slot the kernel must not read, NaN-poisoned
 outputs): block sizes, head dims 64/128, GQA ratios (1, non-powers of two), bf16 and
 fp16, mixed rows (decode rows stay on the decode kernel; cached prefixes, lengths that
@@ -10,6 +11,8 @@ back to the mma.sync kernel under the same setting. Runs only where the kernel r
 (an sm_90 build on a compute capability 9.0 device)."""
 
 from __future__ import annotations
+
+import os
 
 import numpy as np
 import pytest
@@ -23,9 +26,19 @@ from test_ops_cpu import NAN, make_batch, mixed_rows, reference  # noqa: E402
 from test_ops_cuda import TOLERANCE  # noqa: E402
 
 # wgmma-ws: the warp-specialized variant; wgmma-pp: the same with the two computing
-# warpgroups taking turns at the tensor cores (softcap cases run the plain one). mma:
-# the mma.sync kernel, which the default (auto) no longer picks for head dim 128 here.
-KERNELS = ["mma", "wgmma", "wgmma-ws", "wgmma-pp"]
+# warpgroups taking turns at the tensor cores (softcap cases run the plain one).
+# wgmma-late: the plain kernel issuing its copies after the GEMMs. wgmma-tma /
+# wgmma-tma-pp: wgmma-ws / wgmma-pp copying K and V by TMA, one copy per cache block,
+# key tiles starting on a block boundary; wgmma-tma-plain: the plain kernel copying by
+# TMA, wgmma-tma-async: the same without a CTA barrier per tile (the TMA variants run the plain kernel with softcap or block sizes that are not
+# powers of two in 8..128). mma: the mma.sync kernel, which the default (auto) no longer
+# picks for head dim 128 here. PAGEDCORE_TEST_PREFILL_KERNELS (comma-separated) narrows
+# the list, e.g. to leave out a variant that bench/check_wgmma.py found hanging.
+# "-rev": the non-persistent kernels taking the work items in reverse (longest first).
+KERNELS = ["mma", "wgmma", "wgmma-ws", "wgmma-pp", "wgmma-late", "wgmma-tma", "wgmma-tma-pp", "wgmma-tma-plain",
+           "wgmma-tma-async", "wgmma-rev", "wgmma-late-rev", "wgmma-tma-plain-rev", "wgmma-tma-async-rev"]
+if os.environ.get("PAGEDCORE_TEST_PREFILL_KERNELS"):
+    KERNELS = [k for k in os.environ["PAGEDCORE_TEST_PREFILL_KERNELS"].split(",") if k]
 
 
 @pytest.fixture(autouse=True)
@@ -60,6 +73,9 @@ def run_cuda(rows, *, block_size, head_dim, group, dtype, window=0, softcap=0.0,
         kw["plan"] = plan
     n = int(qsl[-1])
     atol, rtol = TOLERANCE[dtype]
+    # NOTE: every variant runs even after one fails, and the failure names them all:
+    # one device run tells which variants are wrong where.
+    failures = []
     with pytest.MonkeyPatch.context() as mp:
         for kernel in KERNELS:
             mp.setenv("PAGEDCORE_PREFILL_KERNEL", kernel)
@@ -67,10 +83,15 @@ def run_cuda(rows, *, block_size, head_dim, group, dtype, window=0, softcap=0.0,
             ops.paged_attention(*dev, scale=scale, sliding_window=window, softcap=softcap, out=out, **kw)
             torch.cuda.synchronize()
             got = out.cpu()
-            assert torch.isnan(got[n:]).all(), f"{kernel}: padding tokens after query_start_loc[-1] were written"
-            assert not torch.isnan(got[:n]).any(), f"{kernel}: a row was left unwritten or read a NaN slot"
-            torch.testing.assert_close(got[:n].double(), expected[:n], atol=atol, rtol=rtol,
-                                       msg=lambda m, k=kernel: f"{k}: {m}")
+            try:
+                assert torch.isnan(got[n:]).all(), "padding tokens after query_start_loc[-1] were written"
+                assert not torch.isnan(got[:n]).any(), "a row was left unwritten or read a NaN slot"
+                torch.testing.assert_close(got[:n].double(), expected[:n], atol=atol, rtol=rtol)
+            except AssertionError as exc:
+                detail = " ".join(str(exc).split())[:200]
+                failures.append(f"[{kernel}] {detail}")
+    if failures:
+        pytest.fail(" | ".join(failures))
 
 
 HALF = [torch.bfloat16, torch.float16]
@@ -133,6 +154,20 @@ def test_wgmma_many_items_per_cta(head_dim, group):
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     assert plan.num_splits == 1 and plan.num_work * 4 > sms  # persistent CTAs: one per multiprocessor
     run_cuda(rows, block_size=16, head_dim=head_dim, group=group, dtype=torch.bfloat16, num_kv_heads=4)
+
+
+@pytest.mark.parametrize("block_size", [8, 64, 128])
+@pytest.mark.parametrize("window", [0, 45, 300])
+def test_wgmma_key_tiles_on_block_boundaries(block_size, window):
+    # The TMA variants start each key range's tiles at its first key rounded down to a
+    # block: windows and key splits whose first key sits mid-block (the keys before it
+    # masked, their V rows zero-filled: NaN in the tests), last blocks partly past the
+    # row's end, blocks as large as a whole key tile; once with the plan's key splits,
+    # once unsplit, and at head dim 64 (one 64-dim half per TMA copy).
+    rows = [(200, 700), (129, 1000), (40, 5000), (1, 77), (300, 300), (70, 2500)]
+    run_cuda(rows, block_size=block_size, head_dim=128, group=4, dtype=torch.bfloat16, window=window)
+    run_cuda(rows, block_size=block_size, head_dim=128, group=3, dtype=torch.bfloat16, window=window, unsplit=True)
+    run_cuda(rows, block_size=block_size, head_dim=64, group=2, dtype=torch.float16, window=window)
 
 
 def test_wgmma_rows_longer_than_one_staged_block_table():
