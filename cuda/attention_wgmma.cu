@@ -803,8 +803,11 @@ int dispatch_head_dim(const PagedAttentionParams& p, int choice, cudaStream_t st
 // NOTE: measured on the H200 (bench/check_wgmma.py, at 7feb9e8; all variants
 // correct): 8k causal d128 bs16 mma 3109 us, wgmma 2189 (251 TFLOP/s), ws 2490,
 // pp 2473, FA2 varlen 1714; SmolLM2 16 x 512 d64 mma 50.3, wgmma 62.9, ws 55.8,
-// pp 53.3. So the plain kernel at head dim 128, mma.sync at 64.
-constexpr int kAutoD128 = 1;
+// pp 53.3. At 83b8cea (all 13 variants correct): 8k causal d128 bs16 wgmma-tma
+// 1167 us (471 TFLOP/s), bs128 1002 (549), wgmma 2190, FA2 1716; 2048 over 6144
+// cached 484 (FA2 745); 16 x 512 over 1-4k 836 (FA2 1189); SmolLM2 d64 45.5
+// against mma 46.2 (a tie). So wgmma-tma at head dim 128, mma.sync at 64.
+constexpr int kAutoD128 = 5;
 constexpr int kAutoD64 = 0;
 int kernel_choice(const PagedAttentionParams& p) {
   // NOTE: read on every call (a getenv per layer is noise) so that a process
