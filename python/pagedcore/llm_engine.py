@@ -79,6 +79,12 @@ class EngineArgs:
     max_model_len: int | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
+    # A step that runs decode rows computes at most this many prompt tokens while
+    # at most mixed_prefill_max_waiting requests wait (None / 0: no cap); see
+    # EngineConfig in cpp/include/pagedcore/config.h. `pagedcore serve` sets it
+    # (its --max-num-mixed-prefill-tokens): the streams' inter-token latency.
+    max_num_mixed_prefill_tokens: int | None = None
+    mixed_prefill_max_waiting: int = 8
     enable_prefix_caching: bool = True
     preemption_mode: str = "recompute"
     swap_space: float = 4
@@ -129,6 +135,12 @@ class EngineArgs:
         positive("max_num_seqs", self.max_num_seqs)
         positive("tensor_parallel_size", self.tensor_parallel_size)
         positive("max_num_batched_tokens", self.max_num_batched_tokens, allow_none=True)
+        for name in ("max_num_mixed_prefill_tokens", "mixed_prefill_max_waiting"):
+            value = getattr(self, name)
+            if value is None and name == "max_num_mixed_prefill_tokens":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
         if not 0 < number("gpu_memory_utilization", self.gpu_memory_utilization) <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if number("swap_space", self.swap_space) < 0:
@@ -566,6 +578,8 @@ class LLMEngine:
             num_cpu_blocks=num_cpu_blocks,
             sliding_window=spec.sliding_window or None,
             vocab_size=spec.vocab_size,
+            max_num_mixed_prefill_tokens=a.max_num_mixed_prefill_tokens or 0,
+            mixed_prefill_max_waiting=a.mixed_prefill_max_waiting,
         )
         if self.tp is not None:
             self.tp.group.broadcast_object(fields)
