@@ -79,6 +79,27 @@ class _Stream:
         return items
 
 
+class _CompactStream(_Stream):
+    """(engine process, HTTP side) The stream of a compact request (see
+    compact_outputs.py): its items are token ids (ints) and, last, a _Finish."""
+
+    __slots__ = ("request_id", "key")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, request_id: str, key: int) -> None:
+        super().__init__(loop)
+        self.request_id, self.key = request_id, key
+
+
+class _Finish:
+    """A compact request's last token and how it finished (a finish code of
+    compact_outputs.FINISH_REASONS; the stop token, or -1)."""
+
+    __slots__ = ("token", "reason", "stop")
+
+    def __init__(self, token: int, reason: int, stop: int) -> None:
+        self.token, self.reason, self.stop = token, reason, stop
+
+
 def _fan_out(deliveries: list[tuple[_Stream, Any]]) -> None:
     for stream, item in deliveries:
         stream.put(item)
@@ -201,13 +222,18 @@ class RequestStream:
                 items = await self._stream.take()
                 batch = []
                 for item in items:
+                    cls = item.__class__
+                    if cls is int:  # (a compact request's token)
+                        batch.append(item)
+                        continue
                     if isinstance(item, BaseException):
                         if batch:
                             yield batch
                         raise item
                     batch.append(item)
-                    # (a tuple: a plain delta as it crossed the engine process's pipe)
-                    if item[6] if item.__class__ is tuple else item.finished:
+                    # (a tuple: a plain delta as it crossed the engine process's pipe; a
+                    # _Finish: a compact request's last token)
+                    if cls is _Finish or (item[6] if cls is tuple else item.finished):
                         finished = True
                         break
                 if batch:
@@ -257,6 +283,11 @@ class AsyncEngine:
         self._pending = 0  # adds enqueued but not applied yet
         self._lock = threading.Lock()
         self._outbox: list[tuple[_Stream, Any]] = []  # (engine thread) items not handed over yet
+        # (engine thread) compact key -> request id of live compact requests; their
+        # tokens come from take_compact_outputs(), not step() (see _deliver_compact).
+        self._compact_ids: dict[int, str] = {}
+        self._compact_key_of: dict[str, int] = {}  # the other way round
+        self._take_compact = getattr(engine, "take_compact_outputs", None)
         # NOTE: set under _lock by the engine thread as it ends; an add checks it
         # under the same lock, so every add either sees it or is queued before
         # the thread's last drain of the commands (which answers it).
@@ -297,7 +328,7 @@ class AsyncEngine:
                 raise EngineDeadError("the engine loop has stopped")
             self._pending += 1
             self._commands.put(("add", request_id, prompt, prompt_token_ids, params, add_special_tokens, here,
-                                stream))
+                                None, stream))
         self._wake.set()
         try:
             items = await stream.take()
@@ -354,12 +385,14 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if command[0] == "add":
-                _, request_id, prompt, ids, params, special, here, stream = command
+                _, request_id, prompt, ids, params, special, here, key, stream = command
                 with self._lock:
                     self._pending -= 1
                 try:
                     # (detokenize passed only when off: the benchmarks' stub engines lack it)
                     kwargs = {"detokenize": False} if here else {}
+                    if key is not None:
+                        kwargs["compact_key"] = key
                     self.engine.add_request(request_id, prompt, ids, params, stream=True, add_special_tokens=special,
                                             **kwargs)
                 except Exception as e:  # bad input: nothing was queued
@@ -367,15 +400,41 @@ class AsyncEngine:
                     self._fail_dropped(e)  # (or the step in flight failed while it waited)
                     continue
                 self._streams[request_id] = stream
+                if key is not None:
+                    self._compact_ids[key] = request_id
+                    self._compact_key_of[request_id] = key
                 self._deliver(stream, _ACCEPTED)
-            else:
+            elif command[0] == "abort":
                 request_id = command[1]
                 if self._streams.pop(request_id, None) is not None:
+                    self._forget_compact(request_id)
                     self.engine.abort(request_id)
+            else:
+                self._command(command)
+
+    def _deliver_compact(self, rows) -> None:
+        """(engine thread) A step's compact rows (CompactOutputs): here only the
+        finished requests are forgotten; the engine process's subclass sends the
+        rows on (the thread mode adds no compact request)."""
+        for key in rows.keys[rows.finish != 0].tolist():
+            request_id = self._compact_ids.pop(key, None)
+            if request_id is not None:
+                del self._compact_key_of[request_id]
+                self._streams.pop(request_id, None)
+
+    def _forget_compact(self, request_id: str) -> None:
+        key = self._compact_key_of.pop(request_id, None)
+        if key is not None:
+            del self._compact_ids[key]
+
+    def _command(self, command: tuple) -> None:
+        """(engine thread) A command other than add and abort (a subclass's)."""
+        raise ValueError(f"unknown command {command[0]!r}")
 
     def _fail_dropped(self, error: Exception) -> None:
         """Tells the streams whose requests the engine dropped (a failed step aborts all)."""
         for request_id in [r for r in self._streams if not self.engine.has_request(r)]:
+            self._forget_compact(request_id)
             self._deliver(self._streams.pop(request_id), RuntimeError(f"engine step failed: {error}"))
 
     def _run(self) -> None:
@@ -415,6 +474,9 @@ class AsyncEngine:
                 if out.finished:
                     del self._streams[out.request_id]
                 self._deliver(stream, out)
+            compact = self._take_compact() if self._take_compact is not None else None
+            if compact is not None:
+                self._deliver_compact(compact)
             # NOTE: the stats first: a client that has its last token reads them
             # already counting its request as done (/metrics right after a response).
             self._publish_stats(elapsed)
