@@ -569,21 +569,23 @@ def vocab_size_of(path: str) -> int:
 
 
 def process_cpu(pid: int) -> dict[str, float]:
-    """CPU seconds (user + system) so far of the server process ("http") and of
-    its children ("engine": the engine process of --engine-process), from /proc
-    (Linux; {} elsewhere)."""
+    """CPU seconds (user + system) so far of the server's HTTP processes
+    ("http": the server process and the others of --api-server-count, named
+    pagedcore-http) and of its engine process ("engine", of --engine-process),
+    from /proc (Linux; {} elsewhere)."""
     tick = os.sysconf("SC_CLK_TCK")
 
-    def stat(p: str) -> tuple[int, float] | None:
+    def stat(p: str) -> tuple[int, float, str] | None:
         try:
             with open(f"/proc/{p}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
+                name, rest = f.read().split(" (", 1)[1].rsplit(")", 1)
+                fields = rest.split()
             with open(f"/proc/{p}/cmdline", "rb") as f:
                 if b"resource_tracker" in f.read():
                     return None
         except OSError:
             return None
-        return int(fields[1]), (int(fields[11]) + int(fields[12])) / tick  # ppid; utime + stime
+        return int(fields[1]), (int(fields[11]) + int(fields[12])) / tick, name  # ppid; utime + stime; comm
 
     own = stat(str(pid))
     if own is None:
@@ -593,7 +595,7 @@ def process_cpu(pid: int) -> dict[str, float]:
         if p.isdigit() and p != str(pid):
             got = stat(p)
             if got is not None and got[0] == pid:
-                cpu["engine"] += got[1]
+                cpu["http" if got[2] == "pagedcore-http" else "engine"] += got[1]
     return cpu
 
 

@@ -31,12 +31,14 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..detokenizer import IncrementalDetokenizer
-from ..llm_engine import LLMEngine
 from ..outputs import CompletionOutput, RequestOutput
 from ..sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # (torch: not for the HTTP processes of --api-server-count, which need no engine)
+    from ..llm_engine import LLMEngine
 
 logger = logging.getLogger("pagedcore.server")
 

@@ -460,7 +460,7 @@ class EngineProcess:
             message = self._out.recv()  # (the engine's "ready" for this channel)
         self.engine = SimpleNamespace(tokenizer=tokenizer.result() if tokenizer is not None else None,
                                       max_model_len=ready["max_model_len"])
-        self.stats: dict[str, Any] = ready["stats"]
+        self._stats: dict[str, Any] = ready["stats"]
         self.errors = 0
         self._streams: dict[str, _Stream] = {}
         self._compact_streams: dict[int, _CompactStream] = {}
@@ -481,6 +481,23 @@ class EngineProcess:
         """(another HTTP process) The client of one channel of :meth:`worker_channels`."""
         return cls(None, max_queue_len=max_queue_len, _channel=channel)
 
+    @property
+    def stats(self) -> dict[str, Any]:
+        """The engine's latest stats (for /metrics). NOTE: the first read on the
+        event loop starts reading the pipe, if no request has yet: an HTTP
+        process that took no request still follows the engine (the stats come
+        with every message), so that a scrape of any HTTP process is current."""
+        if self._loop is None and _running_loop() is not None:
+            self._follow(_running_loop())
+        return self._stats
+
+    def _follow(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Reads the pipe on this event loop from now on."""
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.remove_reader(self._out.fileno())
+        self._loop = loop
+        loop.add_reader(self._out.fileno(), self._on_readable)
+
     def worker_channels(self) -> list[_Channel]:
         """The channels 1..N-1 (api_server_count N), for the other HTTP processes."""
         return list(self._workers)
@@ -496,7 +513,7 @@ class EngineProcess:
     # ---- the routes' side (event loop) -------------------------------------------
 
     def num_waiting(self) -> int:
-        return self.stats.get("num_waiting_seqs", 0) + self._pending
+        return self._stats.get("num_waiting_seqs", 0) + self._pending
 
     def alive(self) -> bool:
         return (self._proc is None or self._proc.is_alive()) and not self._dead
@@ -514,10 +531,7 @@ class EngineProcess:
             prompt_token_ids = self.engine.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         loop = asyncio.get_running_loop()
         if self._loop is not loop:  # (the first request; or a new loop, as in tests: the old one is gone)
-            if self._loop is not None and not self._loop.is_closed():
-                self._loop.remove_reader(self._out.fileno())
-            self._loop = loop
-            loop.add_reader(self._out.fileno(), self._on_readable)
+            self._follow(loop)
         here = detokenized_here(self.engine.tokenizer, params)
         key = None
         if here and compact_eligible(params):
@@ -629,7 +643,7 @@ class EngineProcess:
             return True
         _, parts, stats, errors = message
         if stats is not None:
-            self.stats = stats
+            self._stats = stats
         self.errors = errors
         deliveries: list = []
         for part in parts:

@@ -79,18 +79,28 @@ class Server(uvicorn.Server):
     module's docstring). Run it with ``server.run(sockets=[bind_socket(...)])``."""
 
     def __init__(self, config: uvicorn.Config, engine: AsyncEngine, served_model_name: str,
-                 shutdown_timeout: float) -> None:
+                 shutdown_timeout: float, on_exit_request=None, own_signals: bool = True, on_started=None) -> None:
         super().__init__(config)
         self.engine = engine
         self.served_model_name = served_model_name
         self.shutdown_timeout = shutdown_timeout
         self._signal_names: list[str] = []
+        # (api_servers.py) on_exit_request(why): called with each request to stop
+        # (the other HTTP processes hear of it); own_signals False: this process
+        # takes no signal, the main one tells it (request_exit) when to stop;
+        # on_started(): called once it accepts connections.
+        self.on_exit_request = on_exit_request
+        self.own_signals = own_signals
+        self.on_started = on_started
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         # NOTE: uvicorn's version raises the caught signal again once it has
         # stopped: SIGINT became a KeyboardInterrupt traceback, SIGTERM killed the
         # process with 143 after a clean shutdown. Here a signal only asks to stop.
+        if not self.own_signals:
+            yield
+            return
         previous = {sig: signal.signal(sig, self.handle_exit) for sig in _SIGNALS}
         try:
             yield
@@ -101,14 +111,22 @@ class Server(uvicorn.Server):
     def handle_exit(self, sig: int, frame) -> None:
         # NOTE: no logging here (a signal handler may run inside a logging call);
         # main_loop and shutdown() notice the flags within 0.1 s and log.
-        self._signal_names.append(signal.Signals(sig).name)
+        self.request_exit(signal.Signals(sig).name)
+
+    def request_exit(self, why: str) -> None:
+        """A signal's effect: the first asks to drain and stop, a second cuts."""
+        self._signal_names.append(why)
         if self.should_exit:
             self.force_exit = True
         self.should_exit = True
+        if self.on_exit_request is not None:
+            self.on_exit_request(why)
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets=sockets)
-        if self.started and sockets:
+        if self.started and self.on_started is not None:
+            self.on_started()
+        if self.started and sockets and self.own_signals:  # (one line for all HTTP processes: the main one's)
             logger.info("serving %s on %s (OpenAI API under /v1)", self.served_model_name, url_of(sockets[0]))
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
