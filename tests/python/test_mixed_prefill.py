@@ -96,3 +96,28 @@ def test_a_bad_value_is_refused_before_anything_loads(field, value) -> None:
 
     with pytest.raises(ValueError, match=f"^{field} must be an integer >= 0, got {value!r}$"):
         LLMEngine(EngineArgs(model="/nonexistent", **{field: value}))
+
+
+def test_serve_passes_its_flags_to_the_engine_and_refuses_a_bad_api_server_count(monkeypatch, capsys) -> None:
+    # `pagedcore serve` builds EngineArgs with --max-num-mixed-prefill-tokens (default
+    # 256); the engine is a stub that keeps them and stops the command.
+    import pagedcore.llm_engine as llm_engine
+    from pagedcore import cli
+
+    seen = []
+
+    class Stop(ValueError):
+        pass
+
+    def stub(args):
+        seen.append(args)
+        raise Stop("stub engine")
+
+    monkeypatch.setattr(llm_engine, "LLMEngine", stub)
+    for flags, want in (([], 256), (["--max-num-mixed-prefill-tokens", "64"], 64),
+                        (["--max-num-mixed-prefill-tokens", "0"], 0)):
+        assert cli.main(["serve", "--model", "/nonexistent", "--port", "0", *flags]) == 2
+        assert seen[-1].max_num_mixed_prefill_tokens == want
+    assert cli.main(["serve", "--model", "/nonexistent", "--port", "0", "--api-server-count", "0"]) == 2
+    assert "--api-server-count must be >= 1, got 0" in capsys.readouterr().err
+    assert len(seen) == 3  # (refused before anything loads)

@@ -4,8 +4,10 @@ as config.json + tokenizer only; 64 streams at once of which a quarter hang up
 mid-stream (every KV block comes back, no 5xx, /health OK); SIGTERM with streams
 in flight: the short ones drain, the ones still running at --shutdown-timeout
 are cut with a 503 in OpenAI's error shape (an error event in a stream). Each
-with the engine as a thread of the server process and in a process of its own
-(--engine-process).
+with the engine as a thread of the server process, in a process of its own
+(--engine-process), and in a process of its own serving two HTTP processes
+that share the port (--api-server-count 2: each test's requests spread over
+both; /metrics sums both processes' histograms).
 
 The model: a tiny random float32 Llama config (no weight file) with the default
 model's tokenizer files; one server process serves every test of the module and
@@ -16,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -72,6 +75,7 @@ class Serve:
             self.port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
+        self.extra = extra
         cmd = [sys.executable, "-m", "pagedcore", "serve", "--model", model_dir, "--load-format", "dummy",
                "--seed", str(SEED), "--port", str(self.port), "--device", "cpu", "--num-kv-blocks",
                str(NUM_KV_BLOCKS), "--max-model-len", str(MAX_MODEL_LEN), "--shutdown-timeout",
@@ -94,10 +98,12 @@ class Serve:
         return self.log.read_text(errors="replace")
 
 
-@pytest.fixture(scope="module", params=["engine-thread", "engine-process"])
+@pytest.fixture(scope="module", params=["engine-thread", "engine-process", "api-servers-2"])
 def server(request, tmp_path_factory, model_dir):
-    # The engine as a thread of the server's process (the default), or in a process of its own.
-    extra = ("--engine-process",) if request.param == "engine-process" else ()
+    # The engine as a thread of the server's process (the default), or in a process of its own
+    # (with one HTTP process, or two).
+    extra = {"engine-thread": (), "engine-process": ("--engine-process",),
+             "api-servers-2": ("--api-server-count", "2")}[request.param]
     srv = Serve(tmp_path_factory.mktemp("serve") / "serve.log", model_dir, *extra)
     try:
         yield srv
@@ -141,11 +147,27 @@ def test_dummy_weights_are_served_from_a_config_alone(server, model_dir) -> None
     assert [set(t) for t in top5(SEED + 1)] != [set(t) for t in want]
 
 
+def other_http_cpu(pid: int) -> float:
+    """CPU seconds of the server's other HTTP processes (--api-server-count)."""
+    tick, total = os.sysconf("SC_CLK_TCK"), 0.0
+    for p in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                name, rest = f.read().split(" (", 1)[1].rsplit(")", 1)
+        except (OSError, IndexError):
+            continue
+        fields = rest.split()
+        if name == "pagedcore-http" and int(fields[1]) == pid:
+            total += (int(fields[11]) + int(fields[12])) / tick
+    return total
+
+
 def test_64_streams_a_quarter_hanging_up_leave_every_block_free(server) -> None:
     n, max_tokens = 64, 48
     prompts = bench_serving.make_prompts(n, 3, 49152, 24, 0.5, 256, 0.5, 2, 40)
     cancel = [3 + k % 5 if k % 4 == 0 else None for k in range(n)]
     before = bench_serving.server_metrics(server.url)
+    other_before = other_http_cpu(server.proc.pid)
     # The raw client: each chunk tells its tokens (continuous_usage_stats); a chunk carries
     # several when the server's writer was behind, so a client hangs up at the first
     # chunk that brings its count to c tokens or more.
@@ -171,6 +193,8 @@ def test_64_streams_a_quarter_hanging_up_leave_every_block_free(server) -> None:
     # a pipe too, while a step of this tiny model takes a millisecond or two).
     assert finished + received <= generated <= finished + received + hung_up * 24, generated
     assert "Traceback" not in server.text()
+    if "--api-server-count" in server.extra:  # the other HTTP process served part of the streams
+        assert other_http_cpu(server.proc.pid) - other_before > 0.1
 
 
 def test_sigterm_drains_short_streams_and_cuts_the_rest_with_503(server) -> None:
@@ -238,7 +262,9 @@ def test_sigterm_drains_short_streams_and_cuts_the_rest_with_503(server) -> None
     assert server.proc.wait(30) == 0, server.text()
     text = server.text()
     assert "Traceback" not in text, text
-    assert "cutting 2 requests (the 5 s shutdown timeout)" in text, text
+    # (with two HTTP processes each cuts its own: "cutting 1 request" twice, or 2 in one)
+    cut = [int(n) for n in re.findall(r"cutting (\d+) requests? \(the 5 s shutdown timeout\)", text)]
+    assert sum(cut) == 2, text
 
 
 # ---- the benchmark's own arithmetic (no server) ----------------------------------------------
