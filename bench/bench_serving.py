@@ -702,6 +702,14 @@ def print_costs(s: dict, duration: float, args: argparse.Namespace) -> None:
 # ---- the offline run ------------------------------------------------------------------------------
 
 
+def serve_default(dest: str):
+    """The default of a `pagedcore serve` flag."""
+    from pagedcore.cli import build_parser
+
+    serve = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices["serve"]
+    return serve.get_default(dest)
+
+
 def offline_run(args: argparse.Namespace, prompts: list[list[int]], warmup: list[list[int]]) -> dict:
     """LLM.generate on the prompts, with the server's engine flags (in this process)."""
     from pagedcore import LLM, SamplingParams
@@ -712,11 +720,16 @@ def offline_run(args: argparse.Namespace, prompts: list[list[int]], warmup: list
         kw["gpu_memory_utilization"] = args.gpu_memory_utilization
     if args.device != "auto":
         kw["device"] = args.device
-    for flag in args.server_arg:  # the flags of the server that change the engine, where LLM has them
+    # The flags of the server that change the engine, where LLM has them; the
+    # mixed-prefill cap as serve sets it (its default unless given).
+    kw["max_num_mixed_prefill_tokens"] = serve_default("max_num_mixed_prefill_tokens")
+    for flag in args.server_arg:
         if flag == "--enforce-eager":
             kw["enforce_eager"] = True
         elif flag == "--no-enable-prefix-caching":
             kw["enable_prefix_caching"] = False
+        elif flag.startswith("--max-num-mixed-prefill-tokens="):
+            kw["max_num_mixed_prefill_tokens"] = int(flag.split("=", 1)[1])
     llm = LLM(**kw)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     if warmup:
