@@ -72,7 +72,7 @@ def _serve(args: argparse.Namespace) -> int:
     # NOTE: the port first (milliseconds), the model after (seconds): a busy port
     # is refused before anything loads.
     try:
-        sock = bind_socket(args.host, args.port)
+        sock = bind_socket(args.host, args.port, reuse_port=args.api_server_count > 1)
     except BindError as e:
         print(f"pagedcore: error: {e}", file=sys.stderr)
         return 1

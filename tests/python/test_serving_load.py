@@ -147,19 +147,25 @@ def test_dummy_weights_are_served_from_a_config_alone(server, model_dir) -> None
     assert [set(t) for t in top5(SEED + 1)] != [set(t) for t in want]
 
 
-def other_http_cpu(pid: int) -> float:
-    """CPU seconds of the server's other HTTP processes (--api-server-count)."""
-    tick, total = os.sysconf("SC_CLK_TCK"), 0.0
+def http_cpu(pid: int) -> tuple[float, float]:
+    """CPU seconds of the server's main process and of its other HTTP processes
+    (--api-server-count: named pagedcore-http)."""
+    tick, main, others = os.sysconf("SC_CLK_TCK"), 0.0, 0.0
     for p in os.listdir("/proc"):
+        if not p.isdigit():
+            continue
         try:
             with open(f"/proc/{p}/stat") as f:
                 name, rest = f.read().split(" (", 1)[1].rsplit(")", 1)
         except (OSError, IndexError):
             continue
         fields = rest.split()
-        if name == "pagedcore-http" and int(fields[1]) == pid:
-            total += (int(fields[11]) + int(fields[12])) / tick
-    return total
+        seconds = (int(fields[11]) + int(fields[12])) / tick
+        if int(p) == pid:
+            main = seconds
+        elif name == "pagedcore-http" and int(fields[1]) == pid:
+            others += seconds
+    return main, others
 
 
 def test_64_streams_a_quarter_hanging_up_leave_every_block_free(server) -> None:
@@ -167,7 +173,7 @@ def test_64_streams_a_quarter_hanging_up_leave_every_block_free(server) -> None:
     prompts = bench_serving.make_prompts(n, 3, 49152, 24, 0.5, 256, 0.5, 2, 40)
     cancel = [3 + k % 5 if k % 4 == 0 else None for k in range(n)]
     before = bench_serving.server_metrics(server.url)
-    other_before = other_http_cpu(server.proc.pid)
+    cpu_before = http_cpu(server.proc.pid)
     # The raw client: each chunk tells its tokens (continuous_usage_stats); a chunk carries
     # several when the server's writer was behind, so a client hangs up at the first
     # chunk that brings its count to c tokens or more.
@@ -193,8 +199,11 @@ def test_64_streams_a_quarter_hanging_up_leave_every_block_free(server) -> None:
     # a pipe too, while a step of this tiny model takes a millisecond or two).
     assert finished + received <= generated <= finished + received + hung_up * 24, generated
     assert "Traceback" not in server.text()
-    if "--api-server-count" in server.extra:  # the other HTTP process served part of the streams
-        assert other_http_cpu(server.proc.pid) - other_before > 0.1
+    if "--api-server-count" in server.extra:
+        # The other HTTP process served its share of the streams (SO_REUSEPORT spreads the
+        # connections; with one listening socket shared, the first to wake took most).
+        main, other = (after - before for after, before in zip(http_cpu(server.proc.pid), cpu_before))
+        assert other > 0.3 * main, (main, other)
 
 
 def test_sigterm_drains_short_streams_and_cuts_the_rest_with_503(server) -> None:

@@ -5,11 +5,13 @@ One HTTP process streams at most what one core can: the per-token work of
 every stream (its text, the server-sent event, the write) runs on its event
 loop. With N of them the streams spread over N cores. The main process (the
 one ``serve`` started) binds the listening socket, starts the engine process
-with N channels (engine_process.py) and N - 1 more HTTP processes, each
-given the same socket and a channel of its own; every HTTP process accepts
-connections from that socket (the kernel hands each connection to one of
-them) and sends its requests down its own channel, whose outputs come back to
-it alone.
+with N channels (engine_process.py) and N - 1 more HTTP processes, each with
+a channel of its own; each binds the same address with SO_REUSEPORT, and the
+kernel spreads the connections over the N sockets (by a hash of the client's
+address and port). NOTE: not one listening socket shared: the event loop that
+wakes first accepts every connection waiting (up to its backlog), so a burst
+of them would go to one process. Each sends its requests down its own
+channel, whose outputs come back to it alone.
 
 Signals belong to the main process: the others ignore them and hear from it
 over a control pipe (``drain`` for each SIGTERM / Ctrl-C it gets: the first
@@ -42,14 +44,16 @@ class ApiServer:
 def start_api_servers(engine, sock: socket.socket, served_model_name: str, api_key: str | None, log_level: str,
                       shutdown_timeout: float, max_queue_len: int | None, timeout: float = 300.0) -> list[ApiServer]:
     """Starts an HTTP process for each of ``engine.worker_channels()`` (an
-    EngineProcess made with api_server_count > 1), serving on ``sock``, and
-    returns once each serves. Raises RuntimeError if one ends before."""
+    EngineProcess made with api_server_count > 1), serving on the address of
+    ``sock`` (bound with reuse_port), and returns once each serves. Raises
+    RuntimeError if one ends before."""
+    address = sock.getsockname()[:2]
     ctx = multiprocessing.get_context("spawn")
     servers = []
     for channel in engine.worker_channels():
         control, their_control = ctx.Pipe()
         process = ctx.Process(target=_api_server_main, name=f"pagedcore-http-{channel.index}", daemon=True,
-                              args=(channel, sock, their_control, served_model_name, api_key, log_level,
+                              args=(channel, address, their_control, served_model_name, api_key, log_level,
                                     shutdown_timeout, max_queue_len))
         process.start()
         their_control.close()
@@ -93,7 +97,7 @@ def stop_api_servers(servers: list[ApiServer], timeout: float) -> None:
             server.process.join(5)
 
 
-def _api_server_main(channel, sock: socket.socket, control, served_model_name: str, api_key: str | None,
+def _api_server_main(channel, address: tuple[str, int], control, served_model_name: str, api_key: str | None,
                      log_level: str, shutdown_timeout: float, max_queue_len: int | None) -> None:
     import signal
 
@@ -108,8 +112,9 @@ def _api_server_main(channel, sock: socket.socket, control, served_model_name: s
     import uvicorn
 
     from .app import build_app
-    from .lifecycle import Server
+    from .lifecycle import Server, bind_socket
 
+    sock = bind_socket(*address, reuse_port=True)
     engine = EngineProcess.attach(channel, max_queue_len=max_queue_len)
     app = build_app(engine, served_model_name, api_key=api_key)
     config = uvicorn.Config(app, log_config=None, log_level=log_level.lower(), access_log=False)
@@ -119,6 +124,7 @@ def _api_server_main(channel, sock: socket.socket, control, served_model_name: s
     try:
         server.run(sockets=[sock])
     finally:
+        sock.close()
         engine.shutdown()
 
 

@@ -38,12 +38,14 @@ class BindError(OSError):
     is not an address of this machine)."""
 
 
-def bind_socket(host: str, port: int) -> socket.socket:
+def bind_socket(host: str, port: int, reuse_port: bool = False) -> socket.socket:
     """Binds and listens on host:port, as uvicorn would, and returns the socket.
 
     Call before loading the model: a busy port is then refused at once, not after
     seconds of loading. Connections made while the model loads wait in the
-    listen backlog and are answered once serving starts.
+    listen backlog and are answered once serving starts. ``reuse_port``
+    (SO_REUSEPORT, --api-server-count): the other HTTP processes bind the same
+    port too, and the kernel spreads the connections over them.
 
     Raises ValueError for a port outside 0..65535 and BindError (naming
     host:port) when the address cannot be bound.
@@ -56,6 +58,8 @@ def bind_socket(host: str, port: int) -> socket.socket:
     # the old one's connections sit in TIME_WAIT; it never lets two sockets
     # listen on one port, and this one listens at once.
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:
         sock.bind((host, port))
         sock.listen(2048)
