@@ -51,6 +51,13 @@ if [[ -z "${SKIP_SETUP:-}" ]]; then
   export PYTHONPATH="/tmp/pagedcore-site${PYTHONPATH:+:$PYTHONPATH}"
   "$py" -c "import fastapi, uvicorn, pydantic, openai; print('fastapi', fastapi.__version__, 'uvicorn',
 uvicorn.__version__, 'pydantic', pydantic.__version__, 'openai', openai.__version__)" | tee -a "$out/wheels.log"
+  # (uvicorn takes uvloop and httptools when present: bench/fetch_serving_wheels.sh fetches them)
+  "$py" -c "
+for name in ('uvloop', 'httptools'):
+    try:
+        print(name, __import__(name).__version__)
+    except ImportError:
+        print(name, 'missing: uvicorn runs asyncio and h11 (run bench/fetch_serving_wheels.sh again)')" | tee -a "$out/wheels.log"
 
   echo "== build ($((SECONDS - t0)) s)"
   if ! PAGEDCORE_CUDA=ON CMAKE_BUILD_PARALLEL_LEVEL=16 "$py" -m pip install -v --no-build-isolation --no-deps \
