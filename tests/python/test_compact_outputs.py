@@ -126,3 +126,42 @@ def test_compact_key_is_refused_where_the_engine_needs_more_than_token_ids(param
         small_engine.add_request("r", None, [5, 6, 7], params, stream=True, **kw)
     assert not small_engine.has_unfinished_requests()
     assert compact_eligible(SamplingParams(seed=3, min_tokens=2, stop_token_ids=[4], temperature=0.7))
+
+
+@pytest.mark.parametrize("mode", ["thread", "engine-process"])
+def test_the_servers_plain_streams_are_the_greedy_tokens_and_their_text(mode, checkpoint, reference) -> None:
+    # The server's engine (a thread, or a process of its own) streams plain requests as
+    # compact rows; a stream's tokens are transformers' greedy ones, its text theirs.
+    import asyncio
+
+    import transformers
+
+    from pagedcore import default_model_path
+    from pagedcore.server.async_engine import AsyncEngine, _CompactStream
+    from pagedcore.server.engine_process import EngineProcess
+
+    args = EngineArgs(model=str(checkpoint), tokenizer=default_model_path(), num_kv_blocks=64, max_model_len=256)
+    engine = AsyncEngine(LLMEngine(args)) if mode == "thread" else EngineProcess(args)
+    ps = prompts()
+
+    async def run() -> list:
+        streams = [await engine.add(f"r{i}", None, p, greedy(12)) for i, p in enumerate(ps)]
+        assert all(type(s._stream) is _CompactStream for s in streams)
+
+        async def read(stream):
+            ids, text = [], ""
+            async for out in stream.merged():
+                ids += out.outputs[0].token_ids
+                text += out.outputs[0].text
+            return ids, text, out.outputs[0].finish_reason
+
+        return await asyncio.wait_for(asyncio.gather(*[read(s) for s in streams]), 60)
+
+    try:
+        got = asyncio.run(run())
+    finally:
+        engine.shutdown()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(default_model_path())
+    for i, (ids, text, reason) in enumerate(got):
+        assert ids == reference[i], i
+        assert text == tokenizer.decode(ids, skip_special_tokens=True) and reason == "length", i

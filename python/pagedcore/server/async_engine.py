@@ -33,6 +33,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
+from ..compact_outputs import FINISH_REASONS, compact_eligible
 from ..detokenizer import IncrementalDetokenizer
 from ..outputs import CompletionOutput, RequestOutput
 from ..sampling_params import SamplingParams
@@ -100,6 +101,31 @@ class _Finish:
 
     def __init__(self, token: int, reason: int, stop: int) -> None:
         self.token, self.reason, self.stop = token, reason, stop
+
+
+class _CompactRebuilder:
+    """(event loop) A compact request's items (token ids, the last a _Finish) as
+    one RequestOutput (merge) or one per token."""
+
+    __slots__ = ("request_id", "prompt", "prompt_token_ids")
+
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int]) -> None:
+        self.request_id, self.prompt, self.prompt_token_ids = request_id, prompt, prompt_token_ids
+
+    def __call__(self, items: list, merge: bool) -> list[RequestOutput]:
+        if merge:
+            return [self._output(items)]
+        return [self._output([item]) for item in items]
+
+    def _output(self, items: list) -> RequestOutput:
+        last = items[-1]
+        reason = stop = None
+        if last.__class__ is _Finish:
+            items = items[:-1] + [last.token]
+            reason = FINISH_REASONS[last.reason]
+            stop = last.stop if last.stop >= 0 else None
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids,
+                             [CompletionOutput(0, "", items, None, None, reason, stop)], reason is not None)
 
 
 def _fan_out(deliveries: list[tuple[_Stream, Any]]) -> None:
@@ -289,6 +315,7 @@ class AsyncEngine:
         # tokens come from take_compact_outputs(), not step() (see _deliver_compact).
         self._compact_ids: dict[int, str] = {}
         self._compact_key_of: dict[str, int] = {}  # the other way round
+        self._next_key = 0  # (under _lock) the next compact key (never reused)
         self._take_compact = getattr(engine, "take_compact_outputs", None)
         # NOTE: set under _lock by the engine thread as it ends; an add checks it
         # under the same lock, so every add either sees it or is queued before
@@ -323,14 +350,25 @@ class AsyncEngine:
         """
         if self.max_queue_len is not None and self.num_waiting() >= self.max_queue_len:
             raise QueueFullError(f"the server has {self.num_waiting()} requests waiting (max_queue_len {self.max_queue_len})")
-        stream = _Stream(asyncio.get_running_loop())
+        loop = asyncio.get_running_loop()
         here = detokenized_here(getattr(self.engine, "tokenizer", None), params)
+        key = None
+        if here and self._take_compact is not None and compact_eligible(params):
+            # (a plain stream: the engine gives its tokens as rows, see _deliver_compact;
+            # its prompt is tokenized here, as in the engine process's HTTP side, for its outputs)
+            if prompt_token_ids is None:
+                prompt_token_ids = self.engine.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+            with self._lock:
+                key, self._next_key = self._next_key, self._next_key + 1
+            stream: _Stream = _CompactStream(loop, request_id, key)
+        else:
+            stream = _Stream(loop)
         with self._lock:
             if self._dead:
                 raise EngineDeadError("the engine loop has stopped")
             self._pending += 1
             self._commands.put(("add", request_id, prompt, prompt_token_ids, params, add_special_tokens, here,
-                                None, stream))
+                                key, stream))
         self._wake.set()
         try:
             items = await stream.take()
@@ -343,7 +381,9 @@ class AsyncEngine:
         if isinstance(verdict, BaseException):
             raise verdict
         stream.items.extendleft(reversed(items[1:]))  # outputs that came with the verdict
-        return RequestStream(self, request_id, stream, _Detokenizers(self.engine.tokenizer, params) if here else None)
+        rebuild = _CompactRebuilder(request_id, prompt, prompt_token_ids) if key is not None else None
+        return RequestStream(self, request_id, stream, _Detokenizers(self.engine.tokenizer, params) if here else None,
+                             rebuild)
 
     def alive(self) -> bool:
         # LLMEngine.healthy(): False once a tensor-parallel worker has died, even
@@ -415,9 +455,25 @@ class AsyncEngine:
                 self._command(command)
 
     def _deliver_compact(self, rows) -> None:
-        """(engine thread) A step's compact rows (CompactOutputs): here only the
-        finished requests are forgotten; the engine process's subclass sends the
-        rows on (the thread mode adds no compact request)."""
+        """(engine thread) A step's compact rows (CompactOutputs) to their streams:
+        a token id each, a request's last one as a _Finish (one row per stream
+        and step: a plain loop, no object but the last)."""
+        ids, streams, outbox = self._compact_ids, self._streams, self._outbox
+        for key, token, finish, stop in zip(rows.keys.tolist(), rows.token_ids.tolist(), rows.finish.tolist(),
+                                            rows.stop_reasons.tolist()):
+            request_id = ids.get(key)
+            if request_id is None:
+                continue
+            if finish:
+                self._forget_compact(request_id)
+                stream = streams.pop(request_id, None)
+                if stream is not None:
+                    outbox.append((stream, _Finish(token, finish, stop)))
+            else:
+                outbox.append((streams[request_id], token))  # (a live key has its stream)
+
+    def _forget_finished_compact(self, rows) -> None:
+        """(engine thread) Forgets the requests whose last row this is."""
         for key in rows.keys[rows.finish != 0].tolist():
             request_id = self._compact_ids.pop(key, None)
             if request_id is not None:

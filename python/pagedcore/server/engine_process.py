@@ -44,7 +44,7 @@ import threading
 from types import SimpleNamespace
 from typing import Any
 
-from ..compact_outputs import FINISH_REASONS, CompactOutputs, compact_eligible
+from ..compact_outputs import CompactOutputs, compact_eligible
 from ..outputs import CompletionOutput, RequestOutput
 from .async_engine import (
     _ACCEPTED,
@@ -52,6 +52,7 @@ from .async_engine import (
     EngineDeadError,
     QueueFullError,
     RequestStream,
+    _CompactRebuilder,
     _CompactStream,
     _Detokenizers,
     _fan_out,
@@ -118,7 +119,8 @@ class _PipeEngine(AsyncEngine):
         return item
 
     def _deliver_compact(self, rows: CompactOutputs) -> None:
-        super()._deliver_compact(rows)
+        # (the rows cross as they are; the HTTP side routes them: see EngineProcess._compact_deliveries)
+        self._forget_finished_compact(rows)
         self._outbox.append((None, rows))  # (in order with the items: an add's verdict comes first)
 
     def _flush(self) -> None:
@@ -361,31 +363,6 @@ def _widen_pipe(fd: int, size: int = 1 << 20) -> None:
         fcntl.fcntl(fd, getattr(fcntl, "F_SETPIPE_SZ", 1031), size)
     except (ImportError, OSError):
         pass  # (not Linux, or over the limit: the default size works, only with more waits)
-
-
-class _CompactRebuilder:
-    """(event loop) A compact request's items (token ids, the last a _Finish) as
-    one RequestOutput (merge) or one per token."""
-
-    __slots__ = ("request_id", "prompt", "prompt_token_ids")
-
-    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int]) -> None:
-        self.request_id, self.prompt, self.prompt_token_ids = request_id, prompt, prompt_token_ids
-
-    def __call__(self, items: list, merge: bool) -> list[RequestOutput]:
-        if merge:
-            return [self._output(items)]
-        return [self._output([item]) for item in items]
-
-    def _output(self, items: list) -> RequestOutput:
-        last = items[-1]
-        reason = stop = None
-        if last.__class__ is _Finish:
-            items = items[:-1] + [last.token]
-            reason = FINISH_REASONS[last.reason]
-            stop = last.stop if last.stop >= 0 else None
-        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids,
-                             [CompletionOutput(0, "", items, None, None, reason, stop)], reason is not None)
 
 
 class _Channel:
