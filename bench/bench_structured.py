@@ -21,21 +21,32 @@ time per step went (ms per engine step, medians over ``--repeats`` runs):
   the forward launched; on the CPU the forward itself)
 - ``wait``: waiting for a step's sampled ids to reach the host
 - ``process``: turning sampled ids into outputs, of which ``advance`` is feeding the
-  tokens to the grammar matchers
-- ``masks``: the grammar bitmasks of a step (``_add_token_bitmask``), of which
-  ``compute`` is llguidance's and ``copy`` the rest (rows, staging, the copy queued)
+  tokens to the grammar matchers and ``start`` starting the next step's masks (rows,
+  staging, the hand-over to the mask thread)
+- ``masks``: the grammar bitmasks in the sampling metadata (``_add_token_bitmask``: their
+  copy queued, behind the device's wait for them; without the pool or the device wait,
+  waiting for them too)
+- ``handover`` (async scheduling): right after the sampler is queued, up to 0.2 ms to let
+  the mask thread, if done, take the GIL and write the device's flag
+- ``join``: once the step's work is queued (with async scheduling, the next forward pass
+  too), waiting for the masks' computation to end: the part of it the step did not hide
 - ``sample``: the sampler's call (its kernels launched on CUDA, run on the CPU)
 
-and the rest of ``step()`` as ``other``; on CUDA also ``gpu execute`` and ``gpu sample``,
-the device's time of the forward pass and of the sampler (CUDA events around them):
-for the rest of a step the device waits for the host. Then a replay of the constrained run's
-own tokens through fresh matchers times llguidance alone on this host, step by step
-over the same 64 rows: one mask at a time on one thread, a step's masks on
-llguidance's thread pool (1, 2, 4, 8 threads and its default), and, on CUDA, what
-pinning a fresh mask buffer per step cost before the staging buffers.
+and the rest of ``step()`` as ``other``; ``compute`` is the masks' computation itself (on
+the mask pool, beside the engine's thread: not in ``step``). On CUDA also ``gpu execute``
+and ``gpu sample``, the device's time from the forward pass's and the sampler's first
+launch to their last kernel's end (CUDA events around their calls: host gaps included),
+and ``gpu wait``, the device's time in the wait for the masks. Then a replay of the
+constrained run's own tokens through fresh matchers times llguidance alone on this host,
+step by step over the same rows: how many rows per step are inside strings (where a mask
+costs ~0.5 ms), each mask on one thread, the bound a pool meets when the matchers share
+one compiled grammar (its lexer is locked through each mask) or are spread over lanes,
+and the pool measured both ways; on CUDA, the bitmask's application alone, the kernel
+against the torch unpacking it replaced.
 
 Usage: python bench/bench_structured.py [--requests 64] [--max-tokens 256] [--device cuda]
        [--load-format dummy --model DIR] [--async-scheduling both|on|off]
+       (PAGEDCORE_MASK_THREADS=N: the mask pool's threads; PAGEDCORE_MASK_DEVICE_WAIT=0: no device wait)
 """
 
 from __future__ import annotations
@@ -51,9 +62,8 @@ import numpy as np
 import torch
 
 from pagedcore import LLM, SamplingParams, default_model_path
-from pagedcore import llm_engine
-from pagedcore import structured_outputs
-from pagedcore.structured_outputs import StructuredOutputsParams
+from pagedcore import llm_engine, structured_outputs
+from pagedcore.structured_outputs import DEVICE_WAIT_ENV, MASK_THREADS_ENV, StructuredOutputsParams
 
 def schema(max_length: int | None) -> dict:
     """An array of at least 10,000 strings (of at most ``max_length`` characters)."""
@@ -71,7 +81,9 @@ def schema(max_length: int | None) -> dict:
 SCHEMAS = {"bounded": schema(8), "plain": schema(None)}
 SCHEMA = SCHEMAS["bounded"]
 _WAIT = None  # _HostCopy.wait before it was timed
-PARTS = ("execute", "wait", "process", "advance", "masks", "compute", "copy", "sample", "other")
+PARTS = ("execute", "wait", "process", "advance", "start", "masks", "handover", "join", "sample", "other")
+_JOB_WAIT = None  # MaskJob.wait before it was timed
+STRING_TOKENS = 1000  # a mask allowing more tokens than this: its row is inside a string
 
 
 class Timers:
@@ -81,19 +93,33 @@ class Timers:
         self.total: dict[str, float] = defaultdict(float)
         self.steps = 0
         self._wrap(engine, "step", "step")
-        self._wrap(engine, "_advance_matcher", "advance")
+        self._wrap(engine, "_advance_matchers", "advance")
         self._wrap(engine, "_process", "process")
+        self._wrap(engine, "_start_masks", "start")
         self._wrap(engine, "_add_token_bitmask", "masks")
+        self._wrap(engine, "_join_masks", "join")
         self._wrap(engine.runner, "execute", "execute")
         self._engine = engine
         self._cuda = engine.device.type == "cuda"
         self._events: list = []  # (part, start, end) CUDA events, read after each run
+        self.jobs: list = []  # the mask jobs of the run (their compute_seconds)
         sampler = engine.sampler
         engine.sampler = lambda *a, **kw: self._timed("sample", sampler, *a, **kw)
         global _WAIT
         if _WAIT is None:  # (the class is patched once; each engine's timers take their turn)
             _WAIT = llm_engine._HostCopy.wait
         llm_engine._HostCopy.wait = lambda copy: self._timed("wait", _WAIT, copy)
+        global _JOB_WAIT
+        if _JOB_WAIT is None:
+            _JOB_WAIT = structured_outputs.MaskJob.wait
+        # (a wait with a timeout: the hand-over right after the sampler; without: the join's own)
+        structured_outputs.MaskJob.wait = lambda job, timeout=None: (
+            _JOB_WAIT(job) if timeout is None else self._timed("handover", _JOB_WAIT, job, timeout))
+        if self._cuda:  # the device's wait for the masks (device_wait), timed on the device
+            from pagedcore.ops import bitmask as bitmask_ops
+
+            self._device_wait = bitmask_ops.wait_host_flag
+            bitmask_ops.wait_host_flag = lambda *a, **kw: self._timed("gpu wait", self._device_wait, *a, **kw)
         self._structured_wrapped = False
 
     def wrap_structured(self) -> None:
@@ -101,9 +127,14 @@ class Timers:
         manager = self._engine._structured
         if manager is None or self._structured_wrapped:
             return
-        # (fill_bitmask: computes into the staging buffer; bitmask: before that, a fresh tensor)
-        name = "fill_bitmask" if hasattr(manager, "fill_bitmask") else "bitmask"
-        self._wrap(manager, name, "compute")
+        start_masks = manager.start_masks
+
+        def started(*args, **kwargs):
+            job = start_masks(*args, **kwargs)
+            self.jobs.append(job)
+            return job
+
+        manager.start_masks = started
         self._structured_wrapped = True
 
     def _wrap(self, obj, name: str, part: str) -> None:
@@ -111,7 +142,7 @@ class Timers:
         setattr(obj, name, lambda *a, **kw: self._timed(part, fn, *a, **kw))
 
     def _timed(self, part: str, fn, *args, **kwargs):
-        gpu = self._cuda and part in ("execute", "sample")
+        gpu = self._cuda and part in ("execute", "sample", "gpu wait")
         if gpu:  # the device's time of the forward pass and of the sampler, from events around them
             start = torch.cuda.Event(enable_timing=True)
             start.record()
@@ -119,24 +150,31 @@ class Timers:
         try:
             return fn(*args, **kwargs)
         finally:
-            self.total[part] += 1e3 * (time.perf_counter() - t0)
+            if part != "gpu wait":
+                self.total[part] += 1e3 * (time.perf_counter() - t0)
             if part == "step":
                 self.steps += 1
             if gpu:
                 end = torch.cuda.Event(enable_timing=True)
                 end.record()
-                self._events.append((f"gpu {part}", start, end))
+                self._events.append((part if part == "gpu wait" else f"gpu {part}", start, end))
 
     def close(self) -> None:
-        """Restores the class-level hook, so that nothing keeps this engine alive (on
+        """Restores the module-level hooks, so that nothing keeps this engine alive (on
         CUDA the next mode's engine needs its memory)."""
         llm_engine._HostCopy.wait = _WAIT
+        structured_outputs.MaskJob.wait = _JOB_WAIT
+        if self._cuda:
+            from pagedcore.ops import bitmask as bitmask_ops
+
+            bitmask_ops.wait_host_flag = self._device_wait
         self._engine = None
 
     def reset(self) -> None:
         self.total.clear()
         self.steps = 0
         self._events.clear()
+        self.jobs.clear()
 
     def per_step(self) -> dict[str, float]:
         if self._events:
@@ -145,16 +183,19 @@ class Timers:
                 self.total[part] += start.elapsed_time(end)
             self._events.clear()
         t, n = self.total, max(self.steps, 1)
-        parts = {p: t.get(p, 0.0) / n for p in PARTS if p not in ("copy", "other")}
-        parts["copy"] = parts["masks"] - parts["compute"]
-        # (advance is inside process, compute and copy inside masks)
-        parts["other"] = t.get("step", 0.0) / n - sum(parts[p] for p in ("execute", "wait", "process",
-                                                                        "masks", "sample"))
+        parts = {p: t.get(p, 0.0) / n for p in PARTS if p != "other"}
+        # (advance and start are inside process or masks; join, when the masks were not
+        # in yet, is the part of their computation the step did not hide)
+        parts["other"] = t.get("step", 0.0) / n - sum(parts[p] for p in ("execute", "wait", "process", "masks",
+                                                                        "handover", "join", "sample"))
         parts["step"] = t.get("step", 0.0) / n
+        for job in self.jobs:
+            _JOB_WAIT(job)
+        parts["compute"] = 1e3 * sum(job.compute_seconds for job in self.jobs) / n
         if self._cuda:
             # (the device is idle for the rest of a step: waiting for the host to launch)
-            parts["gpu execute"] = t.get("gpu execute", 0.0) / n
-            parts["gpu sample"] = t.get("gpu sample", 0.0) / n
+            for p in ("gpu execute", "gpu sample", "gpu wait"):
+                parts[p] = t.get(p, 0.0) / n
         return parts
 
 
@@ -180,16 +221,30 @@ def replay(engine, spec: StructuredOutputsParams, outs, steps: int) -> None:
     import llguidance
 
     manager = engine._structured
+    compiled = manager._compiled[spec.key]
     rows = [list(c.token_ids) for o in outs for c in o.outputs]
     b, words = len(rows), manager.num_words
     nbytes = 4 * words
     steps = min(steps, min(len(r) for r in rows))
-    threads = [1, 2, 4, 8, None]
-    modes = ["one thread"] + [f"pool({t or 'default'})" for t in threads]
-    executors = {f"pool({t or 'default'})": llguidance.LLExecutor(t) for t in threads}
-    # One matcher set per mode, advanced in lockstep: a mask is computed once per state.
-    sets = {m: [manager.new_matcher(spec) for _ in range(b)] for m in modes}
+    threads = manager.mask_threads or 2
+    lanes = list(compiled.templates)
+    while len(lanes) < threads:  # (an engine without a pool has one)
+        lanes.append(llguidance.LLMatcher(manager._tokenizer, compiled.grammar, log_level=0))
+    # Each set advances its own matchers in lockstep (a matcher caches the mask of its
+    # current state: a set computes each mask once). "one thread" times every row alone.
+    sets = {
+        "one thread": [lanes[0].deep_copy() for _ in range(b)],
+        f"pool({threads}), 1 lane": [lanes[0].deep_copy() for _ in range(b)],
+        f"pool({threads}), {len(lanes)} lanes": [lanes[r % len(lanes)].deep_copy() for r in range(b)],
+    }
+    lane_of = {f"pool({threads}), 1 lane": [0] * b,
+               f"pool({threads}), {len(lanes)} lanes": [r % len(lanes) for r in range(b)]}
+    executor = llguidance.LLExecutor(threads)
+    modes = list(sets)
     times: dict[str, list[float]] = {m: [] for m in modes}
+    consumed: dict[str, list[float]] = {m: [] for m in modes}
+    row_us = np.zeros((steps, b))
+    allowed = np.zeros((steps, b), dtype=np.int64)
     out = torch.empty((b, words), dtype=torch.int32)
     for t in range(steps):
         for m in (modes if t % 2 else modes[::-1]):  # (alternating order: neither is always first)
@@ -197,29 +252,56 @@ def replay(engine, spec: StructuredOutputsParams, outs, steps: int) -> None:
             t0 = time.perf_counter()
             if m == "one thread":
                 for r, matcher in enumerate(ms):
+                    a = time.perf_counter()
                     matcher.unsafe_compute_mask_ptr(out.data_ptr() + r * nbytes, nbytes)
+                    row_us[t, r] = 1e6 * (time.perf_counter() - a)
+                allowed[t] = np.bitwise_count(out.numpy().view(np.uint32)).sum(axis=1)
             else:
-                executors[m].unsafe_compute_mask_ptr([(x, r) for r, x in enumerate(ms)], out.data_ptr(), nbytes, b)
+                pairs = sorted(((x, r) for r, x in enumerate(ms)), key=lambda p: lane_of[m][p[1]])
+                executor.unsafe_compute_mask_ptr(pairs, out.data_ptr(), nbytes, b)
             times[m].append(1e3 * (time.perf_counter() - t0))
-        for m in modes:
-            for matcher, row in zip(sets[m], rows):
-                if not matcher.consume_token(row[t]):
-                    raise SystemExit(f"replay: token {row[t]} refused at step {t}")
-    threads = getattr(manager, "_mask_threads", None)  # (before PAGEDCORE_MASK_THREADS: the default pool)
-    engine_uses = {None: "pool(default)", 0: "one thread"}.get(threads, f"pool({threads})")
-    env = getattr(structured_outputs, "MASK_THREADS_ENV", "PAGEDCORE_MASK_THREADS")
+        for m in modes:  # (the one-thread set's tokens one by one, the lanes' set's on the pool)
+            tokens = [row[t] for row in rows]
+            t0 = time.perf_counter()
+            if m == modes[2]:
+                order = sorted(range(b), key=lambda r: lane_of[m][r])
+                accepted = executor.consume_token_par([(sets[m][r], tokens[r]) for r in order])
+            else:
+                accepted = [matcher.consume_token(token) for matcher, token in zip(sets[m], tokens)]
+            consumed[m].append(1e3 * (time.perf_counter() - t0))
+            if not all(accepted):
+                raise SystemExit(f"replay: a token refused at step {t}")
+    inside = allowed > STRING_TOKENS
+    per_step = inside.sum(axis=1)
     print(f"replay of the constrained run's tokens, llguidance alone ({b} rows x {steps} steps, "
-          f"{os.cpu_count()} CPUs; the engine uses {engine_uses}, ${env} sets it):")
-    # (the first steps visit new grammar states, whose lexer states llguidance builds then)
-    early = min(8, steps // 2)
+          f"{os.cpu_count()} CPUs; the engine: {manager.mask_threads} pool threads (${MASK_THREADS_ENV}), "
+          f"{manager.num_lanes} lanes):")
+    print(f"  rows inside strings (> {STRING_TOKENS} tokens allowed) per step: mean {per_step.mean():.2f}, median "
+          f"{np.median(per_step):.0f}, p90 {np.percentile(per_step, 90):.0f}, max {per_step.max()}; steps with none "
+          f"{100 * (per_step == 0).mean():.0f}%. One thread, a mask inside a string: median "
+          f"{np.median(row_us[inside]) if inside.any() else 0:.0f} us, p90 "
+          f"{np.percentile(row_us[inside], 90) if inside.any() else 0:.0f}; outside: median "
+          f"{np.median(row_us[~inside]):.1f} us, p99 {np.percentile(row_us[~inside], 99):.0f}")
+    # The least a pool can take per step: its slowest lane (masks of one lane run one at a
+    # time), or its share of the whole.
+    for name, num_lanes in (("1 lane", 1), (f"{len(lanes)} lanes", len(lanes))):
+        lane_sum = np.zeros((steps, num_lanes))
+        for r in range(b):
+            lane_sum[:, r % num_lanes] += row_us[:, r]
+        bound = np.maximum(lane_sum.max(axis=1), row_us.sum(axis=1) / threads) / 1e3
+        print(f"  bound for pool({threads}), {name:9s}: mean {bound.mean():7.3f} ms, median {np.median(bound):7.3f}, "
+              f"p90 {np.percentile(bound, 90):7.3f}")
     for m in modes:
         xs = times[m]
-        print(f"  {m:14s} {b} masks: median {statistics.median(xs):7.3f} ms, mean {statistics.mean(xs):7.3f} ms "
-              f"(first {early} steps {statistics.mean(xs[:early]):7.3f}, later {statistics.mean(xs[early:]):7.3f}), "
-              f"p90 {np.percentile(xs, 90):7.3f} ms; per mask {1e3 * statistics.median(xs) / b:7.1f} us (median)")
+        print(f"  {m:22s} {b} masks: mean {statistics.mean(xs):7.3f} ms, median {statistics.median(xs):7.3f}, "
+              f"p90 {np.percentile(xs, 90):7.3f}, max {max(xs):7.3f}")
+    for m, how in ((modes[0], "one by one"), (modes[2], f"on the pool({threads}), by lane")):
+        xs = consumed[m]
+        print(f"  a step's {b} tokens fed to the matchers {how:22s}: mean {statistics.mean(xs):7.3f} ms, "
+              f"median {statistics.median(xs):7.3f}")
     # One mask in a few grammar states (median of 20, each on a fresh copy: no cache).
     for prefix in ('{"items": [', '{"items": ["', '{"items": ["ab'):
-        matcher = manager.new_matcher(spec)
+        matcher = manager.new_matcher(spec).ll
         for token in engine.tokenizer.encode(prefix, add_special_tokens=False):
             if not matcher.consume_token(token):
                 raise SystemExit(f"replay: {prefix!r} refused by the schema")
@@ -230,15 +312,46 @@ def replay(engine, spec: StructuredOutputsParams, outs, steps: int) -> None:
             copy.unsafe_compute_mask_ptr(out.data_ptr(), nbytes)
             single.append(1e6 * (time.perf_counter() - t0))
         print(f"  one mask after {prefix!r:16s}: median {statistics.median(single):8.1f} us")
-    if engine.device.type == "cuda":
-        # What the masks' path did before the staging buffers: a fresh tensor pinned and copied each step.
-        pinned = []
-        for _ in range(50):
-            t0 = time.perf_counter()
-            torch.empty((b, words), dtype=torch.int32).pin_memory().to(engine.device, non_blocking=True)
-            pinned.append(1e3 * (time.perf_counter() - t0))
-        print(f"  a fresh [{b}, {words}] int32 buffer pinned and its copy queued: median "
-              f"{statistics.median(pinned):.3f} ms")
+
+
+def apply_alone(device: torch.device, rows: int, vocab: int) -> None:
+    """The bitmask's application on the device alone: the kernel, and the torch
+    unpacking it replaced (shifts, and, compare, masked_fill), by CUDA events over 200
+    calls queued while the device sleeps; host time per call beside (what launching
+    costs the engine's thread)."""
+    from pagedcore.sampler import apply_token_bitmask
+
+    gen = torch.Generator().manual_seed(0)
+    words = (vocab + 31) // 32
+    bitmask = torch.randint(-2**31, 2**31 - 1, (rows, words), generator=gen, dtype=torch.int64).to(torch.int32)
+    bitmask, logits = bitmask.to(device), torch.randn(rows, vocab, generator=gen).to(device)
+    index = torch.arange(rows, device=device)
+    shifts = torch.arange(32, dtype=torch.int32, device=device)
+
+    def torch_unpacking(x):
+        blocked = ((bitmask.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, :vocab] == 0
+        return x.masked_fill_(blocked, float("-inf"))
+
+    kernel = lambda x: apply_token_bitmask(x, index, bitmask)  # noqa: E731
+    for name, fn in (("kernel", kernel), ("torch unpacking", torch_unpacking)):
+        x = logits.clone()
+        for _ in range(10):
+            fn(x)
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        # NOTE: the device first sleeps (~50 ms) while the host queues every call, so
+        # that the events time the kernels back to back, not the host's launches.
+        torch.cuda._sleep(100_000_000)
+        start.record()
+        t0 = time.perf_counter()
+        for _ in range(200):
+            fn(x)
+        host = 1e6 * (time.perf_counter() - t0) / 200
+        end.record()
+        end.synchronize()
+        device_us = 1e3 * start.elapsed_time(end) / 200
+        print(f"  bitmask applied to [{rows}, {vocab}] float32, {name:15s}: {device_us:6.1f} us "
+              f"on the device, {host:6.1f} us of host time per call")
 
 
 def main() -> None:
@@ -251,7 +364,8 @@ def main() -> None:
                     "--load-format dummy its config and tokenizer are enough")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--async-scheduling", choices=("both", "on", "off"), default="both")
-    ap.add_argument("--replay-steps", type=int, default=64, help="steps of the replay (0: none)")
+    ap.add_argument("--replay-steps", type=int, default=-1, help="steps of the replay (0: none; -1: every "
+                    "step of the run)")
     ap.add_argument("--schema", choices=sorted(SCHEMAS), default="bounded",
                     help="the items' strings: of at most 8 characters (bounded) or any (plain)")
     args = ap.parse_args()
@@ -261,6 +375,7 @@ def main() -> None:
     free = SamplingParams(temperature=0.8, seed=0, max_tokens=args.max_tokens, ignore_eos=True)
     constrained = SamplingParams(temperature=0.8, seed=0, max_tokens=args.max_tokens, structured_outputs=spec)
     modes = {"both": (True, False), "on": (True,), "off": (False,)}[args.async_scheduling]
+    replay_steps = args.max_tokens if args.replay_steps < 0 else args.replay_steps
     ratios = {}
     for mode in modes:
         llm = LLM(model=args.model or default_model_path(), device=args.device, load_format=args.load_format,
@@ -271,18 +386,23 @@ def main() -> None:
         llm.generate(prompts[:4], [constrained] * 4, use_tqdm=False)
         timers.wrap_structured()
         name = f"async scheduling {'on' if mode else 'off'}"
+        manager = engine._structured
         print(f"== {name}: {args.requests} requests x {args.max_tokens} tokens on {engine.device}, "
-              f"{args.schema} schema")
+              f"{args.schema} schema; masks: {manager.mask_threads} pool threads, {manager.num_lanes} lanes, "
+              f"device wait {'on' if engine._bitmask_staging and engine._bitmask_staging.device_wait else 'off'} "
+              f"(${MASK_THREADS_ENV}, ${DEVICE_WAIT_ENV})")
         results = {}
         for label, params in (("unconstrained", free), ("JSON schema", constrained)):
             wall, tokens, parts, outs = run(llm, timers, prompts, params, args.repeats)
             results[label] = (tokens / wall, outs)
-            gpu = tuple(p for p in ("gpu execute", "gpu sample") if p in parts)
+            gpu = tuple(p for p in ("gpu execute", "gpu sample", "gpu wait") if p in parts)
             print(f"{label:14s} {tokens / wall:10.1f} output tokens/s ({wall:.3f} s); per step (ms): "
-                  + " ".join(f"{p} {parts[p]:.3f}" for p in ("step",) + PARTS + gpu))
+                  + " ".join(f"{p} {parts[p]:.3f}" for p in ("step",) + PARTS + ("compute",) + gpu))
         ratios[name] = results["JSON schema"][0] / results["unconstrained"][0]
-        if mode == modes[-1] and args.replay_steps:
-            replay(engine, spec, results["JSON schema"][1], args.replay_steps)
+        if mode == modes[-1] and replay_steps:
+            replay(engine, spec, results["JSON schema"][1], replay_steps)
+        if mode == modes[-1] and engine.device.type == "cuda":
+            apply_alone(engine.device, args.requests, engine.spec.vocab_size)
         timers.close()
         del llm, engine, timers, results
         gc.collect()

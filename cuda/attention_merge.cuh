@@ -47,7 +47,11 @@ __device__ __forceinline__ T cast_out(float x) {
 template <typename T, int HD, int THREADS, bool DECODE>
 __device__ void merge_splits(const PagedAttentionParams& p, int work, int kv_head, float* s_w) {
   constexpr int kSlots = kAttentionPartialVectors;
-  constexpr int kChunk = kSlots / 4;  // vectors merged per pass
+  // Vectors merged per pass: s_w holds a (max, sum) pair per (split, vector),
+  // later that pair's weight. A decode row's <= 16 vectors take one pass.
+  constexpr int kChunk = kSlots / 8;
+  static_assert(2 * kAttentionMaxSplits * kChunk <= kScratchFloats, "merge scratch");
+  float2* s_ml = reinterpret_cast<float2*>(s_w);
   const int row = DECODE ? p.decode_seq[work] : p.work_seq[work];
   const int q_begin = p.query_start_loc[row];
   const int q_len = p.query_start_loc[row + 1] - q_begin;
@@ -65,22 +69,30 @@ __device__ void merge_splits(const PagedAttentionParams& p, int work, int kv_hea
   for (int v0 = 0; v0 < num_vectors; v0 += kChunk) {
     const int nv = min(kChunk, num_vectors - v0);
     __syncthreads();
+    // NOTE: one (max, sum) load per thread, all in flight at once; a loop over
+    // the splits per vector waited for each load in turn (an L2 round trip per
+    // split: ~16 of them at B=1 L=4k).
+    for (int i = threadIdx.x; i < splits * nv; i += THREADS) {
+      const int s = i / nv, v = i % nv;
+      const int64_t slot = first + static_cast<int64_t>(s) * kSlots + v0 + v;
+      s_ml[s * kChunk + v] = __ldcg(reinterpret_cast<const float2*>(partial_lse + 2 * slot));
+    }
+    __syncthreads();
     for (int v = threadIdx.x; v < nv; v += THREADS) {
       float gmax = -FLT_MAX;
       for (int s = 0; s < splits; ++s) {
-        const int64_t slot = first + static_cast<int64_t>(s) * kSlots + v0 + v;
-        if (__ldcg(partial_lse + 2 * slot + 1) > 0.f) gmax = fmaxf(gmax, __ldcg(partial_lse + 2 * slot));
+        const float2 ml = s_ml[s * kChunk + v];
+        if (ml.y > 0.f) gmax = fmaxf(gmax, ml.x);
       }
       float total = 0.f;
       for (int s = 0; s < splits; ++s) {
-        const int64_t slot = first + static_cast<int64_t>(s) * kSlots + v0 + v;
-        const float sum = __ldcg(partial_lse + 2 * slot + 1);
-        const float w = sum > 0.f ? sum * __expf(__ldcg(partial_lse + 2 * slot) - gmax) : 0.f;
-        s_w[s * kChunk + v] = w;
+        const float2 ml = s_ml[s * kChunk + v];
+        const float w = ml.y > 0.f ? ml.y * __expf(ml.x - gmax) : 0.f;
+        s_w[2 * (s * kChunk + v)] = w;  // (this thread alone reads or writes this pair)
         total += w;
       }
       const float inv = total > 0.f ? 1.f / total : 0.f;
-      for (int s = 0; s < splits; ++s) s_w[s * kChunk + v] *= inv;
+      for (int s = 0; s < splits; ++s) s_w[2 * (s * kChunk + v)] *= inv;
     }
     __syncthreads();
     constexpr int Q = HD / 4;  // float4 columns per vector
@@ -88,16 +100,20 @@ __device__ void merge_splits(const PagedAttentionParams& p, int work, int kv_hea
       const int v = i / Q;
       const int d = (i % Q) * 4;
       float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+      // NOTE: the loads do not depend on the weights, so that an unrolled
+      // loop has them all in flight at once (a branch per split serialised
+      // them); a zero weight's partial is dropped by a select, not a
+      // product, in case its slot holds anything but a finite number.
 #pragma unroll 8
       for (int s = 0; s < splits; ++s) {
-        const float w = s_w[s * kChunk + v];
-        if (w == 0.f) continue;  // an empty split's output is never written
         const int64_t slot = first + static_cast<int64_t>(s) * kSlots + v0 + v;
         const float4 x = __ldcg(reinterpret_cast<const float4*>(partial_out + slot * HD + d));
-        acc.x += w * x.x;
-        acc.y += w * x.y;
-        acc.z += w * x.z;
-        acc.w += w * x.w;
+        const float w = s_w[2 * (s * kChunk + v)];
+        const bool use = w != 0.f;
+        acc.x += use ? w * x.x : 0.f;
+        acc.y += use ? w * x.y : 0.f;
+        acc.z += use ? w * x.z : 0.f;
+        acc.w += use ? w * x.w : 0.f;
       }
       const int vv = v0 + v;
       T* dst = out + ((q_begin + t0 + static_cast<int64_t>(vv / group)) * p.num_heads + kv_head * group + vv % group) * HD + d;

@@ -28,6 +28,7 @@
 
 #include <cfloat>
 #include <cstdint>
+#include <cstdlib>
 #include <type_traits>
 
 #include "attention_merge.cuh"
@@ -58,16 +59,23 @@ template <int HD, bool DECODE>
 __host__ __device__ constexpr int num_stages() {
   return HD <= 128 ? 3 : 2;
 }
+// A decode launch of few CTAs (batch 1) has the SMs to itself: its CTAs keep
+// more tiles in flight (one CTA per SM), so that a split's keys arrive in
+// about one round trip instead of one per tile after the first two.
+template <int HD>
+__host__ __device__ constexpr int deep_stages() {
+  return HD <= 128 ? 5 : 3;
+}
 
 template <typename CT, int HD>
 __host__ __device__ constexpr int staged_row_bytes() {
   return HD * static_cast<int>(sizeof(CT)) + 16;  // +16: ldmatrix rows land on distinct banks
 }
 
-template <typename CT, int HD, bool DECODE>
+template <typename CT, int HD, int STAGES>
 __host__ __device__ constexpr size_t smem_bytes() {
   constexpr int kt = kTileKeys;
-  size_t bytes = kTable * 4 + static_cast<size_t>(num_stages<HD, DECODE>()) * 2 * kt * staged_row_bytes<CT, HD>();
+  size_t bytes = kTable * 4 + static_cast<size_t>(STAGES) * 2 * kt * staged_row_bytes<CT, HD>();
   return bytes;
 }
 
@@ -150,19 +158,34 @@ __device__ __forceinline__ uint32_t fp8x2_to_half2(uint32_t two) {
   return static_cast<uint32_t>(h.x) | (static_cast<uint32_t>(h.y) << 16);
 }
 
+// Two e4m3 bytes of x, picked by the byte_perm selector `sel` into bytes 1 and 3
+// (bytes 0 and 2 zero), -> a half2 holding each value times 2^-8: e4m3's sign,
+// exponent and mantissa bits land in place in an fp16 of exponent bias 15
+// (e4m3's is 7), subnormals included. Three integer instructions instead of the
+// conversion unit's cvt; the 2^8 goes into the scales. (e4m3's NaN, 0x7f, turns
+// into a finite 1.875 * 2^-0; caches hold no NaN.)
+__device__ __forceinline__ uint32_t fp8x2_to_half2_scaled(uint32_t x, uint32_t sel) {
+  const uint32_t u = __byte_perm(x, 0, sel);
+  return (u & 0x80008000u) | ((u >> 1) & 0x3f803f80u);
+}
+constexpr float kFastFp8Scale = 256.f;  // undoes fp8x2_to_half2_scaled's 2^-8
+
 __device__ __forceinline__ void ldmatrix_x2_trans(uint32_t addr, uint32_t (&r)[2]) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0, %1}, [%2];\n"
                : "=r"(r[0]), "=r"(r[1])
                : "r"(addr));
 }
 
-template <typename T, typename CT, int HD, bool DECODE>
+// STAGES: tiles in flight (num_stages or, for small decode launches,
+// deep_stages); FASTCVT: fp8 widened by fp8x2_to_half2_scaled.
+template <typename T, typename CT, int HD, bool DECODE, int STAGES, bool FASTCVT>
 __global__ void __launch_bounds__(DECODE ? kThreads : 32 * kPrefillWarps) mma_attention_kernel(PagedAttentionParams p) {
   constexpr int THREADS = DECODE ? kThreads : 32 * kPrefillWarps;
   constexpr bool FP8 = std::is_same_v<CT, uint8_t>;
   using MT = std::conditional_t<FP8, __half, T>;
   constexpr int KT = kTileKeys;
-  constexpr int kStages = num_stages<HD, DECODE>();
+  constexpr int kStages = STAGES;
+  static_assert(!FASTCVT || FP8, "the fast conversion is fp8's");
   constexpr int CHUNKS = HD * static_cast<int>(sizeof(CT)) / 16;  // 16-byte pieces of a cache row
   constexpr int SROW = staged_row_bytes<CT, HD>();
   constexpr int WK = DECODE ? KT / kWarps : KT;                      // keys per warp per tile
@@ -248,7 +271,7 @@ __global__ void __launch_bounds__(DECODE ? kThreads : 32 * kPrefillWarps) mma_at
       qf[s][3] = vvalid[1] ? load_pair<T, MT>(qrow[1] + d_hi) : 0u;
     }
   }
-  const float score_scale = p.scale * (FP8 ? p.k_scale : 1.f);
+  const float score_scale = p.scale * (FP8 ? p.k_scale * (FASTCVT ? kFastFp8Scale : 1.f) : 1.f);
   const float softcap = p.softcap;
   const float score_log2 = score_scale * kLog2e;       // no cap: scores in log2 units at once
   const float softcap_log2 = softcap * kLog2e;
@@ -358,8 +381,9 @@ __global__ void __launch_bounds__(DECODE ? kThreads : 32 * kPrefillWarps) mma_at
 #pragma unroll
             for (int s = 0; s < KSTEPS; ++s) {
               const uint32_t w = *reinterpret_cast<const uint32_t*>(krow + 16 * s);
-              mma16816<MT>(SPLIT_K && (s % 2) ? sc2[SPLIT_K ? n : 0] : sc[n], qf[s], fp8x2_to_half2(w),
-                           fp8x2_to_half2(w >> 16));
+              const uint32_t b0 = FASTCVT ? fp8x2_to_half2_scaled(w, 0x1404) : fp8x2_to_half2(w);
+              const uint32_t b1 = FASTCVT ? fp8x2_to_half2_scaled(w, 0x3424) : fp8x2_to_half2(w >> 16);
+              mma16816<MT>(SPLIT_K && (s % 2) ? sc2[SPLIT_K ? n : 0] : sc[n], qf[s], b0, b1);
             }
             continue;
           }
@@ -468,6 +492,12 @@ __global__ void __launch_bounds__(DECODE ? kThreads : 32 * kPrefillWarps) mma_at
           if constexpr (FP8) {
             // Byte pairs (dims 2e, 2e+1) of keys 2q, 2q+1 (and + 8): even dims
             // feed fragment 4j (+2), odd dims 4j + 1 (+3); j covers 32 dims.
+            auto even_dims = [](uint32_t x) {
+              return FASTCVT ? fp8x2_to_half2_scaled(x, 0x2404) : fp8x2_to_half2(__byte_perm(x, 0, 0x0020));
+            };
+            auto odd_dims = [](uint32_t x) {
+              return FASTCVT ? fp8x2_to_half2_scaled(x, 0x3414) : fp8x2_to_half2(__byte_perm(x, 0, 0x0031));
+            };
 #pragma unroll
             for (int j = 0; j < HD / 32; ++j) {
               uint32_t b[4];
@@ -475,20 +505,16 @@ __global__ void __launch_bounds__(DECODE ? kThreads : 32 * kPrefillWarps) mma_at
 #pragma unroll
               for (int h = 0; h < 2; ++h) {
                 const uint32_t lo = b[2 * h], hi = b[2 * h + 1];
-                mma16816<MT>(acc[4 * j + 2 * h], pa, fp8x2_to_half2(__byte_perm(lo, 0, 0x0020)),
-                             fp8x2_to_half2(__byte_perm(hi, 0, 0x0020)));
-                mma16816<MT>(acc[4 * j + 2 * h + 1], pa, fp8x2_to_half2(__byte_perm(lo, 0, 0x0031)),
-                             fp8x2_to_half2(__byte_perm(hi, 0, 0x0031)));
+                mma16816<MT>(acc[4 * j + 2 * h], pa, even_dims(lo), even_dims(hi));
+                mma16816<MT>(acc[4 * j + 2 * h + 1], pa, odd_dims(lo), odd_dims(hi));
               }
             }
             if constexpr (HD % 32 != 0) {
               constexpr int j = HD / 32;
               uint32_t b[2];
               ldmatrix_x2_trans(v_base + key * SROW + 32 * j, b);
-              mma16816<MT>(acc[4 * j], pa, fp8x2_to_half2(__byte_perm(b[0], 0, 0x0020)),
-                           fp8x2_to_half2(__byte_perm(b[1], 0, 0x0020)));
-              mma16816<MT>(acc[4 * j + 1], pa, fp8x2_to_half2(__byte_perm(b[0], 0, 0x0031)),
-                           fp8x2_to_half2(__byte_perm(b[1], 0, 0x0031)));
+              mma16816<MT>(acc[4 * j], pa, even_dims(b[0]), even_dims(b[1]));
+              mma16816<MT>(acc[4 * j + 1], pa, odd_dims(b[0]), odd_dims(b[1]));
             }
             continue;
           }
@@ -511,7 +537,7 @@ __global__ void __launch_bounds__(DECODE ? kThreads : 32 * kPrefillWarps) mma_at
     l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
     l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
   }
-  const float out_scale = FP8 ? p.v_scale : 1.f;
+  const float out_scale = FP8 ? p.v_scale * (FASTCVT ? kFastFp8Scale : 1.f) : 1.f;
   // Head dim of acc[n][c] (c = 0, 1; rows 8-15 the same): fp8 fragments pair up
   // the even and odd dims of 16-dim blocks.
   auto out_dim = [qd](int n, int c) {
@@ -523,8 +549,8 @@ __global__ void __launch_bounds__(DECODE ? kThreads : 32 * kPrefillWarps) mma_at
     float* s_acc = reinterpret_cast<float*>(stages);
     float* s_m = s_acc + kWarps * 16 * HD;
     float* s_l = s_m + kWarps * 16;
-    static_assert(smem_bytes<CT, HD, DECODE>() - kTable * 4 >= (kWarps * 16 * HD + 2 * kWarps * 16) * 4, "merge space");
-    static_assert(smem_bytes<CT, HD, DECODE>() - kTable * 4 >= merge::kScratchFloats * 4, "split merge space");
+    static_assert(smem_bytes<CT, HD, STAGES>() - kTable * 4 >= (kWarps * 16 * HD + 2 * kWarps * 16) * 4, "merge space");
+    static_assert(smem_bytes<CT, HD, STAGES>() - kTable * 4 >= merge::kScratchFloats * 4, "split merge space");
     __syncthreads();
 #pragma unroll
     for (int n = 0; n < NT; ++n) {
@@ -614,23 +640,75 @@ __global__ void __launch_bounds__(DECODE ? kThreads : 32 * kPrefillWarps) mma_at
   }
 }
 
-template <typename T, typename CT, int HD, bool DECODE>
-int launch_kernel(const PagedAttentionParams& p, cudaStream_t stream) {
-  constexpr size_t smem = smem_bytes<CT, HD, DECODE>();
+// Multiprocessors of the current device (asked once per device).
+int multiprocessors() {
+  constexpr int kMaxDevices = 64;
+  static int cached[kMaxDevices] = {};
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= kMaxDevices) {
+    cudaGetLastError();
+    return 132;
+  }
+  if (cached[dev] == 0) {
+    int n = 0;
+    if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || n <= 0) {
+      cudaGetLastError();
+      n = 132;
+    }
+    cached[dev] = n;
+  }
+  return cached[dev];
+}
+
+// An integer from the environment, or `fallback` (read at each launch: a getenv
+// per layer is noise next to a kernel, and benchmarks flip them in-process).
+int env_int(const char* name, int fallback) {
+  const char* v = std::getenv(name);
+  return v != nullptr && *v != '\0' ? std::atoi(v) : fallback;
+}
+
+template <typename T, typename CT, int HD, bool DECODE, int STAGES, bool FASTCVT>
+int launch_variant(const PagedAttentionParams& p, cudaStream_t stream) {
+  constexpr size_t smem = smem_bytes<CT, HD, STAGES>();
+  auto* kernel = mma_attention_kernel<T, CT, HD, DECODE, STAGES, FASTCVT>;
   static bool configured = false;  // NOTE: per instantiation; raising the limit is idempotent
   if (!configured) {
-    const cudaError_t e = cudaFuncSetAttribute(mma_attention_kernel<T, CT, HD, DECODE>,
-                                               cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+    const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
     if (e != cudaSuccess) return e;
     configured = true;
   }
   const int items = DECODE ? p.num_decode : p.num_work;
   const int splits = DECODE ? p.decode_splits : p.num_splits;
   if (items > 65535) return cudaErrorInvalidConfiguration;
-  cudaError_t e = launch_pdl(mma_attention_kernel<T, CT, HD, DECODE>, dim3(p.num_kv_heads, items, splits),
-                             dim3(DECODE ? kThreads : 32 * kPrefillWarps), smem, stream, p);
+  cudaError_t e = launch_pdl(kernel, dim3(p.num_kv_heads, items, splits), dim3(DECODE ? kThreads : 32 * kPrefillWarps),
+                             smem, stream, p);
   if (e != cudaSuccess || splits == 1 || (DECODE ? p.decode_split_counters : p.split_counters) != nullptr) return e;
   return merge_attention_splits(p, DECODE, stream);
+}
+
+// Decode launches of at most PAGEDCORE_DECODE_DEEP_CTAS CTAs (default: one per
+// multiprocessor, the deep variant's occupancy; 0 turns it off) take the deep
+// pipeline; fp8 caches are widened by integer operations unless
+// PAGEDCORE_FP8_FAST_CVT=0. NOTE: measured on the H200 (bench/decode_variants.py):
+// deep 14.6 against 15.1 us at B=1 L=4k, no change at L=256; at two per SM it
+// also took B=1 L=32k (264 CTAs of ~1000 keys) and lost there, 61.5 against 52.3.
+// Integer fp8 widening: 197.5 against 200.8 us at B=64 L=4k (within the noise).
+template <typename T, typename CT, int HD, bool DECODE>
+int launch_kernel(const PagedAttentionParams& p, cudaStream_t stream) {
+  constexpr bool FP8 = std::is_same_v<CT, uint8_t>;
+  if constexpr (DECODE) {
+    const int64_t ctas = static_cast<int64_t>(p.num_kv_heads) * p.num_decode * p.decode_splits;
+    const bool deep = ctas <= env_int("PAGEDCORE_DECODE_DEEP_CTAS", multiprocessors());
+    const bool fast = FP8 && env_int("PAGEDCORE_FP8_FAST_CVT", 1) != 0;
+    if (deep) {
+      return fast ? launch_variant<T, CT, HD, true, deep_stages<HD>(), FP8>(p, stream)
+                  : launch_variant<T, CT, HD, true, deep_stages<HD>(), false>(p, stream);
+    }
+    return fast ? launch_variant<T, CT, HD, true, num_stages<HD, true>(), FP8>(p, stream)
+                : launch_variant<T, CT, HD, true, num_stages<HD, true>(), false>(p, stream);
+  } else {
+    return launch_variant<T, CT, HD, false, num_stages<HD, false>(), false>(p, stream);
+  }
 }
 
 template <typename T, typename CT, int HD>

@@ -197,8 +197,7 @@ cudaError_t launch_one_row(const LinearParams& p, cudaStream_t stream) {
 
 template <typename T>
 int launch(const LinearParams& p, cudaStream_t stream) {
-  if (p.silu_and_mul) return launch_one_row<T, true>(p, stream);
-  if (p.num_tokens <= 1) return launch_one_row<T, false>(p, stream);
+  if (p.num_tokens <= 1) return p.silu_and_mul ? launch_one_row<T, true>(p, stream) : launch_one_row<T, false>(p, stream);
   return linear_mma(p, stream);
 }
 
@@ -212,7 +211,7 @@ int linear(const LinearParams& p, void* stream) {
       p.out_features < 0 || p.input_stride % 8 != 0 ||
       p.out_stride < (p.silu_and_mul ? p.out_features / 2 : p.out_features) || !aligned16(p.input) ||
       !aligned16(p.weight) || (p.num_tokens > 1 && p.input_stride < p.in_features) ||
-      (p.silu_and_mul && (p.num_tokens != 1 || p.out_features % 2 != 0))) {
+      (p.silu_and_mul && p.out_features % 2 != 0)) {
     return cudaErrorInvalidValue;
   }
   const auto s = static_cast<cudaStream_t>(stream);

@@ -73,7 +73,16 @@ __device__ __forceinline__ uint32_t word(const uint4& v, int i) {
 // that share a group's k (a power of two dividing kWarps; the CTA holds
 // kWarps / splits groups); cluster: CTAs of a cluster that share it (1 below
 // sm_90). The group's k is cut into splits * cluster contiguous ranges of chunks.
-template <typename T, int NT>
+// GATED (LinearParams::silu_and_mul): a group's rows g are gate rows and its rows
+// g + 8 the matching up rows (features j and I + j, I = out_features / 2), so that
+// a lane holds both sums of an output and writes silu(gate) * up, with
+// silu_and_mul()'s arithmetic over the product rounded to the dtype.
+template <bool GATED>
+__host__ __device__ inline int num_groups(const LinearParams& p) {
+  return GATED ? (p.out_features / 2 + 7) / 8 : (p.out_features + 15) / 16;
+}
+
+template <typename T, int NT, bool GATED>
 __global__ void __launch_bounds__(32 * kWarps, 2) linear_mma_kernel(LinearParams p, int splits, int cluster) {
   // [warp][accumulator register][lane]: a lane's partial sums, then (in the first
   // warp of each group) the CTA's sums.
@@ -85,7 +94,7 @@ __global__ void __launch_bounds__(32 * kWarps, 2) linear_mma_kernel(LinearParams
   const int rank = static_cast<int>(blockIdx.x) % cluster;  // (clusters are consecutive blocks along x)
   const int split = warp % splits;
   const int group = static_cast<int>(blockIdx.x) / cluster * (kWarps / splits) + warp / splits;
-  const int groups = (p.out_features + 15) / 16;
+  const int groups = num_groups<GATED>(p);
   const bool active = group < groups;
   const int chunks = (p.in_features + kChunk - 1) / kChunk;
   const int parts = splits * cluster;
@@ -96,8 +105,9 @@ __global__ void __launch_bounds__(32 * kWarps, 2) linear_mma_kernel(LinearParams
 
   const T* weight = static_cast<const T*>(p.weight);
   const int last_row = p.out_features - 1;
-  const int row_lo = min(group * 16 + g, last_row);
-  const int row_hi = min(group * 16 + g + 8, last_row);
+  const int half = p.out_features / 2;
+  const int row_lo = GATED ? min(group * 8 + g, half - 1) : min(group * 16 + g, last_row);
+  const int row_hi = GATED ? half + min(group * 8 + g, half - 1) : min(group * 16 + g + 8, last_row);
   const T* w_lo = weight + static_cast<int64_t>(row_lo) * p.in_features + 8 * t;
   const T* w_hi = weight + static_cast<int64_t>(row_hi) * p.in_features + 8 * t;
   const T* input = static_cast<const T*>(p.input);
@@ -191,28 +201,50 @@ __global__ void __launch_bounds__(32 * kWarps, 2) linear_mma_kernel(LinearParams
   if (rank != 0 || split != 0 || !active) return;
   T* out = static_cast<T*>(p.out);
   const T* bias = static_cast<const T*>(p.bias);
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int feature = group * 16 + g + 8 * h;
-    if (feature >= p.out_features) continue;
-    const float b = bias != nullptr ? to_float(bias[feature]) : 0.f;
+  if constexpr (GATED) {
+    const int feature = group * 8 + g;
+    if (feature >= half) return;  // (the rows past I re-read the last gate and up rows)
+    const float bg = bias != nullptr ? to_float(bias[feature]) : 0.f;
+    const float bu = bias != nullptr ? to_float(bias[half + feature]) : 0.f;
 #pragma unroll
     for (int i = 0; i < NT; ++i) {
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const int token = 8 * i + 2 * t + e;
-        if (token < rows) out[token * p.out_stride + feature] = from_float<T>(sum[i * 4 + 2 * h + e] + b);
+        if (token >= rows) continue;
+        // (as linear_kernels.cu's gated epilogue: the product rounded to the dtype,
+        // silu rounded to the dtype, times up, rounded once)
+        const float gv = to_float(from_float<T>(sum[i * 4 + e] + bg));
+        const float uv = to_float(from_float<T>(sum[i * 4 + 2 + e] + bu));
+        const float silu = to_float(from_float<T>(__fdiv_rn(gv, __fadd_rn(1.f, expf(-gv)))));
+        out[token * p.out_stride + feature] = from_float<T>(__fmul_rn(silu, uv));
+      }
+    }
+  } else {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int feature = group * 16 + g + 8 * h;
+      if (feature >= p.out_features) continue;
+      const float b = bias != nullptr ? to_float(bias[feature]) : 0.f;
+#pragma unroll
+      for (int i = 0; i < NT; ++i) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int token = 8 * i + 2 * t + e;
+          if (token < rows) out[token * p.out_stride + feature] = from_float<T>(sum[i * 4 + 2 * h + e] + b);
+        }
       }
     }
   }
 }
 
 // Blocks of a kernel instance resident per SM (the occupancy calculator, once).
-template <typename T, int NT>
+template <typename T, int NT, bool GATED>
 int blocks_per_sm() {
   static const int blocks = [] {
     int b = 0;
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, linear_mma_kernel<T, NT>, 32 * kWarps, 0) != cudaSuccess) {
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, linear_mma_kernel<T, NT, GATED>, 32 * kWarps, 0) !=
+        cudaSuccess) {
       cudaGetLastError();  // (leave no sticky error behind for the caller)
       b = 1;
     }
@@ -328,10 +360,10 @@ Plan plan(int groups, int chunks, int in_features, const Device& d, int capacity
   return plan_for_parts(1 << i);
 }
 
-template <typename T, int NT>
+template <typename T, int NT, bool GATED>
 cudaError_t launch(const LinearParams& p, const Plan& pl, cudaStream_t stream) {
   cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(static_cast<unsigned>(grid_ctas((p.out_features + 15) / 16, pl)));
+  config.gridDim = dim3(static_cast<unsigned>(grid_ctas(num_groups<GATED>(p), pl)));
   config.blockDim = dim3(32 * kWarps);
   config.dynamicSmemBytes = 0;
   config.stream = stream;
@@ -351,20 +383,27 @@ cudaError_t launch(const LinearParams& p, const Plan& pl, cudaStream_t stream) {
   }
   config.attrs = attributes;
   config.numAttrs = count;
-  return cudaLaunchKernelEx(&config, linear_mma_kernel<T, NT>, p, pl.splits, pl.cluster);
+  return cudaLaunchKernelEx(&config, linear_mma_kernel<T, NT, GATED>, p, pl.splits, pl.cluster);
 }
 
-template <typename T, int NT>
+// NOTE: a gated product plans as the plain one over the same weight (the same
+// groups when I is a multiple of 8), so that its sums are the plain product's.
+template <typename T, int NT, bool GATED>
 cudaError_t launch_planned(const LinearParams& p, cudaStream_t stream) {
   const Device d = current_device();
-  const int capacity = blocks_per_sm<T, NT>() * d.sms;
-  const Plan pl = plan((p.out_features + 15) / 16, (p.in_features + kChunk - 1) / kChunk, p.in_features, d, capacity);
-  return launch<T, NT>(p, pl, stream);
+  const int capacity = blocks_per_sm<T, NT, GATED>() * d.sms;
+  const Plan pl = plan(num_groups<GATED>(p), (p.in_features + kChunk - 1) / kChunk, p.in_features, d, capacity);
+  return launch<T, NT, GATED>(p, pl, stream);
+}
+
+template <typename T, bool GATED>
+cudaError_t launch_gated(const LinearParams& p, cudaStream_t stream) {
+  return p.num_tokens <= 8 ? launch_planned<T, 1, GATED>(p, stream) : launch_planned<T, 2, GATED>(p, stream);
 }
 
 template <typename T>
 cudaError_t launch_dtype(const LinearParams& p, cudaStream_t stream) {
-  return p.num_tokens <= 8 ? launch_planned<T, 1>(p, stream) : launch_planned<T, 2>(p, stream);
+  return p.silu_and_mul ? launch_gated<T, true>(p, stream) : launch_gated<T, false>(p, stream);
 }
 
 }  // namespace

@@ -6,6 +6,7 @@
 
 #include "pagedcore/cpu_ops.h"
 #ifdef PAGEDCORE_WITH_CUDA
+#include "pagedcore/cuda/bitmask_kernels.h"
 #include "pagedcore/cuda/kernels.h"
 #include "pagedcore/cuda/layer_kernels.h"
 #endif
@@ -104,6 +105,11 @@ void register_ops(pybind11::module_& m) {
   m.def("cuda_linear", &cuda::linear_at, "out"_a, "input"_a, "weight"_a, "bias"_a, "dtype"_a, "num_tokens"_a,
         "in_features"_a, "out_features"_a, "input_stride"_a, "out_stride"_a, "stream"_a, "silu_and_mul"_a = false);
   m.attr("CUDA_LINEAR_MAX_ROWS") = cuda::kLinearMaxRows;
+  m.def("cuda_apply_token_bitmask", &cuda::apply_token_bitmask_at, "logits"_a, "bitmask"_a, "rows"_a,
+        "rows_int64"_a, "status"_a, "num_masks"_a, "num_rows"_a, "vocab"_a, "num_words"_a,
+        "logits_stride"_a, "dtype"_a, "stream"_a);
+  m.def("cuda_wait_host_flag", &cuda::wait_host_flag_at, "flag"_a, "ticket"_a, "timeout_ns"_a, "status"_a,
+        "stream"_a);
 #endif
 }
 

@@ -29,6 +29,8 @@ from typing import Any
 
 import numpy as np
 
+from .logging_setup import format_bytes, format_rate
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -170,10 +172,8 @@ def _ensure_converted(gguf_path: str, models_dir: str, name: str) -> tuple[str, 
         _fsync_dir(models_dir)
         elapsed = time.perf_counter() - start
         size = os.path.getsize(os.path.join(final, "model.safetensors"))
-        logger.info(
-            "converted %s in %.1f s (%.0f MiB of float32 weights, %.0f MiB/s)",
-            os.path.basename(gguf_path), elapsed, size / 2**20, size / 2**20 / max(elapsed, 1e-9),
-        )
+        logger.info("converted %s in %.1f s (%s of float32 weights, %s)", os.path.basename(gguf_path), elapsed,
+                    format_bytes(size), format_rate(size, elapsed))
         return final, True
     finally:
         os.close(lock_fd)  # closing releases the lock
@@ -288,6 +288,10 @@ def _convert(gguf_path: str, out_dir: str) -> None:
     import torch
     from safetensors.torch import save_file
 
+    # NOTE: progress as log lines for the parts without a bar: reading the file
+    # (~3 s for the default model) and building the tokenizer (~8 s) are most of
+    # the one-time conversion.
+    logger.info("reading %s (%s)", os.path.basename(gguf_path), format_bytes(os.path.getsize(gguf_path)))
     reader = gguf.GGUFReader(gguf_path)
     arch = _field(reader, gguf_path, "general.architecture")
     if arch != "llama":
@@ -319,6 +323,7 @@ def _convert(gguf_path: str, out_dir: str) -> None:
         metadata={"format": "pt"},
     )
     del state_dict
+    logger.info("building the tokenizer from the GGUF file's vocabulary (transformers reads the file again)")
     _save_tokenizer(gguf_path, out_dir, hparams["context_length"])
 
 

@@ -50,9 +50,13 @@ from .outputs import CompletionOutput, Logprob, RequestOutput
 from .prompt_logprobs import logprob_dicts, score_prompt_tokens
 from .sampler import HostSamplerOutput, Sampler, SamplerOutput, SamplingMetadata, pack_for_host, unpack_on_host
 from .sampling_params import SamplingParams
-from .structured_outputs import BitmaskStaging, StructuredOutputManager
+from .structured_outputs import BitmaskStaging, MaskJob, StructuredOutputManager, device_wait_enabled
 
 logger = logging.getLogger("pagedcore")
+
+#: Seconds a step waiting for its masks (async scheduling) lets the mask thread finish
+#: right after the sampler is queued, before it queues the next forward pass.
+MASK_HANDOVER_S = 0.0002
 
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 KV_CACHE_BYTES_ENV = "PAGEDCORE_KV_CACHE_BYTES"
@@ -426,6 +430,8 @@ class LLMEngine:
         self._structured: StructuredOutputManager | None = None  # built on first use
         self._matchers: dict[int, Any] = {}  # seq id -> matcher of a live constrained sequence
         self._bitmask_staging: BitmaskStaging | None = None  # built on first use
+        # The masks of the next sampling step, being computed (see _start_masks).
+        self._mask_job: MaskJob | None = None
         self._next_id = 0
         # Async output processing: step() launches step n+1 on the device before it
         # turns step n's tokens into outputs (see step()).
@@ -472,6 +478,11 @@ class LLMEngine:
     def healthy(self) -> bool:
         """False once a tensor-parallel worker has died (the engine cannot step any more)."""
         return self.tp is None or self.tp.alive()
+
+    def health_error(self) -> str | None:
+        """Why the engine cannot step any more (a tensor-parallel worker died or
+        failed: which one, its exit code), or None while :meth:`healthy`."""
+        return None if self.tp is None else self.tp.failure()
 
     def shutdown(self) -> None:
         """Stops the tensor-parallel workers (nothing to do with one rank). The
@@ -807,14 +818,16 @@ class LLMEngine:
         try:
             logits = self.runner.execute(batch)
             # NOTE: before the sampling metadata, whose penalties count the outputs so far.
-            outputs = self._process_pending(step_pending=True)
+            outputs = self._process_pending(step_pending=True, next_batch=batch)
             sampled = None
             if batch.num_samples:
                 # One copy of everything the host needs, waited for in _complete_inflight.
                 sampled = self._host_copies.launch(self.sampler(logits, self._sampling_metadata(batch)))
+            self._join_masks()
             if batch.num_prompt_logprob_tokens:
                 self._score_prompts(batch)
         except BaseException:
+            self._join_masks(failed=True)
             self._fail_step(batch.num_samples)
             raise
         self._inflight = (batch, sampled, self._compact_rows(batch))
@@ -860,15 +873,24 @@ class LLMEngine:
             if prelaunched is None:
                 logits = self.runner.execute(batch, None if prev is None else prev.device_ids)
             if prev is not None and batch.num_samples and self._needs_host_tokens(batch):
-                prev, outputs, waited = None, self._resolve_launched(prev), True
+                prev, outputs, waited = None, self._resolve_launched(prev, next_batch=batch), True
             launched = _Launched(batch.num_samples, None, None)
             if batch.num_samples:
                 out = self.sampler(logits, self._sampling_metadata(batch))
                 launched = _Launched(batch.num_samples, self._host_copies.launch(out), out.sampled_token_ids,
                                      self._compact_rows(batch))
+            if not waited:  # (masks started by the metadata: joined before the resolution below)
+                self._join_masks()
+            elif self._mask_job is not None and self._bitmask_staging.device_wait:
+                # NOTE: the mask thread, done, may wait for the GIL to write the device's
+                # flag (up to the 5 ms switch interval while this thread runs Python);
+                # a short wait hands it over. Masks that are not done by then are joined
+                # once the next forward pass is queued.
+                self._mask_job.wait(MASK_HANDOVER_S)
             if batch.num_prompt_logprob_tokens:
                 self._score_prompts(batch)
         except BaseException:
+            self._join_masks(failed=True)
             self._fail_unresolved()
             raise
         self._launched = launched
@@ -885,6 +907,16 @@ class LLMEngine:
                 following = self.engine.schedule()
                 self.engine.append_placeholders()
                 self._prelaunched = (following, self.runner.execute(following, launched.device_ids))
+            except BaseException:
+                self._join_masks(failed=True)
+                self._fail_unresolved()
+                raise
+        if waited:
+            # NOTE: the masks are joined only once the next forward pass is queued too:
+            # when they take longer than queuing the sampler, the device then runs the
+            # sampler and that forward pass back to back once they are in.
+            try:
+                self._join_masks()
             except BaseException:
                 self._fail_unresolved()
                 raise
@@ -904,9 +936,9 @@ class LLMEngine:
             return True
         return bool(self._slots.penalized[batch.sample_slots].any())
 
-    def _resolve_launched(self, launched: _Launched) -> list[RequestOutput]:
+    def _resolve_launched(self, launched: _Launched, next_batch: _C.StepBatch | None = None) -> list[RequestOutput]:
         """Waits for a launched step's sampled ids, gives them to the engine
-        (``resolve``) and turns them into outputs."""
+        (``resolve``) and turns them into outputs (``next_batch``: see _process)."""
         try:
             if launched.copy is not None:
                 host = launched.copy.wait()
@@ -922,7 +954,7 @@ class LLMEngine:
             result = self.engine.resolve(token_ids)
             out = _step_outputs(result, sampled_lp, top, launched.compact)
             self._note_update(out.seq_ids, out.finish_reasons, result.finished_request_ids)
-            outputs = self._process(out)
+            outputs = self._process(out, next_batch)
             # NOTE: the engine finishes stop strings' sequences at once (no step is
             # pending); the unresolved step that holds them drops their samples.
             self._apply_late_stops()
@@ -1002,11 +1034,11 @@ class LLMEngine:
             for request_id in list(self._requests):
                 self.abort(request_id)
 
-    def _process_pending(self, step_pending: bool) -> list[RequestOutput]:
+    def _process_pending(self, step_pending: bool, next_batch: _C.StepBatch | None = None) -> list[RequestOutput]:
         pending, self._pending = self._pending, None
         if pending is None:
             return []
-        outputs = self._process(pending)
+        outputs = self._process(pending, next_batch)
         if not step_pending:  # (stop strings are looked for only in sequences the update left running)
             self._apply_late_stops()
         return outputs
@@ -1042,7 +1074,7 @@ class LLMEngine:
         )
         self._add_min_tokens(md, batch, slots)
         self._add_penalties(md, batch, slots)
-        if self._matchers:
+        if self._matchers or self._mask_job is not None:
             self._add_token_bitmask(md, batch)
         return md
 
@@ -1052,21 +1084,53 @@ class LLMEngine:
         Every matcher has consumed all tokens sampled before this step: step()
         updates the previous step and processes its outputs (which advance the
         matchers) before it builds this metadata, so this holds with async
-        output processing and async scheduling too (_needs_host_tokens); the
-        masks are computed while the device runs the forward pass launched just
-        before, into BitmaskStaging's buffers.
+        output processing and async scheduling too (_needs_host_tokens). The
+        processing started the masks' computation (_start_masks) as soon as the
+        matchers had their tokens; where it did not run, it starts here.
+        """
+        if self._mask_job is None:
+            self._start_masks(batch)
+            if self._mask_job is None:
+                return
+        md.bitmask_rows, md.token_bitmask, md.bitmask_status = self._bitmask_staging.finish(self._mask_job)
+
+    def _start_masks(self, batch: _C.StepBatch) -> None:
+        """Starts computing the masks of ``batch``'s constrained rows, into
+        BitmaskStaging's buffers, on the mask pool when there is one (the masks are
+        then computed while this thread goes on: see _join_masks).
+
+        NOTE: the rows are those with a live matcher now; one that the rest of the
+        step's processing finishes keeps its mask, and its token is dropped.
         """
         rows, matchers = [], []
         for row, seq_id in enumerate(batch.sample_seq_ids.tolist()):
             matcher = self._matchers.get(seq_id)
-            if matcher is not None:  # (a finished sequence's row is dropped: no mask)
+            if matcher is not None:
                 rows.append(row)
                 matchers.append(matcher)
-        if rows:
-            if self._bitmask_staging is None:
-                self._bitmask_staging = BitmaskStaging(self._structured.num_words, self.device)
-            md.bitmask_rows, md.token_bitmask = self._bitmask_staging.stage(
-                rows, lambda out: self._structured.fill_bitmask(matchers, out))
+        if not rows:
+            return
+        if self._bitmask_staging is None:
+            self._bitmask_staging = BitmaskStaging(self._structured.num_words, self.device,
+                                                   device_wait=self._structured.background and device_wait_enabled())
+        masks, release = self._bitmask_staging.begin(rows)
+        self._mask_job = self._structured.start_masks(matchers, masks, release)
+
+    def _join_masks(self, failed: bool = False) -> None:
+        """Waits for the step's masks (computed in the background), whose matchers
+        nothing may touch until then. Called once the sampler is queued (with async
+        scheduling, and the next forward pass): on CUDA with the device's wait, the
+        device samples once the mask thread has written the flag, which needs the GIL;
+        this wait hands it over. ``failed``: the step is failing; an error of the
+        masks' own is not raised over it."""
+        job, self._mask_job = self._mask_job, None
+        if job is None:
+            return
+        try:
+            job.wait()
+        except BaseException:
+            if not failed:
+                raise
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         """A host tensor's copy on the device, queued without waiting for the device."""
@@ -1151,10 +1215,17 @@ class LLMEngine:
 
     # ---- outputs ----------------------------------------------------------------
 
-    def _process(self, out: _StepOutputs) -> list[RequestOutput]:
+    def _process(self, out: _StepOutputs, next_batch: _C.StepBatch | None = None) -> list[RequestOutput]:
+        """Turns a step's sampled tokens into outputs. With constrained sequences, their
+        matchers take their tokens first; then, with ``next_batch`` (the step to be
+        sampled next, already scheduled), that step's masks start (_start_masks) while
+        the rest of the processing runs."""
         finished: list[RequestOutput] = []
         seq_ids, tokens, reasons, stop_tokens = out.seq_ids, out.token_ids, out.finish_reasons, out.stop_reasons
         sampled_lp, top = out.sampled_logprobs, out.top
+        verdicts = self._advance_matchers(out) if self._matchers else {}
+        if next_batch is not None and self._matchers and self._mask_job is None:
+            self._start_masks(next_batch)
         streamed: dict[str, _Request] = {}
         rows: Sequence[int] = range(len(seq_ids))
         if out.compact is not None:
@@ -1193,7 +1264,7 @@ class LLMEngine:
             elif reason is not None and stop_tokens[k] >= 0:
                 c.stop_reason = stop_tokens[k]
             if c.matcher is not None:
-                reason = self._advance_matcher(seq_ids[k], request, c, token, reason)
+                reason = self._grammar_verdict(seq_ids[k], request, c, token, reason, verdicts.get(seq_ids[k]))
             if reason is not None:
                 c.finish_reason = reason
                 request.num_finished += 1
@@ -1237,17 +1308,40 @@ class LLMEngine:
         request.num_finished = 1
         self._forget(request)
 
-    def _advance_matcher(self, seq_id: int, request: _Request, c: _Completion, token: int,
-                         reason: str | None) -> str | None:
-        """Feeds a constrained sequence's token to its matcher; returns its finish reason."""
-        if not c.matcher.consume_token(token):
+    def _advance_matchers(self, out: _StepOutputs) -> dict[int, str | None]:
+        """Feeds each constrained sequence's token of the step to its matcher (those
+        that _process appends: the same conditions). Returns, per sequence, None if
+        the grammar goes on, "stopped" if it is complete and admits nothing more, or
+        llguidance's error if the token was refused: what _grammar_verdict needs, read
+        now, since a mask job may hold the matchers by then."""
+        fed: list[tuple[int, Any, int]] = []
+        for seq_id, token in zip(out.seq_ids, out.token_ids):
+            matcher = self._matchers.get(seq_id)
+            if matcher is None or token < 0:
+                continue
+            owner = self._seq_owner.get(seq_id)
+            if owner is None or owner[0].completions[owner[1]].finish_reason is not None:
+                continue
+            fed.append((seq_id, matcher, token))
+        if not fed:
+            return {}
+        accepted = self._structured.consume([m for _, m, _ in fed], [t for _, _, t in fed])
+        return {seq_id: (("stopped" if matcher.ll.is_stopped() else None) if ok
+                         else f"error: {matcher.ll.get_error()}")
+                for (seq_id, matcher, _), ok in zip(fed, accepted)}
+
+    def _grammar_verdict(self, seq_id: int, request: _Request, c: _Completion, token: int,
+                         reason: str | None, verdict: str | None) -> str | None:
+        """A constrained sequence's finish reason, given its matcher's verdict on the
+        token (_advance_matchers)."""
+        if verdict is not None and verdict != "stopped":
             # Never expected: the sampler only returns allowed tokens.
             logger.error("request %r: token %d is outside its grammar (%s); aborting the sequence",
-                         request.request_id, token, c.matcher.get_error())
+                         request.request_id, token, verdict)
             if reason is None:
                 self._late_stops.append((seq_id, request.request_id))
             reason = "abort"
-        elif c.matcher.is_stopped() and reason != "stop":
+        elif verdict == "stopped" and reason != "stop":
             # The grammar is complete and admits nothing more (EOS included): done,
             # also when max_tokens ran out on this very token.
             if reason is None:  # the engine finishes it once no step is pending

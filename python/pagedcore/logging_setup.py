@@ -16,6 +16,16 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 logger = logging.getLogger("pagedcore")
 
 
+def format_bytes(n: float) -> str:
+    """A size for a log line: ``1.25 GiB`` from 1 GiB up, ``25.3 MiB`` below."""
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def format_rate(n: float, seconds: float) -> str:
+    """Bytes moved in ``seconds`` as a rate for a log line: ``310.5 MiB/s``."""
+    return f"{format_bytes(n / max(seconds, 1e-9))}/s"
+
+
 def make_formatter() -> logging.Formatter:
     return logging.Formatter(LOG_FORMAT, DATE_FORMAT)
 

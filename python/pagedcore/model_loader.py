@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .logging_setup import format_bytes, format_rate
 from .model_path import hf_hub_cache_dir, resolve_model_path
 
 logger = logging.getLogger("pagedcore")
@@ -423,8 +424,7 @@ def with_load_progress(
         if bar is not None:
             bar.close()
     elapsed = time.perf_counter() - start
-    logger.info("loaded %.2f GiB of weights in %.2f s (%.2f GiB/s)", done / 2**30, elapsed,
-                done / 2**30 / max(elapsed, 1e-9))
+    logger.info("loaded %s of weights in %.2f s (%s)", format_bytes(done), elapsed, format_rate(done, elapsed))
 
 
 def resolve_dtype(

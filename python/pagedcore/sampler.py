@@ -128,6 +128,11 @@ class SamplingMetadata:
         ``[B]`` int64 rows (distinct; all S in order when B == S) and their
         ``[B, ceil(V / 32)]`` int32 bitmasks (structured outputs): a token whose
         bit is 0 is blocked (-inf) before anything else. None = no row is constrained.
+    bitmask_status : Tensor or None
+        CUDA: ``[1]`` int32 on the device, set by the device-side wait for the
+        masks (:func:`pagedcore.ops.bitmask.wait_host_flag`); nonzero when they
+        never came, and the constrained rows then sample nothing (-1). None: the
+        masks were in place before the sampler was queued.
     """
 
     temperature: Tensor
@@ -154,6 +159,7 @@ class SamplingMetadata:
     blocked_tokens: Tensor | None = None
     bitmask_rows: Tensor | None = None
     token_bitmask: Tensor | None = None
+    bitmask_status: Tensor | None = None
 
     @classmethod
     def from_params(
@@ -372,7 +378,7 @@ def apply_blocked_tokens(logits: Tensor, rows: Tensor | None, tokens: Tensor | N
     return logits
 
 
-def apply_token_bitmask(logits: Tensor, rows: Tensor, bitmask: Tensor) -> Tensor:
+def apply_token_bitmask(logits: Tensor, rows: Tensor, bitmask: Tensor, status: Tensor | None = None) -> Tensor:
     """Sets ``logits[rows[i], t] = -inf`` in place for every token ``t`` whose bit
     (bit ``t % 32`` of word ``t // 32`` of ``bitmask[i]``) is 0; columns beyond
     the bitmask's ``32 * W`` are blocked too.
@@ -382,9 +388,13 @@ def apply_token_bitmask(logits: Tensor, rows: Tensor, bitmask: Tensor) -> Tensor
     logits : Tensor
         ``[S, V]`` float32, modified in place.
     rows : Tensor
-        ``[B]`` int64, distinct; when ``B == S``, ``0 .. S - 1`` in order (every row).
+        ``[B]`` int64 (int32 too on CUDA), distinct; when ``B == S``, ``0 .. S - 1``
+        in order (every row).
     bitmask : Tensor
         ``[B, W]`` int32 on the logits' device.
+    status : Tensor, optional
+        CUDA only: see ``SamplingMetadata.bitmask_status`` (nonzero: the rows are set
+        to NaN instead).
 
     Returns
     -------
@@ -395,20 +405,19 @@ def apply_token_bitmask(logits: Tensor, rows: Tensor, bitmask: Tensor) -> Tensor
     >>> apply_token_bitmask(logits, torch.tensor([1]), torch.tensor([[0b101]], dtype=torch.int32))[1].tolist()
     [0.0, -inf, 0.0]
     """
+    if bitmask.device.type != "cpu":
+        # One kernel over the rows' logits (the unpacking in torch took five passes over
+        # [B, 32 W] int32 and bool intermediates, and as many launches).
+        from .ops.bitmask import apply_token_bitmask_
+
+        return apply_token_bitmask_(logits, bitmask, None if rows.shape[0] == logits.shape[0] else rows, status)
     vocab = logits.shape[1]
-    if bitmask.device.type == "cpu":
-        # NOTE: numpy unpacks the bits in one single-threaded pass (~0.2 ms for 64 rows of
-        # a 49k vocabulary); torch's shift-and-mask over [B, W, 32] took ~100 ms on two
-        # loaded cores. Bit t of a row is bit t % 8 of its byte t // 8 on a little-endian
-        # host; count pads with 0 (blocked) past 32 W, or cuts at the vocabulary.
-        bits = np.unpackbits(bitmask.contiguous().numpy().view(np.uint8), axis=1, count=vocab, bitorder="little")
-        blocked = torch.from_numpy(np.logical_not(bits.view(np.bool_)))
-    else:
-        shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-        blocked = ((bitmask.unsqueeze(-1) >> shifts) & 1).flatten(1) == 0  # [B, 32 W]
-        if blocked.shape[1] < vocab:
-            blocked = torch.nn.functional.pad(blocked, (0, vocab - blocked.shape[1]), value=True)
-        blocked = blocked[:, :vocab]
+    # NOTE: numpy unpacks the bits in one single-threaded pass (~0.2 ms for 64 rows of
+    # a 49k vocabulary); torch's shift-and-mask over [B, W, 32] took ~100 ms on two
+    # loaded cores. Bit t of a row is bit t % 8 of its byte t // 8 on a little-endian
+    # host; count pads with 0 (blocked) past 32 W, or cuts at the vocabulary.
+    bits = np.unpackbits(bitmask.contiguous().numpy().view(np.uint8), axis=1, count=vocab, bitorder="little")
+    blocked = torch.from_numpy(np.logical_not(bits.view(np.bool_)))
     if rows.shape[0] == logits.shape[0]:  # every row, in order: no gather and scatter
         return logits.masked_fill_(blocked, float("-inf"))
     sub = logits.index_select(0, rows).masked_fill_(blocked, float("-inf"))
@@ -744,7 +753,7 @@ class Sampler:
             logits = logits.clone()
             apply_blocked_tokens(logits, md.blocked_rows, md.blocked_tokens)
             if has_bitmask:
-                apply_token_bitmask(logits, md.bitmask_rows, md.token_bitmask)
+                apply_token_bitmask(logits, md.bitmask_rows, md.token_bitmask, md.bitmask_status)
             if md.penalty_rows is not None:
                 _apply_penalties_(logits, md)
         return self._truncate(logits, md) if for_random else logits

@@ -14,15 +14,27 @@ llguidance was picked over xgrammar for its footprint on CPU installs: one
 triton and apache-tvm-ffi. It is imported only when a request uses
 structured outputs.
 
-Each spec compiles once: the compiled matcher is kept in an LRU keyed by the
-spec, and every sequence starts from a ``deep_copy`` of it.
+Each spec compiles once per lane (one per thread of the mask pool): the
+compiled matchers are kept in an LRU keyed by the spec, and every sequence
+starts from a ``deep_copy`` of one of them (see StructuredOutputManager for why
+one is not enough). A step's masks are computed on the pool in the background,
+as soon as the matchers have the previous step's tokens, while the engine's
+thread finishes the outputs and queues the sampler; on CUDA the sampler's work
+is queued behind a device-side wait for the masks (see BitmaskStaging), so that
+the engine's thread waits for them only once the sampler is queued, if at all.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import queue
+import statistics
+import threading
+import time
+import weakref
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
@@ -32,13 +44,20 @@ if TYPE_CHECKING:
 
 #: How many compiled grammars :class:`StructuredOutputManager` keeps.
 GRAMMAR_CACHE_SIZE = 128
-#: From this many rows on, a step's masks are computed on llguidance's thread pool.
-EXECUTOR_MIN_ROWS = 4
-#: Threads of that pool: an integer, 0 for none (every mask on the engine's thread).
-#: Unset: llguidance's default (80% of the CPUs, up to 32) on hosts of 4 CPUs or more,
-#: none on fewer, where the pool's threads only compete with the engine's (measured
-#: on 2 loaded cores, 64 rows: 2.4 ms a step on the engine's thread, 8.7 ms on the pool).
+#: Threads of the pool that computes a step's masks in the background: an integer, 0
+#: for none (every mask on the engine's thread, before the sampler). Unset: llguidance's
+#: default (80% of the CPUs, up to 32) on hosts of 4 CPUs or more, none on fewer, where
+#: the pool's threads only compete with the engine's (measured on 2 loaded cores, 64
+#: rows: 2.4 ms a step on the engine's thread, 8.7 ms on the pool before lanes; with
+#: lanes, handing a step over to threads that wait for a core still costs ~2 ms there).
 MASK_THREADS_ENV = "PAGEDCORE_MASK_THREADS"
+#: From this many rows on, a step's tokens may be fed to the matchers on the pool (see
+#: StructuredOutputManager.consume), which tries both ways over its first CONSUME_TRIALS calls.
+CONSUME_POOL_MIN_ROWS = 16
+CONSUME_TRIALS = 16
+#: "0": on CUDA, the host waits for a step's masks before it queues the sampler,
+#: instead of queuing it behind a device-side wait for them (see BitmaskStaging).
+DEVICE_WAIT_ENV = "PAGEDCORE_MASK_DEVICE_WAIT"
 
 _KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
@@ -182,12 +201,14 @@ def _validate(key: tuple[str, str]) -> str:
     return _llguidance().LLMatcher.validate_grammar(grammar, None)
 
 
-def _mask_threads() -> int | None:
-    """The mask pool's threads from ``$PAGEDCORE_MASK_THREADS`` (see MASK_THREADS_ENV)."""
+def _mask_threads() -> int:
+    """The mask pool's threads from ``$PAGEDCORE_MASK_THREADS`` (see MASK_THREADS_ENV),
+    as a count (0: no pool)."""
     raw = os.environ.get(MASK_THREADS_ENV)
     if raw is None:
         cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        return None if cpus >= 4 else 0
+        # (llguidance's own default for its pool: 80% of the CPUs, up to 32)
+        return min(max(cpus * 8 // 10, 1), 32) if cpus >= 4 else 0
     try:
         threads = int(raw)
     except ValueError:
@@ -197,8 +218,101 @@ def _mask_threads() -> int | None:
     return threads
 
 
+def device_wait_enabled() -> bool:
+    """Whether ``$PAGEDCORE_MASK_DEVICE_WAIT`` leaves the device-side wait on (the default)."""
+    raw = os.environ.get(DEVICE_WAIT_ENV, "1")
+    if raw not in ("0", "1"):
+        raise ValueError(f"${DEVICE_WAIT_ENV} must be 0 or 1, got {raw!r}")
+    return raw == "1"
+
+
+@dataclass(slots=True, eq=False)
+class GrammarMatcher:
+    """One sequence's llguidance matcher and the lane (compiled copy of its grammar) it
+    was copied from: matchers of one lane share that copy's lexer, behind one lock."""
+
+    ll: Any
+    lane: int
+
+
+class _Lanes:
+    """The compiled copies of one spec's grammar (see StructuredOutputManager)."""
+
+    __slots__ = ("grammar", "templates", "handed_out")
+
+    def __init__(self, grammar: str, template: Any) -> None:
+        self.grammar = grammar
+        self.templates = [template]
+        self.handed_out = 0
+
+
+class MaskJob:
+    """A step's grammar bitmasks being computed (see StructuredOutputManager.start_masks)."""
+
+    __slots__ = ("_started", "_done", "_error", "_release", "compute_seconds", "__weakref__")
+
+    def __init__(self, release: Callable[[], None] | None) -> None:
+        self._started = threading.Event()
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+        self._release = release
+        #: Wall time of the computation (of llguidance's call), for benchmarks.
+        self.compute_seconds = 0.0
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Returns True once every mask is in the buffer (and the release has run),
+        False if ``timeout`` seconds passed first; raises RuntimeError if the
+        computation failed. While it waits, this thread lets the mask thread have the
+        GIL, which it needs to finish."""
+        if not self._done.wait(timeout):
+            return False
+        if self._error is not None:
+            raise RuntimeError(f"computing the grammar bitmasks failed: {self._error!r}") from self._error
+        return True
+
+    def _run(self, compute: Callable[[], None]) -> None:
+        try:
+            self._started.set()
+            t0 = time.perf_counter()
+            compute()
+            self.compute_seconds = time.perf_counter() - t0
+        except BaseException as e:  # noqa: BLE001 - handed to the thread that waits
+            self._error = e
+        finally:
+            try:
+                if self._release is not None:
+                    self._release()
+            except BaseException as e:  # noqa: BLE001
+                self._error = self._error or e
+            finally:
+                self._done.set()
+
+
+def _mask_worker(jobs: queue.SimpleQueue) -> None:
+    """The thread that computes a step's masks behind the engine's back."""
+    while True:
+        item = jobs.get()
+        if item is None:
+            return
+        job, compute = item
+        job._run(compute)
+        del job, compute, item  # (nothing kept alive between jobs)
+
+
 class StructuredOutputManager:
-    """Compiles specs against the model's tokenizer (cached) and hands out matchers.
+    """Compiles specs against the model's tokenizer (cached) and hands out matchers;
+    computes a step's masks on a pool of threads, in the background.
+
+    NOTE: llguidance's matchers copied from one compiled grammar (``deep_copy``) share
+    its lexer behind a lock, which a mask's computation holds throughout: masks of one
+    compiled grammar cannot be computed in parallel (measured: two threads over 16
+    masks inside a bounded string, 10.8 ms wall for 10.8 ms of CPU time, as on one
+    thread). So each spec is compiled once per pool thread (its lanes, ~0.5 ms each,
+    compiled as matchers are handed out), matchers are handed out over the lanes in
+    turn, and a step's rows go to the pool grouped by lane.
 
     Parameters
     ----------
@@ -218,47 +332,129 @@ class StructuredOutputManager:
         self.vocab_size = vocab_size
         self._llg = llg
         self._tokenizer = llg.LLTokenizer(backend.to_str(), n_vocab=vocab_size, eos_token=list(eos_token_ids))
-        self._compiled: OrderedDict[tuple[str, str], Any] = OrderedDict()
-        self._executor: Any = None  # llguidance's thread pool, for batches of masks
-        self._mask_threads = _mask_threads()  # (None: llguidance's default, 0: no pool)
+        self._compiled: OrderedDict[tuple[str, str], _Lanes] = OrderedDict()
+        #: Threads of the mask pool (0: none, masks on the caller's thread).
+        self.mask_threads = _mask_threads()
+        #: Compiled copies per spec: one per pool thread.
+        self.num_lanes = max(self.mask_threads, 1)
+        self._executor: Any = None  # llguidance's thread pool, built on first use
+        self._jobs: queue.SimpleQueue | None = None  # the background thread's queue
+        # consume(): per-token times of each way while they take turns (None once chosen)
+        self._consume_trials: dict[bool, list[float]] | None = {True: [], False: []}
+        self._consume_on_pool = False
         self.num_words = (vocab_size + 31) // 32
 
-    def new_matcher(self, spec: StructuredOutputsParams) -> Any:
+    @property
+    def background(self) -> bool:
+        """Whether start_masks returns before the masks are computed."""
+        return self.mask_threads > 0
+
+    def new_matcher(self, spec: StructuredOutputsParams) -> GrammarMatcher:
         """A fresh matcher for ``spec``; raises ValueError naming the field if it does not compile."""
         key = spec.key
-        template = self._compiled.get(key)
-        if template is None:
-            template = self._llg.LLMatcher(self._tokenizer, _grammar_text(key), log_level=0)
-            if template.is_error():
-                raise ValueError(f"structured_outputs.{spec.kind} is invalid: {template.get_error().strip()}")
-            self._compiled[key] = template
+        lanes = self._compiled.get(key)
+        if lanes is None:
+            grammar = _grammar_text(key)
+            lanes = _Lanes(grammar, self._compile(grammar, spec))
+            self._compiled[key] = lanes
             if len(self._compiled) > GRAMMAR_CACHE_SIZE:
                 self._compiled.popitem(last=False)
         else:
             self._compiled.move_to_end(key)
-        return template.deep_copy()
+        lane = lanes.handed_out % self.num_lanes
+        lanes.handed_out += 1
+        if lane == len(lanes.templates):
+            lanes.templates.append(self._compile(lanes.grammar, spec))
+        return GrammarMatcher(lanes.templates[lane].deep_copy(), lane)
 
-    def fill_bitmask(self, matchers: list[Any], out: torch.Tensor) -> None:
-        """Computes the matchers' masks into ``out``: ``[len(matchers), ceil(V / 32)]``
-        int32, contiguous, on the host. Bit ``t % 32`` of word ``t // 32`` of row
-        ``i`` is set iff ``matchers[i]`` allows token ``t`` next."""
+    def _compile(self, grammar: str, spec: StructuredOutputsParams) -> Any:
+        template = self._llg.LLMatcher(self._tokenizer, grammar, log_level=0)
+        if template.is_error():
+            raise ValueError(f"structured_outputs.{spec.kind} is invalid: {template.get_error().strip()}")
+        return template
+
+    def consume(self, matchers: list[GrammarMatcher], tokens: list[int]) -> list[bool]:
+        """Feeds ``tokens[i]`` to ``matchers[i]``; returns whether each was accepted.
+
+        From CONSUME_POOL_MIN_ROWS rows on, with a pool, the tokens go one by one or on
+        the pool, whichever proves faster per token on this host: the two take turns
+        over the first CONSUME_TRIALS such calls, then the faster one (by median) stays.
+        A token costs ~3 us on one thread outside strings; waking the pool's threads
+        costs tens of us on an idle host and milliseconds on a loaded one (measured on 2
+        loaded cores: 64 tokens 0.39 ms one by one, 0.48-3.7 ms on a pool of 2).
+        """
+        if self.mask_threads == 0 or len(matchers) < CONSUME_POOL_MIN_ROWS:
+            return [m.ll.consume_token(t) for m, t in zip(matchers, tokens)]
+        trials = self._consume_trials
+        on_pool = self._consume_on_pool if trials is None else len(trials[True]) < len(trials[False])
+        t0 = time.perf_counter()
+        if on_pool:
+            order = sorted(range(len(matchers)), key=lambda i: matchers[i].lane)  # (see start_masks)
+            accepted = self._pool().consume_token_par([(matchers[i].ll, tokens[i]) for i in order])
+            out = [False] * len(matchers)
+            for i, ok in zip(order, accepted):
+                out[i] = ok
+        else:
+            out = [m.ll.consume_token(t) for m, t in zip(matchers, tokens)]
+        if trials is not None:
+            trials[on_pool].append((time.perf_counter() - t0) / len(matchers))
+            if min(len(trials[True]), len(trials[False])) >= CONSUME_TRIALS // 2:
+                self._consume_on_pool = statistics.median(trials[True]) < statistics.median(trials[False])
+                self._consume_trials = None
+        return out
+
+    def start_masks(self, matchers: list[GrammarMatcher], out: torch.Tensor,
+                    release: Callable[[], None] | None = None) -> MaskJob:
+        """Starts computing the matchers' masks into ``out``: ``[len(matchers),
+        ceil(V / 32)]`` int32, contiguous, on the host. Bit ``t % 32`` of word ``t // 32``
+        of row ``i`` is set iff ``matchers[i]`` allows token ``t`` next.
+
+        With a pool (``background``) the masks are computed on it behind the caller's
+        back: until the job's ``wait()`` returns, ``out`` is being written and the
+        matchers must not be used (llguidance refuses a matcher in use elsewhere).
+        ``release`` runs once every mask is written (or the computation failed),
+        before ``wait()`` returns. Without a pool the masks are computed before this
+        returns.
+        """
         import torch
 
         if out.dtype != torch.int32 or not out.is_contiguous() or out.device.type != "cpu" \
                 or tuple(out.shape) != (len(matchers), self.num_words):
             raise RuntimeError(f"internal error: a bitmask buffer must be contiguous int32 "
-                             f"[{len(matchers)}, {self.num_words}] on the host, got {out.dtype} "
-                             f"{tuple(out.shape)} on {out.device}")
+                               f"[{len(matchers)}, {self.num_words}] on the host, got {out.dtype} "
+                               f"{tuple(out.shape)} on {out.device}")
+        job = MaskJob(release)
         nbytes, base = self.num_words * 4, out.data_ptr()
-        if self._mask_threads == 0 or len(matchers) < EXECUTOR_MIN_ROWS:
-            for row, matcher in enumerate(matchers):
-                matcher.unsafe_compute_mask_ptr(base + row * nbytes, nbytes)
-            return
-        # Larger batches: llguidance computes the rows on its own threads (without the GIL).
+        if not matchers:
+            job._run(lambda: None)
+        elif self.mask_threads == 0:
+            lls = [m.ll for m in matchers]
+            job._run(lambda: [m.unsafe_compute_mask_ptr(base + row * nbytes, nbytes) for row, m in enumerate(lls)])
+        else:
+            # NOTE: rows grouped by lane: the pool splits the list into contiguous runs,
+            # so that its threads mostly take different lanes (different locks).
+            pairs = [(matchers[row].ll, row) for row in sorted(range(len(matchers)), key=lambda i: matchers[i].lane)]
+            executor, rows = self._pool(), len(matchers)
+            if self._jobs is None:
+                self._jobs = queue.SimpleQueue()
+                threading.Thread(target=_mask_worker, args=(self._jobs,), name="pagedcore-masks",
+                                 daemon=True).start()
+                weakref.finalize(self, self._jobs.put, None)  # (the thread ends with the manager)
+            self._jobs.put((job, lambda: executor.unsafe_compute_mask_ptr(pairs, base, nbytes, rows)))
+            # NOTE: wait until the thread has the job in hand: it needs the GIL to start
+            # the computation, which this thread, running Python, would otherwise hold
+            # for up to sys.getswitchinterval() (5 ms) at a time.
+            job._started.wait()
+        return job
+
+    def fill_bitmask(self, matchers: list[GrammarMatcher], out: torch.Tensor) -> None:
+        """start_masks, waited for."""
+        self.start_masks(matchers, out).wait()
+
+    def _pool(self) -> Any:
         if self._executor is None:
-            self._executor = self._llg.LLExecutor(self._mask_threads)
-        self._executor.unsafe_compute_mask_ptr([(m, row) for row, m in enumerate(matchers)],
-                                               base, nbytes, len(matchers))
+            self._executor = self._llg.LLExecutor(self.mask_threads)
+        return self._executor
 
 
 class BitmaskStaging:
@@ -269,38 +465,53 @@ class BitmaskStaging:
     the device; no allocation, no pinning per step. On the CPU the sampler
     reads the buffer where it is.
 
+    With ``device_wait`` (CUDA, masks computed in the background) the copy and
+    the sampler are queued before the masks are done: the stream first waits
+    (:func:`pagedcore.ops.bitmask.wait_host_flag`) for the step's ticket, which
+    the mask job writes into a pinned flag once every mask is in the buffer. The
+    host then never waits for the masks before it launches the sampler.
+
     Parameters
     ----------
     num_words : int
         Words per mask (``ceil(V / 32)``).
     device : torch.device
         Where the sampler runs.
+    device_wait : bool
+        See above (CUDA only).
     """
 
     #: Buffers used in turn: a buffer is written again only once the copy queued
     #: from it has run (each has its event), so three keep the host from ever
     #: waiting on a copy that a step in flight still has queued.
     DEPTH = 3
+    #: Seconds the device waits for a step's masks before it gives up on them (the
+    #: step's constrained rows then sample nothing, and the step fails).
+    WAIT_TIMEOUT_S = 10.0
 
-    def __init__(self, num_words: int, device: torch.device) -> None:
+    def __init__(self, num_words: int, device: torch.device, device_wait: bool = False) -> None:
+        import numpy as np
         import torch
 
         self.num_words = num_words
         self.device = device
         self._cuda = device.type == "cuda"
+        self.device_wait = device_wait and self._cuda
         self._buffers: list[torch.Tensor | None] = [None] * self.DEPTH
         self._events = [torch.cuda.Event() for _ in range(self.DEPTH)] if self._cuda else []
         self._recorded = [False] * self.DEPTH
         self._next = 0
+        self._staged: tuple[torch.Tensor, int, int] | None = None  # (host buffer, rows, ticket)
+        self._ticket = 0
+        if self.device_wait:
+            self._flag = torch.zeros(1, dtype=torch.int32, pin_memory=True)
+            self._flag_word = self._flag.numpy().view(np.uint32)
+            self._status = torch.zeros(1, dtype=torch.int32, device=device)
 
-    def stage(self, rows: list[int], fill: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """Puts ``rows`` and their masks (written by ``fill(masks)`` into a host
-        ``[len(rows), num_words]`` int32 view) on the device.
-
-        Returns ``(rows, masks)`` on the device: ``[B]`` int64, ``[B, num_words]``
-        int32 (on the CPU ``masks`` is a view of the buffer: valid until the
-        buffer's turn comes again, ``DEPTH`` calls later).
-        """
+    def begin(self, rows: list[int]) -> tuple[torch.Tensor, Callable[[], None] | None]:
+        """Writes ``rows`` into the next host buffer; returns its ``[len(rows),
+        num_words]`` int32 view for the masks, and (with ``device_wait``) what the
+        mask job must call once they are in it."""
         import torch
 
         n, words = len(rows), self.num_words
@@ -318,11 +529,38 @@ class BitmaskStaging:
                                                     dtype=torch.int32, pin_memory=self._cuda)
         host = buffer[:size]
         host[:n] = torch.as_tensor(rows, dtype=torch.int32)
-        masks = host[n:].view(n, words)
-        fill(masks)
+        release = None
+        if self.device_wait:
+            self._ticket = (self._ticket + 1) % 2**32
+            ticket, word = self._ticket, self._flag_word
+            release = lambda: word.__setitem__(0, ticket)  # noqa: E731 - (a plain 4-byte store)
+        self._staged = (host, i, self._ticket)
+        return host[n:].view(n, words), release
+
+    def finish(self, job: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The staged rows and masks on the device: ``[B]`` rows (int64 on the CPU,
+        int32 on CUDA), ``[B, num_words]`` int32 masks, and the device wait's status
+        (None without it). Waits for ``job`` first, unless the device waits for it
+        (then the stream does: see the class).
+
+        On the CPU ``masks`` is a view of the buffer: valid until the buffer's turn
+        comes again, ``DEPTH`` calls later.
+        """
+        from .ops import bitmask as bitmask_ops
+
+        if self._staged is None:
+            raise RuntimeError("internal error: BitmaskStaging.finish without begin")
+        (host, i, ticket), self._staged = self._staged, None
+        n = host.numel() // (self.num_words + 1)
+        if not self.device_wait:
+            job.wait()
         if not self._cuda:
-            return host[:n].long(), masks
+            return host[:n].long(), host[n:].view(n, self.num_words), None
+        status = None
+        if self.device_wait:
+            bitmask_ops.wait_host_flag(self._flag, ticket, self._status, self.WAIT_TIMEOUT_S)
+            status = self._status
         staged = host.to(self.device, non_blocking=True)
         self._events[i].record()
         self._recorded[i] = True
-        return staged[:n].long(), staged[n:].view(n, words)
+        return staged[:n], staged[n:].view(n, self.num_words), status

@@ -143,6 +143,23 @@ def test_decode_rows_shorter_than_the_graph_plan(dtype, window, fp8):
              graph_plan_len=8192, repeat=2, fp8_scales=(1.0, 1.0) if fp8 else None)
 
 
+@pytest.mark.parametrize("env", [{"PAGEDCORE_DECODE_DEEP_CTAS": "0"}, {"PAGEDCORE_DECODE_DEEP_CTAS": "100000"},
+                                 {"PAGEDCORE_FP8_FAST_CVT": "0"}], ids=["shallow", "deep", "fp8-cvt"])
+def test_decode_kernel_variants(monkeypatch, env):
+    # The decode kernel's pipelines (three tiles in flight, or five for launches of few
+    # CTAs) and fp8 widenings (integer operations, or the cvt unit), each forced: the
+    # defaults pick per launch, so that each would otherwise run only on some shapes.
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    lengths = [1, 17, 255, 256, 513, 1500, 4097, 9000]
+    for head_dim, scales in ((128, None), (128, (0.5, 1.5)), (64, (1.0, 1.0)), (256, None)):
+        run_cuda([(1, n) for n in lengths], block_size=16, head_dim=head_dim, group=4, dtype=torch.bfloat16,
+                 graph_plan_len=16384, repeat=2, fp8_scales=scales)
+        run_cuda([(1, 3000)], block_size=16, head_dim=head_dim, group=4, dtype=torch.float16, fp8_scales=scales)
+    run_cuda(mixed_rows(16), block_size=16, head_dim=128, group=8, dtype=torch.bfloat16, window=40, softcap=3.5,
+             fp8_scales=(0.25, 0.75))
+
+
 @pytest.mark.parametrize("block_size", [8, 16, 128])
 @pytest.mark.parametrize("group", [1, 4, 8])
 @pytest.mark.parametrize("head_dim", [64, 128])

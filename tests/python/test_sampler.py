@@ -591,7 +591,7 @@ def test_engine_asks_for_sampled_logprobs_only_when_a_request_wants_them() -> No
 
     engine = object.__new__(LLMEngine)  # only what _sampling_metadata reads
     engine._slots, engine.device, engine._generators, engine._seq_owner = _SlotArrays(), torch.device("cpu"), {}, {}
-    engine._matchers = {}  # no structured-output rows
+    engine._matchers, engine._mask_job = {}, None  # no structured-output rows
     for slot, p in enumerate([SamplingParams(temperature=0.0), SamplingParams(top_k=7, top_p=0.5),
                               SamplingParams(logprobs=0), SamplingParams(logprobs=3, top_p=0.8)]):
         engine._slots.set(slot, p)
@@ -938,3 +938,152 @@ def test_row_max_two_passes_match_one(device, vocab) -> None:
     want = np.array([r[i] for r, i in zip(ref, expected_idx)])
     assert np.array_equal(np.isnan(got), np.isnan(want))
     assert np.array_equal(got[~np.isnan(got)], want[~np.isnan(want)])
+
+
+# --------------------------------------------------------------------------
+# Grammar bitmasks (structured outputs): numpy on the CPU, one kernel on CUDA
+
+
+def bitmask_reference(logits: torch.Tensor, rows: list[int], words: torch.Tensor) -> torch.Tensor:
+    """Token t of row rows[i] blocked iff bit t % 32 of words[i, t // 32] is 0 (or the
+    word is past the mask): bit by bit over Python ints, on the CPU."""
+    out = logits.detach().cpu().clone()
+    vocab, width, words = out.shape[1], words.shape[1], words.tolist()
+    for i, row in enumerate(rows):
+        blocked = [t // 32 >= width or (words[i][t // 32] >> (t % 32)) & 1 == 0 for t in range(vocab)]
+        out[row, torch.tensor(blocked)] = NEG_INF
+    return out
+
+
+def random_words(num_masks: int, width: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(-2**31, 2**31 - 1, (num_masks, width), generator=gen, dtype=torch.int64).to(torch.int32)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_apply_token_bitmask_matches_bit_arithmetic(device) -> None:
+    from pagedcore.sampler import apply_token_bitmask
+
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA device")
+    gen = torch.Generator().manual_seed(0)
+    vocab = 70  # 3 words: the last one partly past the vocabulary
+    logits = torch.randn(4, vocab, generator=gen)
+    words = random_words(4, 3, 0)
+    index_types = (torch.int64, torch.int32) if device == "cuda" else (torch.int64,)
+    for rows in ([3, 1], [0, 1, 2, 3]):  # some rows; every row (no gather and scatter)
+        for index_type in index_types:
+            got = apply_token_bitmask(logits.clone().to(device), torch.tensor(rows, dtype=index_type, device=device),
+                                      words[:len(rows)].to(device))
+            assert torch.equal(got.cpu(), bitmask_reference(logits, rows, words[:len(rows)])), (rows, index_type)
+    # A bitmask narrower than the logits blocks the columns past it.
+    narrow = apply_token_bitmask(logits.clone().to(device), torch.tensor([0], device=device),
+                                 torch.full((1, 1), -1, dtype=torch.int32, device=device)).cpu()
+    assert torch.equal(narrow[0, :32], logits[0, :32]) and bool((narrow[0, 32:] == NEG_INF).all())
+    assert torch.equal(narrow[1:], logits[1:])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("vocab, width", [(1, 1), (31, 1), (33, 2), (1000, 30), (4099, 129), (49152, 1536)])
+@pytest.mark.parametrize("rows", ["all", "int32", "int64"])
+def test_bitmask_kernel_over_dtypes_rows_and_vocabularies(dtype, vocab, width, rows) -> None:
+    """The kernel against the bit arithmetic: every dtype; vocabularies of one token, of
+    less than a word, of a partial last word, of a mask narrower than the logits (1000
+    and 4099: the tail past 32 W blocked) and SmolLM2's; all rows in order, or a subset
+    in either index type with a row out of range (skipped); logits that are a slice of
+    wider rows, whose columns past the vocabulary hold NaN and stay untouched."""
+    from pagedcore.ops.bitmask import apply_token_bitmask_
+
+    gen = torch.Generator().manual_seed(vocab + width)
+    num_rows = 5
+    wide = torch.randn(num_rows, vocab + 3, generator=gen).to(dtype)
+    wide[:, vocab:] = float("nan")
+    if rows == "all":
+        chosen, index = list(range(num_rows)), None
+        words = random_words(num_rows, width, vocab)
+    else:
+        chosen = [4, 0, 2]
+        words = random_words(4, width, vocab)
+        index = torch.tensor(chosen + [num_rows + 7], dtype=torch.int32 if rows == "int32" else torch.int64)
+    logits = wide.cuda()
+    out = apply_token_bitmask_(logits[:, :vocab], words.cuda(), None if index is None else index.cuda())
+    assert out.data_ptr() == logits.data_ptr()
+    got = logits.cpu()
+    expected = bitmask_reference(wide[:, :vocab].float(), chosen, words[:len(chosen)]).to(dtype)
+    assert torch.equal(got[:, :vocab], expected)
+    assert bool(got[:, vocab:].isnan().all())
+
+
+@pytest.mark.cuda
+def test_bitmask_kernel_status_fills_the_rows_with_nan() -> None:
+    # status != 0 (the masks never came): the masked rows cannot be sampled; others untouched.
+    from pagedcore.ops.bitmask import apply_token_bitmask_
+
+    logits = torch.randn(3, 100).cuda()
+    words = torch.full((2, 4), -1, dtype=torch.int32).cuda()  # everything allowed
+    rows = torch.tensor([2, 0]).cuda()
+    for status, nan_rows in ((0, []), (1, [0, 2])):
+        x = logits.clone()
+        apply_token_bitmask_(x, words, rows, torch.tensor([status], dtype=torch.int32).cuda())
+        x = x.cpu()
+        for r in range(3):
+            if r in nan_rows:
+                assert bool(x[r].isnan().all()), (status, r)
+            else:
+                assert torch.equal(x[r], logits[r].cpu()), (status, r)
+    # Through the sampler: such rows sample nothing (-1), the others as usual.
+    md = SamplingMetadata.from_params([SamplingParams(temperature=0.0)] * 3, "cuda")
+    md.bitmask_rows, md.token_bitmask = rows, words
+    md.bitmask_status = torch.tensor([1], dtype=torch.int32).cuda()
+    out = Sampler()(logits, md)
+    assert out.sampled_token_ids.tolist() == [-1, int(logits[1].argmax()), -1]
+
+
+@pytest.mark.cuda
+def test_wait_host_flag_holds_the_work_queued_behind_it() -> None:
+    """The stream waits for the host's flag: a copy queued behind the wait reads what the
+    host wrote after queuing it, once the flag says so; the ticket counts as a 32-bit
+    counter (a flag past it, also across the wrap, releases at once); status is 0."""
+    import time
+
+    from pagedcore.ops.bitmask import wait_host_flag
+
+    flag = torch.zeros(1, dtype=torch.int32).pin_memory()
+    word = flag.numpy().view(np.uint32)
+    status = torch.full((1,), 7, dtype=torch.int32).cuda()
+    src = torch.zeros(4096, dtype=torch.int32).pin_memory()
+    word[0] = 2**32 - 1
+    wait_host_flag(flag, 0, status, 10.0)  # 0 comes after 2**32 - 1: held
+    dst = src.to("cuda", non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    time.sleep(0.2)
+    assert not done.query()  # still held
+    src.fill_(5)
+    word[0] = 0
+    done.synchronize()
+    assert bool((dst.cpu() == 5).all()) and status.item() == 0
+    word[0] = 9
+    status.fill_(7)
+    wait_host_flag(flag, 3, status, 10.0)  # an earlier ticket: passes at once
+    torch.cuda.synchronize()
+    assert status.item() == 0
+
+
+@pytest.mark.cuda
+def test_wait_host_flag_gives_up_after_the_timeout() -> None:
+    import time
+
+    from pagedcore.ops.bitmask import wait_host_flag
+
+    flag = torch.zeros(1, dtype=torch.int32).pin_memory()
+    status = torch.zeros(1, dtype=torch.int32).cuda()
+    t0 = time.perf_counter()
+    wait_host_flag(flag, 1, status, 0.05)
+    torch.cuda.synchronize()
+    assert status.item() == 1 and 0.04 < time.perf_counter() - t0 < 5.0
+    with pytest.raises(ValueError, match="flag must be one int32 in pinned host memory"):
+        wait_host_flag(torch.zeros(1, dtype=torch.int32), 1, status, 1.0)
+    with pytest.raises(ValueError, match="ticket"):
+        wait_host_flag(flag, 2**32, status, 1.0)

@@ -3,7 +3,9 @@ HTTP (the official ``openai`` client and raw httpx) against ``LLM.generate`` /
 ``LLM.chat`` on the same weights: every sampling field reaches the engine with
 its value, seeds reproduce, several prompts with n > 1 map to OpenAI's choice
 indices, chat content given as text parts, and what clients get when a step
-fails mid-stream or the engine thread dies.
+fails mid-stream (async scheduling off and on) or the engine dies: its loop
+raises (engine thread, and engine process), or the engine process is killed
+while requests wait for admission.
 
 The app and its engine thread run in this process, served by uvicorn on
 127.0.0.1, over a tiny random Llama (float32, CPU) that reads SmolLM2's
@@ -14,6 +16,8 @@ decoding repeats tokens: penalties change what it generates."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -38,6 +42,8 @@ from pagedcore import LLM, SamplingParams  # noqa: E402
 from pagedcore.llm_engine import EngineArgs, LLMEngine  # noqa: E402
 from pagedcore.server.app import build_app  # noqa: E402
 from pagedcore.server.async_engine import AsyncEngine  # noqa: E402
+
+from server_faults import FaultInjector, kill_thread, nan_logits, stall  # noqa: E402
 
 MODEL = "tiny"
 ENGINE = dict(num_kv_blocks=64, max_model_len=256, device="cpu")
@@ -69,65 +75,19 @@ def llm(checkpoint) -> LLM:
     return LLM(model=str(checkpoint), tokenizer=pagedcore.default_model_path(), **ENGINE)
 
 
-class FaultInjector:
-    """Wraps a model runner's ``execute``: once armed, the forward pass after
-    ``healthy`` more good ones fails the way the test asks.
-
-    NOTE: no real failure of the engine can be triggered on demand, so it is
-    injected here, at the model's output, and everything after it is the real
-    path: NaN logits are what a numerical blow-up gives, and the sampler, the
-    failed-step handling of LLMEngine, the engine thread and the server react
-    to them as they would in production."""
-
-    def __init__(self, runner) -> None:
-        self._execute = runner.execute
-        self._healthy: int | None = None
-        self._fault = None
-        runner.execute = self
-
-    def arm(self, healthy: int, fault) -> None:
-        self._healthy, self._fault = healthy, fault
-
-    def __call__(self, batch):
-        logits = self._execute(batch)
-        if self._healthy is None:
-            return logits
-        if self._healthy > 0:
-            self._healthy -= 1
-            return logits
-        fault, self._healthy, self._fault = self._fault, None, None
-        return fault(logits)
-
-
-def nan_logits(logits: torch.Tensor) -> torch.Tensor:
-    return torch.full_like(logits, float("nan"))
-
-
-class EngineThreadKilled(BaseException):
-    """Not an Exception: what no handler of the engine loop catches."""
-
-
-def kill_thread(logits: torch.Tensor) -> torch.Tensor:
-    raise EngineThreadKilled("injected")
-
-
 @dataclass
 class Served:
     url: str
     engine: AsyncEngine
-    faults: FaultInjector
+    faults: FaultInjector | None  # (None: the engine is in a process of its own)
     loop: object  # the server's event loop
 
 
-@pytest.fixture(scope="module")
-def serve(checkpoint):
-    """Builds a fresh engine and app and serves them on 127.0.0.1 (a context manager)."""
-
-    @contextmanager
-    def start() -> Iterator[Served]:
-        engine = LLMEngine(EngineArgs(model=str(checkpoint), tokenizer=pagedcore.default_model_path(), **ENGINE))
-        faults = FaultInjector(engine.runner)
-        async_engine = AsyncEngine(engine)
+@contextmanager
+def serving(async_engine, faults: FaultInjector | None = None) -> Iterator[Served]:
+    """Serves the app over ``async_engine`` on 127.0.0.1 (uvicorn in a thread);
+    shuts the engine down at the end."""
+    try:
         server = uvicorn.Server(uvicorn.Config(build_app(async_engine, MODEL), host="127.0.0.1", port=0,
                                                log_level="warning", access_log=False))
         thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)
@@ -142,7 +102,22 @@ def serve(checkpoint):
         finally:
             server.should_exit = True
             thread.join(30)
-            async_engine.shutdown()
+    finally:
+        async_engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def serve(checkpoint):
+    """Builds a fresh engine (EngineArgs overrides as keywords) and app and serves
+    them on 127.0.0.1 (a context manager)."""
+
+    @contextmanager
+    def start(**overrides) -> Iterator[Served]:
+        engine = LLMEngine(EngineArgs(model=str(checkpoint), tokenizer=pagedcore.default_model_path(),
+                                      **{**ENGINE, **overrides}))
+        faults = FaultInjector(engine.runner)
+        with serving(AsyncEngine(engine), faults) as served:
+            yield served
 
     return start
 
@@ -151,6 +126,22 @@ def serve(checkpoint):
 def server(serve) -> Iterator[Served]:
     with serve() as served:
         yield served
+
+
+@pytest.fixture(scope="module")
+def server_async_scheduling(serve) -> Iterator[Served]:
+    """As ``server``, with async scheduling (step n+1 launched before step n's
+    tokens reach the host; the default on CUDA)."""
+    with serve(async_scheduling=True) as served:
+        yield served
+
+
+@pytest.fixture(params=["sync", "async scheduling"])
+def faulty(request, server, server_async_scheduling) -> Iterator[tuple[Served, httpx.Client]]:
+    """Each server (without and with async scheduling) and a client of it."""
+    served = server if request.param == "sync" else server_async_scheduling
+    with httpx.Client(base_url=served.url, timeout=60) as c:
+        yield served, c
 
 
 @pytest.fixture(scope="module")
@@ -361,10 +352,12 @@ def _text_of(chunk: dict) -> str:
 
 
 @pytest.mark.parametrize("route", list(STREAMS))
-def test_a_step_failing_mid_stream_sends_an_error_event_then_done(server, http, llm, route) -> None:
+def test_a_step_failing_mid_stream_sends_an_error_event_then_done(faulty, llm, route) -> None:
+    server, http = faulty
     path, fields = STREAMS[route]
     body = {"model": MODEL, "temperature": 0, "max_tokens": 20, "ignore_eos": True, "stream": True, **fields}
     # The prefill and 2 decode steps go well (3 tokens); the 4th forward pass gives NaN logits.
+    # (With async scheduling the 5th is launched before the 4th's NaN is seen: still 3 tokens.)
     server.faults.arm(3, nan_logits)
     with http.stream("POST", path, json=body) as r:
         assert r.status_code == 200
@@ -460,7 +453,8 @@ def test_metrics_count_each_step_of_a_request_and_the_loop_lag(server, http) -> 
     assert grew("pagedcore_event_loop_lag_seconds_count") >= 3
 
 
-def test_a_step_failing_under_a_non_streamed_request_is_500(server, http, caplog) -> None:
+def test_a_step_failing_under_a_non_streamed_request_is_500(faulty, caplog) -> None:
+    server, http = faulty
     server.faults.arm(2, nan_logits)
     with caplog.at_level("ERROR", logger="uvicorn.error"):
         r = http.post("/v1/completions",
@@ -474,28 +468,115 @@ def test_a_step_failing_under_a_non_streamed_request_is_500(server, http, caplog
     assert http.get("/health").status_code == 200
 
 
-# ---- the engine thread dies ------------------------------------------------------------------------
+# ---- the engine dies ----------------------------------------------------------------------------------
+
+DIED = "engine died: the engine loop raised EngineThreadKilled: injected"
 
 
-def test_health_is_503_after_the_engine_thread_died(serve) -> None:
-    with serve() as served, httpx.Client(base_url=served.url, timeout=30) as http:
+def _refused_as_dead(http, message: str) -> None:
+    """/health and new requests (each route) get 503 with ``message``, at once."""
+    r = http.get("/health")
+    assert r.status_code == 503
+    assert r.json()["error"] == {"message": message, "type": "service_unavailable", "param": None,
+                                 "code": "engine_dead"}
+    for path, fields in STREAMS.values():
+        r = http.post(path, json={"model": MODEL, "max_tokens": 2, **fields})
+        assert r.status_code == 503, r.text
+        assert r.json()["error"] == {"message": message, "type": "service_unavailable", "param": None,
+                                     "code": "engine_dead"}
+
+
+@contextmanager
+def engine_process(checkpoint, fault, healthy: int) -> Iterator[Served]:
+    """The server with its engine in a process of its own (``serve --engine-process``):
+    the real engine there, its forward pass after ``healthy`` good ones failing with
+    ``fault`` (built in that process: server_faults.FaultyEngine)."""
+    from pagedcore.server.engine_process import EngineProcess
+
+    from server_faults import FaultyEngine
+
+    args = EngineArgs(model=str(checkpoint), tokenizer=pagedcore.default_model_path(), **ENGINE)
+    engine = EngineProcess(args, "WARNING", engine_factory=FaultyEngine(healthy, fault))
+    try:
+        with serving(engine) as served:
+            yield served
+    finally:
+        engine._proc.kill()  # (a stalled one would take the shutdown's timeouts)
+
+
+@pytest.mark.parametrize("mode", ["thread", "thread, async scheduling", "engine process"])
+def test_health_is_503_with_the_reason_after_the_engine_loop_died(serve, checkpoint, mode, caplog, capfd) -> None:
+    if mode == "engine process":
+        started = engine_process(checkpoint, kill_thread, healthy=2)
+    else:
+        started = serve(async_scheduling=mode.endswith("async scheduling"))
+    with started as served, httpx.Client(base_url=served.url, timeout=30) as http:
         assert http.get("/health").status_code == 200
-        served.faults.arm(2, kill_thread)
+        if served.faults is not None:
+            served.faults.arm(2, kill_thread)
         body = {"model": MODEL, "prompt": PROMPT, "temperature": 0, "max_tokens": 20, "ignore_eos": True,
                 "stream": True}
-        with http.stream("POST", "/v1/completions", json=body) as r:
+        with caplog.at_level("INFO"), http.stream("POST", "/v1/completions", json=body) as r:
             assert r.status_code == 200
             payloads = sse_payloads(r)
         # The stream in flight ends with an error event and [DONE] (it does not hang).
         assert payloads[-1] == "[DONE]"
-        assert json.loads(payloads[-2])["error"]["message"] == "generation failed: the engine loop has stopped"
-        assert len(payloads) == 2 + 2  # the 2 tokens of the healthy steps
-        r = http.get("/health")
-        assert r.status_code == 503
-        assert r.json()["error"]["message"] == "the engine loop has stopped"
-        # New requests are refused at once rather than queued for a thread that is gone.
-        for path, fields in STREAMS.values():
-            r = http.post(path, json={"model": MODEL, "max_tokens": 2, **fields})
-            assert r.status_code == 503, r.text
-            assert r.json()["error"] == {"message": "the engine loop has stopped", "type": "service_unavailable",
-                                         "param": None, "code": None}
+        assert json.loads(payloads[-2])["error"] == {"message": DIED, "type": "service_unavailable",
+                                                     "param": None, "code": "engine_dead"}
+        # The tokens of the 2 healthy forward passes; with async scheduling the 3rd pass
+        # fails before the 2nd's tokens reach the host.
+        assert len(payloads) - 2 == (1 if mode.endswith("async scheduling") else 2)
+        # /health says why; new requests are refused at once rather than queued for a loop that is gone.
+        _refused_as_dead(http, DIED)
+    # The log says it once, with the reason (the engine process logs it there).
+    died = [rec for rec in caplog.records if "engine died" in rec.getMessage()]
+    child = [line for line in capfd.readouterr().err.splitlines() if "engine died" in line]
+    if mode == "engine process":
+        assert (len(died), child) == (0, [f"ERROR {child[0][6:14]} pagedcore.server: {DIED}"]), child
+    else:
+        assert [(rec.name, rec.levelname, rec.getMessage()) for rec in died] == [("pagedcore.server", "ERROR", DIED)]
+
+
+def test_requests_waiting_for_admission_when_the_engine_process_dies_get_503(checkpoint, caplog) -> None:
+    # The engine process's loop hangs in its 3rd forward pass (2 tokens streamed);
+    # two requests wait for admission, then the process is killed.
+    with engine_process(checkpoint, stall, healthy=2) as served, \
+            httpx.Client(base_url=served.url, timeout=30) as http, caplog.at_level("INFO"):
+        body = {"model": MODEL, "prompt": PROMPT, "temperature": 0, "max_tokens": 20, "ignore_eos": True}
+        answers: dict[str, httpx.Response] = {}
+
+        def post(name: str, path: str, fields: dict) -> None:
+            with httpx.Client(base_url=served.url, timeout=30) as own:
+                answers[name] = own.post(path, json={**body, "stream": False, **fields})
+
+        with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+            lines = r.iter_lines()
+            streamed = []
+            while len(streamed) < 2:
+                line = next(lines)
+                if line:
+                    streamed.append(line)
+            waiting = [threading.Thread(target=post, args=(route, *STREAMS[route])) for route in STREAMS]
+            for t in waiting:
+                t.start()
+            deadline = time.monotonic() + 20
+            while served.engine._pending < len(waiting):
+                assert time.monotonic() < deadline, "the requests did not reach the engine"
+                time.sleep(0.01)
+            pid = served.engine._proc.pid
+            os.kill(pid, signal.SIGKILL)
+            for t in waiting:
+                t.join(30)
+            payloads = streamed + [line for line in lines if line]
+        message = "engine died: the engine process exited with code -9 (SIGKILL)"
+        error = {"message": message, "type": "service_unavailable", "param": None, "code": "engine_dead"}
+        # Each waiting request: a clean 503 saying why, in OpenAI's shape.
+        for route in STREAMS:
+            assert (answers[route].status_code, answers[route].json()) == (503, {"error": error}), route
+        # The stream in flight: its 2 tokens, then the error event and [DONE].
+        assert payloads[2:] == [f"data: {json.dumps({'error': error})}", "data: [DONE]"]
+        _refused_as_dead(http, message)
+    # No traceback (the ASGI server logs one for an unhandled error), and the death said once.
+    assert [rec.getMessage() for rec in caplog.records if rec.name.startswith("uvicorn")] == []
+    died = [(rec.name, rec.levelname, rec.getMessage()) for rec in caplog.records if "engine died" in rec.getMessage()]
+    assert died == [("pagedcore.server", "ERROR", message)]

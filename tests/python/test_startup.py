@@ -1,7 +1,9 @@
 """Start-up: hub ids from the local Hugging Face cache, the command line refusing bad
 arguments before loading anything, uninitialised parameters and KV cache that
 change no output, and what start-up tells the user (the CPU cache sizing, the
-start-up lines of `pagedcore generate`, no progress bar for a single chat).
+start-up lines of `pagedcore generate`, no progress bar for a single chat, the
+progress of the long parts: weight loading, the default model's one-time
+conversion, CUDA-graph capture).
 
 One tiny random float32 Llama (with the default model's tokenizer, so that text
 prompts work) laid out as a Hugging Face cache snapshot serves every test.
@@ -12,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -153,6 +156,33 @@ def test_generate_shows_the_start_up_lines(snapshot, monkeypatch, capsys) -> Non
     assert capsys.readouterr().out.strip()  # the completion, on stdout
 
 
+def test_generate_loads_with_a_torch_thread_fewer_and_gives_it_back(tmp_path, monkeypatch, capsys) -> None:
+    # The tokenizer loads in a thread while the weights load: with a copying thread
+    # on every core they fight for the cores (see cli.loading_threads).
+    from types import SimpleNamespace
+
+    seen: dict[str, int] = {}
+
+    class RecordingLLM:
+        def __init__(self, **_) -> None:
+            seen["loading"] = torch.get_num_threads()
+
+        def generate(self, *_, **__) -> list:
+            seen["generating"] = torch.get_num_threads()
+            return [SimpleNamespace(outputs=[SimpleNamespace(text="text")])]
+
+    monkeypatch.setattr("pagedcore.llm.LLM", RecordingLLM)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        assert cli.main(["generate", "Hello", "--model", str(tmp_path)]) == 0  # (a directory: not loaded)
+        assert torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(threads)
+    assert seen == {"loading": 2, "generating": 3}
+    assert capsys.readouterr().out == "text\n"
+
+
 # ---- what start-up says ---------------------------------------------------------------
 
 
@@ -161,6 +191,90 @@ def test_cpu_start_up_says_what_sized_the_cache(snapshot, caplog) -> None:
         LLM(model=snapshot, kv_cache_memory_bytes=1 << 20, gpu_memory_utilization=0.5)
     assert ("KV cache on the CPU sized by kv_cache_memory_bytes: 1048576 bytes (0.00 GiB); "
             "gpu_memory_utilization (0.5) applies to GPUs only") in caplog.text
+
+
+# A tqdm bar at its end: "<desc>: 100%|██████████| 21/21 [00:00<00:00, 150.31tensor/s]"
+# (under one a second: "1.20s/tensor"; "#" where the stream cannot take "█").
+def _finished_bar(desc: str, total: int, unit: str) -> str:
+    rate = rf"(\d+\.\d\d{unit}/s|\d+\.\d\ds/{unit})"
+    return rf"{re.escape(desc)}: 100%\|[█#]+\| {total}/{total} \[\d\d:\d\d<\d\d:\d\d, +{rate}\]"
+
+
+_RATE = r"\d+\.\d+ (MiB|GiB)/s"
+
+
+def test_loading_a_sharded_checkpoint_shows_a_bar_and_the_rate(snapshot, tmp_path, monkeypatch, capfd,
+                                                               caplog) -> None:
+    import pagedcore.model_loader as model_loader
+
+    sharded = tmp_path / "sharded"
+    transformers.AutoModelForCausalLM.from_pretrained(snapshot).save_pretrained(sharded, max_shard_size="300KB")
+    index = json.loads((sharded / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) >= 3
+    # (a bar for checkpoints of PROGRESS_BAR_BYTES or more: 1 GiB, too large to write here)
+    monkeypatch.setattr(model_loader, "PROGRESS_BAR_BYTES", 1)
+    capfd.readouterr()
+    with caplog.at_level(logging.INFO, logger="pagedcore"):
+        LLM(model=str(sharded), tokenizer=snapshot, num_kv_blocks=16, max_model_len=64)
+    # One bar over every tensor of every shard, with its rate.
+    err = capfd.readouterr().err
+    assert re.search(_finished_bar("Loading weights", len(index["weight_map"]), "tensor"), err), err[-300:]
+    # The line after it: every byte of the checkpoint's tensors (transformers' index counts
+    # them), the time and the rate.
+    total = index["metadata"]["total_size"]
+    [line] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("loaded ")]
+    assert re.fullmatch(rf"loaded {total / 2**20:.1f} MiB of weights in \d+\.\d\d s \({_RATE}\)", line), line
+
+
+def test_the_one_time_conversion_shows_its_progress(tmp_path, monkeypatch, capfd, caplog) -> None:
+    pytest.importorskip("gguf")
+    import pagedcore.default_model as dm
+
+    from test_model_files import _write_tiny_gguf
+
+    gguf_file = _write_tiny_gguf(str(tmp_path / "tiny.gguf"), vocab=256, tokenizer_fields=None)
+
+    def no_tokenizer(gguf_path: str, out_dir: str, context_length: int) -> None:  # (seconds; not under test)
+        (Path(out_dir) / "tokenizer_config.json").write_text("{}\n")
+
+    monkeypatch.setattr(dm, "_save_tokenizer", no_tokenizer)
+    capfd.readouterr()
+    with caplog.at_level(logging.INFO, logger="pagedcore"):
+        path, converted = dm._ensure_converted(gguf_file.path, str(tmp_path / "models"), "tiny")
+    assert converted
+    # A bar over the tensors dequantized, with its rate ...
+    err = capfd.readouterr().err
+    assert re.search(_finished_bar("Converting the default model (once)", len(gguf_file.expected), "tensor"), err)
+    # ... and a line before each part without one, then the total with the rate.
+    size = os.path.getsize(os.path.join(path, "model.safetensors"))
+    lines = [r.getMessage() for r in caplog.records if r.name.startswith("pagedcore")]
+    assert lines[:3] == [
+        f"converting {gguf_file.path} to a Hugging Face directory at {path} (done once)",
+        f"reading tiny.gguf ({os.path.getsize(gguf_file.path) / 2**20:.1f} MiB)",
+        "building the tokenizer from the GGUF file's vocabulary (transformers reads the file again)",
+    ]
+    assert re.fullmatch(rf"converted tiny.gguf in \d+\.\d s \({size / 2**20:.1f} MiB of float32 weights, {_RATE}\)",
+                        lines[3]), lines[3]
+    assert len(lines) == 4, lines
+
+
+@pytest.mark.cuda
+def test_cuda_graph_capture_shows_a_bar_and_its_time(tmp_path, capfd, caplog) -> None:
+    from test_gpu_path import add_toy_tokenizer
+    from test_models_hf import VOCAB, make_checkpoint
+
+    path = make_checkpoint("llama", tmp_path)
+    add_toy_tokenizer(path, VOCAB)
+    capfd.readouterr()
+    with caplog.at_level(logging.INFO, logger="pagedcore"):
+        llm = LLM(model=str(path), device="cuda", num_kv_blocks=64, max_model_len=256)
+    sizes = sorted(llm.llm_engine.runner.graphs)
+    assert sizes and sizes[0] == 1
+    err = capfd.readouterr().err
+    assert re.search(_finished_bar("Capturing CUDA graphs", len(sizes), "graph"), err), err[-300:]
+    lines = [r.getMessage() for r in caplog.records]
+    assert any(re.fullmatch(rf"CUDA graphs captured for decode batch sizes {re.escape(str(sizes))} in \d+\.\d s", line)
+               for line in lines), lines
 
 
 def test_single_chat_shows_no_progress_bar(llm, capfd) -> None:

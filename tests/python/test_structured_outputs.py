@@ -10,10 +10,16 @@ Everything else runs on a tiny random Llama with SmolLM2's tokenizer (loads in a
 fraction of a second): its near-uniform next-token distribution writes garbage unless
 the mask holds, so every valid output is the constraint's doing. Its JSON schema
 bounds every field (name <= 8 characters, age 0..120) and its JSON turns off free
-whitespace, so a constrained output ends well within max_tokens."""
+whitespace, so a constrained output ends well within max_tokens.
+
+The masks' machinery (the pool's lanes, the computation in the background, the
+device's wait for it) runs on an even smaller model with a byte-level tokenizer of
+its own (no default model, no pydantic: the GPU machine has neither), checked
+against the regex module's partial matches."""
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from pathlib import Path
@@ -23,29 +29,32 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("llguidance")
 
-pydantic = pytest.importorskip("pydantic")  # (the GPU machine has none unless .gpuwheels is carried)
+try:
+    import pydantic
+except ImportError:  # (the GPU machine has none unless .gpuwheels is carried)
+    pydantic = None
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import pagedcore  # noqa: E402
 from pagedcore import LLM, SamplingParams  # noqa: E402
-from pagedcore.sampler import apply_token_bitmask  # noqa: E402
-from pagedcore.structured_outputs import StructuredOutputsParams  # noqa: E402
+from pagedcore.structured_outputs import StructuredOutputManager, StructuredOutputsParams  # noqa: E402
 
+needs_pydantic = pytest.mark.skipif(pydantic is None, reason="needs pydantic")
 
-class Person(pydantic.BaseModel):
-    model_config = pydantic.ConfigDict(extra="forbid")
-    name: str = pydantic.Field(max_length=8)
-    age: int
+if pydantic is not None:
+    class Person(pydantic.BaseModel):
+        model_config = pydantic.ConfigDict(extra="forbid")
+        name: str = pydantic.Field(max_length=8)
+        age: int
 
+    class BoundedPerson(pydantic.BaseModel):
+        model_config = pydantic.ConfigDict(extra="forbid")
+        name: str = pydantic.Field(max_length=8)
+        age: int = pydantic.Field(ge=0, le=120)
 
-class BoundedPerson(pydantic.BaseModel):
-    model_config = pydantic.ConfigDict(extra="forbid")
-    name: str = pydantic.Field(max_length=8)
-    age: int = pydantic.Field(ge=0, le=120)
-
-
-SCHEMA = Person.model_json_schema()
-BOUNDED = BoundedPerson.model_json_schema()
+    SCHEMA = Person.model_json_schema()
+    BOUNDED = BoundedPerson.model_json_schema()
 REGEX = r"[0-9]{3}-[a-z]{2,4}"
 CHOICES = ["red", "green", "blue"]
 
@@ -116,33 +125,7 @@ def generate(tiny_llms: dict[bool, LLM], prompts, params) -> list:
     return runs[True]
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
-def test_apply_token_bitmask_matches_bit_arithmetic(device) -> None:
-    # (numpy unpacks the bits on the CPU, torch's shifts on CUDA)
-    gen = torch.Generator().manual_seed(0)
-    vocab = 70  # 3 words: the last one partly past the vocabulary
-    logits = torch.randn(4, vocab, generator=gen)
-    words = torch.randint(-2**31, 2**31 - 1, (4, 3), generator=gen, dtype=torch.int64).to(torch.int32)
-
-    def expected(rows: list[int]) -> torch.Tensor:
-        out = logits.clone()
-        for i, row in enumerate(rows):
-            for t in range(vocab):
-                if (int(words[i, t // 32]) >> (t % 32)) & 1 == 0:
-                    out[row, t] = float("-inf")
-        return out
-
-    for rows in ([3, 1], [0, 1, 2, 3]):  # some rows; every row (no gather and scatter)
-        got = apply_token_bitmask(logits.clone().to(device), torch.tensor(rows, device=device),
-                                  words[:len(rows)].to(device))
-        assert torch.equal(got.cpu(), expected(rows)), rows
-    # A bitmask narrower than the logits blocks the columns past it.
-    narrow = apply_token_bitmask(logits.clone().to(device), torch.tensor([0], device=device),
-                                 torch.full((1, 1), -1, dtype=torch.int32, device=device)).cpu()
-    assert torch.equal(narrow[0, :32], logits[0, :32]) and bool((narrow[0, 32:] == float("-inf")).all())
-    assert torch.equal(narrow[1:], logits[1:])
-
-
+@needs_pydantic
 def test_json_schema_holds_on_smollm2(smollm2: LLM) -> None:
     # Two samples, the model's own whitespace (the string form of a schema: tiny below).
     params = SamplingParams(temperature=0.9, n=2, seed=7, max_tokens=40,
@@ -154,6 +137,7 @@ def test_json_schema_holds_on_smollm2(smollm2: LLM) -> None:
         assert list(json.loads(c.text)) == ["name", "age"]  # the schema's order
 
 
+@needs_pydantic
 def test_json_regex_choice_grammar_in_one_batch(tiny_llms) -> None:
     specs = [
         bounded_json(),
@@ -192,6 +176,7 @@ def test_json_regex_choice_grammar_in_one_batch(tiny_llms) -> None:
     assert all(c.finish_reason == "length" for c in outs[6].outputs)
 
 
+@needs_pydantic
 def test_stop_strings_end_constrained_outputs(tiny_llms) -> None:
     # A stop string still ends a constrained output (where the user asked).
     cut = generate(tiny_llms, ["Describe a person as JSON."], SamplingParams(
@@ -200,6 +185,7 @@ def test_stop_strings_end_constrained_outputs(tiny_llms) -> None:
     assert cut.text.startswith('{"name":"')
 
 
+@needs_pydantic
 def test_schema_cut_by_max_tokens_finishes_with_length(tiny_llms) -> None:
     out = generate(tiny_llms, ["Describe a person as JSON."], SamplingParams(
         temperature=0.8, seed=1, n=2, max_tokens=4, structured_outputs=bounded_json()))[0]
@@ -209,6 +195,7 @@ def test_schema_cut_by_max_tokens_finishes_with_length(tiny_llms) -> None:
             BoundedPerson.model_validate_json(c.text)
 
 
+@needs_pydantic
 def test_streaming_deltas_concatenate_to_valid_json(tiny_llms) -> None:
     # Beside it, a constrained request aborted mid-run (with async scheduling, while the
     # next step's forward pass is launched and holds its row).
@@ -239,6 +226,7 @@ def test_streaming_deltas_concatenate_to_valid_json(tiny_llms) -> None:
     assert texts[True] == texts[False]
 
 
+@needs_pydantic
 def test_constrained_sequences_waiting_and_preempted(tiny_dir) -> None:
     # Two running at a time: two unconstrained requests first, while the constrained
     # ones wait (their matchers live, outside the batch: those steps do not wait for
@@ -279,3 +267,227 @@ def test_invalid_specs_are_refused(kwargs, field) -> None:
 def test_structured_outputs_type_checked() -> None:
     with pytest.raises(TypeError, match="structured_outputs"):
         SamplingParams(structured_outputs={"regex": "a"})
+
+
+# --------------------------------------------------------------------------
+# The masks' machinery, on a byte-level tokenizer of the tests' own
+
+
+def byte_level_tokenizer(path: Path) -> int:
+    """A byte-level BPE tokenizer (GPT-2's byte-to-character map) over the 256 bytes and
+    three merges ("12", "ab", "-a": tokens that cross the regex's parts), with <bos> and
+    <eos>; saved at ``path``. Returns its EOS id."""
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    printable = set(range(ord("!"), ord("~") + 1)) | set(range(0xA1, 0xAD)) | set(range(0xAE, 0x100))
+    chars, shifted = {}, 0
+    for b in range(256):
+        chars[b] = chr(b) if b in printable else chr(256 + shifted)
+        shifted += b not in printable
+    merges = [("1", "2"), ("a", "b"), ("-", "a")]
+    vocab = {chars[b]: b for b in range(256)}
+    for a, b in merges:
+        vocab[a + b] = len(vocab)
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<bos>", eos_token="<eos>")
+    fast.save_pretrained(path)
+    return fast.eos_token_id
+
+
+BYTE_VOCAB = 320  # the model's vocabulary: the tokenizer's 261 tokens, padded
+
+
+@pytest.fixture(scope="module")
+def byte_model(tmp_path_factory) -> tuple[str, int]:
+    """A 1-layer random Llama (hidden size 64) over the byte-level tokenizer, written
+    directly; returns its path (the tokenizer's too) and EOS."""
+    import transformers
+    from safetensors.torch import save_file
+
+    path = Path(tmp_path_factory.mktemp("bytes"))
+    eos = byte_level_tokenizer(path)
+    config = transformers.LlamaConfig(vocab_size=BYTE_VOCAB, hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                                      head_dim=32, max_position_embeddings=256, bos_token_id=eos - 1,
+                                      eos_token_id=eos, tie_word_embeddings=True, architectures=["LlamaForCausalLM"])
+    config.save_pretrained(path)
+    gen = torch.Generator().manual_seed(1)
+    weights = {"model.embed_tokens.weight": (BYTE_VOCAB, 64), "model.norm.weight": None}
+    for name, shape in (("self_attn.q_proj", (64, 64)), ("self_attn.k_proj", (32, 64)), ("self_attn.v_proj", (32, 64)),
+                        ("self_attn.o_proj", (64, 64)), ("mlp.gate_proj", (128, 64)), ("mlp.up_proj", (128, 64)),
+                        ("mlp.down_proj", (64, 128)), ("input_layernorm", None), ("post_attention_layernorm", None)):
+        weights[f"model.layers.0.{name}.weight"] = shape
+    save_file({name: torch.ones(64) if shape is None else torch.randn(shape, generator=gen) * 0.5
+               for name, shape in weights.items()}, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return str(path), eos
+
+
+@functools.lru_cache(maxsize=None)
+def regex_mask(tokenizer, pattern: str, text: str, eos: int) -> tuple[int, ...]:
+    """The tokens a grammar of ``pattern`` may allow after ``text``, by the regex module:
+    a token whose text extends ``text`` to a prefix of a match; EOS once it matches.
+    (llguidance allows fewer where the grammar forces the next bytes: then only the
+    first token of their tokenization.)"""
+    import regex
+
+    allowed = []
+    for t, piece in enumerate(token_texts(tokenizer)):
+        if t == eos:
+            if regex.fullmatch(pattern, text):
+                allowed.append(t)
+        elif piece and regex.fullmatch(pattern, text + piece, partial=True):
+            allowed.append(t)
+    return tuple(allowed)
+
+
+@functools.lru_cache(maxsize=None)
+def token_texts(tokenizer) -> list[str]:
+    special = set(tokenizer.all_special_ids)
+    return ["" if t in special else tokenizer.decode([t]) for t in range(len(tokenizer))]
+
+
+def test_masks_on_the_pool_spread_over_lanes(byte_model, monkeypatch) -> None:
+    """A pool of two threads: each spec's matchers come from two compiled copies of its
+    grammar in turn (their lexers have a lock each), and take a step's tokens on the
+    pool; a step's masks, computed in the
+    background, are each row's own, step by step to the end of random walks under three
+    grammars: equal to an independent matcher's (compiled apart, its mask computed on
+    this thread through llguidance's other entry point), within what the regex module
+    allows, EOS exactly at a full match; all in the buffer when the job's release runs."""
+    import llguidance
+    import transformers
+
+    from pagedcore import structured_outputs
+    from pagedcore.structured_outputs import _grammar_text
+
+    monkeypatch.setenv("PAGEDCORE_MASK_THREADS", "2")
+    monkeypatch.setattr(structured_outputs, "CONSUME_POOL_MIN_ROWS", 2)  # (the tokens fed on the pool too)
+    path, eos = byte_model
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    manager = StructuredOutputManager(tokenizer, BYTE_VOCAB, [eos])
+    assert (manager.mask_threads, manager.num_lanes, manager.background) == (2, 2, True)
+    choices = ["ab-12", "abab", "-a-a"]
+    patterns = [REGEX, "|".join(re.escape(c) for c in choices), "[a-c]{2}[0-9]{1,3}"]
+    specs = [StructuredOutputsParams(regex=REGEX), StructuredOutputsParams(choice=choices),
+             StructuredOutputsParams(regex=patterns[2])]
+    rows = [0, 1, 2, 0, 1, 0]  # each row's spec
+    matchers = [manager.new_matcher(specs[k]) for k in rows]
+    alone = [llguidance.LLMatcher(manager._tokenizer, _grammar_text(specs[k].key)) for k in rows]
+    assert [m.lane for m in matchers] == [0, 0, 0, 1, 1, 0]
+    templates = manager._compiled[specs[0].key].templates
+    assert len(templates) == 2 and templates[0] is not templates[1]
+    rng = np.random.default_rng(0)
+    n = len(rows)
+    texts, done = [""] * n, [False] * n
+    out = torch.empty((n, manager.num_words), dtype=torch.int32)
+    while not all(done):
+        out.fill_(0x5A5A5A5A)  # (poison: a mask not written shows)
+        seen = []
+        job = manager.start_masks(matchers, out, release=lambda: seen.append(out.clone()))
+        job.wait()
+        assert len(seen) == 1 and torch.equal(seen[0], out)
+        bits = np.unpackbits(out.numpy().view(np.uint8), axis=1, bitorder="little")[:, :BYTE_VOCAB]
+        tokens = []
+        for r in range(n):
+            allowed = np.nonzero(bits[r])[0].tolist()
+            own = np.unpackbits(np.frombuffer(alone[r].compute_bitmask(), dtype=np.uint8), bitorder="little")
+            assert allowed == np.nonzero(own[:BYTE_VOCAB])[0].tolist(), (r, texts[r])
+            if done[r]:
+                assert allowed == [eos]
+            else:
+                may = regex_mask(tokenizer, patterns[rows[r]], texts[r], eos)
+                assert allowed and set(allowed) <= set(may) and (eos in allowed) == (eos in may), (r, texts[r])
+            token = int(rng.choice(allowed))
+            assert alone[r].consume_token(token)
+            done[r] = done[r] or token == eos
+            texts[r] += "" if token == eos else tokenizer.decode([token])
+            tokens.append(token)
+        assert all(manager.consume(matchers, tokens))
+    assert all(re.fullmatch(patterns[k], t) for k, t in zip(rows, texts)), texts
+
+
+def byte_llm(path: str, monkeypatch, threads: int, device_wait: bool = True, **kw) -> LLM:
+    monkeypatch.setenv("PAGEDCORE_MASK_THREADS", str(threads))
+    monkeypatch.setenv("PAGEDCORE_MASK_DEVICE_WAIT", "1" if device_wait else "0")
+    return LLM(model=path, num_kv_blocks=64, max_model_len=128, max_num_seqs=8, **kw)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_masks_in_the_background_give_the_outputs_of_masks_in_line(byte_model, monkeypatch, device) -> None:
+    """The masks computed on the pool while the step goes on (on CUDA also queued behind
+    the device's wait for them, or without it) give the outputs of masks computed on
+    the engine's thread before the sampler: regexes and choices that hold (re, the list),
+    n = 2, a stop string, an unconstrained request beside them, async scheduling on
+    and off."""
+    path, eos = byte_model
+    choices = ["ab-12", "abab", "-a-a"]
+    specs = [StructuredOutputsParams(regex=REGEX), StructuredOutputsParams(choice=choices),
+             StructuredOutputsParams(regex="[a-c]{2}[0-9]{1,3}"), None]
+    params = [SamplingParams(temperature=1.0, seed=3 + i, n=2, max_tokens=16, structured_outputs=spec)
+              for i, spec in enumerate(specs)]
+    params.append(SamplingParams(temperature=1.0, seed=9, max_tokens=16, stop=["-"],
+                                 structured_outputs=StructuredOutputsParams(regex=REGEX)))
+    prompts = ["a1", "b2", "c3", "d4", "e5"]
+    configs = [dict(threads=0)] + ([dict(threads=2, device_wait=True), dict(threads=2, device_wait=False)]
+                                   if device == "cuda" else [dict(threads=2)])
+    runs = []
+    for config in configs:
+        for mode in (False, True):
+            llm = byte_llm(path, monkeypatch, device=device, async_scheduling=mode, **config)
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            assert llm.llm_engine._structured.mask_threads == config["threads"]
+            staging = llm.llm_engine._bitmask_staging
+            assert staging.device_wait == (config["threads"] > 0 and config.get("device_wait", False)
+                                           and device == "cuda")
+            runs.append([[(c.token_ids, c.text, c.finish_reason) for c in o.outputs] for o in outs])
+            for c in outs[0].outputs + outs[2].outputs:
+                pattern = REGEX if c in outs[0].outputs else "[a-c]{2}[0-9]{1,3}"
+                assert c.finish_reason == "stop" and re.fullmatch(pattern, c.text), c
+            assert all(c.finish_reason == "stop" and c.text in choices for c in outs[1].outputs)
+            assert all(c.finish_reason == "length" for c in outs[3].outputs)  # (garbage: no EOS in sight)
+            cut = outs[4].outputs[0]
+            assert cut.finish_reason == "stop" and cut.stop_reason == "-" and re.fullmatch(r"[0-9]{3}", cut.text)
+    assert all(run == runs[0] for run in runs), "the outputs differ between the ways of computing the masks"
+
+
+@pytest.mark.parametrize("pool_cost, loop_cost, chosen", [(1, 5, True), (5, 1, False)])
+def test_consume_keeps_the_faster_way_after_its_trials(byte_model, monkeypatch, pool_cost, loop_cost, chosen) -> None:
+    """The tokens go one by one and on the pool in turn over the first CONSUME_TRIALS
+    calls of 16+ rows, then the way with the lower median time per token stays: here
+    each way's time on a fake clock that its (fake) matchers and pool advance."""
+    import transformers
+
+    from pagedcore import structured_outputs
+    from pagedcore.structured_outputs import CONSUME_TRIALS, GrammarMatcher
+
+    monkeypatch.setenv("PAGEDCORE_MASK_THREADS", "2")
+    clock = [0.0]
+    monkeypatch.setattr(structured_outputs.time, "perf_counter", lambda: clock[0])
+
+    class Matcher:
+        def consume_token(self, token: int) -> bool:
+            clock[0] += loop_cost
+            return token >= 0
+
+    class Pool:
+        def consume_token_par(self, pairs):
+            clock[0] += pool_cost * len(pairs)
+            return [t >= 0 for _, t in pairs]
+
+    path, eos = byte_model
+    manager = StructuredOutputManager(transformers.AutoTokenizer.from_pretrained(path), BYTE_VOCAB, [eos])
+    manager._executor = Pool()
+    matchers = [GrammarMatcher(Matcher(), lane=i % 2) for i in range(16)]
+    ways = []
+    for step in range(CONSUME_TRIALS + 3):
+        before = clock[0]
+        assert manager.consume(matchers, [step] * 16) == [True] * 16
+        ways.append(clock[0] - before == 16 * pool_cost)  # (True: it went on the pool)
+    assert ways[:CONSUME_TRIALS] == [False, True] * (CONSUME_TRIALS // 2)
+    assert ways[CONSUME_TRIALS:] == [chosen] * 3
+    before = clock[0]
+    assert manager.consume(matchers[:15], [1] * 15) == [True] * 15
+    assert clock[0] - before == 15 * loop_cost  # (fewer than 16 rows: one by one)

@@ -15,6 +15,7 @@ per process): each test builds its own and shuts it down.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
@@ -254,7 +255,7 @@ def test_preemption_prefix_caching_n_and_beam_search(tokenizer_dir, tmp_path) ->
 
 def test_a_killed_worker_ends_generate_with_an_error_and_leaves_no_process(tokenizer_dir, tmp_path) -> None:
     """(First the qwen2 family's greedy tokens, q/k/v biases: one worker spawn less.)"""
-    from pagedcore.server.async_engine import AsyncEngine
+    from pagedcore.server.async_engine import AsyncEngine, EngineDiedError
 
     path = make_checkpoint("qwen2", tmp_path)
     with tp_llm(model=str(path), tokenizer=tokenizer_dir, num_kv_blocks=64, max_model_len=256) as llm:
@@ -276,7 +277,12 @@ def test_a_killed_worker_ends_generate_with_an_error_and_leaves_no_process(token
             run(llm, prompts(), greedy(n=64))
         assert time.monotonic() - start < 10
         server = AsyncEngine(engine)  # (the server's engine loop, idle: nothing left to run)
-        assert not server.alive()  # what /health answers 503 on
+        # What /health answers 503 with (and the loop ends: new requests get it at once).
+        died = f"engine died: tensor-parallel worker 1 (pid {pid}) exited with code -9"
+        assert server.health_error() == died
+        with pytest.raises(EngineDiedError) as refused:
+            asyncio.run(server.add("late", None, prompts()[0], greedy(n=2)))
+        assert str(refused.value) == died
         # The engine stays failed: the next call says why at once.
         start = time.monotonic()
         with pytest.raises(TensorParallelError, match="exited with code -9"):

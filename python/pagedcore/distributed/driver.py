@@ -225,6 +225,20 @@ class TensorParallelDriver:
         """Whether every worker runs and the group has not failed."""
         return self._error is None and self._failure is None and all(p.is_alive() for p in self._procs)
 
+    def failure(self) -> str | None:
+        """Why the group cannot run any more (the worker that died, its exit code
+        and error), or None while :meth:`alive`."""
+        if self._failure is not None:
+            return self._failure
+        if self._error is not None:
+            return str(self._error)
+        if self._closing:
+            return "the tensor-parallel workers have been shut down"
+        for rank, proc in enumerate(self._procs, start=1):
+            if not proc.is_alive():  # (dead; the watchdog has not named it yet)
+                return f"tensor-parallel worker {rank} (pid {proc.pid}) exited with code {proc.exitcode}"
+        return None
+
     def check(self) -> None:
         """Raises the group's failure, if any."""
         if self._error is not None:

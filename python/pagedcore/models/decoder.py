@@ -176,8 +176,8 @@ class DecoderLayer(nn.Module):
         hidden = self.reduce(_linear(self.o_proj, attn.reshape(attn.shape[0], self.spec.q_size)))
         x = self.post_attention_layernorm.add_forward(hidden, residual)
         gate_up = self.gate_up_proj
-        if x.shape[0] == 1 and x.device.type == "cuda" and _ops_linear(x, gate_up.weight):
-            # (a batch-1 decode step: the product and SiLU-mul in one kernel)
+        if x.device.type == "cuda" and _ops_linear(x, gate_up.weight):
+            # (a decode step of 1-16 rows: the product and SiLU-mul in one kernel)
             act = ops.linear_silu_and_mul(x, gate_up.weight, gate_up.bias)
         else:
             act = ops.silu_and_mul(_linear(gate_up, x))

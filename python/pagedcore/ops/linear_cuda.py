@@ -63,7 +63,7 @@ def cuda_linear_eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def linear_cuda(op: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 out: torch.Tensor | None, silu_and_mul: bool = False) -> torch.Tensor:
     """Checks and launches the kernel (x, weight on CUDA); see :func:`~pagedcore.ops.linear`
-    (``silu_and_mul``: :func:`~pagedcore.ops.linear_silu_and_mul`'s one-row kernel, ``out``
+    (``silu_and_mul``: :func:`~pagedcore.ops.linear_silu_and_mul`'s kernels, ``out``
     then has half the weight's rows as columns)."""
     if x.dtype not in (torch.bfloat16, torch.float16):
         raise TypeError(f"{op}: x on CUDA must be bfloat16 or float16 (float32 products run on the CPU), "
@@ -83,9 +83,9 @@ def linear_cuda(op: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
         raise ValueError(f"{op}: weight must be [out_features, in_features = {in_features}], got shape "
                          f"{tuple(weight.shape)}")
     out_features = weight.shape[0]
-    if silu_and_mul and (tokens != 1 or out_features % 2):
-        raise ValueError(f"{op}: the fused kernel takes one row and an even number of weight rows "
-                         f"[gate | up], got {tokens} rows and weight shape {tuple(weight.shape)}")
+    if silu_and_mul and out_features % 2:
+        raise ValueError(f"{op}: the fused kernel takes an even number of weight rows [gate | up], got weight "
+                         f"shape {tuple(weight.shape)}")
     if tokens > CUDA_LINEAR_MAX_ROWS:
         raise ValueError(f"{op}: x has {tokens} rows on CUDA; at most {CUDA_LINEAR_MAX_ROWS} (use F.linear)")
     if in_features % 8:

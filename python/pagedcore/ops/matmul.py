@@ -15,7 +15,7 @@ import torch
 from .. import _C
 from ._checks import _overlap, _tensor
 from .layer import silu_and_mul
-from .linear_cuda import linear_cuda
+from .linear_cuda import CUDA_LINEAR_MAX_ROWS, linear_cuda
 
 __all__ = ["LINEAR_MAX_ROWS", "linear"]
 
@@ -137,11 +137,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                         out: torch.Tensor | None = None) -> torch.Tensor:
     """``silu_and_mul(linear(x, weight, bias))``: the MLP's fused gate_up projection and
-    its activation. On CUDA, for one row (a batch-1 decode step), in one kernel: the
-    CTA that sums gate feature ``j`` also sums up feature ``I + j`` and writes
+    its activation. On CUDA, for 1-16 rows (a decode step), in one kernel: the warp
+    that sums gate feature ``j`` also sums up feature ``I + j`` and writes
     ``silu(gate) * up`` with :func:`~pagedcore.ops.silu_and_mul`'s arithmetic over the
     product rounded to the dtype, so the result equals the two ops' (the product's
-    sum order is :func:`linear`'s, up to its split over at most 4 warps a feature).
+    sum order is :func:`linear`'s: at one row up to its split over at most 4 warps a
+    feature; at 2-16 rows the same plan of the tensor-core kernel).
     Elsewhere the two ops, under :func:`linear`'s conditions.
 
     Parameters
@@ -172,7 +173,7 @@ def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     """
     op = "linear_silu_and_mul"
     _tensor(op, "x", x)
-    if x.device.type == "cuda" and x.dim() == 2 and x.shape[0] == 1:
+    if x.device.type == "cuda" and x.dim() == 2 and 1 <= x.shape[0] <= CUDA_LINEAR_MAX_ROWS:
         _tensor(op, "weight", weight)
         return linear_cuda(op, x, weight, bias, out, silu_and_mul=True)
     if weight.dim() != 2 or weight.shape[0] % 2:

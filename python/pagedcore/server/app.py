@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException
 
 from ..outputs import CompletionOutput, RequestOutput
-from .async_engine import AsyncEngine, EngineDeadError, QueueFullError, merge_outputs
+from .async_engine import SHUTTING_DOWN, AsyncEngine, EngineDeadError, EngineDiedError, QueueFullError, merge_outputs
 from .metrics import Metrics
 from .protocol import (
     MAX_BODY_BYTES,
@@ -105,8 +105,12 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
 
     @app.get("/health")
     async def health() -> Response:
-        if not engine.alive():
-            raise APIError(503, "the engine loop has stopped", "service_unavailable")
+        # (engine died: <reason> -- its loop raised, its process exited, a tensor-parallel
+        # worker died -- or the server is shutting down)
+        reason = engine.health_error()
+        if reason is not None:
+            raise APIError(503, reason, "service_unavailable",
+                           code="server_shutting_down" if reason == SHUTTING_DOWN else "engine_dead")
         return Response(status_code=200)
 
     @app.get("/metrics")
@@ -138,7 +142,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
                 except QueueFullError as e:
                     raise APIError(429, str(e), "rate_limit_error", code="queue_full") from None
                 except EngineDeadError as e:
-                    raise APIError(503, str(e), "service_unavailable") from None
+                    raise _unavailable(e) from None
                 except ValueError as e:
                     raise engine_error(e, prompt_field, body) from None
                 gens.append((i, gen))
@@ -561,12 +565,21 @@ def _generation_error(e: Exception) -> APIError:
     """The engine's end of a request as the error the client gets."""
     if isinstance(e, APIError):
         return e
+    if isinstance(e, EngineDiedError):
+        return _unavailable(e)
     if isinstance(e, EngineDeadError):  # cut by the server's shutdown
         return APIError(503, f"request cut: {e}", "service_unavailable", code="server_shutting_down")
     # NOTE: as an APIError it is a handled 500 (an error event, mid-stream);
     # anything else would reach the ASGI server, which logs a traceback and
     # drops the client's keep-alive connection.
     return APIError(500, f"generation failed: {e}", "internal_error")
+
+
+def _unavailable(e: EngineDeadError) -> APIError:
+    """A request refused, or cut, because the engine has stopped: 503, as the
+    server cannot serve it (now, or ever again: ``engine died: <reason>``)."""
+    code = "engine_dead" if isinstance(e, EngineDiedError) else "server_shutting_down"
+    return APIError(503, str(e), "service_unavailable", code=code)
 
 
 def _finite(logprob: float) -> float:

@@ -53,6 +53,24 @@ class EngineDeadError(RuntimeError):
     more is generated."""
 
 
+class EngineDiedError(EngineDeadError):
+    """The engine died (not a shutdown): its loop raised, a tensor-parallel
+    worker died, or its process exited. ``str()`` is ``engine died: <reason>``.
+
+    NOTE: the reason is the only argument, so that the error pickles as itself
+    (it crosses the engine process's pipe)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+    def __str__(self) -> str:
+        return f"engine died: {self.reason}"
+
+
+SHUTTING_DOWN = "server shutting down"
+
+
 class _Stream:
     """One request's items (outputs, or an exception that ends it), filled on
     its event loop by the engine thread's fan-out, read by the handler."""
@@ -321,6 +339,8 @@ class AsyncEngine:
         # under the same lock, so every add either sees it or is queued before
         # the thread's last drain of the commands (which answers it).
         self._dead = False
+        # Why the engine died (set by the engine thread before _dead); None for a shutdown.
+        self._death: str | None = None
         self.step_times = StepTimes()
         self.stats: dict[str, Any] = {**engine.stats(), "step_seconds": self.step_times.snapshot()}
         self.errors = 0
@@ -365,7 +385,7 @@ class AsyncEngine:
             stream = _Stream(loop)
         with self._lock:
             if self._dead:
-                raise EngineDeadError("the engine loop has stopped")
+                raise self._dead_error()
             self._pending += 1
             self._commands.put(("add", request_id, prompt, prompt_token_ids, params, add_special_tokens, here,
                                 key, stream))
@@ -385,11 +405,22 @@ class AsyncEngine:
         return RequestStream(self, request_id, stream, _Detokenizers(self.engine.tokenizer, params) if here else None,
                              rebuild)
 
+    def health_error(self) -> str | None:
+        """None while the engine serves; otherwise what /health answers with 503:
+        ``engine died: <reason>`` (its loop raised, or LLMEngine.health_error():
+        a tensor-parallel worker died, seen here even before the loop notices),
+        or that the server is shutting down."""
+        if self._death is not None:
+            return str(EngineDiedError(self._death))
+        reason = _engine_failure(self.engine)
+        if reason is not None:
+            return str(EngineDiedError(reason))
+        if self._dead or self._stop.is_set() or not self._thread.is_alive():
+            return SHUTTING_DOWN
+        return None
+
     def alive(self) -> bool:
-        # LLMEngine.healthy(): False once a tensor-parallel worker has died, even
-        # while idle (engines without it, e.g. test stubs, have no workers).
-        healthy = getattr(self.engine, "healthy", None)
-        return self._thread.is_alive() and not self._dead and (healthy is None or healthy())
+        return self.health_error() is None
 
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
@@ -495,17 +526,35 @@ class AsyncEngine:
             self._forget_compact(request_id)
             self._deliver(self._streams.pop(request_id), RuntimeError(f"engine step failed: {error}"))
 
+    def _dead_error(self) -> EngineDeadError:
+        """What a request gets once the loop has ended (call only then)."""
+        return EngineDiedError(self._death) if self._death is not None else EngineDeadError(SHUTTING_DOWN)
+
     def _run(self) -> None:
         try:
             self._loop()
-        except BaseException:  # noqa: BLE001 - the thread ends; its callers must hear of it
-            logger.exception("the engine loop died")
+        except BaseException as e:  # noqa: BLE001 - the thread ends; its callers must hear of it
+            self._death = f"the engine loop raised {type(e).__name__}: {e}"
+            logger.error("engine died: %s", self._death, exc_info=True)
         finally:
             self._close()
+
+    def _healthy(self) -> bool:
+        """Whether the engine can go on; if not, notes and logs why (once: the loop then ends)."""
+        reason = _engine_failure(self.engine)
+        if reason is None:
+            return True
+        self._death = reason
+        logger.error("engine died: %s", reason)
+        return False
 
     def _loop(self) -> None:
         while not self._stop.is_set():
             try:
+                # NOTE: checked while idle (a tensor-parallel worker can die then) and
+                # before the adds that woke the loop: they are refused, not admitted.
+                if not self.engine.has_unfinished_requests() and not self._healthy():
+                    return
                 # NOTE: an abort (and rarely an add) first completes the step in
                 # flight, so a failure of that step can surface here too.
                 self._apply_commands()
@@ -520,6 +569,8 @@ class AsyncEngine:
                 outputs = self.engine.step()
                 elapsed = time.perf_counter() - started
             except Exception as e:  # the engine aborted every request; tell them
+                if not self._healthy():  # (and it cannot step any more)
+                    return
                 logger.exception("engine step failed")
                 self.errors += 1
                 self._fail_dropped(e)
@@ -553,9 +604,14 @@ class AsyncEngine:
     def _close(self) -> None:
         """Ends every caller's wait as the thread stops: the adds still queued and
         the running streams get an error (their requests are aborted)."""
+        if self._death is None and not self._stop.is_set():  # (never expected: _loop returns only so)
+            self._death = "the engine loop ended"
         with self._lock:
             self._dead = True
-        why = "server shutting down" if self._stop.is_set() else "the engine loop has stopped"
+        # NOTE: every request left gets the same error: EngineDeadError for a
+        # shutdown (the routes answer 503: the server is going away, the request
+        # may be retried elsewhere), EngineDiedError when the engine died (503
+        # too, naming why: this server will not serve again).
         while True:
             try:
                 command = self._commands.get_nowait()
@@ -564,16 +620,20 @@ class AsyncEngine:
             if command[0] == "add":
                 with self._lock:
                     self._pending -= 1
-                self._deliver(command[-1], EngineDeadError(why))
-        # NOTE: a request cut by a shutdown gets EngineDeadError (the routes answer
-        # 503: the server is going away, the request may be retried elsewhere);
-        # one whose engine loop died gets a RuntimeError (500, a server fault).
-        cut = EngineDeadError if self._stop.is_set() else RuntimeError
+                self._deliver(command[-1], self._dead_error())
         for request_id in list(self._streams):
             stream = self._streams.pop(request_id)
             try:
                 self.engine.abort(request_id)
             except Exception:  # noqa: BLE001 - a broken engine must not keep the others waiting
                 logger.exception("aborting %s failed", request_id)
-            self._deliver(stream, cut(why))
+            self._deliver(stream, self._dead_error())
         self._flush()
+
+
+def _engine_failure(engine) -> str | None:
+    """LLMEngine.health_error(): why the engine cannot step any more (a dead
+    tensor-parallel worker), or None. Engines without it (the benchmarks' and
+    tests' stubs) have nothing that can fail so."""
+    health_error = getattr(engine, "health_error", None)
+    return health_error() if health_error is not None else None

@@ -35,6 +35,7 @@ engine process ends when every channel has detached.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -48,8 +49,10 @@ from ..compact_outputs import CompactOutputs, compact_eligible
 from ..outputs import CompletionOutput, RequestOutput
 from .async_engine import (
     _ACCEPTED,
+    SHUTTING_DOWN,
     AsyncEngine,
     EngineDeadError,
+    EngineDiedError,
     QueueFullError,
     RequestStream,
     _CompactRebuilder,
@@ -89,6 +92,7 @@ class _PipeEngine(AsyncEngine):
         self._aborted: list[str] = []  # under _queued: requests for _started to forget
         self._closing: list[int] = []  # under _queued: channels to send "closed" to, after their items
         self._closed_channels: set[int] = set()  # (sender thread) no more messages to these
+        self._death_flushed = False  # (engine thread) the engine's death went to the sender
         self._sender = threading.Thread(target=self._send_loop, name="pagedcore-engine-sender", daemon=True)
         self._sender.start()
         super().__init__(engine)
@@ -126,8 +130,11 @@ class _PipeEngine(AsyncEngine):
     def _flush(self) -> None:
         """(engine thread) Hands the queued items and the stats to the sender."""
         stats = self.stats
-        if not self._outbox and stats == self._sent_stats:
+        # (the death is read by the sender from self._death: set before this call, seen under _queued)
+        death_news = self._death is not None and not self._death_flushed
+        if not self._outbox and stats == self._sent_stats and not death_news:
             return
+        self._death_flushed = self._death is not None
         with self._queued:
             self._to_send += self._outbox
             self._send_stats = stats
@@ -146,6 +153,7 @@ class _PipeEngine(AsyncEngine):
                     self._queued.wait()
                 if not self._to_send and self._send_stats is None and not self._closing:
                     return  # (done, nothing left)
+                death = self._death
                 items, stats, self._to_send, self._send_stats = self._to_send, self._send_stats, [], None
                 aborted, self._aborted = self._aborted, []
                 closing, self._closing = self._closing, []
@@ -170,8 +178,8 @@ class _PipeEngine(AsyncEngine):
             for channel in range(count):
                 if channel in self._closed_channels:
                     continue
-                if parts[channel] or stats is not None:
-                    self._write(channel, ("out", parts[channel], stats, self.errors))
+                if parts[channel] or stats is not None or death is not None:
+                    self._write(channel, ("out", parts[channel], stats, self.errors, death))
                 if channel in closing:
                     self._write(channel, ("closed",))
                     self._closed_channels.add(channel)
@@ -208,7 +216,7 @@ class _PipeEngine(AsyncEngine):
                 del self._streams[request_id]
                 self._forget_compact(request_id)
                 self.engine.abort(request_id)
-                self._deliver(stream, EngineDeadError("server shutting down"))
+                self._deliver(stream, EngineDeadError(SHUTTING_DOWN))
         self._flush()
         with self._queued:
             self._closing.append(channel)
@@ -230,8 +238,7 @@ class _PipeEngine(AsyncEngine):
                                     (channel, request_id)))
                 self._wake.set()
                 return
-        self._write(channel, ("out", [[(request_id, EngineDeadError("the engine loop has stopped"))]], None,
-                              self.errors))
+        self._write(channel, ("out", [[(request_id, self._dead_error())]], None, self.errors, self._death))
 
 
 def _child_main(engine_args, channels, log_level: str, engine_factory) -> None:
@@ -239,17 +246,20 @@ def _child_main(engine_args, channels, log_level: str, engine_factory) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     set_process_name("pagedcore-engine")
+    from ..cli import loading_threads
     from ..logging_setup import configure_cli_logging
 
     configure_cli_logging(log_level)
     commands = [c for c, _ in channels]
     outs = [o for _, o in channels]
     try:
+        threads = contextlib.nullcontext()
         if engine_factory is None:
             from ..llm_engine import LLMEngine  # (torch: not for a stub engine)
 
-            engine_factory = LLMEngine
-        engine = engine_factory(engine_args)
+            engine_factory, threads = LLMEngine, loading_threads()
+        with threads:
+            engine = engine_factory(engine_args)
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises it
         outs[0].send(("failed", e if isinstance(e, ValueError) else RuntimeError(f"{type(e).__name__}: {e}")))
         return
@@ -379,9 +389,9 @@ class EngineProcess:
     Construction starts the child and returns once its engine has loaded
     (raising the child's ValueError for bad arguments, RuntimeError otherwise).
     ``engine_factory`` (a picklable callable of the engine args; default
-    LLMEngine) lets a benchmark put a stub engine there; it comes without a
-    tokenizer (prompts as token ids only) unless ``tokenizer_path`` names one
-    for the HTTP side. ``api_server_count`` N > 1: the
+    LLMEngine) lets a benchmark put a stub engine there, or a test a faulty
+    one; with ``engine_args`` None there is no tokenizer (prompts as token ids
+    only) unless ``tokenizer_path`` names one for the HTTP side. ``api_server_count`` N > 1: the
     child serves N channels; this object uses channel 0 and
     :meth:`worker_channels` gives the others, each for
     :meth:`EngineProcess.attach` in another HTTP process.
@@ -412,7 +422,7 @@ class EngineProcess:
                 out_end.close()
             for _, out in ours:
                 _widen_pipe(out.fileno())
-            if engine_factory is None:
+            if engine_args is not None and tokenizer_path is None:
                 tokenizer_path = resolve_model_path(engine_args.tokenizer or engine_args.model)
             tokenizer = load_tokenizer_in_background(tokenizer_path) if tokenizer_path is not None else None
             self._commands, self._out = ours[0]
@@ -445,6 +455,9 @@ class EngineProcess:
         self._pending = 0  # adds sent, not answered yet
         self._send_lock = threading.Lock()
         self._dead = False
+        # Why the engine died (its loop raised, as the engine process says, or the
+        # process exited); None while it serves, and for a shutdown.
+        self._death: str | None = None
         self._stopping = False
         # NOTE: the pipe is read by the event loop itself (add_reader), attached at the
         # first request, not by a thread: a reader thread must take the GIL from the
@@ -492,8 +505,23 @@ class EngineProcess:
     def num_waiting(self) -> int:
         return self._stats.get("num_waiting_seqs", 0) + self._pending
 
+    def health_error(self) -> str | None:
+        """As :meth:`AsyncEngine.health_error`: None while the engine serves,
+        ``engine died: <reason>`` once it died (its loop raised, or the process
+        exited: noticed here, by the pipe's reader or by an add, whichever
+        comes first), or that the server is shutting down. (An HTTP process of
+        --api-server-count other than the main one learns of the engine
+        process's exit from its pipe alone.)"""
+        if self._death is None and not self._stopping and self._proc is not None and not self._proc.is_alive():
+            self._died(self._exit_reason())
+        if self._death is not None:
+            return str(EngineDiedError(self._death))
+        if self._dead or self._stopping:
+            return SHUTTING_DOWN
+        return None
+
     def alive(self) -> bool:
-        return (self._proc is None or self._proc.is_alive()) and not self._dead
+        return self.health_error() is None
 
     async def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None, params,
                   add_special_tokens: bool = True) -> RequestStream:
@@ -501,8 +529,8 @@ class EngineProcess:
         if self.max_queue_len is not None and self.num_waiting() >= self.max_queue_len:
             raise QueueFullError(f"the server has {self.num_waiting()} requests waiting "
                                  f"(max_queue_len {self.max_queue_len})")
-        if self._dead:
-            raise EngineDeadError("the engine loop has stopped")
+        if self._dead or self.health_error() is not None:
+            raise self._dead_error()
         if prompt_token_ids is None and prompt is not None:
             # NOTE: here, not in the engine's process: tokenizing is off the engine's path.
             prompt_token_ids = self.engine.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
@@ -581,7 +609,35 @@ class EngineProcess:
             with self._send_lock:
                 self._commands.send_bytes(_dumps(message))
         except (OSError, ValueError):
-            raise EngineDeadError("the engine loop has stopped") from None
+            if not self._stopping:
+                self._died(self._exit_reason())
+            raise self._dead_error() from None
+
+    # ---- the engine's death ----------------------------------------------------------
+
+    def _died(self, reason: str) -> None:
+        """Notes why the engine died and logs it, once. (A death that the engine
+        process reports comes through _handle: it logged it itself.)"""
+        if self._death is None:
+            self._death = reason
+            logger.error("engine died: %s", reason)
+
+    def _exit_reason(self) -> str:
+        if self._proc is None:  # (another HTTP process's channel: the pipe is all it sees)
+            return "the engine process closed its pipe"
+        self._proc.join(1.0)  # (its pipe closes a moment before its exit code can be read)
+        code = self._proc.exitcode
+        if code is None:
+            return "the engine process closed its pipe"
+        if code < 0:
+            try:
+                return f"the engine process exited with code {code} ({signal.Signals(-code).name})"
+            except ValueError:
+                pass
+        return f"the engine process exited with code {code}"
+
+    def _dead_error(self) -> EngineDeadError:
+        return EngineDiedError(self._death) if self._death is not None else EngineDeadError(SHUTTING_DOWN)
 
     # ---- the pipe's reader (the event loop) ------------------------------------------
 
@@ -598,8 +654,7 @@ class EngineProcess:
                 return  # (more next time round: the pipe stays readable)
         except (EOFError, OSError):
             if not self._stopping:
-                logger.error("the engine process has stopped (exit code %s)",
-                             self._proc.exitcode if self._proc is not None else "?")
+                self._died(self._exit_reason())
         self._loop.remove_reader(self._out.fileno())
         self._end(on_loop=True)
 
@@ -618,10 +673,13 @@ class EngineProcess:
             return False
         if message[0] == "ready":  # (a worker channel's copy, read at attach: not expected here)
             return True
-        _, parts, stats, errors = message
+        _, parts, stats, errors, death = message
         if stats is not None:
             self._stats = stats
         self.errors = errors
+        if death is not None and self._death is None:
+            # (the engine process logged it; its streams' errors come in this message)
+            self._death, self._dead = death, True
         deliveries: list = []
         for part in parts:
             if part.__class__ is tuple:
@@ -679,11 +737,11 @@ class EngineProcess:
     def _end(self, on_loop: bool) -> None:
         """Nothing more comes from the engine: the streams left get an error."""
         self._dead = True
-        why = "server shutting down" if self._stopping else "the engine process has stopped"
-        error = EngineDeadError if self._stopping else RuntimeError
+        if self._death is None and not self._stopping:  # (never expected: _died comes first)
+            self._death = "the engine process has stopped"
         streams, self._streams = list(self._streams.values()), {}
         self._compact_streams = {}
-        self._deliver([(stream, error(why)) for stream in streams], on_loop)
+        self._deliver([(stream, self._dead_error()) for stream in streams], on_loop)
         self._closed.set()
 
 

@@ -107,7 +107,7 @@ struct LinearParams {
   int64_t input_stride;
   int64_t out_stride;
   DType dtype;
-  // One row only: out[0, j] = silu(y[j]) * y[I + j] for j < I = out_features / 2, y the
+  // out[t, j] = silu(y[t, j]) * y[t, I + j] for j < I = out_features / 2, y the
   // product (+ bias) rounded to the dtype: Hugging Face's act_fn(gate) * up over a fused
   // gate_up weight, with silu_and_mul()'s arithmetic. out has I columns.
   bool silu_and_mul = false;

@@ -1,0 +1,96 @@
+#!/usr/bin/env python3
+"""The decode attention kernel's variants side by side (issue 13): each case timed (CUDA-graph
+replays, median us) under each setting of the environment switches the kernel reads at launch,
+with its error against SDPA on the same keys gathered contiguously.
+
+  PAGEDCORE_DECODE_DEEP_CTAS  decode launches of at most this many CTAs keep more tiles in
+                              flight (default one per SM; 0: never, 100000: always)
+  PAGEDCORE_FP8_FAST_CVT      fp8 widened by integer operations (1, default) or cvt (0)
+
+Usage: python3 bench/decode_variants.py
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from pagedcore import ops
+
+from bench_kernels_gpu import time_graph
+
+VARIANTS = (
+    ("default", {}),
+    ("deep off", {"PAGEDCORE_DECODE_DEEP_CTAS": "0"}),
+    ("deep always", {"PAGEDCORE_DECODE_DEEP_CTAS": "100000"}),
+    ("fp8 cvt", {"PAGEDCORE_FP8_FAST_CVT": "0"}),
+)
+# (name, batch, keys, heads, kv heads, head dim, fp8, graph plan length or 0)
+CASES = (
+    ("B=1 L=256", 1, 256, 32, 8, 128, False, 0),
+    ("B=1 L=4k", 1, 4096, 32, 8, 128, False, 0),
+    ("B=1 L=32k", 1, 32768, 32, 8, 128, False, 0),
+    ("B=64 L=1k", 64, 1024, 32, 8, 128, False, 0),
+    ("B=64 L=4k", 64, 4096, 32, 8, 128, False, 0),
+    ("SmolLM2 B=64 L=1k", 64, 1024, 9, 3, 64, False, 0),
+    ("fp8 B=64 L=4k", 64, 4096, 32, 8, 128, True, 0),
+    ("fp8 B=1 L=4k", 1, 4096, 32, 8, 128, True, 0),
+    ("8B B=1 L=160 graph plan", 1, 160, 32, 8, 128, False, 8192),
+    ("SmolLM2 B=1 L=160 graph plan", 1, 160, 9, 3, 64, False, 8192),
+    ("SmolLM2 B=16 L=160 graph plan", 16, 160, 9, 3, 64, False, 8192),
+    ("8B B=16 L=160 graph plan", 16, 160, 32, 8, 128, False, 8192),
+)
+
+
+def case(batch, ctx, heads, kv_heads, hd, fp8, plan_len, bs=16):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    per_seq = -(-ctx // bs)
+    kc = torch.randn((batch * per_seq + 1, bs, kv_heads, hd), generator=g, device="cuda", dtype=torch.bfloat16)
+    vc = torch.randn_like(kc)
+    if fp8:
+        kc, vc = kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn)
+    tables = (torch.randperm(batch * per_seq, generator=g, device="cuda").to(torch.int32) + 1).view(batch, per_seq)
+    q = torch.randn((batch, heads, hd), generator=g, device="cuda", dtype=torch.bfloat16)
+    qsl_np = np.arange(batch + 1, dtype=np.int32)
+    if plan_len:
+        plan = ops.plan_decode(batch, kv_heads, torch.device("cuda"), plan_len)
+    else:
+        plan = ops.plan_attention(qsl_np, np.full(batch, ctx), heads, kv_heads, torch.device("cuda"), hd,
+                                  torch.bfloat16)
+    lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+    qsl = torch.from_numpy(qsl_np).cuda()
+    idx = tables.long()
+    k = kc[idx].view(batch, per_seq * bs, kv_heads, hd)[:, :ctx].transpose(1, 2).to(torch.float32)
+    v = vc[idx].view(batch, per_seq * bs, kv_heads, hd)[:, :ctx].transpose(1, 2).to(torch.float32)
+    ref = F.scaled_dot_product_attention(q.float().view(batch, heads, 1, hd), k, v, enable_gqa=True, scale=hd**-0.5)
+    out = torch.empty_like(q)
+    return lambda: ops.paged_attention(q, kc, vc, tables, lens, qsl, scale=hd**-0.5, out=out, plan=plan), out, ref
+
+
+def main() -> None:
+    torch.manual_seed(0)
+    print(f"{'case':<32}" + "".join(f"{name:>14}" for name, _ in VARIANTS) + "   (us; max rel err)")
+    with ops.unchecked_indices():
+        for name, *shape in CASES:
+            fn, out, ref = case(*shape)
+            cells, errs = [], []
+            for _, env in VARIANTS:
+                saved = {k: os.environ.get(k) for k in env}
+                os.environ.update(env)
+                try:
+                    out.fill_(float("nan"))
+                    fn()
+                    torch.cuda.synchronize()
+                    errs.append(((out.float().view_as(ref) - ref).norm() / ref.norm()).item())
+                    cells.append(time_graph(fn))
+                finally:
+                    for k, val in saved.items():
+                        os.environ.pop(k) if val is None else os.environ.__setitem__(k, val)
+            print(f"{name:<32}" + "".join(f"{c:14.1f}" for c in cells) + f"   {max(errs):.1e}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
