@@ -135,9 +135,9 @@ def _serve_on(sock, args: argparse.Namespace) -> int:
     engine_process = args.engine_process or args.api_server_count > 1
     if engine_process and args.tensor_parallel_size > 1:
         # NOTE: the engine process is a daemon, and daemons may not start processes.
-        raise ValueError("--engine-process (and --api-server-count > 1) does not combine with "
-                         "--tensor-parallel-size > 1 (the engine runs in the server process; its workers are its "
-                         "children)")
+        raise ValueError("--engine-process does not combine with --tensor-parallel-size > 1 (nor does "
+                         "--api-server-count > 1, which implies it: the engine runs in the server process; its "
+                         "workers are its children)")
     if args.max_queue_len is not None and args.max_queue_len < 1:
         raise ValueError(f"--max-queue-len must be a positive integer, got {args.max_queue_len}")
     for path in (args.model, args.tokenizer):
