@@ -156,7 +156,7 @@ def _serve_on(sock, args: argparse.Namespace) -> int:
 
     from .server.app import build_app
     from .server.async_engine import AsyncEngine
-    from .server.lifecycle import Server
+    from .server.lifecycle import Server, freeze_startup_objects
 
     name = args.served_model_name or served_model_name(args.model)
     if args.model is None:
@@ -185,7 +185,9 @@ def _serve_on(sock, args: argparse.Namespace) -> int:
         app = build_app(async_engine, name, api_key=args.api_key)
         # log_config=None: uvicorn's lines go through pagedcore's handler and format.
         config = uvicorn.Config(app, log_config=None, log_level=args.log_level.lower(), access_log=False)
-        Server(config, async_engine, name, args.shutdown_timeout, on_exit_request=on_exit_request).run(sockets=[sock])
+        server = Server(config, async_engine, name, args.shutdown_timeout, on_exit_request=on_exit_request)
+        freeze_startup_objects()
+        server.run(sockets=[sock])
     finally:
         # NOTE: the server has given the signals back; one more during this
         # (bounded) clean-up would end the process with a traceback or 143.

@@ -37,7 +37,9 @@ class StubCompactEngine:
         self.aborted: list[str] = []
 
     def stats(self) -> dict:
-        return {"num_requests": len(self.running), "aborted": list(self.aborted)}
+        import gc
+
+        return {"num_requests": len(self.running), "aborted": list(self.aborted), "frozen": gc.get_freeze_count()}
 
     def add_request(self, request_id, prompt, prompt_token_ids, params, stream=True, add_special_tokens=True,
                     detokenize=True, compact_key=None):
@@ -135,6 +137,8 @@ def test_two_channels_each_get_their_own_streams_compact_and_not(channels, token
 
     got, kinds = asyncio.run(run())
     assert main._compact_streams == {} and other._compact_streams == {}  # (finished: forgotten)
+    # The engine process froze its start-up objects (a full collection walks only what came after).
+    assert main.stats["frozen"] > 10000
     assert kinds == ["_CompactStream"] * 4 + ["_Stream", "_CompactStream"]
     for i, (ids, text, reason) in enumerate(got):
         assert ids == [100 + k for k in range(1, 21 + i)], i

@@ -112,7 +112,7 @@ def _api_server_main(channel, address: tuple[str, int], control, served_model_na
     import uvicorn
 
     from .app import build_app
-    from .lifecycle import Server, bind_socket
+    from .lifecycle import Server, bind_socket, freeze_startup_objects
 
     sock = bind_socket(*address, reuse_port=True)
     engine = EngineProcess.attach(channel, max_queue_len=max_queue_len)
@@ -120,6 +120,7 @@ def _api_server_main(channel, address: tuple[str, int], control, served_model_na
     config = uvicorn.Config(app, log_config=None, log_level=log_level.lower(), access_log=False)
     server = Server(config, engine, served_model_name, shutdown_timeout, own_signals=False,
                     on_started=lambda: control.send("ready"))
+    freeze_startup_objects()
     threading.Thread(target=_follow, args=(control, server), name="pagedcore-control", daemon=True).start()
     try:
         server.run(sockets=[sock])

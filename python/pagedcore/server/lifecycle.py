@@ -73,6 +73,22 @@ def bind_socket(host: str, port: int, reuse_port: bool = False) -> socket.socket
     return sock
 
 
+def freeze_startup_objects() -> None:
+    """Takes every object made so far (the model, the tokenizer, the imported
+    modules: ~235k with the tiny model) out of the garbage collector's sight.
+
+    NOTE: a full collection walks every tracked object: ~160 ms on the 2-core
+    CPU with the engine loaded, a pause of the engine's steps (or of the event
+    loop's writes) that every stream's inter-token gap takes; after the freeze
+    it walks only what serving made. Call once start-up is over (vLLM does the
+    same in its engine core and API server).
+    """
+    import gc
+
+    gc.collect()
+    gc.freeze()
+
+
 def url_of(sock: socket.socket) -> str:
     host, port = sock.getsockname()[:2]
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
