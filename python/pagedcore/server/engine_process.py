@@ -532,7 +532,7 @@ class EngineProcess:
         if self.max_queue_len is not None and self.num_waiting() >= self.max_queue_len:
             raise QueueFullError(f"the server has {self.num_waiting()} requests waiting "
                                  f"(max_queue_len {self.max_queue_len})")
-        if self._dead or self.health_error() is not None:
+        if self._dead or self._death is not None:  # (a death not seen yet: _send finds it)
             raise self._dead_error()
         if prompt_token_ids is None and prompt is not None:
             # NOTE: here, not in the engine's process: tokenizing is off the engine's path.
