@@ -34,7 +34,7 @@ from.
 process, before the server starts, with the same engine flags) and prints the
 online/offline output-throughput ratio (issue 14's target: >= 0.9).
 --disconnect-fraction F with --disconnect-streams S: S streams at once, a
-fraction F of whose clients close the stream after a random number of chunks;
+fraction F of whose clients close the stream after a random number of tokens;
 then /metrics must come back to every KV block free and no request left, no
 response may be 5xx (nor an error event), /health 200.
 --sigterm-streams S: S streams in flight, SIGTERM to the server: each must end
@@ -145,16 +145,17 @@ def percentile(values: list[float], q: float) -> float:
 # ---- the clients -------------------------------------------------------------------------------
 
 
-def _body(model: str, prompt: list[int], max_tokens: int) -> dict:
+def _body(model: str, prompt: list[int], max_tokens: int, continuous_usage: bool = False) -> dict:
+    # continuous_usage_stats (vLLM's extension): each chunk says how many tokens it
+    # carries (the server merges a stream's tokens into one chunk when it is behind).
     return {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
-            "ignore_eos": True, "stream_options": {"include_usage": True}}
+            "ignore_eos": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True} if continuous_usage
+            else {"include_usage": True}}
 
 
 def _raw_body(model: str, prompt: list[int], max_tokens: int) -> dict:
-    # continuous_usage_stats (vLLM's extension): each chunk says how many tokens it
-    # carries (the server merges a stream's tokens into one chunk when it is behind).
-    return {**_body(model, prompt, max_tokens),
-            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    return _body(model, prompt, max_tokens, continuous_usage=True)
 
 
 def _finish(result: Result, start: float, chunk_times: list[float], usage_tokens: int | None) -> Result:
@@ -169,11 +170,15 @@ def _finish(result: Result, start: float, chunk_times: list[float], usage_tokens
 
 async def request_openai(client, model: str, prompt: list[int], max_tokens: int, cancel_after: int | None) -> Result:
     """One streamed completion through AsyncOpenAI; with cancel_after, the stream
-    is closed after that many chunks (the connection goes away mid-stream)."""
+    is closed once that many tokens have come (the connection goes away
+    mid-stream). NOTE: tokens, not chunks: a chunk carries several tokens when
+    the server's writer is behind, and a stream of fewer chunks than
+    cancel_after would end whole, not hang up (each chunk tells its tokens:
+    continuous_usage_stats, asked for then)."""
     import openai
 
     result = Result(prompt_len=len(prompt))
-    body = _body(model, prompt, max_tokens)
+    body = _body(model, prompt, max_tokens, continuous_usage=cancel_after is not None)
     chunk_times: list[float] = []
     usage_tokens = None
     start = time.perf_counter()
@@ -190,7 +195,8 @@ async def request_openai(client, model: str, prompt: list[int], max_tokens: int,
                     chunk_times.append(time.perf_counter())
                     if chunk.choices[0].finish_reason is not None:
                         result.finish_reason = chunk.choices[0].finish_reason
-                    if cancel_after is not None and len(chunk_times) >= cancel_after:
+                    received = usage_tokens if usage_tokens is not None else len(chunk_times)
+                    if cancel_after is not None and received >= cancel_after:
                         result.cancelled = True
                         break
         finally:
@@ -204,13 +210,15 @@ async def request_openai(client, model: str, prompt: list[int], max_tokens: int,
 
 
 async def request_httpx(client, model: str, prompt: list[int], max_tokens: int, cancel_after: int | None) -> Result:
-    """The same request with plain httpx and a minimal server-sent-event parser."""
+    """The same request with plain httpx and a minimal server-sent-event parser
+    (cancel_after: tokens, as request_openai)."""
     result = Result(prompt_len=len(prompt))
     chunk_times: list[float] = []
     usage_tokens = None
     start = time.perf_counter()
     try:
-        async with client.stream("POST", "/v1/completions", json=_body(model, prompt, max_tokens)) as r:
+        body = _body(model, prompt, max_tokens, continuous_usage=cancel_after is not None)
+        async with client.stream("POST", "/v1/completions", json=body) as r:
             result.status = r.status_code
             if r.status_code != 200:
                 result.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
@@ -233,7 +241,8 @@ async def request_httpx(client, model: str, prompt: list[int], max_tokens: int, 
                     reason = chunk["choices"][0].get("finish_reason")
                     if reason is not None:
                         result.finish_reason = reason
-                    if cancel_after is not None and len(chunk_times) >= cancel_after:
+                    received = usage_tokens if usage_tokens is not None else len(chunk_times)
+                    if cancel_after is not None and received >= cancel_after:
                         result.cancelled = True
                         break
     except (httpx.HTTPError, OSError) as e:
@@ -325,7 +334,7 @@ async def request_raw(client, model: str, prompt: list[int], max_tokens: int, ca
                     reason = chunk["choices"][0].get("finish_reason")
                     if reason is not None:
                         result.finish_reason = reason
-                    if cancel_after is not None and len(chunk_times) >= cancel_after:
+                    if cancel_after is not None and seen_tokens >= cancel_after:  # (tokens: see request_openai)
                         result.cancelled = True
                         break
             if result.ok or result.cancelled or result.error:
@@ -396,6 +405,16 @@ def _limits(n: int):
     return type(DEFAULT_CONNECTION_LIMITS)(max_connections=n + 8, max_keepalive_connections=n + 8)
 
 
+def _run_client(coro):
+    """Runs a client's event loop: uvloop's where it is installed (the load
+    generator's own cost per token is then lower), asyncio's otherwise."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    return uvloop.run(coro)
+
+
 def _cpu_seconds() -> float:
     """CPU time (user + system) of this process so far."""
     import resource
@@ -407,7 +426,7 @@ def _cpu_seconds() -> float:
 def _client_process(load: Load, conn) -> None:
     try:
         cpu = _cpu_seconds()
-        results = asyncio.run(_run_load(load))
+        results = _run_client(_run_load(load))
         conn.send(([asdict(r) for r in results], _cpu_seconds() - cpu))
     except BaseException as e:  # noqa: BLE001 - the parent reports it
         conn.send(f"{type(e).__name__}: {e}")
@@ -430,7 +449,7 @@ def run_load(base_url: str, api_key: str | None, model: str, prompts: list[list[
     if processes <= 1:
         load = Load(base_url, api_key, model, prompts, arrivals, max_tokens, cancel_after, client, time.time())
         t0, cpu = time.perf_counter(), _cpu_seconds()
-        results = asyncio.run(_run_load(load))
+        results = _run_client(_run_load(load))
         LAST_CLIENT_CPU_S[0] = _cpu_seconds() - cpu
         return results, time.perf_counter() - t0
     ctx = multiprocessing.get_context("spawn")
@@ -560,21 +579,23 @@ def vocab_size_of(path: str) -> int:
 
 
 def process_cpu(pid: int) -> dict[str, float]:
-    """CPU seconds (user + system) so far of the server process ("http") and of
-    its children ("engine": the engine process of --engine-process), from /proc
-    (Linux; {} elsewhere)."""
+    """CPU seconds (user + system) so far of the server's HTTP processes
+    ("http": the server process and the others of --api-server-count, named
+    pagedcore-http) and of its engine process ("engine", of --engine-process),
+    from /proc (Linux; {} elsewhere)."""
     tick = os.sysconf("SC_CLK_TCK")
 
-    def stat(p: str) -> tuple[int, float] | None:
+    def stat(p: str) -> tuple[int, float, str] | None:
         try:
             with open(f"/proc/{p}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
+                name, rest = f.read().split(" (", 1)[1].rsplit(")", 1)
+                fields = rest.split()
             with open(f"/proc/{p}/cmdline", "rb") as f:
                 if b"resource_tracker" in f.read():
                     return None
         except OSError:
             return None
-        return int(fields[1]), (int(fields[11]) + int(fields[12])) / tick  # ppid; utime + stime
+        return int(fields[1]), (int(fields[11]) + int(fields[12])) / tick, name  # ppid; utime + stime; comm
 
     own = stat(str(pid))
     if own is None:
@@ -584,7 +605,7 @@ def process_cpu(pid: int) -> dict[str, float]:
         if p.isdigit() and p != str(pid):
             got = stat(p)
             if got is not None and got[0] == pid:
-                cpu["engine"] += got[1]
+                cpu["http" if got[2] == "pagedcore-http" else "engine"] += got[1]
     return cpu
 
 
@@ -691,6 +712,14 @@ def print_costs(s: dict, duration: float, args: argparse.Namespace) -> None:
 # ---- the offline run ------------------------------------------------------------------------------
 
 
+def serve_default(dest: str):
+    """The default of a `pagedcore serve` flag."""
+    from pagedcore.cli import build_parser
+
+    serve = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices["serve"]
+    return serve.get_default(dest)
+
+
 def offline_run(args: argparse.Namespace, prompts: list[list[int]], warmup: list[list[int]]) -> dict:
     """LLM.generate on the prompts, with the server's engine flags (in this process)."""
     from pagedcore import LLM, SamplingParams
@@ -701,11 +730,16 @@ def offline_run(args: argparse.Namespace, prompts: list[list[int]], warmup: list
         kw["gpu_memory_utilization"] = args.gpu_memory_utilization
     if args.device != "auto":
         kw["device"] = args.device
-    for flag in args.server_arg:  # the flags of the server that change the engine, where LLM has them
+    # The flags of the server that change the engine, where LLM has them; the
+    # mixed-prefill cap as serve sets it (its default unless given).
+    kw["max_num_mixed_prefill_tokens"] = serve_default("max_num_mixed_prefill_tokens")
+    for flag in args.server_arg:
         if flag == "--enforce-eager":
             kw["enforce_eager"] = True
         elif flag == "--no-enable-prefix-caching":
             kw["enable_prefix_caching"] = False
+        elif flag.startswith("--max-num-mixed-prefill-tokens="):
+            kw["max_num_mixed_prefill_tokens"] = int(flag.split("=", 1)[1])
     llm = LLM(**kw)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     if warmup:
@@ -804,6 +838,7 @@ def disconnect_check(args, url: str, vocab: int) -> dict:
     prompts = make_prompts(n, args.seed * 1000 + 500, vocab, args.prompt_len_median, args.prompt_len_sigma,
                            args.max_model_len - args.max_tokens)
     every = round(1 / args.disconnect_fraction)
+    # Each hang-up after a random number of tokens (at most half of them: mid-stream).
     cancel = [rng.randint(1, max(1, args.max_tokens // 2)) if i % every == 0 else None for i in range(n)]
     results, duration = run_load(url, args.api_key, args.model, prompts, [0.0] * n, args.max_tokens, cancel,
                                  args.client, args.client_processes)
@@ -817,7 +852,7 @@ def disconnect_check(args, url: str, vocab: int) -> dict:
              health=health, all_blocks_free=idle, others_finished=finished_ok)
     s["pass"] = bool(idle and health == 200 and s["http_5xx"] == 0 and s["error_events"] == 0 and finished_ok
                      and s["cancelled"] == s["hung_up"])
-    print(f"\ndisconnects: {n} streams at once, {s['hung_up']} hang up mid-stream: "
+    print(f"\ndisconnects: {n} streams at once, {s['cancelled']} of {s['hung_up']} hang up mid-stream: "
           f"{s['http_5xx']} 5xx, {s['error_events']} error events, the others finished: {finished_ok}; "
           f"KV blocks free {m.get('pagedcore_kv_blocks_free'):.0f} of {m.get('pagedcore_kv_blocks_total'):.0f}, "
           f"requests left {m.get('pagedcore_num_requests'):.0f}, /health {health}: "

@@ -4,10 +4,14 @@
 # run bench/bench_serving.py for the SmolLM2 shape and the Llama-3-8B shape
 # (random weights, bf16, CUDA graphs): offline LLM.generate, then the server
 # (--engine-process) at 0.5x saturation and at saturation, 512 streams with a
-# quarter hanging up, SIGTERM with 64 streams in flight; then the server with
-# its engine as a thread (the default) at the same rates, for the comparison
-# (SERVING_THREAD_MODE: smollm2 by default, all, or 0). Expected: build, then
-# ~3 min a shape. If one call runs past its 10 minutes, run
+# quarter hanging up, SIGTERM with 64 streams in flight; then, on the same
+# requests, the saturation run with --api-server-count N HTTP processes
+# (SERVING_API_SERVERS: "4" by default for smollm2 and 2 for llama3-8b, or a
+# count for all shapes, 0 to skip) and the 0.5x run at the same request rate
+# with --max-num-mixed-prefill-tokens 0 (the cap off, SERVING_NOCAP=0 skips
+# it); then the server with its engine as a thread (the default) at the same
+# rates (SERVING_THREAD_MODE: smollm2 by default, all, or 0). Expected: build,
+# then ~4 min a shape. If one call runs past its 10 minutes, run
 # one shape a call: `bash bench/run_serving_gpu.sh smollm2`, then llama3-8b
 # (the build directory is kept on a warm machine). Logs and JSON go to $OUT (or
 # /tmp/pagedcore-serving); a table of the issue's targets is printed last.
@@ -47,6 +51,13 @@ if [[ -z "${SKIP_SETUP:-}" ]]; then
   export PYTHONPATH="/tmp/pagedcore-site${PYTHONPATH:+:$PYTHONPATH}"
   "$py" -c "import fastapi, uvicorn, pydantic, openai; print('fastapi', fastapi.__version__, 'uvicorn',
 uvicorn.__version__, 'pydantic', pydantic.__version__, 'openai', openai.__version__)" | tee -a "$out/wheels.log"
+  # (uvicorn takes uvloop and httptools when present: bench/fetch_serving_wheels.sh fetches them)
+  "$py" -c "
+for name in ('uvloop', 'httptools'):
+    try:
+        print(name, __import__(name).__version__)
+    except ImportError:
+        print(name, 'missing: uvicorn runs asyncio and h11 (run bench/fetch_serving_wheels.sh again)')" | tee -a "$out/wheels.log"
 
   echo "== build ($((SECONDS - t0)) s)"
   if ! PAGEDCORE_CUDA=ON CMAKE_BUILD_PARALLEL_LEVEL=16 "$py" -m pip install -v --no-build-isolation --no-deps \
@@ -71,9 +82,9 @@ for shape in "${shapes[@]}"; do
       streams=32 ;;
     *) echo "unknown shape $shape"; continue ;;
   esac
-  common=(--shape "$shape" --dtype bfloat16 "${flags[@]}" --max-model-len 2048 --shared-prefix-len 512
-          --shared-prefix-fraction 0.5 --num-shared-prefixes 4 --request-rate 0.5x inf --client raw
-          --client-processes 4)
+  base=(--shape "$shape" --dtype bfloat16 "${flags[@]}" --max-model-len 2048 --shared-prefix-len 512
+        --shared-prefix-fraction 0.5 --num-shared-prefixes 4 --client raw --client-processes 4)
+  common=("${base[@]}" --request-rate 0.5x inf)
   # The server with its engine in a process of its own: every check.
   echo "== $shape, --engine-process ($((SECONDS - t0)) s)"
   if "$py" bench/bench_serving.py "${common[@]}" --server-arg=--engine-process --offline \
@@ -84,6 +95,32 @@ for shape in "${shapes[@]}"; do
     status[$shape]="FAIL (see serving_$shape.log)"
   fi
   grep -v "^INFO\|^DEBUG" "$out/serving_$shape.log" | tail -n 70
+  if [[ -f "$out/serving_$shape.json" ]]; then
+    # Saturation with several HTTP processes (the same requests: prompt set 0, the offline figures reused).
+    api="${SERVING_API_SERVERS:-}"
+    [[ -z "$api" ]] && { [[ "$shape" == llama3-8b ]] && api=2 || api=4; }
+    if [[ "$api" != 0 ]]; then
+      echo "== $shape, --api-server-count $api, saturation ($((SECONDS - t0)) s)"
+      # (8 client processes: at SmolLM2's rate 4 of them would be the bottleneck, ~44 us of CPU a token)
+      "$py" bench/bench_serving.py "${base[@]}" --client-processes 8 --request-rate inf \
+        --server-arg=--api-server-count="$api" \
+        --offline-from "$out/serving_$shape.json" --json "$out/serving_${shape}_api$api.json" \
+        >"$out/serving_${shape}_api$api.log" 2>&1 || status[${shape}_api]="FAIL (see serving_${shape}_api$api.log)"
+      grep -v "^INFO\|^DEBUG" "$out/serving_${shape}_api$api.log" | tail -n 6
+    fi
+    # The 0.5x run again at the same rate with the mixed-prefill cap off (serve's default: 256).
+    if [[ "${SERVING_NOCAP:-1}" != 0 ]]; then
+      half=$("$py" -c "import json, sys; print(json.load(open(sys.argv[1]))['runs']['0.5x']['rate'])" \
+             "$out/serving_$shape.json" 2>/dev/null)
+      if [[ -n "$half" ]]; then
+        echo "== $shape, --max-num-mixed-prefill-tokens 0 at $half req/s ($((SECONDS - t0)) s)"
+        "$py" bench/bench_serving.py "${base[@]}" --request-rate "$half" --server-arg=--engine-process \
+          --server-arg=--max-num-mixed-prefill-tokens=0 --json "$out/serving_${shape}_nocap.json" \
+          >"$out/serving_${shape}_nocap.log" 2>&1 || status[${shape}_nocap]="FAIL (see serving_${shape}_nocap.log)"
+        grep -v "^INFO\|^DEBUG" "$out/serving_${shape}_nocap.log" | grep -A3 "Inter-token\|engine steps" | tail -n 6
+      fi
+    fi
+  fi
   # The engine as a thread of the server's process (the default): the same rates.
   thread_mode="${SERVING_THREAD_MODE:-smollm2}"  # the shapes that get it: a shape name, all or 0
   if [[ ( "$thread_mode" == all || "$thread_mode" == "$shape" ) && -f "$out/serving_$shape.json" ]]; then
@@ -106,14 +143,29 @@ def verdict(s, check):
     return "-" if check not in s else "PASS" if s[check].get("pass") else "FAIL"
 
 
+def runs_of(s):
+    """(the inf run, the other run: 0.5x, or the one at a given rate)"""
+    runs = s["runs"]
+    return runs.get("inf", {}), runs.get("0.5x") or next((v for k, v in runs.items() if k != "inf"), {})
+
+
 rows = [(f"{shape}", f"serving_{shape}.json") for shape in shapes]
+for shape in shapes:
+    rows += [(f"{shape} ({name.rsplit('_', 1)[1][:-5].replace('api', 'api x')})", name)
+             for name in sorted(os.listdir(out)) if name.startswith(f"serving_{shape}_api") and name.endswith(".json")]
+    rows += [(f"{shape} (no cap)", f"serving_{shape}_nocap.json")]
 rows += [(f"{shape} (thread)", f"serving_{shape}_thread.json") for shape in shapes]
+rows = [(shape, name) for shape, name in rows if os.path.exists(os.path.join(out, name)) or "(" not in shape]
 for shape, name in rows:
     path = os.path.join(out, name)
     if not os.path.exists(path):
         print(f"{shape:<20} no result"); continue
     s = json.load(open(path))
-    inf, half = s["runs"].get("inf", {}), s["runs"].get("0.5x", {})
+    inf, half = runs_of(s)
+    if half and "itl_p99_over_median_at_half" not in s and half.get("median_itl_ms"):
+        s["itl_p99_over_median_at_half"] = half["p99_itl_ms"] / half["median_itl_ms"]
+    if inf and "online_offline_ratio" not in s and s.get("offline"):
+        s["online_offline_ratio"] = inf["output_throughput"] / s["offline"]["output_throughput"]
     off = s.get("offline", {}).get("output_throughput", float("nan"))
     print(f"{shape:<20}{off:>14.0f}{inf.get('output_throughput', float('nan')):>13.0f}"
           f"{s.get('online_offline_ratio', float('nan')):>7.3f}"
@@ -131,10 +183,10 @@ for shape, name in rows:
     if not os.path.exists(path):
         continue
     s = json.load(open(path))
-    for run in ("inf", "0.5x"):
-        r = s["runs"].get(run)
+    for run, r in s["runs"].items():
         if not r or "diagnostics" not in r:
             continue
+        run = run if run in ("inf", "0.5x") else "0.5x"  # (a given rate: the no-cap run's)
         d, cpu, dur = r["diagnostics"], r.get("server_cpu_s", {}), r["duration_s"]
         print(f"{shape:<20}{run:>5}{r.get('tokens_per_chunk', float('nan')):>10.2f}"
               f"{r.get('client_cpu_s', float('nan')) / dur:>18.2f}{cpu.get('http', float('nan')) / dur:>6.2f}"
@@ -143,5 +195,7 @@ for shape, name in rows:
               f"{d['prefill_step_p50_ms']:>16.2f}/{d['prefill_step_p99_ms']:<8.2f}"
               f"{d['loop_lag_p50_ms']:>12.2f}/{d['loop_lag_p99_ms']:<8.2f}")
 EOF
-for shape in "${shapes[@]}"; do echo "$shape: ${status[$shape]:-not run}"; done
+for shape in "${shapes[@]}"; do
+  echo "$shape: ${status[$shape]:-not run}${status[${shape}_api]:+; api servers: ${status[${shape}_api]}}${status[${shape}_nocap]:+; no cap: ${status[${shape}_nocap]}}"
+done
 echo "commit ${PAGEDCORE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo '?')}  $(cat "$out/gpu.txt")"

@@ -168,6 +168,16 @@ void Scheduler::schedule(int64_t step) {
   swap_in_.clear();
   num_scheduled_tokens_ = 0;
   int32_t budget = config_.max_num_batched_tokens;
+  // Prompt tokens (chunks of more than one token, admissions) this step may
+  // still take: see EngineConfig::max_num_mixed_prefill_tokens.
+  int32_t prefill_budget = budget;
+  if (config_.max_num_mixed_prefill_tokens > 0 &&
+      waiting_.size() <= config_.mixed_prefill_max_waiting &&
+      std::any_of(running_.begin(), running_.end(), [](const Sequence* s) {
+        return !s->finish_pending && s->num_uncomputed() == 1;
+      })) {
+    prefill_budget = std::min(budget, config_.max_num_mixed_prefill_tokens);
+  }
   bool preempted = false;
 
   // Running sequences, in order. Victims are taken from the back, so a victim
@@ -177,8 +187,14 @@ void Scheduler::schedule(int64_t step) {
     // Its last placeholder ended it (max_tokens / max_model_len): it only
     // waits for that token's value (Engine::resolve) to finish.
     if (seq->finish_pending) continue;
-    const int32_t num_new = std::min(seq->num_uncomputed(), budget);
-    PAGEDCORE_CHECK(num_new > 0, "running sequence ", seq->seq_id, " has nothing to compute");
+    PAGEDCORE_CHECK(seq->num_uncomputed() > 0, "running sequence ", seq->seq_id,
+                    " has nothing to compute");
+    const bool prefill = seq->num_uncomputed() > 1;
+    const int32_t num_new =
+        std::min(seq->num_uncomputed(), prefill ? std::min(budget, prefill_budget) : budget);
+    // NOTE: a prefill that the cap leaves out stays running and goes on in a
+    // later step; decode rows, which the cap is for, are never left out.
+    if (num_new == 0) continue;
     kv_.release_out_of_window(seq->blocks, seq->num_computed);
     bool self_preempted = false;
     while (!kv_.can_allocate(seq->blocks, seq->num_computed, num_new)) {
@@ -193,6 +209,7 @@ void Scheduler::schedule(int64_t step) {
     if (self_preempted) break;
     kv_.allocate_slots(seq->blocks, seq->num_computed, num_new, copies_);
     budget -= num_new;
+    if (prefill) prefill_budget -= num_new;
     record(seq, num_new, step);
   }
 
@@ -200,7 +217,7 @@ void Scheduler::schedule(int64_t step) {
   // newcomers while the victims wait, and swap-in pairs would mix with the
   // swap-out pairs of the same step.
   if (!preempted) {
-    while (budget > 0 && !waiting_.empty()) {
+    while (budget > 0 && prefill_budget > 0 && !waiting_.empty()) {
       Sequence* seq = waiting_.top();
       if (running_seats_ + seq->weight > config_.max_num_seqs) break;
       if (config_.reserve_max_model_len &&
@@ -208,9 +225,12 @@ void Scheduler::schedule(int64_t step) {
               kv_.gpu().num_blocks()) {
         break;
       }
-      const int32_t budget_before = budget;
-      if (!try_admit(seq, &budget)) break;
-      record(seq, budget_before - budget, step);
+      int32_t room = std::min(budget, prefill_budget);
+      const int32_t room_before = room;
+      if (!try_admit(seq, &room)) break;
+      budget -= room_before - room;
+      prefill_budget -= room_before - room;
+      record(seq, room_before - room, step);
     }
   }
 }

@@ -91,10 +91,12 @@ def _serve(args: argparse.Namespace) -> int:
 
     if args.shutdown_timeout < 0:
         raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
+    if args.api_server_count < 1:
+        raise ValueError(f"--api-server-count must be >= 1, got {args.api_server_count}")
     # NOTE: the port first (milliseconds), the model after (seconds): a busy port
     # is refused before anything loads.
     try:
-        sock = bind_socket(args.host, args.port)
+        sock = bind_socket(args.host, args.port, reuse_port=args.api_server_count > 1)
     except BindError as e:
         print(f"pagedcore: error: {e}", file=sys.stderr)
         return 1
@@ -125,42 +127,67 @@ def _serve_on(sock, args: argparse.Namespace) -> int:
         async_output_proc=False if args.disable_async_output_proc else None,
         async_scheduling=args.async_scheduling, tensor_parallel_size=args.tensor_parallel_size,
         calculate_kv_scales=args.calculate_kv_scales,
+        max_num_mixed_prefill_tokens=args.max_num_mixed_prefill_tokens,
     )
     engine_args.validate()
     if args.dtype.strip().lower() != "auto":
         resolve_dtype(args.dtype, None)  # (a name: no config needed)
-    if args.engine_process and args.tensor_parallel_size > 1:
+    engine_process = args.engine_process or args.api_server_count > 1
+    if engine_process and args.tensor_parallel_size > 1:
         # NOTE: the engine process is a daemon, and daemons may not start processes.
-        raise ValueError("--engine-process does not combine with --tensor-parallel-size > 1 (the engine runs in "
-                         "the server process; its workers are its children)")
+        raise ValueError("--engine-process does not combine with --tensor-parallel-size > 1 (nor does "
+                         "--api-server-count > 1, which implies it: the engine runs in the server process; its "
+                         "workers are its children)")
     if args.max_queue_len is not None and args.max_queue_len < 1:
         raise ValueError(f"--max-queue-len must be a positive integer, got {args.max_queue_len}")
     for path in (args.model, args.tokenizer):
         if path is not None and not os.path.isdir(path):
             resolve_model_path(path)  # a cached hub id, or a clear refusal
 
+    metrics_dir = None
+    if args.api_server_count > 1:
+        import tempfile
+
+        # NOTE: before prometheus_client is imported (server.app imports it): the
+        # HTTP processes' histograms go to files there, summed at each scrape.
+        metrics_dir = tempfile.TemporaryDirectory(prefix="pagedcore-metrics-")
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir.name
     import uvicorn
 
     from .server.app import build_app
     from .server.async_engine import AsyncEngine
-    from .server.lifecycle import Server
+    from .server.lifecycle import Server, freeze_startup_objects
 
     name = args.served_model_name or served_model_name(args.model)
     if args.model is None:
         engine_args = dataclasses.replace(engine_args, model=_default_model())
-    if args.engine_process:
+    if engine_process:
         from .server.engine_process import EngineProcess
 
-        async_engine = EngineProcess(engine_args, args.log_level, max_queue_len=args.max_queue_len)
+        async_engine = EngineProcess(engine_args, args.log_level, max_queue_len=args.max_queue_len,
+                                     api_server_count=args.api_server_count)
     else:
         with loading_threads():
             engine = LLMEngine(engine_args)
         async_engine = AsyncEngine(engine, max_queue_len=args.max_queue_len)
+    api_servers: list = []
     try:
+        on_exit_request = None
+        if args.api_server_count > 1:
+            from .server.api_servers import start_api_servers, tell_api_servers
+
+            api_servers = start_api_servers(async_engine, sock, name, args.api_key, args.log_level,
+                                            args.shutdown_timeout, args.max_queue_len)
+
+            def on_exit_request(why: str) -> None:
+                tell_api_servers(api_servers, why)
+
         app = build_app(async_engine, name, api_key=args.api_key)
         # log_config=None: uvicorn's lines go through pagedcore's handler and format.
         config = uvicorn.Config(app, log_config=None, log_level=args.log_level.lower(), access_log=False)
-        Server(config, async_engine, name, args.shutdown_timeout).run(sockets=[sock])
+        server = Server(config, async_engine, name, args.shutdown_timeout, on_exit_request=on_exit_request)
+        freeze_startup_objects()
+        server.run(sockets=[sock])
     finally:
         # NOTE: the server has given the signals back; one more during this
         # (bounded) clean-up would end the process with a traceback or 143.
@@ -168,7 +195,13 @@ def _serve_on(sock, args: argparse.Namespace) -> int:
 
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, signal.SIG_IGN)
+        if api_servers:  # (they drain their own requests first; the engine serves them meanwhile)
+            from .server.api_servers import stop_api_servers
+
+            stop_api_servers(api_servers, args.shutdown_timeout + 15)
         async_engine.shutdown()
+        if metrics_dir is not None:
+            metrics_dir.cleanup()
     return 0
 
 
@@ -274,6 +307,13 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=False,
                      help="run the engine in a process of its own, so that streaming the responses does not "
                           "hold the GIL the engine's launches need (prompts are tokenized in the HTTP process)")
+    srv.add_argument("--api-server-count", type=int, default=1,
+                     help="HTTP processes sharing the port and one engine process (N > 1 implies "
+                          "--engine-process): the streams' per-token work spreads over N cores")
+    srv.add_argument("--max-num-mixed-prefill-tokens", type=int, default=256,
+                     help="a step that gives running streams their next token computes at most this many "
+                          "prompt tokens while at most 8 requests wait (longer prompts are chunked over more "
+                          "steps: the streams' inter-token latency); 0: no cap but --max-num-batched-tokens")
     srv.add_argument("--shutdown-timeout", type=float, default=30.0,
                      help="seconds SIGTERM or Ctrl-C lets in-flight requests finish before ending them")
     return parser

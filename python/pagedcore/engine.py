@@ -18,7 +18,8 @@ class Engine(_C.Engine):
         ``max_num_batched_tokens``, ``max_model_len``, ``enable_prefix_caching``,
         ``preemption_mode``, ``scheduling_policy``, ``num_cpu_blocks``,
         ``sliding_window``, ``vocab_size``, ``prefix_hash_bits``,
-        ``reserve_max_model_len``).
+        ``reserve_max_model_len``, ``max_num_mixed_prefill_tokens``,
+        ``mixed_prefill_max_waiting``).
 
     Examples
     --------

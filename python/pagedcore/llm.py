@@ -46,6 +46,11 @@ class LLM:
         (``num_blocks x block_size``); an explicit one beyond that is refused.
     max_num_seqs, max_num_batched_tokens : int
         Sequences per step, tokens per step (default ``max(2048, max_num_seqs)``).
+    max_num_mixed_prefill_tokens : int, optional
+        A step that runs decode rows computes at most this many prompt tokens
+        (longer prompts are chunked over more steps), while at most 8 requests
+        wait; None (default): no cap but ``max_num_batched_tokens``. For the
+        inter-token latency of streams (``pagedcore serve`` sets 256).
     enable_prefix_caching : bool
         Reuse the KV of common prompt prefixes.
     preemption_mode : {"recompute", "swap"}
@@ -122,6 +127,7 @@ class LLM:
         async_scheduling: bool | None = None,
         tensor_parallel_size: int = 1,
         calculate_kv_scales: bool = False,
+        max_num_mixed_prefill_tokens: int | None = None,
     ) -> None:
         configure_default_logging()
         if model is None:
@@ -138,7 +144,7 @@ class LLM:
                 swap_space=swap_space, kv_cache_dtype=kv_cache_dtype, seed=seed,
                 enforce_eager=enforce_eager, load_format=load_format, async_output_proc=async_output_proc,
                 async_scheduling=async_scheduling, tensor_parallel_size=tensor_parallel_size,
-                calculate_kv_scales=calculate_kv_scales,
+                calculate_kv_scales=calculate_kv_scales, max_num_mixed_prefill_tokens=max_num_mixed_prefill_tokens,
             )
         )
 

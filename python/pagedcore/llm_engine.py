@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from . import _C
+from .compact_outputs import CompactOutputs, compact_eligible
 from .detokenizer import IncrementalDetokenizer
 from .distributed.driver import TensorParallelDriver
 from .distributed.weights import iter_safetensors_shard
@@ -83,6 +84,12 @@ class EngineArgs:
     max_model_len: int | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
+    # A step that runs decode rows computes at most this many prompt tokens while
+    # at most mixed_prefill_max_waiting requests wait (None / 0: no cap); see
+    # EngineConfig in cpp/include/pagedcore/config.h. `pagedcore serve` sets it
+    # (its --max-num-mixed-prefill-tokens): the streams' inter-token latency.
+    max_num_mixed_prefill_tokens: int | None = None
+    mixed_prefill_max_waiting: int = 8
     enable_prefix_caching: bool = True
     preemption_mode: str = "recompute"
     swap_space: float = 4
@@ -133,6 +140,12 @@ class EngineArgs:
         positive("max_num_seqs", self.max_num_seqs)
         positive("tensor_parallel_size", self.tensor_parallel_size)
         positive("max_num_batched_tokens", self.max_num_batched_tokens, allow_none=True)
+        for name in ("max_num_mixed_prefill_tokens", "mixed_prefill_max_waiting"):
+            value = getattr(self, name)
+            if value is None and name == "max_num_mixed_prefill_tokens":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
         if not 0 < number("gpu_memory_utilization", self.gpu_memory_utilization) <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if number("swap_space", self.swap_space) < 0:
@@ -201,6 +214,7 @@ class _Request:
     # (None for the first); a streamed request sends them once, whole.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     prompt_logprobs_sent: bool = False
+    compact: bool = False  # its tokens go to take_compact_outputs() (add_request's compact_key)
 
     @property
     def seq_ids(self) -> range:
@@ -214,6 +228,7 @@ class _Launched:
     num_samples: int
     copy: _HostCopy | None  # their way to the host (None: no samples)
     device_ids: torch.Tensor | None  # [num_samples] int64 on the device: the next step's deferred inputs
+    compact: tuple[np.ndarray, np.ndarray] | None = None  # see LLMEngine._compact_rows
 
 
 @dataclass
@@ -226,6 +241,11 @@ class _StepOutputs:
     stop_reasons: list[int]
     sampled_logprobs: list[float] | None  # None: no request of the step wants logprobs
     top: tuple[list, list, list] | None  # logprob token ids, logprobs, ranks
+    # (slots, compact keys) of the sample rows at schedule time (LLMEngine._compact_rows),
+    # and the update's token ids, finish reasons and stop reasons as arrays; None when
+    # no compact request was live then.
+    compact: tuple[np.ndarray, np.ndarray] | None = None
+    arrays: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
 
 
 class _HostCopy:
@@ -301,6 +321,7 @@ class _SlotArrays:
         self.seed = resized("seed", np.int64, 0)
         self.min_tokens = resized("min_tokens", np.int32, 0)
         self.penalized = resized("penalized", np.bool_, False)
+        self.compact_key = resized("compact_key", np.int64, -1)  # -1: not a compact request
         self.size = size
 
     def set(self, slot: int, p: SamplingParams) -> None:
@@ -318,6 +339,7 @@ class _SlotArrays:
         self.penalized[slot] = (
             p.presence_penalty != 0 or p.frequency_penalty != 0 or p.repetition_penalty != 1
         )
+        self.compact_key[slot] = -1
 
 
 class _Phases:
@@ -422,8 +444,10 @@ class LLMEngine:
         self._launched: _Launched | None = None
         # A step scheduled and its forward pass launched, not yet sampled (see _step_async).
         self._prelaunched: tuple[_C.StepBatch, torch.Tensor] | None = None
-        self._inflight: tuple[_C.StepBatch, _HostCopy | None] | None = None
+        self._inflight: tuple[_C.StepBatch, _HostCopy | None, Any] | None = None
         self._pending: _StepOutputs | None = None
+        self._num_compact = 0  # live compact requests (add_request's compact_key)
+        self._compact_parts: list[CompactOutputs] = []  # for take_compact_outputs()
         # Sequences a stop string finished while a step holding them was in flight:
         # the engine finishes them once that step is updated (its token is dropped).
         self._late_stops: list[tuple[int, str]] = []  # (seq id, request id)
@@ -577,6 +601,8 @@ class LLMEngine:
             num_cpu_blocks=num_cpu_blocks,
             sliding_window=spec.sliding_window or None,
             vocab_size=spec.vocab_size,
+            max_num_mixed_prefill_tokens=a.max_num_mixed_prefill_tokens or 0,
+            mixed_prefill_max_waiting=a.mixed_prefill_max_waiting,
         )
         if self.tp is not None:
             self.tp.group.broadcast_object(fields)
@@ -601,6 +627,7 @@ class LLMEngine:
         stream: bool = False,
         add_special_tokens: bool = True,
         detokenize: bool = True,
+        compact_key: int | None = None,
     ) -> None:
         """Tokenizes (if needed), validates and queues one request.
 
@@ -611,6 +638,13 @@ class LLMEngine:
         empty: the caller turns the token ids into text (the server does, in its
         HTTP process, off the engine's path). The token that ends a completion
         with finish_reason "stop" (EOS or a stop token) is not text.
+
+        ``compact_key`` (an integer >= 0, with ``stream=True, detokenize=False``
+        and params that :func:`~pagedcore.compact_outputs.compact_eligible`
+        accepts): the request's tokens come out of :meth:`take_compact_outputs`
+        as rows under that key, not from :meth:`step` (which returns nothing
+        for it; :meth:`abort` still returns its final output). The caller keeps
+        keys unique among live requests.
 
         Raises ValueError (nothing is queued) for an empty or too long prompt,
         a max_tokens that does not fit the context, or a bad token id.
@@ -624,6 +658,12 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if not detokenize and (not stream or params.stop):
             raise ValueError("detokenize=False needs stream=True and no stop strings (they are matched on the text)")
+        if compact_key is not None:
+            if isinstance(compact_key, bool) or not isinstance(compact_key, int) or compact_key < 0:
+                raise ValueError(f"compact_key must be an integer >= 0, got {compact_key!r}")
+            if detokenize or not compact_eligible(params):
+                raise ValueError("compact_key needs stream=True, detokenize=False and one sample without "
+                                 "logprobs, prompt logprobs, stop strings, penalties or an output constraint")
         if not self._async_scheduling and any(owner == request_id for _, owner in self._late_stops):
             # A stop string ended it while a step held it: the engine lets the id go
             # once that step is updated.
@@ -685,6 +725,8 @@ class LLMEngine:
         try:
             slot = self.engine.request_slot(request_id)
             self._slots.set(slot, params)
+            if compact_key is not None:
+                self._slots.compact_key[slot] = compact_key
         except BaseException:
             self._complete_inflight()  # the engine takes no abort while a step is pending
             self.engine.abort(request_id)
@@ -693,7 +735,9 @@ class LLMEngine:
             request_id=request_id, prompt=prompt, prompt_token_ids=ids, params=params,
             first_seq_id=first, slot=slot, completions=completions, stream=stream,
             prompt_logprobs=None if params.prompt_logprobs is None else [None],
+            compact=compact_key is not None,
         )
+        self._num_compact += request.compact
         self._requests[request_id] = request
         for i in range(params.n):
             self._seq_owner[first + i] = (request, i)
@@ -730,6 +774,23 @@ class LLMEngine:
 
     def stats(self) -> dict[str, Any]:
         return _C_stats(self.engine)
+
+    def take_compact_outputs(self) -> CompactOutputs | None:
+        """The tokens of compact requests (add_request's ``compact_key``) that
+        the :meth:`step` calls since the last call produced, in order; None if none."""
+        if not self._compact_parts:
+            return None
+        parts, self._compact_parts = self._compact_parts, []
+        return CompactOutputs.concat(parts)
+
+    def _compact_rows(self, batch: _C.StepBatch) -> tuple[np.ndarray, np.ndarray] | None:
+        """(slot, compact key) of each sample row as the step is scheduled; None
+        while no compact request is live. NOTE: taken now, not when the step is
+        processed: a request aborted meanwhile may have passed its slot on (see _process)."""
+        if not self._num_compact or not batch.num_samples:
+            return None
+        slots = np.array(batch.sample_slots, dtype=np.int64)
+        return slots, self._slots.compact_key[slots]
 
     # ---- one step ---------------------------------------------------------------
 
@@ -769,7 +830,7 @@ class LLMEngine:
             self._join_masks(failed=True)
             self._fail_step(batch.num_samples)
             raise
-        self._inflight = (batch, sampled)
+        self._inflight = (batch, sampled, self._compact_rows(batch))
         if not self._async_output or batch.num_samples == 0:
             self._complete_inflight()
             try:
@@ -816,7 +877,8 @@ class LLMEngine:
             launched = _Launched(batch.num_samples, None, None)
             if batch.num_samples:
                 out = self.sampler(logits, self._sampling_metadata(batch))
-                launched = _Launched(batch.num_samples, self._host_copies.launch(out), out.sampled_token_ids)
+                launched = _Launched(batch.num_samples, self._host_copies.launch(out), out.sampled_token_ids,
+                                     self._compact_rows(batch))
             if not waited:  # (masks started by the metadata: joined before the resolution below)
                 self._join_masks()
             elif self._mask_job is not None and self._bitmask_staging.device_wait:
@@ -890,11 +952,7 @@ class LLMEngine:
             raise
         try:
             result = self.engine.resolve(token_ids)
-            out = _StepOutputs(
-                seq_ids=result.seq_ids.tolist(), token_ids=result.token_ids.tolist(),
-                finish_reasons=result.finish_reasons.tolist(), stop_reasons=result.stop_reasons.tolist(),
-                sampled_logprobs=sampled_lp, top=top,
-            )
+            out = _step_outputs(result, sampled_lp, top, launched.compact)
             self._note_update(out.seq_ids, out.finish_reasons, result.finished_request_ids)
             outputs = self._process(out, next_batch)
             # NOTE: the engine finishes stop strings' sequences at once (no step is
@@ -920,7 +978,7 @@ class LLMEngine:
         """Waits for the launched step's tokens and updates the engine with them."""
         if self._inflight is None:
             return
-        batch, sampled = self._inflight
+        batch, sampled, compact = self._inflight
         self._inflight = None
         try:
             if sampled is not None:
@@ -935,11 +993,7 @@ class LLMEngine:
             raise
         try:
             result = self.engine.update(token_ids)
-            out = self._pending = _StepOutputs(
-                seq_ids=result.seq_ids.tolist(), token_ids=result.token_ids.tolist(),
-                finish_reasons=result.finish_reasons.tolist(), stop_reasons=result.stop_reasons.tolist(),
-                sampled_logprobs=sampled_lp, top=top,
-            )
+            out = self._pending = _step_outputs(result, sampled_lp, top, compact)
             self._apply_late_stops(self._note_update(out.seq_ids, out.finish_reasons, result.finished_request_ids))
         except BaseException:
             self._abort_all()
@@ -1173,7 +1227,10 @@ class LLMEngine:
         if next_batch is not None and self._matchers and self._mask_job is None:
             self._start_masks(next_batch)
         streamed: dict[str, _Request] = {}
-        for k in range(len(seq_ids)):
+        rows: Sequence[int] = range(len(seq_ids))
+        if out.compact is not None:
+            rows = self._process_compact(out)
+        for k in rows:
             if tokens[k] < 0:  # dropped: its sequence ended before the step resolved
                 continue
             owner = self._seq_owner.get(seq_ids[k])
@@ -1222,6 +1279,34 @@ class LLMEngine:
                                               deltas, finished=False,
                                               prompt_logprobs=self._take_prompt_logprobs(request)))
         return finished
+
+    def _process_compact(self, out: _StepOutputs) -> list[int]:
+        """Takes the rows of compact requests into _compact_parts (arrays, no
+        Python per row but for a request's last); returns the other rows."""
+        slots, keys = out.compact
+        token_ids, finish, stop_reasons = out.arrays
+        # NOTE: a row whose request was aborted since the step was scheduled is
+        # dropped: its token is -1 (async scheduling), or its slot's key changed
+        # (now -1, or a newer request's). Keys are never reused while live.
+        live = (keys >= 0) & (token_ids >= 0) & (self._slots.compact_key[slots] == keys)
+        if live.any():
+            rows = CompactOutputs(keys[live], token_ids[live], finish[live], stop_reasons[live])
+            self._compact_parts.append(rows)
+            for k in np.nonzero(live & (finish != 0))[0].tolist():
+                self._finish_compact(out.seq_ids[k], out.finish_reasons[k], out.stop_reasons[k])
+        return np.nonzero(keys < 0)[0].tolist()
+
+    def _finish_compact(self, seq_id: int, reason: int, stop_token: int) -> None:
+        owner = self._seq_owner.get(seq_id)
+        if owner is None:
+            return
+        request = owner[0]
+        c = request.completions[0]  # (one sample)
+        c.finish_reason = _FINISH[reason]
+        if stop_token >= 0:
+            c.stop_reason = stop_token
+        request.num_finished = 1
+        self._forget(request)
 
     def _advance_matchers(self, out: _StepOutputs) -> dict[int, str | None]:
         """Feeds each constrained sequence's token of the step to its matcher (those
@@ -1302,7 +1387,8 @@ class LLMEngine:
             entry[token] = Logprob(logprob, rank_of_sampled, self.tokenizer.decode([token]))
         return entry
 
-    def _finish_request(self, request: _Request) -> RequestOutput:
+    def _forget(self, request: _Request) -> None:
+        """Drops a finished or aborted request's state."""
         del self._requests[request.request_id]
         self._engine_done.discard(request.request_id)
         self._prompt_masks.pop(request.request_id, None)
@@ -1310,6 +1396,12 @@ class LLMEngine:
             self._seq_owner.pop(seq_id, None)
             self._generators.pop(seq_id, None)
             self._matchers.pop(seq_id, None)
+        if request.compact:
+            self._slots.compact_key[request.slot] = -1
+            self._num_compact -= 1
+
+    def _finish_request(self, request: _Request) -> RequestOutput:
+        self._forget(request)
         if request.stream:
             deltas = [d for d in (self._delta(request, c) for c in request.completions) if d is not None]
             return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, deltas,
@@ -1384,6 +1476,19 @@ class LLMEngine:
             return None
         request.prompt_logprobs_sent = True
         return request.prompt_logprobs
+
+
+def _step_outputs(result: _C.StepResult, sampled_lp: Any, top: Any,
+                  compact: tuple[np.ndarray, np.ndarray] | None) -> _StepOutputs:
+    """An update's result copied out of the engine's buffers (the next update reuses them)."""
+    arrays = None
+    if compact is not None:
+        arrays = (np.array(result.token_ids), np.array(result.finish_reasons), np.array(result.stop_reasons))
+    return _StepOutputs(
+        seq_ids=result.seq_ids.tolist(), token_ids=result.token_ids.tolist(),
+        finish_reasons=result.finish_reasons.tolist(), stop_reasons=result.stop_reasons.tolist(),
+        sampled_logprobs=sampled_lp, top=top, compact=compact, arrays=arrays,
+    )
 
 
 def load_model(args: EngineArgs, model_path: str, spec: ModelSpec, dtype: torch.dtype, device: torch.device,

@@ -30,6 +30,9 @@ struct RandomCase {
   // Async scheduling: each step is scheduled (and run) before the previous
   // one's values arrive (append_placeholders, then resolve of the one before).
   bool async_steps = false;
+  // EngineConfig::max_num_mixed_prefill_tokens (with mixed_prefill_max_waiting 2:
+  // steps with and without the cap both occur).
+  int32_t mixed_prefill_cap = 0;
 };
 
 std::string case_name(const RandomCase& c) {
@@ -38,7 +41,8 @@ std::string case_name(const RandomCase& c) {
          (c.mode == PreemptionMode::kSwap ? "_swap" : "_recompute") +
          (c.sliding_window ? "_window" : "") +
          (c.policy == SchedulingPolicy::kPriority ? "_priority" : "_fcfs") +
-         (c.hash_bits < 64 ? "_collide" : "") + (c.async_steps ? "_async" : "");
+         (c.hash_bits < 64 ? "_collide" : "") + (c.async_steps ? "_async" : "") +
+         (c.mixed_prefill_cap ? "_mixed" + std::to_string(c.mixed_prefill_cap) : "");
 }
 
 class RandomOperations : public ::testing::TestWithParam<RandomCase> {};
@@ -58,6 +62,8 @@ TEST_P(RandomOperations, InvariantsHoldAfterEveryOperation) {
   c.scheduling_policy = rc.policy;
   c.vocab_size = 64;
   c.prefix_hash_bits = rc.hash_bits;
+  c.max_num_mixed_prefill_tokens = rc.mixed_prefill_cap;
+  c.mixed_prefill_max_waiting = 2;
   int64_t preemption_warnings = 0;
   set_log_sink([&](LogLevel level, const std::string& msg) {
     if (level == LogLevel::kWarning && msg.find("preempted") != std::string::npos) {
@@ -277,6 +283,8 @@ std::vector<RandomCase> random_cases() {
       {12, 20, 8, true, PM::kSwap, 6, 0, SP::kPriority, 64, true},
       {13, 24, 8, true, PM::kSwap, 40, 20, SP::kPriority, 2, true},
       {14, 200, 16, false, PM::kRecompute, 0, 12, SP::kFcfs, 64, true},
+      {15, 24, 8, true, PM::kRecompute, 0, 0, SP::kFcfs, 64, false, 6},
+      {16, 20, 8, true, PM::kSwap, 6, 0, SP::kPriority, 64, true, 6},
   };
 }
 

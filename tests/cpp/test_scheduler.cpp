@@ -138,6 +138,43 @@ TEST(Scheduler, LongPromptIsChunkedAcrossSteps) {
   update_with(e, {501});
 }
 
+TEST(Scheduler, MixedPrefillCapHoldsPromptTokensWhileDecodesRunAndFewWait) {
+  EngineConfig c = small_config();
+  c.max_num_batched_tokens = 64;
+  c.max_num_mixed_prefill_tokens = 10;
+  c.mixed_prefill_max_waiting = 1;
+  Engine e(c);
+  e.add_request("r0", iota_tokens(12, 1), params_max_tokens(4));
+  const StepBatch& b1 = e.schedule();  // no decode row: the cap does not apply
+  EXPECT_EQ(b1.num_tokens, 12);
+  update_with(e, {100});
+
+  e.add_request("r1", iota_tokens(25, 101), params_max_tokens(2));
+  const StepBatch& b2 = e.schedule();  // r0 decodes: r1's admission gets 10 prompt tokens
+  EXPECT_EQ(b2.num_tokens, 11);
+  EXPECT_EQ(b2.num_decode_seqs, 1);
+  EXPECT_EQ(vec(b2.seq_lens, 2), (std::vector<int32_t>{13, 10}));
+  EXPECT_EQ(b2.num_samples, 1);
+  update_with(e, {101});
+  const StepBatch& b3 = e.schedule();  // r1's running prefill: 10 more
+  EXPECT_EQ(b3.num_tokens, 11);
+  EXPECT_EQ(vec(b3.seq_lens, 2), (std::vector<int32_t>{14, 20}));
+  EXPECT_EQ(vec(b3.num_computed_tokens, 2), (std::vector<int32_t>{13, 10}));
+  update_with(e, {102});
+
+  // Two waiting (more than mixed_prefill_max_waiting): the whole budget, r1's
+  // last 5 prompt tokens and both prompts at once.
+  e.add_request("r2", iota_tokens(6, 201), params_max_tokens(2));
+  e.add_request("r3", iota_tokens(6, 301), params_max_tokens(2));
+  const StepBatch& b4 = e.schedule();
+  EXPECT_EQ(b4.num_tokens, 1 + 5 + 6 + 6);
+  EXPECT_EQ(vec(b4.seq_lens, 4), (std::vector<int32_t>{15, 25, 6, 6}));
+  EXPECT_EQ(b4.num_samples, 4);
+  update_with(e, {103, 400, 500, 600});
+  EXPECT_EQ(e.stats().num_running_seqs, 3);  // r0 done (4 tokens), the others decode
+  e.check_invariants();
+}
+
 TEST(Scheduler, MaxNumSeqsCountsEverySampleOfARequest) {
   EngineConfig c = small_config();
   c.max_num_seqs = 2;

@@ -4,8 +4,10 @@ as config.json + tokenizer only; 64 streams at once of which a quarter hang up
 mid-stream (every KV block comes back, no 5xx, /health OK); SIGTERM with streams
 in flight: the short ones drain, the ones still running at --shutdown-timeout
 are cut with a 503 in OpenAI's error shape (an error event in a stream). Each
-with the engine as a thread of the server process and in a process of its own
-(--engine-process).
+with the engine as a thread of the server process, in a process of its own
+(--engine-process), and in a process of its own serving two HTTP processes
+that share the port (--api-server-count 2: each test's requests spread over
+both; /metrics sums both processes' histograms).
 
 The model: a tiny random float32 Llama config (no weight file) with the default
 model's tokenizer files; one server process serves every test of the module and
@@ -16,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -72,6 +75,7 @@ class Serve:
             self.port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
+        self.extra = extra
         cmd = [sys.executable, "-m", "pagedcore", "serve", "--model", model_dir, "--load-format", "dummy",
                "--seed", str(SEED), "--port", str(self.port), "--device", "cpu", "--num-kv-blocks",
                str(NUM_KV_BLOCKS), "--max-model-len", str(MAX_MODEL_LEN), "--shutdown-timeout",
@@ -94,10 +98,12 @@ class Serve:
         return self.log.read_text(errors="replace")
 
 
-@pytest.fixture(scope="module", params=["engine-thread", "engine-process"])
+@pytest.fixture(scope="module", params=["engine-thread", "engine-process", "api-servers-2"])
 def server(request, tmp_path_factory, model_dir):
-    # The engine as a thread of the server's process (the default), or in a process of its own.
-    extra = ("--engine-process",) if request.param == "engine-process" else ()
+    # The engine as a thread of the server's process (the default), or in a process of its own
+    # (with one HTTP process, or two).
+    extra = {"engine-thread": (), "engine-process": ("--engine-process",),
+             "api-servers-2": ("--api-server-count", "2")}[request.param]
     srv = Serve(tmp_path_factory.mktemp("serve") / "serve.log", model_dir, *extra)
     try:
         yield srv
@@ -141,25 +147,47 @@ def test_dummy_weights_are_served_from_a_config_alone(server, model_dir) -> None
     assert [set(t) for t in top5(SEED + 1)] != [set(t) for t in want]
 
 
+def http_cpu(pid: int) -> tuple[float, float]:
+    """CPU seconds of the server's main process and of its other HTTP processes
+    (--api-server-count: named pagedcore-http)."""
+    tick, main, others = os.sysconf("SC_CLK_TCK"), 0.0, 0.0
+    for p in os.listdir("/proc"):
+        if not p.isdigit():
+            continue
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                name, rest = f.read().split(" (", 1)[1].rsplit(")", 1)
+        except (OSError, IndexError):
+            continue
+        fields = rest.split()
+        seconds = (int(fields[11]) + int(fields[12])) / tick
+        if int(p) == pid:
+            main = seconds
+        elif name == "pagedcore-http" and int(fields[1]) == pid:
+            others += seconds
+    return main, others
+
+
 def test_64_streams_a_quarter_hanging_up_leave_every_block_free(server) -> None:
     n, max_tokens = 64, 48
     prompts = bench_serving.make_prompts(n, 3, 49152, 24, 0.5, 256, 0.5, 2, 40)
     cancel = [3 + k % 5 if k % 4 == 0 else None for k in range(n)]
     before = bench_serving.server_metrics(server.url)
+    cpu_before = http_cpu(server.proc.pid)
     # The raw client: each chunk tells its tokens (continuous_usage_stats); a chunk carries
-    # several when the server's writer was behind, so a client that hangs up after c
-    # chunks has c tokens or more, and one may even get all 48 in fewer than c chunks.
+    # several when the server's writer was behind, so a client hangs up at the first
+    # chunk that brings its count to c tokens or more.
     results, _ = bench_serving.run_load(server.url, None, MODEL, prompts, [0.0] * n, max_tokens, cancel,
                                         client="raw")
     hung_up = received = 0
     for r, c in zip(results, cancel):
         assert r.status == 200 and not r.error, r.error
         if r.cancelled:
-            assert c is not None and len(r.chunk_tokens) == c and c <= r.output_tokens == sum(r.chunk_tokens)
+            assert c is not None and sum(r.chunk_tokens[:-1]) < c <= r.output_tokens == sum(r.chunk_tokens)
             hung_up, received = hung_up + 1, received + r.output_tokens
         else:  # the others are whole
             assert r.ok and r.finish_reason == "length" and r.output_tokens == max_tokens
-    assert hung_up >= 12, hung_up  # (16 unless the server fell far behind)
+    assert hung_up == 16
     idle, after = bench_serving.wait_idle(server.url, timeout=30)
     assert idle, after
     assert after["pagedcore_kv_blocks_free"] == after["pagedcore_kv_blocks_total"] == NUM_KV_BLOCKS
@@ -171,6 +199,11 @@ def test_64_streams_a_quarter_hanging_up_leave_every_block_free(server) -> None:
     # a pipe too, while a step of this tiny model takes a millisecond or two).
     assert finished + received <= generated <= finished + received + hung_up * 24, generated
     assert "Traceback" not in server.text()
+    if "--api-server-count" in server.extra:
+        # The other HTTP process served its share of the streams (SO_REUSEPORT spreads the
+        # connections; with one listening socket shared, the first to wake took most).
+        main, other = (after - before for after, before in zip(http_cpu(server.proc.pid), cpu_before))
+        assert other > 0.3 * main, (main, other)
 
 
 def test_sigterm_drains_short_streams_and_cuts_the_rest_with_503(server) -> None:
@@ -238,7 +271,9 @@ def test_sigterm_drains_short_streams_and_cuts_the_rest_with_503(server) -> None
     assert server.proc.wait(30) == 0, server.text()
     text = server.text()
     assert "Traceback" not in text, text
-    assert "cutting 2 requests (the 5 s shutdown timeout)" in text, text
+    # (with two HTTP processes each cuts its own: "cutting 1 request" twice, or 2 in one)
+    cut = [int(n) for n in re.findall(r"cutting (\d+) requests? \(the 5 s shutdown timeout\)", text)]
+    assert sum(cut) == 2, text
 
 
 # ---- the benchmark's own arithmetic (no server) ----------------------------------------------
@@ -281,3 +316,41 @@ def test_the_bench_workload_shapes() -> None:
     gaps = np.diff(bench_serving.arrival_times(20000, 8.0, 0))
     assert np.mean(gaps) == pytest.approx(1 / 8.0, rel=0.03) and np.std(gaps) == pytest.approx(1 / 8.0, rel=0.05)
     assert bench_serving.arrival_times(5, float("inf"), 0) == [0.0] * 5
+
+
+def test_a_client_hangs_up_after_its_tokens_however_the_server_merged_them() -> None:
+    # A server that is behind merges a stream's tokens into fewer chunks: here 8 chunks
+    # of 4 tokens (each with its running usage). A client that hangs up after 10 tokens
+    # must do so at the third chunk, never read the stream whole (counted in chunks, it
+    # would: 8 chunks < 10, which made the GPU run's disconnect check FAIL with 61 of 128).
+    events = []
+    for k in range(1, 9):
+        events.append({"choices": [{"index": 0, "text": " tok" * 4, "finish_reason": "length" if k == 8 else None}],
+                       "usage": {"prompt_tokens": 3, "completion_tokens": 4 * k, "total_tokens": 3 + 4 * k}})
+    body = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events) + b"data: [DONE]\n\n"
+    requests: list[bytes] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+        requests.append(await reader.readexactly(length))
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+        for part in body.split(b"\n\n")[:-1]:
+            part += b"\n\n"
+            writer.write(b"%x\r\n%s\r\n" % (len(part), part))
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+        writer.close()
+
+    async def main() -> list:
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        async with server:
+            return [await bench_serving.request_raw(("127.0.0.1", port, None), MODEL, [5, 6, 7], 32, cancel)
+                    for cancel in (10, None)]
+
+    hung_up, whole = asyncio.run(main())
+    assert hung_up.cancelled and not hung_up.ok and hung_up.chunk_tokens == [4, 4, 4] and hung_up.output_tokens == 12
+    assert whole.ok and not whole.cancelled and whole.chunk_tokens == [4] * 8 and whole.output_tokens == 32
+    assert whole.finish_reason == "length"
+    assert all(json.loads(r)["stream_options"]["continuous_usage_stats"] for r in requests)

@@ -21,6 +21,16 @@ struct EngineConfig {
   int32_t max_num_seqs = 256;
   // Token budget of one step: decode tokens plus prefill chunk tokens.
   int32_t max_num_batched_tokens = 2048;
+  // 0: no cap but max_num_batched_tokens. N > 0: a step that runs decode rows
+  // (running sequences with one token to compute) computes at most N prompt
+  // tokens (chunks of running prefills and admissions together), so that a
+  // step that gives the running streams their next token costs about a decode
+  // step (their inter-token latency), while longer prompts are chunked over
+  // more steps. The cap holds only while at most mixed_prefill_max_waiting
+  // sequences wait: a longer queue (a burst, saturation) is admitted with the
+  // whole budget, so the cap never slows a server that has work queued.
+  int32_t max_num_mixed_prefill_tokens = 0;
+  int32_t mixed_prefill_max_waiting = 8;
   // Longest sequence (prompt + output) in tokens.
   int32_t max_model_len = 2048;
   // Reuse full blocks whose content (the whole prefix up to them) was computed before.

@@ -31,12 +31,15 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from ..compact_outputs import FINISH_REASONS, compact_eligible
 from ..detokenizer import IncrementalDetokenizer
-from ..llm_engine import LLMEngine
 from ..outputs import CompletionOutput, RequestOutput
 from ..sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # (torch: not for the HTTP processes of --api-server-count, which need no engine)
+    from ..llm_engine import LLMEngine
 
 logger = logging.getLogger("pagedcore.server")
 
@@ -95,6 +98,52 @@ class _Stream:
         items = list(self.items)
         self.items.clear()
         return items
+
+
+class _CompactStream(_Stream):
+    """(engine process, HTTP side) The stream of a compact request (see
+    compact_outputs.py): its items are token ids (ints) and, last, a _Finish."""
+
+    __slots__ = ("request_id", "key")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, request_id: str, key: int) -> None:
+        super().__init__(loop)
+        self.request_id, self.key = request_id, key
+
+
+class _Finish:
+    """A compact request's last token and how it finished (a finish code of
+    compact_outputs.FINISH_REASONS; the stop token, or -1)."""
+
+    __slots__ = ("token", "reason", "stop")
+
+    def __init__(self, token: int, reason: int, stop: int) -> None:
+        self.token, self.reason, self.stop = token, reason, stop
+
+
+class _CompactRebuilder:
+    """(event loop) A compact request's items (token ids, the last a _Finish) as
+    one RequestOutput (merge) or one per token."""
+
+    __slots__ = ("request_id", "prompt", "prompt_token_ids")
+
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int]) -> None:
+        self.request_id, self.prompt, self.prompt_token_ids = request_id, prompt, prompt_token_ids
+
+    def __call__(self, items: list, merge: bool) -> list[RequestOutput]:
+        if merge:
+            return [self._output(items)]
+        return [self._output([item]) for item in items]
+
+    def _output(self, items: list) -> RequestOutput:
+        last = items[-1]
+        reason = stop = None
+        if last.__class__ is _Finish:
+            items = items[:-1] + [last.token]
+            reason = FINISH_REASONS[last.reason]
+            stop = last.stop if last.stop >= 0 else None
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids,
+                             [CompletionOutput(0, "", items, None, None, reason, stop)], reason is not None)
 
 
 def _fan_out(deliveries: list[tuple[_Stream, Any]]) -> None:
@@ -219,13 +268,18 @@ class RequestStream:
                 items = await self._stream.take()
                 batch = []
                 for item in items:
+                    cls = item.__class__
+                    if cls is int:  # (a compact request's token)
+                        batch.append(item)
+                        continue
                     if isinstance(item, BaseException):
                         if batch:
                             yield batch
                         raise item
                     batch.append(item)
-                    # (a tuple: a plain delta as it crossed the engine process's pipe)
-                    if item[6] if item.__class__ is tuple else item.finished:
+                    # (a tuple: a plain delta as it crossed the engine process's pipe; a
+                    # _Finish: a compact request's last token)
+                    if cls is _Finish or (item[6] if cls is tuple else item.finished):
                         finished = True
                         break
                 if batch:
@@ -275,6 +329,12 @@ class AsyncEngine:
         self._pending = 0  # adds enqueued but not applied yet
         self._lock = threading.Lock()
         self._outbox: list[tuple[_Stream, Any]] = []  # (engine thread) items not handed over yet
+        # (engine thread) compact key -> request id of live compact requests; their
+        # tokens come from take_compact_outputs(), not step() (see _deliver_compact).
+        self._compact_ids: dict[int, str] = {}
+        self._compact_key_of: dict[str, int] = {}  # the other way round
+        self._next_key = 0  # (under _lock) the next compact key (never reused)
+        self._take_compact = getattr(engine, "take_compact_outputs", None)
         # NOTE: set under _lock by the engine thread as it ends; an add checks it
         # under the same lock, so every add either sees it or is queued before
         # the thread's last drain of the commands (which answers it).
@@ -310,14 +370,25 @@ class AsyncEngine:
         """
         if self.max_queue_len is not None and self.num_waiting() >= self.max_queue_len:
             raise QueueFullError(f"the server has {self.num_waiting()} requests waiting (max_queue_len {self.max_queue_len})")
-        stream = _Stream(asyncio.get_running_loop())
+        loop = asyncio.get_running_loop()
         here = detokenized_here(getattr(self.engine, "tokenizer", None), params)
+        key = None
+        if here and self._take_compact is not None and compact_eligible(params):
+            # (a plain stream: the engine gives its tokens as rows, see _deliver_compact;
+            # its prompt is tokenized here, as in the engine process's HTTP side, for its outputs)
+            if prompt_token_ids is None:
+                prompt_token_ids = self.engine.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+            with self._lock:
+                key, self._next_key = self._next_key, self._next_key + 1
+            stream: _Stream = _CompactStream(loop, request_id, key)
+        else:
+            stream = _Stream(loop)
         with self._lock:
             if self._dead:
                 raise self._dead_error()
             self._pending += 1
             self._commands.put(("add", request_id, prompt, prompt_token_ids, params, add_special_tokens, here,
-                                stream))
+                                key, stream))
         self._wake.set()
         try:
             items = await stream.take()
@@ -330,7 +401,9 @@ class AsyncEngine:
         if isinstance(verdict, BaseException):
             raise verdict
         stream.items.extendleft(reversed(items[1:]))  # outputs that came with the verdict
-        return RequestStream(self, request_id, stream, _Detokenizers(self.engine.tokenizer, params) if here else None)
+        rebuild = _CompactRebuilder(request_id, prompt, prompt_token_ids) if key is not None else None
+        return RequestStream(self, request_id, stream, _Detokenizers(self.engine.tokenizer, params) if here else None,
+                             rebuild)
 
     def health_error(self) -> str | None:
         """None while the engine serves; otherwise what /health answers with 503:
@@ -385,12 +458,14 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if command[0] == "add":
-                _, request_id, prompt, ids, params, special, here, stream = command
+                _, request_id, prompt, ids, params, special, here, key, stream = command
                 with self._lock:
                     self._pending -= 1
                 try:
                     # (detokenize passed only when off: the benchmarks' stub engines lack it)
                     kwargs = {"detokenize": False} if here else {}
+                    if key is not None:
+                        kwargs["compact_key"] = key
                     self.engine.add_request(request_id, prompt, ids, params, stream=True, add_special_tokens=special,
                                             **kwargs)
                 except Exception as e:  # bad input: nothing was queued
@@ -398,15 +473,57 @@ class AsyncEngine:
                     self._fail_dropped(e)  # (or the step in flight failed while it waited)
                     continue
                 self._streams[request_id] = stream
+                if key is not None:
+                    self._compact_ids[key] = request_id
+                    self._compact_key_of[request_id] = key
                 self._deliver(stream, _ACCEPTED)
-            else:
+            elif command[0] == "abort":
                 request_id = command[1]
                 if self._streams.pop(request_id, None) is not None:
+                    self._forget_compact(request_id)
                     self.engine.abort(request_id)
+            else:
+                self._command(command)
+
+    def _deliver_compact(self, rows) -> None:
+        """(engine thread) A step's compact rows (CompactOutputs) to their streams:
+        a token id each, a request's last one as a _Finish (one row per stream
+        and step: a plain loop, no object but the last)."""
+        ids, streams, outbox = self._compact_ids, self._streams, self._outbox
+        for key, token, finish, stop in zip(rows.keys.tolist(), rows.token_ids.tolist(), rows.finish.tolist(),
+                                            rows.stop_reasons.tolist()):
+            request_id = ids.get(key)
+            if request_id is None:
+                continue
+            if finish:
+                self._forget_compact(request_id)
+                stream = streams.pop(request_id, None)
+                if stream is not None:
+                    outbox.append((stream, _Finish(token, finish, stop)))
+            else:
+                outbox.append((streams[request_id], token))  # (a live key has its stream)
+
+    def _forget_finished_compact(self, rows) -> None:
+        """(engine thread) Forgets the requests whose last row this is."""
+        for key in rows.keys[rows.finish != 0].tolist():
+            request_id = self._compact_ids.pop(key, None)
+            if request_id is not None:
+                del self._compact_key_of[request_id]
+                self._streams.pop(request_id, None)
+
+    def _forget_compact(self, request_id: str) -> None:
+        key = self._compact_key_of.pop(request_id, None)
+        if key is not None:
+            del self._compact_ids[key]
+
+    def _command(self, command: tuple) -> None:
+        """(engine thread) A command other than add and abort (a subclass's)."""
+        raise ValueError(f"unknown command {command[0]!r}")
 
     def _fail_dropped(self, error: Exception) -> None:
         """Tells the streams whose requests the engine dropped (a failed step aborts all)."""
         for request_id in [r for r in self._streams if not self.engine.has_request(r)]:
+            self._forget_compact(request_id)
             self._deliver(self._streams.pop(request_id), RuntimeError(f"engine step failed: {error}"))
 
     def _dead_error(self) -> EngineDeadError:
@@ -466,6 +583,9 @@ class AsyncEngine:
                 if out.finished:
                     del self._streams[out.request_id]
                 self._deliver(stream, out)
+            compact = self._take_compact() if self._take_compact is not None else None
+            if compact is not None:
+                self._deliver_compact(compact)
             # NOTE: the stats first: a client that has its last token reads them
             # already counting its request as done (/metrics right after a response).
             self._publish_stats(elapsed)

@@ -7,6 +7,7 @@ apart) and the lag of the HTTP side's event loop."""
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
@@ -85,6 +86,16 @@ class Metrics:
     def __init__(self, engine) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(engine))
+        # NOTE: with several HTTP processes (api_servers.py) PROMETHEUS_MULTIPROC_DIR is
+        # set before prometheus_client is imported: each process's histograms live in
+        # files there, and a scrape of any process renders all of them, summed.
+        self._render_registry = self.registry
+        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+            from prometheus_client.multiprocess import MultiProcessCollector
+
+            self._render_registry = CollectorRegistry()
+            MultiProcessCollector(self._render_registry)
+            self._render_registry.register(_EngineCollector(engine))
         self.ttft = Histogram("pagedcore_time_to_first_token_seconds", "time to first token", buckets=_BUCKETS,
                               registry=self.registry)
         self.itl = Histogram("pagedcore_inter_token_latency_seconds", "time between output tokens", buckets=_BUCKETS,
@@ -109,4 +120,4 @@ class Metrics:
         return RequestTimer(self, arrival)
 
     def render(self) -> str:
-        return generate_latest(self.registry).decode()
+        return generate_latest(self._render_registry).decode()

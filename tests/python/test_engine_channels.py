@@ -1,0 +1,177 @@
+"""The engine process's channels (server/engine_process.py) on a stub engine
+whose k-th token of every request is 100 + k: plain streams cross as compact
+rows and reach their stream in order, with their text made on the HTTP side;
+a stream that is not plain (logprobs) crosses as RequestOutputs; with two
+channels (api_server_count=2) each HTTP side gets its own requests' tokens
+only; an aborted stream gets nothing more, and its engine request ends; a
+channel's shutdown detaches it (its requests end with EngineDeadError) while
+the other channel goes on."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+import pytest
+
+from pagedcore.compact_outputs import CompactOutputs
+from pagedcore.outputs import CompletionOutput, RequestOutput
+from pagedcore.sampling_params import SamplingParams
+
+pytest.importorskip("transformers")
+
+
+class StubCompactEngine:
+    """(in the engine process) What AsyncEngine uses of LLMEngine: each step of
+    ~1 ms gives every request its next token (100 + k for its k-th), as rows of
+    take_compact_outputs() for requests added with a compact_key, else as a
+    RequestOutput (text "<k>")."""
+
+    tokenizer = None
+    max_model_len = 4096
+
+    def __init__(self) -> None:
+        self.running: dict[str, list] = {}  # request id -> [tokens so far, max_tokens, compact key]
+        self.rows: list[CompactOutputs] = []
+        self.aborted: list[str] = []
+
+    def stats(self) -> dict:
+        import gc
+
+        return {"num_requests": len(self.running), "aborted": list(self.aborted), "frozen": gc.get_freeze_count()}
+
+    def add_request(self, request_id, prompt, prompt_token_ids, params, stream=True, add_special_tokens=True,
+                    detokenize=True, compact_key=None):
+        self.running[request_id] = [0, params.max_tokens, compact_key]
+
+    def abort(self, request_id: str) -> None:
+        if self.running.pop(request_id, None) is not None:
+            self.aborted.append(request_id)
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self.running
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.running)
+
+    def step(self) -> list[RequestOutput]:
+        time.sleep(0.001)
+        outs, keys, tokens, finish = [], [], [], []
+        for request_id, state in list(self.running.items()):
+            state[0] += 1
+            k, done = state[0], state[0] >= state[1]
+            if state[2] is not None:
+                keys.append(state[2])
+                tokens.append(100 + k)
+                finish.append(2 if done else 0)
+            else:
+                outs.append(RequestOutput(request_id, None, [1], [CompletionOutput(
+                    0, f"<{k}>", [100 + k], None, None, "length" if done else None)], done))
+            if done:
+                del self.running[request_id]
+        if keys:
+            self.rows.append(CompactOutputs(np.array(keys, dtype=np.int64), np.array(tokens, dtype=np.int32),
+                                            np.array(finish, dtype=np.uint8), np.full(len(keys), -1, np.int32)))
+        return outs
+
+    def take_compact_outputs(self) -> CompactOutputs | None:
+        rows, self.rows = self.rows, []
+        return CompactOutputs.concat(rows) if rows else None
+
+
+def _stub(engine_args) -> StubCompactEngine:
+    return StubCompactEngine()
+
+
+@pytest.fixture(scope="module")
+def tokenizer_path() -> str:
+    from pagedcore import default_model_path
+
+    return default_model_path()
+
+
+@pytest.fixture(scope="module")
+def channels(tokenizer_path):
+    """An engine process with two channels, both used from this process (the
+    second through channel 1's pipes as they are); the last test detaches it."""
+    from pagedcore.server.engine_process import EngineProcess
+
+    main = EngineProcess(None, engine_factory=_stub, api_server_count=2, tokenizer_path=tokenizer_path)
+    [channel] = main.worker_channels()
+    other = EngineProcess.attach(channel)
+    try:
+        yield main, other
+    finally:
+        other.shutdown()
+        main.shutdown()
+
+
+def greedy(n: int, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, **kw)
+
+
+async def read(stream) -> tuple[list[int], str, str | None]:
+    ids, text, reason = [], "", None
+    async for out in stream.merged():
+        ids += out.outputs[0].token_ids
+        text += out.outputs[0].text
+        reason = out.outputs[0].finish_reason
+    return ids, text, reason
+
+
+def test_two_channels_each_get_their_own_streams_compact_and_not(channels, tokenizer_path) -> None:
+    import transformers
+
+    main, other = channels
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_path)
+
+    async def run() -> tuple[list, list]:
+        streams = []
+        for i in range(6):
+            client = (main, other)[i % 2]
+            params = greedy(20 + i, logprobs=1) if i == 4 else greedy(20 + i)  # (4: not plain)
+            streams.append(await client.add(f"r{i}", None, [5, 6, 7], params))
+        got = await asyncio.wait_for(asyncio.gather(*[read(s) for s in streams]), 30)
+        return got, [type(s._stream).__name__ for s in streams]
+
+    got, kinds = asyncio.run(run())
+    assert main._compact_streams == {} and other._compact_streams == {}  # (finished: forgotten)
+    # The engine process froze its start-up objects (a full collection walks only what came after).
+    assert main.stats["frozen"] > 10000
+    assert kinds == ["_CompactStream"] * 4 + ["_Stream", "_CompactStream"]
+    for i, (ids, text, reason) in enumerate(got):
+        assert ids == [100 + k for k in range(1, 21 + i)], i
+        assert reason == "length"
+        assert text == tokenizer.decode(ids), i  # (made on the HTTP side, r4's too: it has no stop strings)
+
+
+def test_an_aborted_stream_ends_its_request_and_a_detached_channel_leaves_the_other_serving(channels) -> None:
+    from pagedcore.server.async_engine import EngineDeadError
+
+    main, other = channels
+
+    async def run() -> dict:
+        result = {}
+        gone = await main.add("gone", None, [5], greedy(100000))
+        batches = gone.merged()
+        await batches.__anext__()
+        await batches.aclose()  # (leaving the stream aborts the request)
+        long_ = await other.add("long", None, [5], greedy(100000))
+        reader = asyncio.create_task(read(long_))
+        await asyncio.sleep(0.2)
+        await asyncio.to_thread(other.shutdown)  # the other HTTP process goes: its request ends
+        try:
+            await asyncio.wait_for(reader, 30)
+        except EngineDeadError as e:
+            result["cut"] = str(e)
+        # The engine goes on for this channel (its stats come with its outputs, now after the detach).
+        short = await main.add("short", None, [5], greedy(40))
+        result["short"] = await asyncio.wait_for(read(short), 30)
+        result["aborted"] = main.stats["aborted"]
+        return result
+
+    result = asyncio.run(run())
+    assert result["cut"] == "server shutting down"
+    assert result["short"][0] == [100 + k for k in range(1, 41)]
+    assert result["aborted"] == ["gone", "long"]

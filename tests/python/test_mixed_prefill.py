@@ -1,0 +1,124 @@
+"""max_num_mixed_prefill_tokens (EngineConfig, LLM, `pagedcore serve`): while
+decode rows run, a step computes at most that many prompt tokens (a long prompt
+is chunked over more steps, so the running streams' next token is not held up
+by it), unless more than mixed_prefill_max_waiting requests wait; the outputs
+are the same greedy tokens as transformers' on the same weights."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from pagedcore import LLM, SamplingParams  # noqa: E402
+from test_models_hf import hf_greedy, make_checkpoint, prompts  # noqa: E402
+
+CAP = 16
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return make_checkpoint("llama", tmp_path_factory.mktemp("mixed"))
+
+
+def record_steps(llm: LLM) -> list[tuple[int, int]]:
+    """(decode rows, prompt tokens) of every step the runner executes from now on."""
+    runner = llm.llm_engine.runner
+    execute = runner.execute
+    steps: list[tuple[int, int]] = []
+
+    def recording(batch, *args, **kwargs):
+        steps.append((int(batch.num_decode_seqs), int(batch.num_tokens) - int(batch.num_decode_seqs)))
+        return execute(batch, *args, **kwargs)
+
+    runner.execute = recording
+    return steps
+
+
+def test_a_prompt_that_arrives_while_another_decodes_is_chunked_at_the_cap(checkpoint) -> None:
+    from pagedcore import default_model_path
+
+    short, long_ = prompts()[0], prompts()[3]  # 3 and 77 tokens
+    llm = LLM(model=str(checkpoint), tokenizer=default_model_path(), num_kv_blocks=64, max_model_len=256,
+              max_num_mixed_prefill_tokens=CAP)
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    steps = record_steps(llm)
+    engine.add_request("short", None, short, params)
+    done: dict[str, list[int]] = {}
+    for out in engine.step() + engine.step():  # its prompt, then one decode
+        done[out.request_id] = out.outputs[0].token_ids
+    engine.add_request("long", None, long_, params)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+    # The short prompt alone (no decode row yet: no cap), one decode; then the long
+    # prompt 16 tokens a step beside the short one's decodes (77 = 4 x 16 + 13),
+    # then both decode.
+    assert steps[:7] == [(0, 3), (1, 0), (1, 16), (1, 16), (1, 16), (1, 16), (1, 13)]
+    assert all(prompt_tokens == 0 for _, prompt_tokens in steps[7:])
+    assert done["short"] == hf_greedy(checkpoint, short, 24)[0]
+    assert done["long"] == hf_greedy(checkpoint, long_, 24)[0]
+    stats = llm.stats()
+    assert stats["num_free_blocks"] == stats["num_blocks"]
+
+
+def test_the_cap_is_lifted_while_more_requests_wait_than_mixed_prefill_max_waiting(checkpoint) -> None:
+    # 10 prompts arrive while one decodes: more than 8 wait, so the step admits
+    # with the whole budget (2048 tokens on the CPU): every prompt at once.
+    from pagedcore import default_model_path
+
+    llm = LLM(model=str(checkpoint), tokenizer=default_model_path(), num_kv_blocks=128, max_model_len=256,
+              max_num_mixed_prefill_tokens=CAP)
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    engine.add_request("first", None, [5, 6, 7], params)
+    engine.step()
+    steps = record_steps(llm)
+    ps = [[10 + i] * 12 for i in range(10)]
+    for i, p in enumerate(ps):
+        engine.add_request(f"r{i}", None, p, params)
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    assert steps[0] == (1, 120)
+    got = {o.request_id: o.outputs[0].token_ids for o in outs}
+    for i in (0, 9):
+        assert got[f"r{i}"] == hf_greedy(checkpoint, ps[i], 4)[0]
+
+
+@pytest.mark.parametrize("field, value", [("max_num_mixed_prefill_tokens", -1),
+                                          ("max_num_mixed_prefill_tokens", True),
+                                          ("mixed_prefill_max_waiting", None)])
+def test_a_bad_value_is_refused_before_anything_loads(field, value) -> None:
+    from pagedcore.llm_engine import EngineArgs, LLMEngine
+
+    with pytest.raises(ValueError, match=f"^{field} must be an integer >= 0, got {value!r}$"):
+        LLMEngine(EngineArgs(model="/nonexistent", **{field: value}))
+
+
+def test_serve_passes_its_flags_to_the_engine_and_refuses_a_bad_api_server_count(monkeypatch, capsys,
+                                                                                 tmp_path) -> None:
+    # `pagedcore serve` builds EngineArgs with --max-num-mixed-prefill-tokens (default
+    # 256); the engine is a stub that keeps them and stops the command.
+    import pagedcore.llm_engine as llm_engine
+    from pagedcore import cli
+
+    seen = []
+
+    class Stop(ValueError):
+        pass
+
+    def stub(args):
+        seen.append(args)
+        raise Stop("stub engine")
+
+    monkeypatch.setattr(llm_engine, "LLMEngine", stub)
+    for flags, want in (([], 256), (["--max-num-mixed-prefill-tokens", "64"], 64),
+                        (["--max-num-mixed-prefill-tokens", "0"], 0)):
+        assert cli.main(["serve", "--model", str(tmp_path), "--port", "0", *flags]) == 2
+        assert seen[-1].max_num_mixed_prefill_tokens == want
+    assert cli.main(["serve", "--model", str(tmp_path), "--port", "0", "--api-server-count", "0"]) == 2
+    assert "--api-server-count must be >= 1, got 0" in capsys.readouterr().err
+    assert len(seen) == 3  # (refused before anything loads)
