@@ -29,8 +29,7 @@ import torch
 from pagedcore import _C, ops
 
 ENV = "PAGEDCORE_PREFILL_KERNEL"
-KERNELS = ("mma", "wgmma", "wgmma-ws", "wgmma-pp", "wgmma-late", "wgmma-tma", "wgmma-tma-pp", "wgmma-tma-plain",
-           "wgmma-tma-async", "wgmma-rev", "wgmma-late-rev", "wgmma-tma-plain-rev", "wgmma-tma-async-rev")
+KERNELS = ("mma", "wgmma", "wgmma-tma")
 PROBE_SECONDS = 90
 
 
@@ -61,7 +60,7 @@ EXTRA_CASES = [
     Case("group 1, d128, bs32, prefix", [(200, 700), (128, 128), (255, 300)], heads=4, kv_heads=4, block_size=32),
     Case("key splits: 40 over 5000 (32/8)", [(40, 5000)]),
     Case("window 256 + softcap 30 (32/8, d128)", [(1000, 3000)], window=256, softcap=30.0),
-    # (first keys mid-block, for the TMA variants' block-aligned tiles)
+    # (first keys mid-block, for the TMA kernel's block-aligned tiles)
     Case("window 200, bs64, splits (32/8, d128)", [(1000, 3000), (40, 5000)], window=200, block_size=64),
 ]
 

@@ -89,12 +89,8 @@ __device__ __forceinline__ Item item_of(const PagedAttentionParams& p, int kv_he
 
 // The CTA of a (kv heads, work items, splits) grid, or item `linear` in that
 // grid's launch order (kv head fastest) for a persistent CTA.
-// reverse: work items in the opposite order of the grid's (the plan lists each
-// row's items by ascending key range, and the grid launches in order: this
-// starts the longest first, leaving the short ones for the tail).
-__device__ __forceinline__ Item item_of(const PagedAttentionParams& p, bool reverse = false) {
-  return item_of(p, blockIdx.x, reverse ? p.num_work - 1 - static_cast<int>(blockIdx.y) : static_cast<int>(blockIdx.y),
-                 blockIdx.z);
+__device__ __forceinline__ Item item_of(const PagedAttentionParams& p) {
+  return item_of(p, blockIdx.x, blockIdx.y, blockIdx.z);
 }
 __device__ __forceinline__ Item item_at(const PagedAttentionParams& p, int linear) {
   const int rest = linear / p.num_kv_heads;
@@ -162,30 +158,6 @@ struct KvGather {
         src = base + static_cast<int64_t>(table[b]) * block_elems + static_cast<int64_t>(key - b * bs) * slot_elems +
               chunk * 8;
       }
-      wgmma::cp_async16(dst + wgmma::swizzled<kKeys>(j, chunk), src, valid);
-    }
-  }
-
-  // load() without branches, for copies issued while wgmma are in flight
-  // (ptxas serializes wgmma whose accumulators live across a branch join):
-  // keys at or past s_hi, and all keys when !enable, read the table at a valid
-  // key (s_hi - 1) and copy 0 bytes (zero-fill).
-  template <int NTHREADS, int UNROLL>
-  __device__ __forceinline__ void load_branchless(uint32_t dst, const T* base, int kbase, int s_hi, int tid,
-                                                  bool enable) const {
-    constexpr int CH = HD / 8;
-    constexpr int PASS_ROWS = NTHREADS / CH;
-    static_assert(NTHREADS % CH == 0 && kKeys % PASS_ROWS == 0, "copy shape");
-    const int chunk = tid % CH;
-#pragma unroll UNROLL
-    for (int pass = 0; pass < kKeys / PASS_ROWS; ++pass) {
-      const int j = pass * PASS_ROWS + tid / CH;
-      const int key = kbase + j;
-      const bool valid = enable && key < s_hi;
-      const int k = max(0, min(key, s_hi - 1));
-      const int b = bs_shift >= 0 ? k >> bs_shift : k / bs;
-      const T* src =
-          base + static_cast<int64_t>(table[b]) * block_elems + static_cast<int64_t>(k - b * bs) * slot_elems + chunk * 8;
       wgmma::cp_async16(dst + wgmma::swizzled<kKeys>(j, chunk), src, valid);
     }
   }

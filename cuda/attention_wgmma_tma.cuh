@@ -1,5 +1,5 @@
-// Internal: the TMA pieces of the Hopper prefill kernels (attention_wgmma.cu,
-// PAGEDCORE_PREFILL_KERNEL=wgmma-tma, wgmma-tma-pp, wgmma-tma-plain): the
+// Internal: the TMA pieces of the Hopper prefill kernel (attention_wgmma.cu,
+// PAGEDCORE_PREFILL_KERNEL=wgmma-tma): the
 // tensor maps over the paged cache (encoded on the host), the block-aligned
 // key tiles, and the per-block TMA copies of K and V tiles (device code for
 // sm_90a only, wgmma_ops.cuh).
@@ -19,9 +19,9 @@
 
 namespace pagedcore::cuda::wgmma_attention {
 
-// Tensor maps over the key and value caches for the TMA variants (encoded on
+// Tensor maps over the key and value caches for the TMA kernel (encoded on
 // the host per launch, passed by value: CUDA graphs capture them with the
-// launch); unused by the others.
+// launch).
 struct KvTensorMaps {
   CUtensorMap k;
   CUtensorMap v;
@@ -131,8 +131,7 @@ inline EncodeTiledFn tensor_map_encoder() {
 // that issue them).
 inline bool tma_block_size(int bs) { return bs >= 8 && bs <= kKeys && (bs & (bs - 1)) == 0; }
 
-// Encodes the K and V tensor maps of `p`'s cache (see tma_k_blocks in
-// attention_wgmma_parts.cuh): dims (HD, kv heads, block_size, num_blocks),
+// Encodes the K and V tensor maps of `p`'s cache (see tma_k_blocks): dims (HD, kv heads, block_size, num_blocks),
 // box (64, 1, block_size, 1), 128-byte swizzle. False if it cannot.
 template <typename T, int HD>
 bool encode_kv_maps(const PagedAttentionParams& p, KvTensorMaps& maps) {

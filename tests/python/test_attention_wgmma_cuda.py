@@ -1,7 +1,6 @@
 """The Hopper prefill kernels (wgmma, sm_90a) through pagedcore.ops.paged_attention with
-PAGEDCORE_PREFILL_KERNEL=wgmma, =wgmma-ws, =wgmma-pp, =wgmma-late, =wgmma-tma, =wgmma-tma-pp
-and =wgmma-tma-plain (and =mma, the kernel they replace), each against the float64
-references of test_ops_cuda.py
+PAGEDCORE_PREFILL_KERNEL=wgmma and =wgmma-tma (and =mma, the kernel they replace), each
+against the float64 references of test_ops_cuda.py
 (fresh random inputs, NaN in every cache slot the kernel must not read, NaN-poisoned
 outputs): block sizes, head dims 64/128, GQA ratios (1, non-powers of two), bf16 and
 fp16, mixed rows (decode rows stay on the decode kernel; cached prefixes, lengths that
@@ -25,18 +24,14 @@ pytestmark = pytest.mark.cuda
 from test_ops_cpu import NAN, make_batch, mixed_rows, reference  # noqa: E402
 from test_ops_cuda import TOLERANCE  # noqa: E402
 
-# wgmma-ws: the warp-specialized variant; wgmma-pp: the same with the two computing
-# warpgroups taking turns at the tensor cores (softcap cases run the plain one).
-# wgmma-late: the plain kernel issuing its copies after the GEMMs. wgmma-tma /
-# wgmma-tma-pp: wgmma-ws / wgmma-pp copying K and V by TMA, one copy per cache block,
-# key tiles starting on a block boundary; wgmma-tma-plain: the plain kernel copying by
-# TMA, wgmma-tma-async: the same without a CTA barrier per tile (the TMA variants run the plain kernel with softcap or block sizes that are not
-# powers of two in 8..128). mma: the mma.sync kernel, which the default (auto) no longer
-# picks for head dim 128 here. PAGEDCORE_TEST_PREFILL_KERNELS (comma-separated) narrows
-# the list, e.g. to leave out a variant that bench/check_wgmma.py found hanging.
-# "-rev": the non-persistent kernels taking the work items in reverse (longest first).
-KERNELS = ["mma", "wgmma", "wgmma-ws", "wgmma-pp", "wgmma-late", "wgmma-tma", "wgmma-tma-pp", "wgmma-tma-plain",
-           "wgmma-tma-async", "wgmma-rev", "wgmma-late-rev", "wgmma-tma-plain-rev", "wgmma-tma-async-rev"]
+# wgmma: the plain kernel (every thread gathers K/V by cp.async); wgmma-tma (the default
+# at head dim 128): a copying warpgroup brings K and V by TMA, one copy per cache block,
+# key tiles starting on a block boundary, persistent CTAs (softcap and block sizes that are
+# not powers of two in 8..128 run the plain kernel). mma: the mma.sync kernel, which the
+# default (auto) no longer picks for head dim 128 here. PAGEDCORE_TEST_PREFILL_KERNELS
+# (comma-separated) narrows the list, e.g. to leave out a variant that
+# bench/check_wgmma.py found hanging.
+KERNELS = ["mma", "wgmma", "wgmma-tma"]
 if os.environ.get("PAGEDCORE_TEST_PREFILL_KERNELS"):
     KERNELS = [k for k in os.environ["PAGEDCORE_TEST_PREFILL_KERNELS"].split(",") if k]
 
@@ -145,7 +140,7 @@ def test_wgmma_key_splits(rows, group):
 
 @pytest.mark.parametrize("head_dim,group", [(64, 4), (128, 1), (128, 3)])
 def test_wgmma_many_items_per_cta(head_dim, group):
-    # More work items x kv heads than multiprocessors: wgmma-ws's persistent CTAs walk
+    # More work items x kv heads than multiprocessors: wgmma-tma's persistent CTAs walk
     # several items each (items of different lengths, the K/V buffer rings and their
     # barrier phases carried from one item to the next).
     rows = [(17 + (37 * i) % 90, 17 + (37 * i) % 90 + (53 * i) % 300) for i in range(60)]
@@ -159,7 +154,7 @@ def test_wgmma_many_items_per_cta(head_dim, group):
 @pytest.mark.parametrize("block_size", [8, 64, 128])
 @pytest.mark.parametrize("window", [0, 45, 300])
 def test_wgmma_key_tiles_on_block_boundaries(block_size, window):
-    # The TMA variants start each key range's tiles at its first key rounded down to a
+    # The TMA kernel starts each key range's tiles at its first key rounded down to a
     # block: windows and key splits whose first key sits mid-block (the keys before it
     # masked, their V rows zero-filled: NaN in the tests), last blocks partly past the
     # row's end, blocks as large as a whole key tile; once with the plan's key splits,
