@@ -29,7 +29,9 @@ import torch
 from pagedcore import _C, ops
 
 ENV = "PAGEDCORE_PREFILL_KERNEL"
-KERNELS = ("mma", "wgmma", "wgmma-tma")
+# wgmma-tma-ids: the copying warp looks block ids up a tile ahead; wgmma-tma-runs: a key tile
+# of consecutive cache blocks as one copy per 64-dim half; wgmma-tma-ids-runs: both.
+KERNELS = ("mma", "wgmma", "wgmma-tma", "wgmma-tma-ids", "wgmma-tma-runs", "wgmma-tma-ids-runs")
 PROBE_SECONDS = 90
 
 
@@ -44,6 +46,7 @@ class Case:
     dtype: torch.dtype = torch.bfloat16
     window: int = 0
     softcap: float = 0.0
+    consecutive: bool = False  # the rows' blocks in table order in the cache (else scattered)
 
 
 ISSUE_CASES = [
@@ -64,10 +67,16 @@ EXTRA_CASES = [
     Case("window 200, bs64, splits (32/8, d128)", [(1000, 3000), (40, 5000)], window=200, block_size=64),
 ]
 
+# Block size 16 with each row's blocks consecutive in the cache, as a fresh allocation may
+# lay them out (wgmma-tma-runs then copies whole key tiles), beside ISSUE_CASES' scattered ones.
+RUN_CASES = [
+    Case("8k causal (32/8, d128, bs16, consecutive)", [(8192, 8192)], consecutive=True),
+]
+
 
 def build(case: Case, seed: int = 0):
     """Paged cache with NaN in block 0 and in every slot past a row's length; rows'
-    blocks scattered at random."""
+    blocks scattered at random (case.consecutive: in order)."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     bs = case.block_size
     per_row = [-(-ctx // bs) for _, ctx in case.rows]
@@ -78,6 +87,8 @@ def build(case: Case, seed: int = 0):
     kc[0] = float("nan")
     vc[0] = float("nan")
     perm = (torch.randperm(nb - 1, generator=g, device="cuda") + 1).to(torch.int32)
+    if case.consecutive:
+        perm = torch.arange(1, nb, device="cuda", dtype=torch.int32)
     width = max(per_row)
     tables = torch.zeros((len(case.rows), width), dtype=torch.int32, device="cuda")
     at = 0
@@ -289,7 +300,7 @@ def main() -> None:
     KERNELS = tuple(alive)
     # (for the device command: PAGEDCORE_TEST_PREFILL_KERNELS=$(... | sed -n 's/^ALIVE=//p'))
     print(f"ALIVE={','.join(alive)}", flush=True)
-    cases = EXTRA_CASES + ([] if args.quick else ISSUE_CASES)
+    cases = EXTRA_CASES + ([] if args.quick else ISSUE_CASES + RUN_CASES)
     rows = []
     with ops.unchecked_indices():
         for case in cases:
@@ -299,7 +310,7 @@ def main() -> None:
                 rows.append({"case": case.name, "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
             print(rows[-1], flush=True)
     print()
-    print(f"{'case':<42}{'splits':>7}  {'kernel':<10}{'max err':>10}{'NaN':>7}{'us':>10}{'TFLOP/s':>9}")
+    print(f"{'case':<42}{'splits':>7}  {'kernel':<19}{'max err':>10}{'NaN':>7}{'us':>10}{'TFLOP/s':>9}")
     bad = list(dropped) + (["[selftest]"] if selftest_bad else [])
     for r in rows:
         if "error" in r:
@@ -309,18 +320,24 @@ def main() -> None:
         tf = r["tflop"] * 1e6
         for kernel in KERNELS:
             err, nan, us = r[f"{kernel}_err"], r[f"{kernel}_nan"], r[f"{kernel}_us"]
-            print(f"{r['case']:<42}{r['splits']:>7}  {kernel:<10}{err:10.2e}{nan:7d}{us:10.1f}{tf / us:9.0f}")
+            print(f"{r['case']:<42}{r['splits']:>7}  {kernel:<19}{err:10.2e}{nan:7d}{us:10.1f}{tf / us:9.0f}")
             if kernel != "mma" and (nan or not math.isfinite(err) or err > 0.05):
                 bad.append(f"{r['case']} [{kernel}]")
                 print(f"{'':<51}where: {r.get(f'{kernel}_diagnosis', 'NaN only')}")
         if r["flash_us"]:
-            print(f"{r['case']:<42}{r['splits']:>7}  {'FA2':<10}{'':>10}{'':>7}{r['flash_us']:10.1f}"
+            print(f"{r['case']:<42}{r['splits']:>7}  {'FA2':<19}{'':>10}{'':>7}{r['flash_us']:10.1f}"
                   f"{tf / r['flash_us']:9.0f}")
         correct = [k for k in KERNELS if k != "mma" and not r[f"{k}_nan"] and r[f"{k}_err"] <= 0.05]
         if correct:
             best = min(correct, key=lambda k: r[f"{k}_us"])
             vs = f", {r['flash_us'] / r[f'{best}_us']:.2f}x FA2's speed" if r["flash_us"] else ""
             print(f"{'':<51}fastest correct wgmma variant: {best} {r[f'{best}_us']:.1f} us{vs}")
+    # Issue 12's block-size target: 8k causal at block size 16 within 5% of 128, per variant.
+    by_name = {r["case"]: r for r in rows if "error" not in r}
+    r16, r128 = by_name.get(ISSUE_CASES[0].name), by_name.get(ISSUE_CASES[1].name)
+    if r16 and r128:
+        ratios = [f"{k} {r16[f'{k}_us'] / r128[f'{k}_us']:.3f}" for k in KERNELS if k != "mma"]
+        print(f"8k causal, bs16 time / bs128 time: {', '.join(ratios)} (target <= 1.05)")
     for note in {r["flash_note"] for r in rows if r.get("flash_note")}:
         print(f"FA2 peer: {note}")
     print("wgmma kernels: OK" if not bad else f"wgmma kernels: FAILED on {bad}")

@@ -17,7 +17,8 @@
 // closes each tile (also what serves softcap); =wgmma-tma (the default at head
 // dim 128), where a third warpgroup copies K and V by TMA, one copy per cache
 // block (attention_wgmma_tma.cuh), mbarriers hand the buffers between it and
-// the two computing warpgroups, and CTAs are persistent.
+// the two computing warpgroups, and CTAs are persistent; its opt-in variants
+// for small blocks =wgmma-tma-ids, =wgmma-tma-runs, =wgmma-tma-ids-runs.
 // Scores, softmax and O are float32; P is rounded to the query type.
 #include "attention_wgmma.h"
 
@@ -183,7 +184,17 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_prefill_kernel(const __grid
 // the bytes, the full V barrier that and the 128 threads' cp.async arrivals
 // (edge rows of V, zero-filled). The two computing warpgroups never wait for
 // each other.
+// MODE (opt-in variants, for small blocks: 16 copies per K or V tile at block
+// size 16 and head dim 128, against 2 at 128):
+//   kIdsAhead (=wgmma-tma-ids): warp 0 looks up the block ids of the item's
+//     next tile before it waits for this tile's buffers, so that the table's
+//     latency is not between a buffer coming free and its copies;
+//   kRuns (=wgmma-tma-runs): a tile whose blocks are consecutive in the cache
+//     (rows block_0 * block_size .. + kKeys of [num_blocks * block_size, kv
+//     heads, HD]) comes as one copy per 64-dim half (tma_tile_run).
 constexpr int kTmaThreads = 384;
+constexpr int kIdsAhead = 1;
+constexpr int kRuns = 2;
 
 // The r-th item (linear index of the launch's grid) of this persistent CTA, or
 // -1 when it has no more: blockIdx.x + r * gridDim.x; with `snake`, the items
@@ -206,13 +217,16 @@ constexpr int kCopyRegs = 40;
 constexpr int kMathRegs = 232;
 constexpr int kJoinRegs = 168;  // everyone's share again (65536 / 384), for the split merge
 
-template <typename T, int HD>
+template <typename T, int HD, int MODE>
 __global__ void __launch_bounds__(kTmaThreads, 1)
-    wgmma_tma_prefill_kernel(const __grid_constant__ PagedAttentionParams p, const __grid_constant__ KvTensorMaps maps) {
+    wgmma_tma_prefill_kernel(const __grid_constant__ PagedAttentionParams p,
+                             const __grid_constant__ KvTensorMaps<(MODE & kRuns) != 0> maps) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int ON = HD / 2;
   constexpr int PK = kKeys / 16;
   constexpr int TB = tile_bytes<HD>(kKeys);
+  constexpr bool IDS_AHEAD = (MODE & kIdsAhead) != 0;
+  constexpr bool RUNS = (MODE & kRuns) != 0;
   static_assert(HD == 64 || HD == 128, "head dim");
 
   extern __shared__ unsigned char smem_raw[];
@@ -255,6 +269,10 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
     if (tid == 0) {
       wgmma::tma_prefetch_map(&maps.k);
       wgmma::tma_prefetch_map(&maps.v);
+      if constexpr (RUNS) {
+        wgmma::tma_prefetch_map(&maps.k_rows);
+        wgmma::tma_prefetch_map(&maps.v_rows);
+      }
     }
     // Tile g of this CTA (over all its items) uses stage g % kStages for the
     // (g / kStages)-th time: its full barrier completes phase g / kStages;
@@ -267,20 +285,47 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
       const Item it = item_at(p, linear);
       const KvGather<T, HD> kv(p, it);
       const TileSpan span = block_aligned_tiles(it, p.block_size);
+      // (IDS_AHEAD: the block ids of tile t + 1, looked up at the top of tile t.)
+      int next = IDS_AHEAD && tid < 32 && span.n > 0 ? tile_block(kv, span.k0, it.s_lo, it.s_hi, tid) : -1;
 #pragma unroll 1
       for (int t = 0; t < span.n; ++t, ++g) {
         const int st = g % kStages;
         const uint32_t use = g / kStages;
         const int kbase = span.k0 + t * kKeys;
-        if (use > 0) wgmma::mbar_wait(empty_k(st), (use - 1) & 1);
         // Warp 0's lanes look up the tile's blocks once, for K and V.
-        const int block = tid < 32 ? tile_block(kv, kbase, it.s_lo, it.s_hi, tid) : -1;
-        if (tid < 32) tma_k_blocks<HD>(&maps.k, it.kv_head, k_s + st * TB, full_k(st), block, p.block_size, tid);
+        int block = -1;
+        if constexpr (IDS_AHEAD) {
+          block = next;
+          if (tid < 32) next = t + 1 < span.n ? tile_block(kv, kbase + kKeys, it.s_lo, it.s_hi, tid) : -1;
+        }
+        if (use > 0) wgmma::mbar_wait(empty_k(st), (use - 1) & 1);
+        if constexpr (!IDS_AHEAD) block = tid < 32 ? tile_block(kv, kbase, it.s_lo, it.s_hi, tid) : -1;
+        // (RUNS: whether the tile's blocks are consecutive, asked once for K and V.)
+        const bool run = RUNS && tid < 32 && tile_is_run(block, p.block_size, tid);
+        if (tid < 32) {
+          if constexpr (RUNS) {
+            if (run) {
+              tma_tile_run<HD>(&maps.k_rows, it.kv_head, k_s + st * TB, full_k(st), block, p.block_size, tid);
+            } else {
+              tma_k_blocks<HD>(&maps.k, it.kv_head, k_s + st * TB, full_k(st), block, p.block_size, tid);
+            }
+          } else {
+            tma_k_blocks<HD>(&maps.k, it.kv_head, k_s + st * TB, full_k(st), block, p.block_size, tid);
+          }
+        }
         if (use > 0) wgmma::mbar_wait(empty_v(st), (use - 1) & 1);
         int lo, hi;
         full_block_rows(kbase, it.s_lo, it.s_hi, p.block_size, lo, hi);
         if (tid < 32) {
-          tma_v_blocks<HD>(&maps.v, it.kv_head, v_s + st * TB, full_v(st), block, p.block_size, lo, hi, tid);
+          if constexpr (RUNS) {
+            if (run && lo == 0 && hi == kKeys) {
+              tma_tile_run<HD>(&maps.v_rows, it.kv_head, v_s + st * TB, full_v(st), block, p.block_size, tid);
+            } else {
+              tma_v_blocks<HD>(&maps.v, it.kv_head, v_s + st * TB, full_v(st), block, p.block_size, lo, hi, tid);
+            }
+          } else {
+            tma_v_blocks<HD>(&maps.v, it.kv_head, v_s + st * TB, full_v(st), block, p.block_size, lo, hi, tid);
+          }
         }
         kv.load_edge_rows(v_s + st * TB, kv.value_base, kbase, lo, hi, it.s_lo, it.s_hi, tid, 128);
         wgmma::cp_async_arrive(full_v(st));
@@ -467,6 +512,20 @@ int launch(void (*kernel)(PagedAttentionParams, Args...), bool& configured, int 
   return merge_attention_splits(p, false, stream);
 }
 
+// kernel_choice(): 1 the plain kernel, kTmaChoice + MODE the TMA kernel.
+constexpr int kTmaChoice = 2;
+
+template <typename T, int HD, int MODE>
+int launch_tma(const PagedAttentionParams& p, cudaStream_t stream) {
+  KvTensorMaps<(MODE & kRuns) != 0> maps{};
+  if (encode_kv_maps<T, HD>(p, maps)) {
+    static bool configured = false;
+    return launch<HD>(wgmma_tma_prefill_kernel<T, HD, MODE>, configured, kTmaThreads, p, stream, true, maps);
+  }
+  static bool configured = false;
+  return launch<HD>(wgmma_prefill_kernel<T, HD, false>, configured, kThreads, p, stream, false);
+}
+
 template <typename T, int HD>
 int launch_head_dim(const PagedAttentionParams& p, int choice, cudaStream_t stream) {
   // NOTE: the TMA kernel's computing warpgroups have 232 registers; softcap's
@@ -476,10 +535,12 @@ int launch_head_dim(const PagedAttentionParams& p, int choice, cudaStream_t stre
     static bool configured = false;
     return launch<HD>(wgmma_prefill_kernel<T, HD, true>, configured, kThreads, p, stream, false);
   }
-  KvTensorMaps maps{};
-  if (choice == 2 && encode_kv_maps<T, HD>(p, maps)) {
-    static bool configured = false;
-    return launch<HD>(wgmma_tma_prefill_kernel<T, HD>, configured, kTmaThreads, p, stream, true, maps);
+  switch (choice - kTmaChoice) {
+    case 0: return launch_tma<T, HD, 0>(p, stream);
+    case kIdsAhead: return launch_tma<T, HD, kIdsAhead>(p, stream);
+    case kRuns: return launch_tma<T, HD, kRuns>(p, stream);
+    case kIdsAhead | kRuns: return launch_tma<T, HD, kIdsAhead | kRuns>(p, stream);
+    default: break;
   }
   static bool configured = false;
   return launch<HD>(wgmma_prefill_kernel<T, HD, false>, configured, kThreads, p, stream, false);
@@ -495,7 +556,10 @@ int dispatch_head_dim(const PagedAttentionParams& p, int choice, cudaStream_t st
 }
 
 // PAGEDCORE_PREFILL_KERNEL: "wgmma" (1: the plain kernel), "wgmma-tma" (2: the
-// TMA kernel), "mma" (0: the mma.sync kernel) or anything else unknown (0); unset, empty or "auto": the variant measured
+// TMA kernel), "wgmma-tma-ids" (3: its block ids a tile ahead),
+// "wgmma-tma-runs" (4: a tile of consecutive blocks as one copy per 64-dim
+// half), "wgmma-tma-ids-runs" (5: both), "mma" (0: the mma.sync kernel) or
+// anything else unknown (0); unset, empty or "auto": the variant measured
 // fastest for the head dim (kAuto*).
 // NOTE: measured on the H200 (bench/check_wgmma.py, at 83b8cea; every variant
 // then built correct): 8k causal d128 bs16 mma 3117 us, wgmma 2190 (251
@@ -506,7 +570,7 @@ int dispatch_head_dim(const PagedAttentionParams& p, int choice, cudaStream_t st
 // log: wgmma-ws/-pp with a cp.async producer warpgroup, 2490 us; wgmma-late,
 // 1841; wgmma-tma-plain/-async, the plain kernel copying by TMA, 1456/1483;
 // wgmma-tma-pp, 1173; the "-rev" item orders: no gain) lost on every case.
-constexpr int kAutoD128 = 2;
+constexpr int kAutoD128 = kTmaChoice;
 constexpr int kAutoD64 = 0;
 int kernel_choice(const PagedAttentionParams& p) {
   // NOTE: read on every call (a getenv per layer is noise) so that a process
@@ -516,7 +580,10 @@ int kernel_choice(const PagedAttentionParams& p) {
     return p.head_dim == 128 ? kAutoD128 : p.head_dim == 64 ? kAutoD64 : 0;
   }
   if (std::strcmp(env, "wgmma") == 0) return 1;
-  if (std::strcmp(env, "wgmma-tma") == 0) return 2;
+  if (std::strcmp(env, "wgmma-tma") == 0) return kTmaChoice;
+  if (std::strcmp(env, "wgmma-tma-ids") == 0) return kTmaChoice + kIdsAhead;
+  if (std::strcmp(env, "wgmma-tma-runs") == 0) return kTmaChoice + kRuns;
+  if (std::strcmp(env, "wgmma-tma-ids-runs") == 0) return kTmaChoice + (kIdsAhead | kRuns);
   return 0;  // "mma", or anything else
 }
 
