@@ -30,8 +30,10 @@ from pagedcore import _C, ops
 
 ENV = "PAGEDCORE_PREFILL_KERNEL"
 # wgmma-tma-ids: the copying warp looks block ids up a tile ahead; wgmma-tma-runs: a key tile
-# of consecutive cache blocks as one copy per 64-dim half; wgmma-tma-ids-runs: both.
-KERNELS = ("mma", "wgmma", "wgmma-tma", "wgmma-tma-ids", "wgmma-tma-runs", "wgmma-tma-ids-runs")
+# of consecutive cache blocks as one copy per 64-dim half; wgmma-tma-ids-runs: both;
+# wgmma-tma-pairs: one copy per block for both 64-dim halves (d128); -ids-pairs: with ids ahead.
+KERNELS = ("mma", "wgmma", "wgmma-tma", "wgmma-tma-ids", "wgmma-tma-runs", "wgmma-tma-ids-runs", "wgmma-tma-pairs",
+           "wgmma-tma-ids-pairs")
 PROBE_SECONDS = 90
 
 
@@ -269,7 +271,8 @@ def main() -> None:
     # The building blocks alone first (one tile: S = Q K^T, O = P V against float math).
     try:
         errs = _C.cuda_wgmma_selftest()
-        for i, name in enumerate(("bf16 d64", "bf16 d128", "fp16 d64", "fp16 d128")):
+        for i, name in enumerate(("bf16 d64", "bf16 d128", "fp16 d64", "fp16 d128", "bf16 d128 paired",
+                                  "fp16 d128 paired")):
             print(f"selftest {name}: max |S - ref| {errs[2 * i]:.2e}, max |O - ref| {errs[2 * i + 1]:.2e}")
         selftest_bad = [i for i, e in enumerate(errs) if not (0 <= e < (1e-3 if i % 2 == 0 else 1e-2))]
     except RuntimeError as exc:

@@ -18,7 +18,7 @@
 // dim 128), where a third warpgroup copies K and V by TMA, one copy per cache
 // block (attention_wgmma_tma.cuh), mbarriers hand the buffers between it and
 // the two computing warpgroups, and CTAs are persistent; its opt-in variants
-// for small blocks =wgmma-tma-ids, =wgmma-tma-runs, =wgmma-tma-ids-runs.
+// for small blocks =wgmma-tma-ids, -runs, -ids-runs, -pairs, -ids-pairs.
 // Scores, softmax and O are float32; P is rounded to the query type.
 #include "attention_wgmma.h"
 
@@ -191,10 +191,16 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_prefill_kernel(const __grid
 //     latency is not between a buffer coming free and its copies;
 //   kRuns (=wgmma-tma-runs): a tile whose blocks are consecutive in the cache
 //     (rows block_0 * block_size .. + kKeys of [num_blocks * block_size, kv
-//     heads, HD]) comes as one copy per 64-dim half (tma_tile_run).
+//     heads, HD]) comes as one copy per 64-dim half (tma_tile_run);
+//   kPairs (=wgmma-tma-pairs, head dim 128): one copy per block for both
+//     64-dim halves, K and V tiles in the paired layout (the halves' 8-row
+//     atoms side by side, wgmma::swizzled_paired; the wgmma descriptors'
+//     strides follow): 8 copies per K or V tile at block size 16, not 16.
+// Names: wgmma-tma-ids, -runs, -ids-runs, -pairs, -ids-pairs.
 constexpr int kTmaThreads = 384;
 constexpr int kIdsAhead = 1;
 constexpr int kRuns = 2;
+constexpr int kPairs = 4;
 
 // The r-th item (linear index of the launch's grid) of this persistent CTA, or
 // -1 when it has no more: blockIdx.x + r * gridDim.x; with `snake`, the items
@@ -227,6 +233,8 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
   constexpr int TB = tile_bytes<HD>(kKeys);
   constexpr bool IDS_AHEAD = (MODE & kIdsAhead) != 0;
   constexpr bool RUNS = (MODE & kRuns) != 0;
+  constexpr bool PAIRS = (MODE & kPairs) != 0 && HD == 128;
+  static_assert(!(RUNS && PAIRS), "runs copy the panel-major layout");
   static_assert(HD == 64 || HD == 128, "head dim");
 
   extern __shared__ unsigned char smem_raw[];
@@ -307,10 +315,10 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
             if (run) {
               tma_tile_run<HD>(&maps.k_rows, it.kv_head, k_s + st * TB, full_k(st), block, p.block_size, tid);
             } else {
-              tma_k_blocks<HD>(&maps.k, it.kv_head, k_s + st * TB, full_k(st), block, p.block_size, tid);
+              tma_k_blocks<HD, PAIRS>(&maps.k, it.kv_head, k_s + st * TB, full_k(st), block, p.block_size, tid);
             }
           } else {
-            tma_k_blocks<HD>(&maps.k, it.kv_head, k_s + st * TB, full_k(st), block, p.block_size, tid);
+            tma_k_blocks<HD, PAIRS>(&maps.k, it.kv_head, k_s + st * TB, full_k(st), block, p.block_size, tid);
           }
         }
         if (use > 0) wgmma::mbar_wait(empty_v(st), (use - 1) & 1);
@@ -321,13 +329,13 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
             if (run && lo == 0 && hi == kKeys) {
               tma_tile_run<HD>(&maps.v_rows, it.kv_head, v_s + st * TB, full_v(st), block, p.block_size, tid);
             } else {
-              tma_v_blocks<HD>(&maps.v, it.kv_head, v_s + st * TB, full_v(st), block, p.block_size, lo, hi, tid);
+              tma_v_blocks<HD, PAIRS>(&maps.v, it.kv_head, v_s + st * TB, full_v(st), block, p.block_size, lo, hi, tid);
             }
           } else {
-            tma_v_blocks<HD>(&maps.v, it.kv_head, v_s + st * TB, full_v(st), block, p.block_size, lo, hi, tid);
+            tma_v_blocks<HD, PAIRS>(&maps.v, it.kv_head, v_s + st * TB, full_v(st), block, p.block_size, lo, hi, tid);
           }
         }
-        kv.load_edge_rows(v_s + st * TB, kv.value_base, kbase, lo, hi, it.s_lo, it.s_hi, tid, 128);
+        kv.template load_edge_rows<PAIRS>(v_s + st * TB, kv.value_base, kbase, lo, hi, it.s_lo, it.s_hi, tid, 128);
         wgmma::cp_async_arrive(full_v(st));
       }
     }
@@ -388,12 +396,12 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
         wgmma::pin(o);
         wgmma::pin(pa);
         wgmma::fence();
-        issue_s<T, HD>(s, q_wg, k_s + st * TB);
+        issue_s<T, HD, PAIRS>(s, q_wg, k_s + st * TB);
         wgmma::commit();
         // NOTE: issue and wait in one branch each: ptxas serializes wgmma whose
         // accumulators are in flight across a join of branches.
         if (t > 0) {
-          issue_pv<T, HD>(o, pa, v_s + pst * TB);
+          issue_pv<T, HD, PAIRS>(o, pa, v_s + pst * TB);
           wgmma::commit();
           wgmma::wait<1>();
         } else {
@@ -432,7 +440,7 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
         wgmma::pin(o);
         wgmma::pin(pa);
         wgmma::fence();
-        issue_pv<T, HD>(o, pa, v_s + pst * TB);
+        issue_pv<T, HD, PAIRS>(o, pa, v_s + pst * TB);
         wgmma::commit();
         wgmma::wait<0>();
         wgmma::pin(o);
@@ -518,7 +526,7 @@ constexpr int kTmaChoice = 2;
 template <typename T, int HD, int MODE>
 int launch_tma(const PagedAttentionParams& p, cudaStream_t stream) {
   KvTensorMaps<(MODE & kRuns) != 0> maps{};
-  if (encode_kv_maps<T, HD>(p, maps)) {
+  if (encode_kv_maps<T, HD, (MODE & kRuns) != 0, (MODE & kPairs) != 0 && HD == 128>(p, maps)) {
     static bool configured = false;
     return launch<HD>(wgmma_tma_prefill_kernel<T, HD, MODE>, configured, kTmaThreads, p, stream, true, maps);
   }
@@ -540,6 +548,8 @@ int launch_head_dim(const PagedAttentionParams& p, int choice, cudaStream_t stre
     case kIdsAhead: return launch_tma<T, HD, kIdsAhead>(p, stream);
     case kRuns: return launch_tma<T, HD, kRuns>(p, stream);
     case kIdsAhead | kRuns: return launch_tma<T, HD, kIdsAhead | kRuns>(p, stream);
+    case kPairs: return launch_tma<T, HD, kPairs>(p, stream);
+    case kIdsAhead | kPairs: return launch_tma<T, HD, kIdsAhead | kPairs>(p, stream);
     default: break;
   }
   static bool configured = false;
@@ -558,7 +568,9 @@ int dispatch_head_dim(const PagedAttentionParams& p, int choice, cudaStream_t st
 // PAGEDCORE_PREFILL_KERNEL: "wgmma" (1: the plain kernel), "wgmma-tma" (2: the
 // TMA kernel), "wgmma-tma-ids" (3: its block ids a tile ahead),
 // "wgmma-tma-runs" (4: a tile of consecutive blocks as one copy per 64-dim
-// half), "wgmma-tma-ids-runs" (5: both), "mma" (0: the mma.sync kernel) or
+// half), "wgmma-tma-ids-runs" (5: both), "wgmma-tma-pairs" (6: one copy per
+// block for both 64-dim halves), "wgmma-tma-ids-pairs" (7: with ids ahead),
+// "mma" (0: the mma.sync kernel) or
 // anything else unknown (0); unset, empty or "auto": the variant measured
 // fastest for the head dim (kAuto*).
 // NOTE: measured on the H200 (bench/check_wgmma.py, at 83b8cea; every variant
@@ -584,6 +596,8 @@ int kernel_choice(const PagedAttentionParams& p) {
   if (std::strcmp(env, "wgmma-tma-ids") == 0) return kTmaChoice + kIdsAhead;
   if (std::strcmp(env, "wgmma-tma-runs") == 0) return kTmaChoice + kRuns;
   if (std::strcmp(env, "wgmma-tma-ids-runs") == 0) return kTmaChoice + (kIdsAhead | kRuns);
+  if (std::strcmp(env, "wgmma-tma-pairs") == 0) return kTmaChoice + kPairs;
+  if (std::strcmp(env, "wgmma-tma-ids-pairs") == 0) return kTmaChoice + (kIdsAhead | kPairs);
   return 0;  // "mma", or anything else
 }
 

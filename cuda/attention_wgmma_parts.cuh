@@ -164,6 +164,8 @@ struct KvGather {
 
   // Rows `row` of a tile (keys kbase + row) for row in [0, lo) and [hi, kKeys):
   // keys in [s_lo, s_hi) copied, others zero-filled; by `nthreads` threads.
+  // PAIRS: into the paired layout (wgmma::swizzled_paired, head dim 128).
+  template <bool PAIRS = false>
   __device__ __forceinline__ void load_edge_rows(uint32_t dst, const T* base, int kbase, int lo, int hi, int s_lo,
                                                  int s_hi, int tid, int nthreads) const {
     constexpr int CH = HD / 8;
@@ -181,7 +183,8 @@ struct KvGather {
         src = base + static_cast<int64_t>(table[b]) * block_elems + static_cast<int64_t>(key - b * bs) * slot_elems +
               chunk * 8;
       }
-      wgmma::cp_async16(dst + wgmma::swizzled<kKeys>(row, chunk), src, valid);
+      wgmma::cp_async16(dst + (PAIRS ? wgmma::swizzled_paired(row, chunk) : wgmma::swizzled<kKeys>(row, chunk)), src,
+                        valid);
     }
   }
 };
@@ -302,23 +305,28 @@ __device__ __forceinline__ void rescale(float (&o)[ON], const float (&corr)[2]) 
   }
 }
 
-// Issues S = Q K^T for one warpgroup (q_wg: its 64 rows of the Q tile; kt: the K tile).
-template <typename T, int HD>
+// Issues S = Q K^T for one warpgroup (q_wg: its 64 rows of the Q tile; kt: the K tile,
+// PAIRS: in the paired layout, 8-key atoms 2048 bytes apart, the second 64-dim panel's
+// 1024 bytes after the first's).
+template <typename T, int HD, bool PAIRS = false>
 __device__ __forceinline__ void issue_s(float (&s)[kKeys / 2], uint32_t q_wg, uint32_t kt) {
 #pragma unroll
   for (int k = 0; k < HD / 16; ++k) {
     const uint32_t qa = q_wg + (k / 4) * (kRows * 128) + (k % 4) * 32;
-    const uint32_t kb = kt + (k / 4) * (kKeys * 128) + (k % 4) * 32;
-    wgmma::mma_ss_n128<T>(s, wgmma::desc(qa, 16, 1024), wgmma::desc(kb, 16, 1024), k > 0);
+    const uint32_t kb = kt + (k / 4) * (PAIRS ? 1024 : kKeys * 128) + (k % 4) * 32;
+    wgmma::mma_ss_n128<T>(s, wgmma::desc(qa, 16, 1024), wgmma::desc(kb, 16, PAIRS ? 2048 : 1024), k > 0);
   }
 }
 
 // Issues O += P V (vt: the V tile, N-major: 8-key groups 1024 bytes apart,
-// 64-dim panels kKeys * 128 bytes apart).
-template <typename T, int HD>
+// 64-dim panels kKeys * 128 bytes apart; PAIRS: the paired layout, 8-key groups
+// 2048 bytes apart, panels 1024).
+template <typename T, int HD, bool PAIRS = false>
 __device__ __forceinline__ void issue_pv(float (&o)[HD / 2], const uint32_t (&pa)[kKeys / 16][4], uint32_t vt) {
+  constexpr uint32_t kGroup = PAIRS ? 2048 : 1024;
+  constexpr uint32_t kPanel = PAIRS ? 1024 : kKeys * 128;
 #pragma unroll
-  for (int k = 0; k < kKeys / 16; ++k) wgmma::mma_rs<T, HD>(o, pa[k], wgmma::desc(vt + k * 2048, kKeys * 128, 1024));
+  for (int k = 0; k < kKeys / 16; ++k) wgmma::mma_rs<T, HD>(o, pa[k], wgmma::desc(vt + k * 2 * kGroup, kPanel, kGroup));
 }
 
 // o[4n + 2r + c] (row r, head dim 8n + 2qd + c) / l -> out, or the split's

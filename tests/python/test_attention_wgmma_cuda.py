@@ -30,10 +30,13 @@ from test_ops_cuda import TOLERANCE  # noqa: E402
 # not powers of two in 8..128 run the plain kernel); wgmma-tma-ids: its copying warp looks
 # the block ids up a tile ahead; wgmma-tma-runs: a key tile whose blocks are consecutive in
 # the cache comes as one copy per 64-dim half (test_wgmma_tma_runs has such tiles);
-# wgmma-tma-ids-runs: both. mma: the mma.sync kernel, which the default (auto) no longer
-# picks for head dim 128 here. PAGEDCORE_TEST_PREFILL_KERNELS (comma-separated) narrows
-# the list, e.g. to leave out a variant that bench/check_wgmma.py found hanging.
-KERNELS = ["mma", "wgmma", "wgmma-tma", "wgmma-tma-ids", "wgmma-tma-runs", "wgmma-tma-ids-runs"]
+# wgmma-tma-ids-runs: both; wgmma-tma-pairs: one copy per cache block for both 64-dim halves
+# (head dim 128; K/V tiles in the paired shared-memory layout), wgmma-tma-ids-pairs: with
+# ids ahead. mma: the mma.sync kernel, which the default (auto) no longer picks for head
+# dim 128 here. PAGEDCORE_TEST_PREFILL_KERNELS (comma-separated) narrows the list, e.g. to
+# leave out a variant that bench/check_wgmma.py found hanging.
+KERNELS = ["mma", "wgmma", "wgmma-tma", "wgmma-tma-ids", "wgmma-tma-runs", "wgmma-tma-ids-runs", "wgmma-tma-pairs",
+           "wgmma-tma-ids-pairs"]
 if os.environ.get("PAGEDCORE_TEST_PREFILL_KERNELS"):
     KERNELS = [k for k in os.environ["PAGEDCORE_TEST_PREFILL_KERNELS"].split(",") if k]
 
@@ -125,8 +128,10 @@ HALF = [torch.bfloat16, torch.float16]
 def test_wgmma_building_blocks():
     # One tile, exactly representable inputs: S = Q K^T from the swizzled shared-memory
     # tiles and O = P V with P in registers, against float arithmetic, for bf16/fp16 and
-    # head dims 64/128 (S: exact sums; O: float32 accumulation order only).
+    # head dims 64/128 (S: exact sums; O: float32 accumulation order only), then K and V in
+    # wgmma-tma-pairs' paired layout at head dim 128 (its descriptors' strides).
     errs = _C.cuda_wgmma_selftest()
+    assert len(errs) == 12, errs
     assert all(0 <= e < 1e-3 for e in errs[0::2]), errs
     assert all(0 <= e < 1e-2 for e in errs[1::2]), errs
 
