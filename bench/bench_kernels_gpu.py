@@ -9,7 +9,7 @@ SmolLM2 and Llama-3-8B shapes for one token and 4096. Each case: warm-up, then C
 timed with events, median of repeats; achieved GB/s against the copy bandwidth
 measured in the same run. Prefill (issue 12's cases: 8k causal at block sizes 16
 and 128, 2048 new over 6144 cached, 16 x 512 over 1-4k cached, the SmolLM2 shape):
-the prefill kernels (PAGEDCORE_PREFILL_KERNEL=mma / wgmma / wgmma-ws / wgmma-pp / wgmma-tma, the default) beside FlashAttention-2
+the prefill kernels (PAGEDCORE_PREFILL_KERNEL=mma / wgmma / wgmma-tma, the default) beside FlashAttention-2
 varlen (SDPA's flash kernel) on contiguous keys and FlashInfer's paged prefill, in
 TFLOP/s. Prints the tables last.
 
@@ -248,7 +248,7 @@ def flashinfer_prefill(case, q, kc, vc, tables, qsl_np, seq_np):
 def prefill_kernel_rows(quick: bool) -> tuple[list[tuple], list[str]]:
     """The issue's prefill cases (bench/check_wgmma.py builds them: NaN-poisoned paged
     cache, scattered blocks) on every prefill kernel (PAGEDCORE_PREFILL_KERNEL=mma,
-    wgmma, wgmma-ws, wgmma-pp, wgmma-tma; one plan), FlashAttention-2 varlen (SDPA's flash kernel,
+    wgmma, wgmma-tma; one plan), FlashAttention-2 varlen (SDPA's flash kernel,
     bottom-right causal, GQA) on the keys laid out contiguously, and FlashInfer's paged
     prefill when present: (case, kernel, us, TFLOP/s, max abs err vs float32 math) rows."""
     import os
@@ -264,7 +264,7 @@ def prefill_kernel_rows(quick: bool) -> tuple[list[tuple], list[str]]:
         want = cw.reference(case, q, kc, vc, tables, qsl_np, seq_np)
         tflop = cw.flops(case) / 1e12
         out = torch.empty_like(q)
-        for kernel in ("mma", "wgmma", "wgmma-ws", "wgmma-pp", "wgmma-tma"):
+        for kernel in ("mma", "wgmma", "wgmma-tma"):
             os.environ[cw.ENV] = kernel
             fn = lambda: ops.paged_attention(q, kc, vc, tables, seq_lens, qsl, scale=case.head_dim**-0.5, out=out,
                                              plan=plan)

@@ -12,16 +12,13 @@
 //   waits for S_t, masks it (diagonal tiles, window, tile end) and runs the
 //   online softmax while the P V product is still in the tensor cores,
 //   waits for P V, rescales O if the running max moved.
-// Variants (PAGEDCORE_PREFILL_KERNEL): =wgmma, where all threads' cp.async
+// Kernels (PAGEDCORE_PREFILL_KERNEL): =wgmma, where all threads' cp.async
 // copies bring K_{t+2} and V_{t+1} (three buffers each) and a __syncthreads
-// closes each tile; =wgmma-late, the same with the copies issued after the
-// GEMMs; =wgmma-ws, where a third warpgroup copies and mbarriers hand buffers
-// between it and the two computing warpgroups (no softcap); =wgmma-pp, wgmma-ws
-// with the two taking turns at the tensor cores; =wgmma-tma, =wgmma-tma-pp,
-// =wgmma-tma-plain: wgmma-ws, wgmma-pp and wgmma copying by TMA, one copy per
-// cache block (attention_wgmma_tma.cuh); =wgmma-tma-async, wgmma-tma-plain
-// without a CTA barrier per tile. A "-rev" suffix launches the
-// non-persistent ones' work items longest first.
+// closes each tile (also what serves softcap); =wgmma-tma (the default at head
+// dim 128), where a third warpgroup copies K and V by TMA, one copy per cache
+// block (attention_wgmma_tma.cuh), mbarriers hand the buffers between it and
+// the two computing warpgroups, and CTAs are persistent; its opt-in variants
+// for small blocks =wgmma-tma-ids, -runs, -ids-runs, -pairs, -ids-pairs.
 // Scores, softmax and O are float32; P is rounded to the query type.
 #include "attention_wgmma.h"
 
@@ -34,7 +31,6 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
-#include <string>
 #include <type_traits>
 
 #include "attention_merge.cuh"
@@ -53,16 +49,11 @@ using namespace wgmma_attention;  // NOLINT: the kernels are made of these parts
 // ---- the kernel without warp specialization (PAGEDCORE_PREFILL_KERNEL=wgmma) ----
 //
 // All 256 threads copy; a __syncthreads closes each key tile.
+// The reference for the faster wgmma-tma, and what serves softcap and block
+// sizes that are not powers of two in 8..128.
 // SOFTCAP: p.softcap > 0 (its tanh costs registers the common case should not pay).
-// LATE (=wgmma-late): each tile's copies are issued after its GEMMs rather than
-// before, so that their block-table loads overlap the tensor cores; the gathers
-// are then branch-free (KvGather::load_branchless: past the last tile they
-// zero-fill buffers already consumed) and each side of if (t > 0) issues and
-// waits on its own, which keeps ptxas from serializing the wgmma.
-// reverse_items: the grid's work items in reverse order (the "-rev" variants).
-template <typename T, int HD, bool SOFTCAP, bool LATE>
-__global__ void __launch_bounds__(kThreads, 1)
-    wgmma_prefill_kernel(const __grid_constant__ PagedAttentionParams p, int reverse_items) {
+template <typename T, int HD, bool SOFTCAP>
+__global__ void __launch_bounds__(kThreads, 1) wgmma_prefill_kernel(const __grid_constant__ PagedAttentionParams p) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int ON = HD / 2;          // output registers per thread
   constexpr int PK = kKeys / 16;      // k steps of O += P V
@@ -76,7 +67,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const uint32_t k_s = q_s + tile_bytes<HD>(kRows);
   const uint32_t v_s = k_s + kStages * TB;
 
-  const Item it = item_of(p, reverse_items != 0);
+  const Item it = item_of(p);
   const int tid = threadIdx.x;
   const int wg = tid / 128;
   const int lane = tid % 32;
@@ -116,23 +107,13 @@ __global__ void __launch_bounds__(kThreads, 1)
     // K_{t+2} and V_{t+1} into the buffers that S_{t-1} and P_{t-2} V_{t-2}
     // read (stage (t + 2) % 3 = (t - 1) % 3, (t + 1) % 3 = (t - 2) % 3), both
     // retired before the barrier that closed tile t-1.
-    auto copy_ahead = [&]() {
-      if constexpr (LATE) {
-        kv.template load_branchless<kThreads, 8>(k_s + st_prev * TB, kv.key_base, kbase + 2 * kKeys, it.s_hi, tid,
-                                                 t + 2 < n_tiles);
-        kv.template load_branchless<kThreads, 8>(v_s + st_next * TB, kv.value_base, kbase + kKeys, it.s_hi, tid,
-                                                 t + 1 < n_tiles);
-      } else {
-        if (t + 2 < n_tiles) {
-          kv.template load<kThreads, 8>(k_s + st_prev * TB, kv.key_base, kbase + 2 * kKeys, it.s_hi, tid);
-        }
-        if (t + 1 < n_tiles) {
-          kv.template load<kThreads, 8>(v_s + st_next * TB, kv.value_base, kbase + kKeys, it.s_hi, tid);
-        }
-      }
-      wgmma::cp_async_commit();
-    };
-    if constexpr (!LATE) copy_ahead();
+    if (t + 2 < n_tiles) {
+      kv.template load<kThreads, 8>(k_s + st_prev * TB, kv.key_base, kbase + 2 * kKeys, it.s_hi, tid);
+    }
+    if (t + 1 < n_tiles) {
+      kv.template load<kThreads, 8>(v_s + st_next * TB, kv.value_base, kbase + kKeys, it.s_hi, tid);
+    }
+    wgmma::cp_async_commit();
 
     float s[kKeys / 2];
     __syncwarp();
@@ -144,10 +125,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (t > 0) {
       issue_pv<T, HD>(o, pa, v_s + st_prev * TB);
       wgmma::commit();
-      if constexpr (LATE) copy_ahead();
       wgmma::wait<1>();
     } else {
-      if constexpr (LATE) copy_ahead();
       wgmma::wait<0>();
     }
     wgmma::pin(s);
@@ -192,242 +171,36 @@ __global__ void __launch_bounds__(kThreads, 1)
 #endif
 }
 
-// ---- the plain kernel copying by TMA (PAGEDCORE_PREFILL_KERNEL=wgmma-tma-plain) ----
+// ---- the TMA kernel (PAGEDCORE_PREFILL_KERNEL=wgmma-tma, the default at head dim 128) ----
 //
-// wgmma_prefill_kernel's schedule (K_{t+2} and V_{t+1} requested at the top of
-// tile t, a __syncthreads closing each tile) with warp 0 issuing one TMA copy
-// per cache block and 64-dim half instead of every thread's cp.async gathers:
-// the full mbarrier of each K and V buffer counts lane 0's arrival and the
-// bytes; V's edge rows (blocks not wholly inside [s_lo, s_hi)) still come by
-// cp.async from all threads, zero-filled, in the commit group of their tile.
-// Warp 0's lanes look a block id up one tile before its copy, so the table's
-// latency is not in front of that warp's GEMM issue. No softcap.
-// ASYNC (=wgmma-tma-async): no CTA barrier per tile: each warp arrives on an
-// "empty" mbarrier of a buffer once its warpgroup's wgmma reading it retired,
-// the next copy into it waits for all 8 (warp 0 for K; every thread for V,
-// whose edge rows all threads write), and V's edge rows arrive on the full
-// barrier by cp.async (count 1 + 256): a warpgroup may run up to a tile ahead.
-template <typename T, int HD, bool ASYNC>
-__global__ void __launch_bounds__(kThreads, 1)
-    wgmma_tma_prefill_kernel(const __grid_constant__ PagedAttentionParams p, const __grid_constant__ KvTensorMaps maps,
-                             int reverse_items) {
-#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  constexpr int ON = HD / 2;
-  constexpr int PK = kKeys / 16;
-  constexpr int TB = tile_bytes<HD>(kKeys);
-  static_assert(HD == 64 || HD == 128, "head dim");
-  static_assert(kStages == 3, "the buffer rotation below");
-
-  extern __shared__ unsigned char smem_raw[];
-  __shared__ __align__(8) uint64_t bars[4 * kStages];  // full K, full V, empty K, empty V (ASYNC)
-  const uint32_t raw = wgmma::smem_addr(smem_raw);
-  const uint32_t q_s = (raw + 1023u) & ~1023u;
-  const uint32_t k_s = q_s + tile_bytes<HD>(kRows);
-  const uint32_t v_s = k_s + kStages * TB;
-  const uint32_t bar0 = wgmma::smem_addr(bars);
-  auto full_k = [&](int st) { return bar0 + 8 * st; };
-  auto full_v = [&](int st) { return bar0 + 8 * (kStages + st); };
-  auto empty_k = [&](int st) { return bar0 + 8 * (2 * kStages + st); };
-  auto empty_v = [&](int st) { return bar0 + 8 * (3 * kStages + st); };
-
-  const Item it = item_of(p, reverse_items != 0);
-  const int tid = threadIdx.x;
-  const int wg = tid / 128;
-  const int warp = tid / 32;
-  const int lane = tid % 32;
-  const int qd = lane % 4;
-  const int bs = p.block_size;
-  RowState rs(p, it, wg, warp % 4, lane);
-  // Tiles start on a block boundary: keys before s_lo are masked like keys past s_hi.
-  rs.key_from[0] = max(rs.key_from[0], it.s_lo);
-  rs.key_from[1] = max(rs.key_from[1], it.s_lo);
-  const ScoreScale sc(p);
-  const KvGather<T, HD> kv(p, it);
-  const TileSpan span = block_aligned_tiles(it, bs);
-  const int n_tiles = span.n;
-  if (tid == 0) {
-    for (int st = 0; st < kStages; ++st) {
-      wgmma::mbar_init(full_k(st), 1);
-      wgmma::mbar_init(full_v(st), ASYNC ? 1 + kThreads : 1);
-      wgmma::mbar_init(empty_k(st), kThreads / 32);
-      wgmma::mbar_init(empty_v(st), kThreads / 32);
-    }
-    wgmma::mbar_init_fence();
-    wgmma::tma_prefetch_map(&maps.k);
-    wgmma::tma_prefetch_map(&maps.v);
-  }
-  __syncthreads();
-
-  // V tile `tile` into stage `st`: warp 0's TMA (its lanes' block ids `block`)
-  // and everyone's edge rows.
-  auto copy_v = [&](int tile, int st, int block) {
-    const int kbase = span.k0 + tile * kKeys;
-    int lo, hi;
-    full_block_rows(kbase, it.s_lo, it.s_hi, bs, lo, hi);
-    if (warp == 0) tma_v_blocks<HD>(&maps.v, it.kv_head, v_s + st * TB, full_v(st), block, bs, lo, hi, lane);
-    kv.load_edge_rows(v_s + st * TB, kv.value_base, kbase, lo, hi, it.s_lo, it.s_hi, tid, kThreads);
-    if constexpr (ASYNC) wgmma::cp_async_arrive(full_v(st));
-  };
-  auto block_of = [&](int tile) {
-    return tile < n_tiles ? tile_block(kv, span.k0 + tile * kKeys, it.s_lo, it.s_hi, lane) : -1;
-  };
-
-  // Groups of cp.async: {Q, V_0's edge rows}, then one per tile t: {V_{t+1}'s
-  // edge rows} (empty past the end), waited for one tile ahead with the TMA of
-  // the same tiles. Warp 0 keeps the block ids of V_{t+1} (id_v) and K_{t+2}
-  // (id_k) at the top of tile t.
-  int id_v = -1, id_k = -1;
-  load_q<T, HD>(p, it, q_s, 0, kRows, tid, kThreads);
-  if (warp == 0) {
-    const int id0 = block_of(0);
-    id_v = block_of(1);
-    id_k = block_of(2);
-    if (n_tiles > 0) tma_k_blocks<HD>(&maps.k, it.kv_head, k_s, full_k(0), id0, bs, lane);
-    if (n_tiles > 1) tma_k_blocks<HD>(&maps.k, it.kv_head, k_s + TB, full_k(1), id_v, bs, lane);
-    if (n_tiles > 0) {
-      int lo, hi;
-      full_block_rows(span.k0, it.s_lo, it.s_hi, bs, lo, hi);
-      tma_v_blocks<HD>(&maps.v, it.kv_head, v_s, full_v(0), id0, bs, lo, hi, lane);
-    }
-  }
-  if (n_tiles > 0) {
-    int lo, hi;
-    full_block_rows(span.k0, it.s_lo, it.s_hi, bs, lo, hi);
-    kv.load_edge_rows(v_s, kv.value_base, span.k0, lo, hi, it.s_lo, it.s_hi, tid, kThreads);
-    if constexpr (ASYNC) wgmma::cp_async_arrive(full_v(0));
-  }
-  wgmma::cp_async_commit();
-  wgmma::cp_async_wait<0>();
-  if (n_tiles > 0) wgmma::mbar_wait(full_k(0), 0);
-  wgmma::fence_proxy_async();
-  __syncthreads();
-
-  float o[ON];
-#pragma unroll
-  for (int i = 0; i < ON; ++i) o[i] = 0.f;
-  uint32_t pa[PK][4];
-#pragma unroll
-  for (int k = 0; k < PK; ++k) pa[k][0] = pa[k][1] = pa[k][2] = pa[k][3] = 0u;
-  const uint32_t q_wg = q_s + wg * 64 * 128;
-
-#pragma unroll 1
-  for (int t = 0; t < n_tiles; ++t) {
-    const int kbase = span.k0 + t * kKeys;
-    const int st = t % kStages;
-    const int st_prev = st == 0 ? kStages - 1 : st - 1;
-    const int st_next = st == kStages - 1 ? 0 : st + 1;
-    // V_{t+1} and K_{t+2} into the buffers that P_{t-2} V_{t-2} and S_{t-1}
-    // read, both retired before the barrier that closed tile t-1 (ASYNC: once
-    // every warp said so on the buffer's empty barrier).
-    if (t + 1 < n_tiles) {
-      if (ASYNC && t >= 2) wgmma::mbar_wait(empty_v(st_next), ((t - 2) / kStages) & 1);
-      copy_v(t + 1, st_next, id_v);
-    }
-    if (warp == 0) {
-      if (t + 2 < n_tiles) {
-        if (ASYNC && t >= 1) wgmma::mbar_wait(empty_k(st_prev), ((t - 1) / kStages) & 1);
-        tma_k_blocks<HD>(&maps.k, it.kv_head, k_s + st_prev * TB, full_k(st_prev), id_k, bs, lane);
-      }
-      id_v = id_k;
-      id_k = block_of(t + 3);
-    }
-    if constexpr (ASYNC) {
-      // K_t and V_{t-1} (V_{t-1}'s edge rows: the 256 threads' cp.async arrivals)
-      wgmma::mbar_wait(full_k(st), (t / kStages) & 1);
-      if (t > 0) wgmma::mbar_wait(full_v(st_prev), ((t - 1) / kStages) & 1);
-      wgmma::fence_proxy_async();
-    } else {
-      wgmma::cp_async_commit();
-    }
-
-    float s[kKeys / 2];
-    __syncwarp();
-    wgmma::pin(o);
-    wgmma::pin(pa);
-    wgmma::fence();
-    issue_s<T, HD>(s, q_wg, k_s + st * TB);
-    wgmma::commit();
-    if (t > 0) {
-      issue_pv<T, HD>(o, pa, v_s + st_prev * TB);
-      wgmma::commit();
-      wgmma::wait<1>();
-    } else {
-      wgmma::wait<0>();
-    }
-    wgmma::pin(s);
-    if constexpr (ASYNC) {
-      __syncwarp();
-      if (lane == 0) wgmma::mbar_arrive(empty_k(st));  // S_t retired: this warp is done with K_t
-    }
-
-    uint32_t pn[PK][4];
-    float corr[2];
-    bool grow;
-    softmax_tile<T, false>(s, pn, rs, sc, kbase, qd, corr, grow);
-
-    wgmma::wait<0>();
-    wgmma::pin(o);
-    wgmma::pin(pa);
-    if constexpr (ASYNC) {
-      if (t > 0) {
-        __syncwarp();
-        if (lane == 0) wgmma::mbar_arrive(empty_v(st_prev));  // P_{t-1} V_{t-1} retired
-      }
-    }
-    if (grow) rescale(o, corr);
-#pragma unroll
-    for (int k = 0; k < PK; ++k) {
-#pragma unroll
-      for (int i = 0; i < 4; ++i) pa[k][i] = pn[k][i];
-    }
-    if constexpr (!ASYNC) {
-      // K_{t+1} and V_t (TMA, and V_t's edge rows: the group of tile t-1) for the next tile.
-      wgmma::cp_async_wait<1>();
-      if (t + 1 < n_tiles) wgmma::mbar_wait(full_k(st_next), ((t + 1) / kStages) & 1);
-      wgmma::mbar_wait(full_v(st), (t / kStages) & 1);
-      wgmma::fence_proxy_async();
-      __syncthreads();
-    }
-  }
-  if (n_tiles > 0) {
-    if constexpr (ASYNC) {
-      const int last = n_tiles - 1;
-      wgmma::mbar_wait(full_v(last % kStages), (last / kStages) & 1);
-      wgmma::fence_proxy_async();
-    }
-    __syncwarp();
-    wgmma::pin(o);
-    wgmma::pin(pa);
-    wgmma::fence();
-    issue_pv<T, HD>(o, pa, v_s + ((n_tiles - 1) % kStages) * TB);
-    wgmma::commit();
-    wgmma::wait<0>();
-    wgmma::pin(o);
-  }
-  wgmma::cp_async_wait<0>();
-  store_rows<T, HD>(p, it, o, rs, qd);
-  if (it.splits > 1 && p.split_counters != nullptr) {
-    __syncthreads();  // every wgmma, TMA and cp.async has retired: the buffers are scratch
-    unsigned char* const scratch = smem_raw + (k_s - raw);
-    merge::count_and_merge<T, HD, kThreads, false>(p, it.work, it.kv_head, reinterpret_cast<float*>(scratch));
-  }
-#endif
-}
-
-// ---- the warp-specialized kernel (PAGEDCORE_PREFILL_KERNEL=wgmma-ws) ----
-//
-// Warpgroup 0 copies (cp.async, 40 registers), warpgroups 1 and 2 compute
-// (232 registers) — as FlashAttention-3 does for paged KV without TMA. K and V
-// tiles have their own rings of kStages buffers, each buffer a "full" mbarrier
-// (the 128 copying threads arrive when their copies land) and an "empty" one
-// (each of the 8 computing warps arrives once its warpgroup's wgmma that read
-// the buffer retired). The two computing warpgroups never wait for each other.
-// TMA (=wgmma-tma, =wgmma-tma-pp): the copying warpgroup's first warp issues
-// one TMA copy per cache block and 64-dim half (tma_k_blocks / tma_v_blocks in
-// attention_wgmma_parts.cuh); key tiles start on a block boundary; the full K
-// barrier counts lane 0's arrival plus the bytes, the full V barrier that and
-// the 128 threads' cp.async arrivals (edge rows of V, zero-filled).
-constexpr int kWsThreads = 384;
+// Warpgroup 0 copies (40 registers), warpgroups 1 and 2 compute (232
+// registers), as FlashAttention-3 does. K and V tiles have their own rings of
+// kStages buffers, each buffer a "full" mbarrier and an "empty" one (each of
+// the 8 computing warps arrives once its warpgroup's wgmma that read the
+// buffer retired). The copying warpgroup's first warp issues the TMA copies,
+// lane j those of the tile's block j (tma_k_blocks / tma_v_blocks in
+// attention_wgmma_tma.cuh), one per cache block and 64-dim half; key tiles
+// start on a block boundary; the full K barrier counts lane 0's arrival plus
+// the bytes, the full V barrier that and the 128 threads' cp.async arrivals
+// (edge rows of V, zero-filled). The two computing warpgroups never wait for
+// each other.
+// MODE (opt-in variants, for small blocks: 16 copies per K or V tile at block
+// size 16 and head dim 128, against 2 at 128):
+//   kIdsAhead (=wgmma-tma-ids): warp 0 looks up the block ids of the item's
+//     next tile before it waits for this tile's buffers, so that the table's
+//     latency is not between a buffer coming free and its copies;
+//   kRuns (=wgmma-tma-runs): a tile whose blocks are consecutive in the cache
+//     (rows block_0 * block_size .. + kKeys of [num_blocks * block_size, kv
+//     heads, HD]) comes as one copy per 64-dim half (tma_tile_run);
+//   kPairs (=wgmma-tma-pairs, head dim 128): one copy per block for both
+//     64-dim halves, K and V tiles in the paired layout (the halves' 8-row
+//     atoms side by side, wgmma::swizzled_paired; the wgmma descriptors'
+//     strides follow): 8 copies per K or V tile at block size 16, not 16.
+// Names: wgmma-tma-ids, -runs, -ids-runs, -pairs, -ids-pairs.
+constexpr int kTmaThreads = 384;
+constexpr int kIdsAhead = 1;
+constexpr int kRuns = 2;
+constexpr int kPairs = 4;
 
 // The r-th item (linear index of the launch's grid) of this persistent CTA, or
 // -1 when it has no more: blockIdx.x + r * gridDim.x; with `snake`, the items
@@ -446,17 +219,22 @@ __device__ __forceinline__ int persistent_item(int r, int total, bool snake) {
   const int pos = r * g + ((r & 1) != 0 ? g - 1 - static_cast<int>(blockIdx.x) : static_cast<int>(blockIdx.x));
   return pos < total ? total - 1 - pos : -1;
 }
-constexpr int kWsCopyRegs = 40;
-constexpr int kWsMathRegs = 232;
-constexpr int kWsJoinRegs = 168;  // everyone's share again (65536 / 384), for the split merge
+constexpr int kCopyRegs = 40;
+constexpr int kMathRegs = 232;
+constexpr int kJoinRegs = 168;  // everyone's share again (65536 / 384), for the split merge
 
-template <typename T, int HD, bool PINGPONG, bool TMA>
-__global__ void __launch_bounds__(kWsThreads, 1)
-    wgmma_ws_prefill_kernel(const __grid_constant__ PagedAttentionParams p, const __grid_constant__ KvTensorMaps maps) {
+template <typename T, int HD, int MODE>
+__global__ void __launch_bounds__(kTmaThreads, 1)
+    wgmma_tma_prefill_kernel(const __grid_constant__ PagedAttentionParams p,
+                             const __grid_constant__ KvTensorMaps<(MODE & kRuns) != 0> maps) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int ON = HD / 2;
   constexpr int PK = kKeys / 16;
   constexpr int TB = tile_bytes<HD>(kKeys);
+  constexpr bool IDS_AHEAD = (MODE & kIdsAhead) != 0;
+  constexpr bool RUNS = (MODE & kRuns) != 0;
+  constexpr bool PAIRS = (MODE & kPairs) != 0 && HD == 128;
+  static_assert(!(RUNS && PAIRS), "runs copy the panel-major layout");
   static_assert(HD == 64 || HD == 128, "head dim");
 
   extern __shared__ unsigned char smem_raw[];
@@ -485,8 +263,8 @@ __global__ void __launch_bounds__(kWsThreads, 1)
   const bool snake = !merge;
   if (tid == 0) {
     for (int st = 0; st < kStages; ++st) {
-      wgmma::mbar_init(full_k(st), TMA ? 1 : 128);
-      wgmma::mbar_init(full_v(st), TMA ? 1 + 128 : 128);
+      wgmma::mbar_init(full_k(st), 1);
+      wgmma::mbar_init(full_v(st), 1 + 128);
       wgmma::mbar_init(empty_k(st), 8);
       wgmma::mbar_init(empty_v(st), 8);
     }
@@ -495,10 +273,14 @@ __global__ void __launch_bounds__(kWsThreads, 1)
   __syncthreads();
 
   if (wg == 0) {
-    wgmma::reg_dealloc<kWsCopyRegs>();
-    if (TMA && tid == 0) {
+    wgmma::reg_dealloc<kCopyRegs>();
+    if (tid == 0) {
       wgmma::tma_prefetch_map(&maps.k);
       wgmma::tma_prefetch_map(&maps.v);
+      if constexpr (RUNS) {
+        wgmma::tma_prefetch_map(&maps.k_rows);
+        wgmma::tma_prefetch_map(&maps.v_rows);
+      }
     }
     // Tile g of this CTA (over all its items) uses stage g % kStages for the
     // (g / kStages)-th time: its full barrier completes phase g / kStages;
@@ -510,47 +292,58 @@ __global__ void __launch_bounds__(kWsThreads, 1)
          linear = persistent_item(++r, total, snake)) {
       const Item it = item_at(p, linear);
       const KvGather<T, HD> kv(p, it);
-      const TileSpan span = TMA ? block_aligned_tiles(it, p.block_size) : TileSpan{it.s_lo, it.n_tiles};
+      const TileSpan span = block_aligned_tiles(it, p.block_size);
+      // (IDS_AHEAD: the block ids of tile t + 1, looked up at the top of tile t.)
+      int next = IDS_AHEAD && tid < 32 && span.n > 0 ? tile_block(kv, span.k0, it.s_lo, it.s_hi, tid) : -1;
 #pragma unroll 1
       for (int t = 0; t < span.n; ++t, ++g) {
         const int st = g % kStages;
         const uint32_t use = g / kStages;
         const int kbase = span.k0 + t * kKeys;
+        // Warp 0's lanes look up the tile's blocks once, for K and V.
+        int block = -1;
+        if constexpr (IDS_AHEAD) {
+          block = next;
+          if (tid < 32) next = t + 1 < span.n ? tile_block(kv, kbase + kKeys, it.s_lo, it.s_hi, tid) : -1;
+        }
         if (use > 0) wgmma::mbar_wait(empty_k(st), (use - 1) & 1);
-        // (TMA: warp 0's lanes look up the tile's blocks once, for K and V.)
-        const int block = TMA && tid < 32 ? tile_block(kv, kbase, it.s_lo, it.s_hi, tid) : -1;
-        if constexpr (TMA) {
-          if (tid < 32) tma_k_blocks<HD>(&maps.k, it.kv_head, k_s + st * TB, full_k(st), block, p.block_size, tid);
-        } else {
-          kv.template load<128, 4>(k_s + st * TB, kv.key_base, kbase, it.s_hi, tid);
-          wgmma::cp_async_arrive(full_k(st));
+        if constexpr (!IDS_AHEAD) block = tid < 32 ? tile_block(kv, kbase, it.s_lo, it.s_hi, tid) : -1;
+        // (RUNS: whether the tile's blocks are consecutive, asked once for K and V.)
+        const bool run = RUNS && tid < 32 && tile_is_run(block, p.block_size, tid);
+        if (tid < 32) {
+          if constexpr (RUNS) {
+            if (run) {
+              tma_tile_run<HD>(&maps.k_rows, it.kv_head, k_s + st * TB, full_k(st), block, p.block_size, tid);
+            } else {
+              tma_k_blocks<HD, PAIRS>(&maps.k, it.kv_head, k_s + st * TB, full_k(st), block, p.block_size, tid);
+            }
+          } else {
+            tma_k_blocks<HD, PAIRS>(&maps.k, it.kv_head, k_s + st * TB, full_k(st), block, p.block_size, tid);
+          }
         }
         if (use > 0) wgmma::mbar_wait(empty_v(st), (use - 1) & 1);
-        if constexpr (TMA) {
-          int lo, hi;
-          full_block_rows(kbase, it.s_lo, it.s_hi, p.block_size, lo, hi);
-          if (tid < 32) {
-            tma_v_blocks<HD>(&maps.v, it.kv_head, v_s + st * TB, full_v(st), block, p.block_size, lo, hi, tid);
+        int lo, hi;
+        full_block_rows(kbase, it.s_lo, it.s_hi, p.block_size, lo, hi);
+        if (tid < 32) {
+          if constexpr (RUNS) {
+            if (run && lo == 0 && hi == kKeys) {
+              tma_tile_run<HD>(&maps.v_rows, it.kv_head, v_s + st * TB, full_v(st), block, p.block_size, tid);
+            } else {
+              tma_v_blocks<HD, PAIRS>(&maps.v, it.kv_head, v_s + st * TB, full_v(st), block, p.block_size, lo, hi, tid);
+            }
+          } else {
+            tma_v_blocks<HD, PAIRS>(&maps.v, it.kv_head, v_s + st * TB, full_v(st), block, p.block_size, lo, hi, tid);
           }
-          kv.load_edge_rows(v_s + st * TB, kv.value_base, kbase, lo, hi, it.s_lo, it.s_hi, tid, 128);
-          wgmma::cp_async_arrive(full_v(st));
-        } else {
-          kv.template load<128, 4>(v_s + st * TB, kv.value_base, kbase, it.s_hi, tid);
-          wgmma::cp_async_arrive(full_v(st));
         }
+        kv.template load_edge_rows<PAIRS>(v_s + st * TB, kv.value_base, kbase, lo, hi, it.s_lo, it.s_hi, tid, 128);
+        wgmma::cp_async_arrive(full_v(st));
       }
     }
     wgmma::cp_async_wait<0>();
-    if (merge) wgmma::reg_alloc<kWsJoinRegs>();
+    if (merge) wgmma::reg_alloc<kJoinRegs>();
   } else {
-    wgmma::reg_alloc<kWsMathRegs>();
+    wgmma::reg_alloc<kMathRegs>();
     const int mwg = wg - 1;  // computing warpgroup: rows 64 mwg .. 64 mwg + 63
-    // PINGPONG: the two warpgroups take turns issuing their wgmma (named
-    // barriers 3 and 4, 256 threads: one warpgroup syncs on its own, the other
-    // arrives), so one's softmax runs while the other's GEMMs do. Both issue the
-    // same number of times; warpgroup 0 gives itself the first turn (which
-    // leaves one unmatched arrival on barrier 3 at exit, as FlashAttention-3 does).
-    if (PINGPONG && mwg == 0) wgmma::named_arrive(3, 256);
     const int mtid = tid - 128 * wg;
     const int lane = tid % 32;
     const int qd = lane % 4;
@@ -572,13 +365,11 @@ __global__ void __launch_bounds__(kWsThreads, 1)
          linear = persistent_item(++r, total, snake)) {
       const Item it = item_at(p, linear);
       RowState rs(p, it, mwg, (tid / 32) % 4, lane);
-      const TileSpan span = TMA ? block_aligned_tiles(it, p.block_size) : TileSpan{it.s_lo, it.n_tiles};
-      if constexpr (TMA) {
-        // Tiles start on a block boundary: keys before s_lo (another split's,
-        // or outside the window) are masked like keys past s_hi.
-        rs.key_from[0] = max(rs.key_from[0], it.s_lo);
-        rs.key_from[1] = max(rs.key_from[1], it.s_lo);
-      }
+      const TileSpan span = block_aligned_tiles(it, p.block_size);
+      // Tiles start on a block boundary: keys before s_lo (another split's, or
+      // outside the window) are masked like keys past s_hi.
+      rs.key_from[0] = max(rs.key_from[0], it.s_lo);
+      rs.key_from[1] = max(rs.key_from[1], it.s_lo);
       wgmma::cp_async_wait<0>();
       wgmma::fence_proxy_async();
       wgmma::named_sync(1 + mwg, 128);
@@ -601,22 +392,19 @@ __global__ void __launch_bounds__(kWsThreads, 1)
         wgmma::mbar_wait(full_k(st), use & 1);
         if (t > 0) wgmma::mbar_wait(full_v(pst), (pg / kStages) & 1);
         wgmma::fence_proxy_async();
-        if constexpr (PINGPONG) wgmma::named_sync(3 + mwg, 256);  // this warpgroup's turn
         __syncwarp();
         wgmma::pin(o);
         wgmma::pin(pa);
         wgmma::fence();
-        issue_s<T, HD>(s, q_wg, k_s + st * TB);
+        issue_s<T, HD, PAIRS>(s, q_wg, k_s + st * TB);
         wgmma::commit();
         // NOTE: issue and wait in one branch each: ptxas serializes wgmma whose
         // accumulators are in flight across a join of branches.
         if (t > 0) {
-          issue_pv<T, HD>(o, pa, v_s + pst * TB);
+          issue_pv<T, HD, PAIRS>(o, pa, v_s + pst * TB);
           wgmma::commit();
-          if constexpr (PINGPONG) wgmma::named_arrive(3 + (1 - mwg), 256);  // the other's turn
           wgmma::wait<1>();
         } else {
-          if constexpr (PINGPONG) wgmma::named_arrive(3 + (1 - mwg), 256);
           wgmma::wait<0>();
         }
         wgmma::pin(s);
@@ -648,14 +436,12 @@ __global__ void __launch_bounds__(kWsThreads, 1)
         const int pst = pg % kStages;
         wgmma::mbar_wait(full_v(pst), (pg / kStages) & 1);
         wgmma::fence_proxy_async();
-        if constexpr (PINGPONG) wgmma::named_sync(3 + mwg, 256);
         __syncwarp();
         wgmma::pin(o);
         wgmma::pin(pa);
         wgmma::fence();
-        issue_pv<T, HD>(o, pa, v_s + pst * TB);
+        issue_pv<T, HD, PAIRS>(o, pa, v_s + pst * TB);
         wgmma::commit();
-        if constexpr (PINGPONG) wgmma::named_arrive(3 + (1 - mwg), 256);
         wgmma::wait<0>();
         wgmma::pin(o);
         __syncwarp();
@@ -665,15 +451,15 @@ __global__ void __launch_bounds__(kWsThreads, 1)
       }
       store_rows<T, HD>(p, it, o, rs, qd);
     }
-    if (merge) wgmma::reg_dealloc<kWsJoinRegs>();
+    if (merge) wgmma::reg_dealloc<kJoinRegs>();
   }
   if (merge) {
-    // NOTE: both branches left their register counts at kWsJoinRegs: the merge
+    // NOTE: both branches left their register counts at kJoinRegs: the merge
     // below is one piece of code for all 384 threads. One item per CTA here.
     __syncthreads();  // every copy and wgmma has retired: the buffers are scratch
     const Item it = item_at(p, blockIdx.x);
     unsigned char* const scratch = smem_raw + (k_s - raw);
-    merge::count_and_merge<T, HD, kWsThreads, false>(p, it.work, it.kv_head, reinterpret_cast<float*>(scratch));
+    merge::count_and_merge<T, HD, kTmaThreads, false>(p, it.work, it.kv_head, reinterpret_cast<float*>(scratch));
   }
 #endif
 }
@@ -734,51 +520,40 @@ int launch(void (*kernel)(PagedAttentionParams, Args...), bool& configured, int 
   return merge_attention_splits(p, false, stream);
 }
 
-// A flag on kernel_choice(): the "-rev" suffix.
-constexpr int kReverseItems = 16;
+// kernel_choice(): 1 the plain kernel, kTmaChoice + MODE the TMA kernel.
+constexpr int kTmaChoice = 2;
+
+template <typename T, int HD, int MODE>
+int launch_tma(const PagedAttentionParams& p, cudaStream_t stream) {
+  KvTensorMaps<(MODE & kRuns) != 0> maps{};
+  if (encode_kv_maps<T, HD, (MODE & kRuns) != 0, (MODE & kPairs) != 0 && HD == 128>(p, maps)) {
+    static bool configured = false;
+    return launch<HD>(wgmma_tma_prefill_kernel<T, HD, MODE>, configured, kTmaThreads, p, stream, true, maps);
+  }
+  static bool configured = false;
+  return launch<HD>(wgmma_prefill_kernel<T, HD, false>, configured, kThreads, p, stream, false);
+}
 
 template <typename T, int HD>
 int launch_head_dim(const PagedAttentionParams& p, int choice, cudaStream_t stream) {
-  // NOTE: the warp-specialized kernel's computing warpgroups have 232
-  // registers; softcap's tanh needs more, so softcap stays on the plain one
-  // (as do block sizes the TMA variants do not serve).
-  KvTensorMaps maps{};
-  const int reverse = (choice & kReverseItems) != 0 ? 1 : 0;  // (the persistent kernels have their own order)
-  choice &= ~kReverseItems;
-  if (choice == 2 && p.softcap == 0.f) {
-    static bool configured = false;
-    return launch<HD>(wgmma_ws_prefill_kernel<T, HD, false, false>, configured, kWsThreads, p, stream, true, maps);
-  }
-  if (choice == 3 && p.softcap == 0.f) {
-    static bool configured = false;
-    return launch<HD>(wgmma_ws_prefill_kernel<T, HD, true, false>, configured, kWsThreads, p, stream, true, maps);
-  }
-  if (choice == 5 && p.softcap == 0.f && encode_kv_maps<T, HD>(p, maps)) {
-    static bool configured = false;
-    return launch<HD>(wgmma_ws_prefill_kernel<T, HD, false, true>, configured, kWsThreads, p, stream, true, maps);
-  }
-  if (choice == 6 && p.softcap == 0.f && encode_kv_maps<T, HD>(p, maps)) {
-    static bool configured = false;
-    return launch<HD>(wgmma_ws_prefill_kernel<T, HD, true, true>, configured, kWsThreads, p, stream, true, maps);
-  }
-  if (choice == 7 && p.softcap == 0.f && encode_kv_maps<T, HD>(p, maps)) {
-    static bool configured = false;
-    return launch<HD>(wgmma_tma_prefill_kernel<T, HD, false>, configured, kThreads, p, stream, false, maps, reverse);
-  }
-  if (choice == 8 && p.softcap == 0.f && encode_kv_maps<T, HD>(p, maps)) {
-    static bool configured = false;
-    return launch<HD>(wgmma_tma_prefill_kernel<T, HD, true>, configured, kThreads, p, stream, false, maps, reverse);
-  }
+  // NOTE: the TMA kernel's computing warpgroups have 232 registers; softcap's
+  // tanh needs more, so softcap stays on the plain one (as do block sizes the
+  // TMA kernel does not serve: encode_kv_maps says no).
   if (p.softcap > 0.f) {
     static bool configured = false;
-    return launch<HD>(wgmma_prefill_kernel<T, HD, true, false>, configured, kThreads, p, stream, false, reverse);
+    return launch<HD>(wgmma_prefill_kernel<T, HD, true>, configured, kThreads, p, stream, false);
   }
-  if (choice == 4) {
-    static bool configured = false;
-    return launch<HD>(wgmma_prefill_kernel<T, HD, false, true>, configured, kThreads, p, stream, false, reverse);
+  switch (choice - kTmaChoice) {
+    case 0: return launch_tma<T, HD, 0>(p, stream);
+    case kIdsAhead: return launch_tma<T, HD, kIdsAhead>(p, stream);
+    case kRuns: return launch_tma<T, HD, kRuns>(p, stream);
+    case kIdsAhead | kRuns: return launch_tma<T, HD, kIdsAhead | kRuns>(p, stream);
+    case kPairs: return launch_tma<T, HD, kPairs>(p, stream);
+    case kIdsAhead | kPairs: return launch_tma<T, HD, kIdsAhead | kPairs>(p, stream);
+    default: break;
   }
   static bool configured = false;
-  return launch<HD>(wgmma_prefill_kernel<T, HD, false, false>, configured, kThreads, p, stream, false, reverse);
+  return launch<HD>(wgmma_prefill_kernel<T, HD, false>, configured, kThreads, p, stream, false);
 }
 
 template <typename T>
@@ -790,24 +565,24 @@ int dispatch_head_dim(const PagedAttentionParams& p, int choice, cudaStream_t st
   }
 }
 
-// PAGEDCORE_PREFILL_KERNEL: 1 = "wgmma", 2 = "wgmma-ws", 3 = "wgmma-pp" (wgmma-ws
-// with the warpgroups taking turns at the tensor cores), 4 = "wgmma-late"
-// (the plain kernel, copies issued after the GEMMs), 5 = "wgmma-tma"
-// (wgmma-ws copying by TMA), 6 = "wgmma-tma-pp" (the same with ping-pong),
-// 7 = "wgmma-tma-plain" (the plain kernel copying by TMA), 8 =
-// "wgmma-tma-async" (the same without a CTA barrier per tile),
-// 0 = "mma" (the mma.sync kernel) or anything else unknown; unset, empty or
-// "auto": the variant measured fastest for the head dim (kAuto*). A "-rev"
-// suffix on a wgmma variant adds kReverseItems: the non-persistent kernels
-// (wgmma, wgmma-late, wgmma-tma-plain) take the work items longest first.
-// NOTE: measured on the H200 (bench/check_wgmma.py, at 7feb9e8; all variants
-// correct): 8k causal d128 bs16 mma 3109 us, wgmma 2189 (251 TFLOP/s), ws 2490,
-// pp 2473, FA2 varlen 1714; SmolLM2 16 x 512 d64 mma 50.3, wgmma 62.9, ws 55.8,
-// pp 53.3. At 83b8cea (all 13 variants correct): 8k causal d128 bs16 wgmma-tma
-// 1167 us (471 TFLOP/s), bs128 1002 (549), wgmma 2190, FA2 1716; 2048 over 6144
-// cached 484 (FA2 745); 16 x 512 over 1-4k 836 (FA2 1189); SmolLM2 d64 45.5
-// against mma 46.2 (a tie). So wgmma-tma at head dim 128, mma.sync at 64.
-constexpr int kAutoD128 = 5;
+// PAGEDCORE_PREFILL_KERNEL: "wgmma" (1: the plain kernel), "wgmma-tma" (2: the
+// TMA kernel), "wgmma-tma-ids" (3: its block ids a tile ahead),
+// "wgmma-tma-runs" (4: a tile of consecutive blocks as one copy per 64-dim
+// half), "wgmma-tma-ids-runs" (5: both), "wgmma-tma-pairs" (6: one copy per
+// block for both 64-dim halves), "wgmma-tma-ids-pairs" (7: with ids ahead),
+// "mma" (0: the mma.sync kernel) or
+// anything else unknown (0); unset, empty or "auto": the variant measured
+// fastest for the head dim (kAuto*).
+// NOTE: measured on the H200 (bench/check_wgmma.py, at 83b8cea; every variant
+// then built correct): 8k causal d128 bs16 mma 3117 us, wgmma 2190 (251
+// TFLOP/s), wgmma-tma 1167 (471), FA2 varlen 1716; bs128 wgmma-tma 1002 (549);
+// 2048 over 6144 cached 484 (FA2 745); 16 x 512 over 1-4k 836 (FA2 1189);
+// SmolLM2 16 x 512 d64 wgmma-tma 45.5 against mma 46.2 (a tie). So wgmma-tma
+// at head dim 128, mma.sync at 64. The variants deleted after that run (git
+// log: wgmma-ws/-pp with a cp.async producer warpgroup, 2490 us; wgmma-late,
+// 1841; wgmma-tma-plain/-async, the plain kernel copying by TMA, 1456/1483;
+// wgmma-tma-pp, 1173; the "-rev" item orders: no gain) lost on every case.
+constexpr int kAutoD128 = kTmaChoice;
 constexpr int kAutoD64 = 0;
 int kernel_choice(const PagedAttentionParams& p) {
   // NOTE: read on every call (a getenv per layer is noise) so that a process
@@ -816,23 +591,14 @@ int kernel_choice(const PagedAttentionParams& p) {
   if (env == nullptr || env[0] == '\0' || std::strcmp(env, "auto") == 0) {
     return p.head_dim == 128 ? kAutoD128 : p.head_dim == 64 ? kAutoD64 : 0;
   }
-  std::string name(env);
-  int flags = 0;
-  constexpr const char* kRev = "-rev";
-  if (name.size() > 4 && name.compare(name.size() - 4, 4, kRev) == 0) {
-    name.resize(name.size() - 4);
-    flags = kReverseItems;
-  }
-  int base = 0;  // "mma", or anything else
-  if (name == "wgmma") base = 1;
-  if (name == "wgmma-ws") base = 2;
-  if (name == "wgmma-pp") base = 3;
-  if (name == "wgmma-late") base = 4;
-  if (name == "wgmma-tma") base = 5;
-  if (name == "wgmma-tma-pp") base = 6;
-  if (name == "wgmma-tma-plain") base = 7;
-  if (name == "wgmma-tma-async") base = 8;
-  return base == 0 ? 0 : base | flags;
+  if (std::strcmp(env, "wgmma") == 0) return 1;
+  if (std::strcmp(env, "wgmma-tma") == 0) return kTmaChoice;
+  if (std::strcmp(env, "wgmma-tma-ids") == 0) return kTmaChoice + kIdsAhead;
+  if (std::strcmp(env, "wgmma-tma-runs") == 0) return kTmaChoice + kRuns;
+  if (std::strcmp(env, "wgmma-tma-ids-runs") == 0) return kTmaChoice + (kIdsAhead | kRuns);
+  if (std::strcmp(env, "wgmma-tma-pairs") == 0) return kTmaChoice + kPairs;
+  if (std::strcmp(env, "wgmma-tma-ids-pairs") == 0) return kTmaChoice + (kIdsAhead | kPairs);
+  return 0;  // "mma", or anything else
 }
 
 bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0; }

@@ -89,12 +89,8 @@ __device__ __forceinline__ Item item_of(const PagedAttentionParams& p, int kv_he
 
 // The CTA of a (kv heads, work items, splits) grid, or item `linear` in that
 // grid's launch order (kv head fastest) for a persistent CTA.
-// reverse: work items in the opposite order of the grid's (the plan lists each
-// row's items by ascending key range, and the grid launches in order: this
-// starts the longest first, leaving the short ones for the tail).
-__device__ __forceinline__ Item item_of(const PagedAttentionParams& p, bool reverse = false) {
-  return item_of(p, blockIdx.x, reverse ? p.num_work - 1 - static_cast<int>(blockIdx.y) : static_cast<int>(blockIdx.y),
-                 blockIdx.z);
+__device__ __forceinline__ Item item_of(const PagedAttentionParams& p) {
+  return item_of(p, blockIdx.x, blockIdx.y, blockIdx.z);
 }
 __device__ __forceinline__ Item item_at(const PagedAttentionParams& p, int linear) {
   const int rest = linear / p.num_kv_heads;
@@ -166,32 +162,10 @@ struct KvGather {
     }
   }
 
-  // load() without branches, for copies issued while wgmma are in flight
-  // (ptxas serializes wgmma whose accumulators live across a branch join):
-  // keys at or past s_hi, and all keys when !enable, read the table at a valid
-  // key (s_hi - 1) and copy 0 bytes (zero-fill).
-  template <int NTHREADS, int UNROLL>
-  __device__ __forceinline__ void load_branchless(uint32_t dst, const T* base, int kbase, int s_hi, int tid,
-                                                  bool enable) const {
-    constexpr int CH = HD / 8;
-    constexpr int PASS_ROWS = NTHREADS / CH;
-    static_assert(NTHREADS % CH == 0 && kKeys % PASS_ROWS == 0, "copy shape");
-    const int chunk = tid % CH;
-#pragma unroll UNROLL
-    for (int pass = 0; pass < kKeys / PASS_ROWS; ++pass) {
-      const int j = pass * PASS_ROWS + tid / CH;
-      const int key = kbase + j;
-      const bool valid = enable && key < s_hi;
-      const int k = max(0, min(key, s_hi - 1));
-      const int b = bs_shift >= 0 ? k >> bs_shift : k / bs;
-      const T* src =
-          base + static_cast<int64_t>(table[b]) * block_elems + static_cast<int64_t>(k - b * bs) * slot_elems + chunk * 8;
-      wgmma::cp_async16(dst + wgmma::swizzled<kKeys>(j, chunk), src, valid);
-    }
-  }
-
   // Rows `row` of a tile (keys kbase + row) for row in [0, lo) and [hi, kKeys):
   // keys in [s_lo, s_hi) copied, others zero-filled; by `nthreads` threads.
+  // PAIRS: into the paired layout (wgmma::swizzled_paired, head dim 128).
+  template <bool PAIRS = false>
   __device__ __forceinline__ void load_edge_rows(uint32_t dst, const T* base, int kbase, int lo, int hi, int s_lo,
                                                  int s_hi, int tid, int nthreads) const {
     constexpr int CH = HD / 8;
@@ -209,7 +183,8 @@ struct KvGather {
         src = base + static_cast<int64_t>(table[b]) * block_elems + static_cast<int64_t>(key - b * bs) * slot_elems +
               chunk * 8;
       }
-      wgmma::cp_async16(dst + wgmma::swizzled<kKeys>(row, chunk), src, valid);
+      wgmma::cp_async16(dst + (PAIRS ? wgmma::swizzled_paired(row, chunk) : wgmma::swizzled<kKeys>(row, chunk)), src,
+                        valid);
     }
   }
 };
@@ -330,23 +305,28 @@ __device__ __forceinline__ void rescale(float (&o)[ON], const float (&corr)[2]) 
   }
 }
 
-// Issues S = Q K^T for one warpgroup (q_wg: its 64 rows of the Q tile; kt: the K tile).
-template <typename T, int HD>
+// Issues S = Q K^T for one warpgroup (q_wg: its 64 rows of the Q tile; kt: the K tile,
+// PAIRS: in the paired layout, 8-key atoms 2048 bytes apart, the second 64-dim panel's
+// 1024 bytes after the first's).
+template <typename T, int HD, bool PAIRS = false>
 __device__ __forceinline__ void issue_s(float (&s)[kKeys / 2], uint32_t q_wg, uint32_t kt) {
 #pragma unroll
   for (int k = 0; k < HD / 16; ++k) {
     const uint32_t qa = q_wg + (k / 4) * (kRows * 128) + (k % 4) * 32;
-    const uint32_t kb = kt + (k / 4) * (kKeys * 128) + (k % 4) * 32;
-    wgmma::mma_ss_n128<T>(s, wgmma::desc(qa, 16, 1024), wgmma::desc(kb, 16, 1024), k > 0);
+    const uint32_t kb = kt + (k / 4) * (PAIRS ? 1024 : kKeys * 128) + (k % 4) * 32;
+    wgmma::mma_ss_n128<T>(s, wgmma::desc(qa, 16, 1024), wgmma::desc(kb, 16, PAIRS ? 2048 : 1024), k > 0);
   }
 }
 
 // Issues O += P V (vt: the V tile, N-major: 8-key groups 1024 bytes apart,
-// 64-dim panels kKeys * 128 bytes apart).
-template <typename T, int HD>
+// 64-dim panels kKeys * 128 bytes apart; PAIRS: the paired layout, 8-key groups
+// 2048 bytes apart, panels 1024).
+template <typename T, int HD, bool PAIRS = false>
 __device__ __forceinline__ void issue_pv(float (&o)[HD / 2], const uint32_t (&pa)[kKeys / 16][4], uint32_t vt) {
+  constexpr uint32_t kGroup = PAIRS ? 2048 : 1024;
+  constexpr uint32_t kPanel = PAIRS ? 1024 : kKeys * 128;
 #pragma unroll
-  for (int k = 0; k < kKeys / 16; ++k) wgmma::mma_rs<T, HD>(o, pa[k], wgmma::desc(vt + k * 2048, kKeys * 128, 1024));
+  for (int k = 0; k < kKeys / 16; ++k) wgmma::mma_rs<T, HD>(o, pa[k], wgmma::desc(vt + k * 2 * kGroup, kPanel, kGroup));
 }
 
 // o[4n + 2r + c] (row r, head dim 8n + 2qd + c) / l -> out, or the split's

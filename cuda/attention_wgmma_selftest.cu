@@ -26,6 +26,7 @@ using namespace wgmma_attention;  // NOLINT: the pieces under test
 // O = P V by issue_pv, each against float arithmetic on the same values.
 // errors[0] = max |S - ref|, errors[1] = max |O - ref| (atomicMax on the bits of
 // non-negative floats; -2 if the kernel never ran); NaN shows as a huge value.
+// PAIRS: K and V in the paired layout of wgmma-tma-pairs (swizzled_paired).
 __device__ __forceinline__ float selftest_value(int which, int r, int c) {
   const uint32_t h = (static_cast<uint32_t>(which) * 7919u + static_cast<uint32_t>(r) * 131u +
                       static_cast<uint32_t>(c) * 31u + 17u) * 2654435761u;
@@ -37,7 +38,7 @@ __device__ __forceinline__ void selftest_record(float* error, float e) {
   atomicMax(reinterpret_cast<int*>(error), __float_as_int(e));
 }
 
-template <typename T, int HD>
+template <typename T, int HD, bool PAIRS>
 __global__ void __launch_bounds__(128, 1) wgmma_selftest_kernel(float* errors) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ unsigned char smem_raw[];
@@ -51,7 +52,9 @@ __global__ void __launch_bounds__(128, 1) wgmma_selftest_kernel(float* errors) {
   const int lane = tid % 32;
   const int qd = lane % 4;
   auto put = [&](uint32_t tile, int rows, int r, int c, float x) {
-    const uint32_t off = rows == kRows ? wgmma::swizzled<kRows>(r, c / 8) : wgmma::swizzled<kKeys>(r, c / 8);
+    const uint32_t off = rows == kRows ? wgmma::swizzled<kRows>(r, c / 8)
+                         : PAIRS       ? wgmma::swizzled_paired(r, c / 8)
+                                       : wgmma::swizzled<kKeys>(r, c / 8);
     reinterpret_cast<T*>(smem_raw + (tile + off - raw))[c % 8] = static_cast<T>(x);
   };
   for (int i = tid; i < kRows * HD; i += 128) put(q_s, kRows, i / HD, i % HD, selftest_value(0, i / HD, i % HD));
@@ -64,7 +67,7 @@ __global__ void __launch_bounds__(128, 1) wgmma_selftest_kernel(float* errors) {
 
   float s[kKeys / 2];
   wgmma::fence();
-  issue_s<T, HD>(s, q_s, k_s);
+  issue_s<T, HD, PAIRS>(s, q_s, k_s);
   wgmma::commit();
   wgmma::wait<0>();
   wgmma::pin(s);
@@ -98,7 +101,7 @@ __global__ void __launch_bounds__(128, 1) wgmma_selftest_kernel(float* errors) {
   wgmma::pin(o);
   wgmma::pin(pa);
   wgmma::fence();
-  issue_pv<T, HD>(o, pa, v_s);
+  issue_pv<T, HD, PAIRS>(o, pa, v_s);
   wgmma::commit();
   wgmma::wait<0>();
   wgmma::pin(o);
@@ -121,7 +124,7 @@ __global__ void __launch_bounds__(128, 1) wgmma_selftest_kernel(float* errors) {
 #endif
 }
 
-template <typename T, int HD>
+template <typename T, int HD, bool PAIRS = false>
 int run_selftest(float* out) {
   constexpr size_t smem = 1024 + tile_bytes<HD>(kRows) + 2 * tile_bytes<HD>(kKeys) + 64 * kKeys * 4;
   float* errors = nullptr;
@@ -131,11 +134,11 @@ int run_selftest(float* out) {
   cudaError_t e = cudaMalloc(&errors, 2 * sizeof(float));
   if (e == cudaSuccess) e = cudaMemcpy(errors, start, 2 * sizeof(float), cudaMemcpyHostToDevice);
   if (e == cudaSuccess) {
-    e = cudaFuncSetAttribute(wgmma_selftest_kernel<T, HD>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    e = cudaFuncSetAttribute(wgmma_selftest_kernel<T, HD, PAIRS>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                              static_cast<int>(smem));
   }
   if (e == cudaSuccess) {
-    wgmma_selftest_kernel<T, HD><<<1, 128, smem>>>(errors);
+    wgmma_selftest_kernel<T, HD, PAIRS><<<1, 128, smem>>>(errors);
     e = cudaGetLastError();
   }
   if (e == cudaSuccess) e = cudaMemcpy(out, errors, 2 * sizeof(float), cudaMemcpyDeviceToHost);
@@ -146,12 +149,14 @@ int run_selftest(float* out) {
 }  // namespace
 
 int wgmma_selftest(float* errors) {
-  for (int i = 0; i < 8; ++i) errors[i] = -1.f;
+  for (int i = 0; i < kWgmmaSelftestErrors; ++i) errors[i] = -1.f;
   if (!wgmma_prefill_available()) return cudaSuccess;
   int e = run_selftest<__nv_bfloat16, 64>(errors);
   if (e == cudaSuccess) e = run_selftest<__nv_bfloat16, 128>(errors + 2);
   if (e == cudaSuccess) e = run_selftest<__half, 64>(errors + 4);
   if (e == cudaSuccess) e = run_selftest<__half, 128>(errors + 6);
+  if (e == cudaSuccess) e = run_selftest<__nv_bfloat16, 128, true>(errors + 8);
+  if (e == cudaSuccess) e = run_selftest<__half, 128, true>(errors + 10);
   return e;
 }
 

@@ -1,5 +1,5 @@
-// Internal: the TMA pieces of the Hopper prefill kernels (attention_wgmma.cu,
-// PAGEDCORE_PREFILL_KERNEL=wgmma-tma, wgmma-tma-pp, wgmma-tma-plain): the
+// Internal: the TMA pieces of the Hopper prefill kernel (attention_wgmma.cu,
+// PAGEDCORE_PREFILL_KERNEL=wgmma-tma and its -ids / -runs variants): the
 // tensor maps over the paged cache (encoded on the host), the block-aligned
 // key tiles, and the per-block TMA copies of K and V tiles (device code for
 // sm_90a only, wgmma_ops.cuh).
@@ -19,12 +19,22 @@
 
 namespace pagedcore::cuda::wgmma_attention {
 
-// Tensor maps over the key and value caches for the TMA variants (encoded on
+// Tensor maps over the key and value caches for the TMA kernel (encoded on
 // the host per launch, passed by value: CUDA graphs capture them with the
-// launch); unused by the others.
+// launch): k, v a box per block; with ROWS (the -runs variants) also k_rows,
+// v_rows, a box of kKeys rows of the cache seen as [num_blocks * block_size,
+// kv heads, HD] (tma_tile_run).
+template <bool ROWS>
 struct KvTensorMaps {
   CUtensorMap k;
   CUtensorMap v;
+};
+template <>
+struct KvTensorMaps<true> {
+  CUtensorMap k;
+  CUtensorMap v;
+  CUtensorMap k_rows;
+  CUtensorMap v_rows;
 };
 
 // ---- TMA (PAGEDCORE_PREFILL_KERNEL=wgmma-tma*): one copy per cache block ----
@@ -68,16 +78,16 @@ __device__ __forceinline__ void full_block_rows(int kbase, int s_lo, int s_hi, i
   hi = max(lo, min(kKeys, (s_hi - kbase) & ~(bs - 1)));
 }
 
-// K tile -> dst, by one warp: lane j copies block j of the tile (its
-// tile_block, all 64-dim halves) unless it is -1; lane 0 first arms `bar`
-// with the bytes of them all (its one arrival).
-template <int HD>
-__device__ __forceinline__ void tma_k_blocks(const void* map, int kv_head, uint32_t dst, uint32_t bar, int block, int bs,
-                                             int lane) {
-  const unsigned mask = __ballot_sync(0xffffffffu, block >= 0);
-  if (lane == 0) wgmma::mbar_arrive_expect_tx(bar, __popc(mask) * bs * HD * 2);
-  __syncwarp();
-  if (block >= 0) {
+// Block `block` of the cache (its rows of kv head `kv_head`) -> tile rows
+// lane * bs .. of dst, completing on `bar`: one copy per 64-dim half; PAIRS
+// (head dim 128, the paired tile layout, encode_kv_maps' 5-d map): one copy.
+template <int HD, bool PAIRS>
+__device__ __forceinline__ void tma_block(const void* map, int kv_head, uint32_t dst, uint32_t bar, int block, int bs,
+                                          int lane) {
+  if constexpr (PAIRS) {
+    static_assert(HD == 128, "two 64-dim panels");
+    wgmma::tma_load_5d(dst + lane * bs * 256, map, 0, 0, 2 * kv_head, 0, block, bar);
+  } else {
 #pragma unroll
     for (int h = 0; h < HD / 64; ++h) {
       wgmma::tma_load_4d(dst + h * kKeys * 128 + lane * bs * 128, map, h * 64, kv_head, 0, block, bar);
@@ -85,21 +95,52 @@ __device__ __forceinline__ void tma_k_blocks(const void* map, int kv_head, uint3
   }
 }
 
+// K tile -> dst, by one warp: lane j copies block j of the tile (its
+// tile_block, all 64-dim halves) unless it is -1; lane 0 first arms `bar`
+// with the bytes of them all (its one arrival).
+template <int HD, bool PAIRS = false>
+__device__ __forceinline__ void tma_k_blocks(const void* map, int kv_head, uint32_t dst, uint32_t bar, int block, int bs,
+                                             int lane) {
+  const unsigned mask = __ballot_sync(0xffffffffu, block >= 0);
+  if (lane == 0) wgmma::mbar_arrive_expect_tx(bar, __popc(mask) * bs * HD * 2);
+  __syncwarp();
+  if (block >= 0) tma_block<HD, PAIRS>(map, kv_head, dst, bar, block, bs, lane);
+}
+
 // V tile -> dst, by one warp: the blocks of rows [lo, hi) (full_block_rows;
 // lane j: block j, its tile_block), lane 0 arming `bar` with their bytes (its
 // one arrival). The edge rows are the caller's (cp.async, zero-filled).
-template <int HD>
+template <int HD, bool PAIRS = false>
 __device__ __forceinline__ void tma_v_blocks(const void* map, int kv_head, uint32_t dst, uint32_t bar, int block, int bs,
                                              int lo, int hi, int lane) {
   const bool load = lane * bs >= lo && lane * bs < hi;
   if (lane == 0) wgmma::mbar_arrive_expect_tx(bar, (hi - lo) * HD * 2);
   __syncwarp();
-  if (load) {
-#pragma unroll
-    for (int h = 0; h < HD / 64; ++h) {
-      wgmma::tma_load_4d(dst + h * kKeys * 128 + lane * bs * 128, map, h * 64, kv_head, 0, block, bar);
-    }
-  }
+  if (load) tma_block<HD, PAIRS>(map, kv_head, dst, bar, block, bs, lane);
+}
+
+// Whether every block of the tile is there (tile_block, `block`, not -1) and
+// they are consecutive in the cache (lane j's == lane 0's + j): then the
+// tile's kKeys rows are rows block_0 * bs .. + kKeys - 1 of the cache seen as
+// [num_blocks * bs, kv heads, HD], one box of a rows map per 64-dim half
+// (tma_tile_run). All 32 lanes of the warp call it; it answers the same in all.
+__device__ __forceinline__ bool tile_is_run(int block, int bs, int lane) {
+  const int n = kKeys / bs;
+  const int first = __shfl_sync(0xffffffffu, block, 0);
+  const bool ok = lane >= n || (block >= 0 && block == first + lane);
+  return n > 1 && __all_sync(0xffffffffu, ok);
+}
+
+// A whole K or V tile whose blocks form a run (tile_is_run) -> dst, by one
+// warp: lane 0 arms `bar` with the tile's bytes (its one arrival), then lane h
+// copies 64-dim half h as one box of kKeys rows (map: k_rows or v_rows).
+template <int HD>
+__device__ __forceinline__ void tma_tile_run(const void* map, int kv_head, uint32_t dst, uint32_t bar, int block,
+                                             int bs, int lane) {
+  const int first = __shfl_sync(0xffffffffu, block, 0);
+  if (lane == 0) wgmma::mbar_arrive_expect_tx(bar, kKeys * HD * 2);
+  __syncwarp();
+  if (lane < HD / 64) wgmma::tma_load_3d(dst + lane * kKeys * 128, map, lane * 64, kv_head, first * bs, bar);
 }
 
 // cuTensorMapEncodeTiled from the driver through the runtime (no libcuda
@@ -131,13 +172,20 @@ inline EncodeTiledFn tensor_map_encoder() {
 // that issue them).
 inline bool tma_block_size(int bs) { return bs >= 8 && bs <= kKeys && (bs & (bs - 1)) == 0; }
 
-// Encodes the K and V tensor maps of `p`'s cache (see tma_k_blocks in
-// attention_wgmma_parts.cuh): dims (HD, kv heads, block_size, num_blocks),
-// box (64, 1, block_size, 1), 128-byte swizzle. False if it cannot.
-template <typename T, int HD>
-bool encode_kv_maps(const PagedAttentionParams& p, KvTensorMaps& maps) {
+// Encodes the K and V tensor maps of `p`'s cache (see tma_block): dims (HD,
+// kv heads, block_size, num_blocks), box (64, 1, block_size, 1), 128-byte
+// swizzle; PAIRS (head dim 128): dims (64, 8 rows, 2 * kv heads 64-dim
+// halves, block_size / 8 row groups, num_blocks), box (64, 8, 2, block_size /
+// 8, 1) — a block's rows of both halves of one kv head, landing as 8-row atoms
+// of the two panels side by side (wgmma::swizzled_paired); with ROWS also
+// k_rows / v_rows (tma_tile_run): dims (HD, kv heads, num_blocks *
+// block_size), box (64, 1, kKeys). False if it cannot.
+template <typename T, int HD, bool ROWS, bool PAIRS = false>
+bool encode_kv_maps(const PagedAttentionParams& p, KvTensorMaps<ROWS>& maps) {
+  static_assert(!PAIRS || (HD == 128 && !ROWS), "pairs: two 64-dim panels, block by block");
   const EncodeTiledFn encode = tensor_map_encoder();
   if (p.num_blocks <= 0 || !tma_block_size(p.block_size)) return false;
+  if (ROWS && static_cast<int64_t>(p.num_blocks) * p.block_size > INT32_MAX) return false;
   if (encode == nullptr) {
     static bool told = false;
     if (!told) {
@@ -155,12 +203,33 @@ bool encode_kv_maps(const PagedAttentionParams& p, KvTensorMaps& maps) {
   const cuuint64_t strides[3] = {row, row * p.num_kv_heads, row * p.num_kv_heads * p.block_size};  // bytes, dims 1..3
   const cuuint32_t box[4] = {64, 1, static_cast<cuuint32_t>(p.block_size), 1};
   const cuuint32_t elem_strides[4] = {1, 1, 1, 1};
+  const cuuint64_t pair_dims[5] = {64, 8, 2 * static_cast<cuuint64_t>(p.num_kv_heads),
+                                   static_cast<cuuint64_t>(p.block_size / 8), static_cast<cuuint64_t>(p.num_blocks)};
+  const cuuint64_t pair_strides[4] = {row * p.num_kv_heads, 128, 8 * row * p.num_kv_heads, strides[2]};
+  const cuuint32_t pair_box[5] = {64, 8, 2, static_cast<cuuint32_t>(p.block_size / 8), 1};
+  const cuuint32_t pair_elem_strides[5] = {1, 1, 1, 1, 1};
   auto one = [&](CUtensorMap* map, const void* cache) {
+    if constexpr (PAIRS) {
+      return encode(map, type, 5, const_cast<void*>(cache), pair_dims, pair_strides, pair_box, pair_elem_strides,
+                    CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                    CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+    }
     return encode(map, type, 4, const_cast<void*>(cache), dims, strides, box, elem_strides,
                   CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                   CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
   };
-  if (one(&maps.k, p.key_cache) && one(&maps.v, p.value_cache)) return true;
+  bool ok = one(&maps.k, p.key_cache) && one(&maps.v, p.value_cache);
+  if constexpr (ROWS) {
+    const cuuint64_t row_dims[3] = {dims[0], dims[1], static_cast<cuuint64_t>(p.num_blocks) * p.block_size};
+    const cuuint32_t row_box[3] = {64, 1, static_cast<cuuint32_t>(kKeys)};
+    auto rows = [&](CUtensorMap* map, const void* cache) {
+      return encode(map, type, 3, const_cast<void*>(cache), row_dims, strides, row_box, elem_strides,
+                    CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                    CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+    };
+    ok = ok && rows(&maps.k_rows, p.key_cache) && rows(&maps.v_rows, p.value_cache);
+  }
+  if (ok) return true;
   // NOTE: the caller then runs the plain kernel; said once (per dtype and head
   // dim), so that a measurement of an opt-in TMA variant does not pass the
   // plain one off as it.

@@ -24,13 +24,13 @@ void check(int error, const char* what) {
 #ifndef PAGEDCORE_WITH_WGMMA
 bool wgmma_prefill_available() { return false; }  // a build without sm_90
 int wgmma_selftest(float* errors) {
-  for (int i = 0; i < 8; ++i) errors[i] = -1.f;
+  for (int i = 0; i < kWgmmaSelftestErrors; ++i) errors[i] = -1.f;
   return 0;
 }
 #endif
 
 std::vector<float> wgmma_selftest_at() {
-  std::vector<float> errors(8);
+  std::vector<float> errors(kWgmmaSelftestErrors);
   check(wgmma_selftest(errors.data()), "wgmma_selftest");
   return errors;
 }

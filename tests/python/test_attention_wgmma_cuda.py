@@ -1,7 +1,6 @@
 """The Hopper prefill kernels (wgmma, sm_90a) through pagedcore.ops.paged_attention with
-PAGEDCORE_PREFILL_KERNEL=wgmma, =wgmma-ws, =wgmma-pp, =wgmma-late, =wgmma-tma, =wgmma-tma-pp
-and =wgmma-tma-plain (and =mma, the kernel they replace), each against the float64
-references of test_ops_cuda.py
+PAGEDCORE_PREFILL_KERNEL=wgmma, =wgmma-tma and its variants (and =mma, the kernel they
+replace), each against the float64 references of test_ops_cuda.py
 (fresh random inputs, NaN in every cache slot the kernel must not read, NaN-poisoned
 outputs): block sizes, head dims 64/128, GQA ratios (1, non-powers of two), bf16 and
 fp16, mixed rows (decode rows stay on the decode kernel; cached prefixes, lengths that
@@ -25,18 +24,19 @@ pytestmark = pytest.mark.cuda
 from test_ops_cpu import NAN, make_batch, mixed_rows, reference  # noqa: E402
 from test_ops_cuda import TOLERANCE  # noqa: E402
 
-# wgmma-ws: the warp-specialized variant; wgmma-pp: the same with the two computing
-# warpgroups taking turns at the tensor cores (softcap cases run the plain one).
-# wgmma-late: the plain kernel issuing its copies after the GEMMs. wgmma-tma /
-# wgmma-tma-pp: wgmma-ws / wgmma-pp copying K and V by TMA, one copy per cache block,
-# key tiles starting on a block boundary; wgmma-tma-plain: the plain kernel copying by
-# TMA, wgmma-tma-async: the same without a CTA barrier per tile (the TMA variants run the plain kernel with softcap or block sizes that are not
-# powers of two in 8..128). mma: the mma.sync kernel, which the default (auto) no longer
-# picks for head dim 128 here. PAGEDCORE_TEST_PREFILL_KERNELS (comma-separated) narrows
-# the list, e.g. to leave out a variant that bench/check_wgmma.py found hanging.
-# "-rev": the non-persistent kernels taking the work items in reverse (longest first).
-KERNELS = ["mma", "wgmma", "wgmma-ws", "wgmma-pp", "wgmma-late", "wgmma-tma", "wgmma-tma-pp", "wgmma-tma-plain",
-           "wgmma-tma-async", "wgmma-rev", "wgmma-late-rev", "wgmma-tma-plain-rev", "wgmma-tma-async-rev"]
+# wgmma: the plain kernel (every thread gathers K/V by cp.async); wgmma-tma (the default
+# at head dim 128): a copying warpgroup brings K and V by TMA, one copy per cache block,
+# key tiles starting on a block boundary, persistent CTAs (softcap and block sizes that are
+# not powers of two in 8..128 run the plain kernel); wgmma-tma-ids: its copying warp looks
+# the block ids up a tile ahead; wgmma-tma-runs: a key tile whose blocks are consecutive in
+# the cache comes as one copy per 64-dim half (test_wgmma_tma_runs has such tiles);
+# wgmma-tma-ids-runs: both; wgmma-tma-pairs: one copy per cache block for both 64-dim halves
+# (head dim 128; K/V tiles in the paired shared-memory layout), wgmma-tma-ids-pairs: with
+# ids ahead. mma: the mma.sync kernel, which the default (auto) no longer picks for head
+# dim 128 here. PAGEDCORE_TEST_PREFILL_KERNELS (comma-separated) narrows the list, e.g. to
+# leave out a variant that bench/check_wgmma.py found hanging.
+KERNELS = ["mma", "wgmma", "wgmma-tma", "wgmma-tma-ids", "wgmma-tma-runs", "wgmma-tma-ids-runs", "wgmma-tma-pairs",
+           "wgmma-tma-ids-pairs"]
 if os.environ.get("PAGEDCORE_TEST_PREFILL_KERNELS"):
     KERNELS = [k for k in os.environ["PAGEDCORE_TEST_PREFILL_KERNELS"].split(",") if k]
 
@@ -47,13 +47,41 @@ def needs_sm90():
         pytest.skip("the wgmma prefill kernel runs on compute capability 9.0 (sm_90 builds) only")
 
 
+def consecutive_blocks(kc, vc, bt, seq_lens, *, gap_every=11):
+    """The same batch with each row's blocks renumbered in table order to consecutive
+    cache blocks, one id skipped before every `gap_every`-th block of a row (so that some
+    key tiles are runs of consecutive blocks and some are not); the null block 0 and the
+    garbage entries past a row's blocks stay as they are (clamped later), the new cache
+    NaN where no block was moved."""
+    bs = kc.shape[1]
+    n_rows = [-(-int(s) // bs) for s in seq_lens]
+    total = 1 + sum(n + n // gap_every + 1 for n in n_rows)
+    new_k = torch.full((total, *kc.shape[1:]), NAN, dtype=kc.dtype)
+    new_v = torch.full_like(new_k, NAN)
+    new_bt = bt.clone()
+    nxt = 1
+    for r, n in enumerate(n_rows):
+        for j in range(n):
+            if j % gap_every == gap_every - 1:
+                nxt += 1
+            old = int(bt[r, j])
+            if old != 0:
+                new_k[nxt], new_v[nxt] = kc[old], vc[old]
+                new_bt[r, j] = nxt
+            nxt += 1
+    return new_k, new_v, new_bt
+
+
 def run_cuda(rows, *, block_size, head_dim, group, dtype, window=0, softcap=0.0, num_kv_heads=2, seed=0,
-             fp8_scales=None, unsplit=False):
-    """test_ops_cuda.run_cuda for every wgmma variant, one float64 reference for all."""
+             fp8_scales=None, unsplit=False, consecutive=False):
+    """test_ops_cuda.run_cuda for every wgmma variant, one float64 reference for all.
+    consecutive: each row's blocks consecutive in the cache (consecutive_blocks)."""
     query, kc, vc, bt, seq_lens, qsl = make_batch(
         rows, block_size=block_size, head_dim=head_dim, num_kv_heads=num_kv_heads, group=group,
         dtype=dtype, window=window, seed=seed,
     )
+    if consecutive:
+        kc, vc, bt = consecutive_blocks(kc, vc, bt, seq_lens)
     bt = bt.clamp(0, kc.shape[0] - 1)  # garbage entries in range: a stray read shows as NaN
     scale = head_dim**-0.5
     kw = {}
@@ -100,8 +128,10 @@ HALF = [torch.bfloat16, torch.float16]
 def test_wgmma_building_blocks():
     # One tile, exactly representable inputs: S = Q K^T from the swizzled shared-memory
     # tiles and O = P V with P in registers, against float arithmetic, for bf16/fp16 and
-    # head dims 64/128 (S: exact sums; O: float32 accumulation order only).
+    # head dims 64/128 (S: exact sums; O: float32 accumulation order only), then K and V in
+    # wgmma-tma-pairs' paired layout at head dim 128 (its descriptors' strides).
     errs = _C.cuda_wgmma_selftest()
+    assert len(errs) == 12, errs
     assert all(0 <= e < 1e-3 for e in errs[0::2]), errs
     assert all(0 <= e < 1e-2 for e in errs[1::2]), errs
 
@@ -145,7 +175,7 @@ def test_wgmma_key_splits(rows, group):
 
 @pytest.mark.parametrize("head_dim,group", [(64, 4), (128, 1), (128, 3)])
 def test_wgmma_many_items_per_cta(head_dim, group):
-    # More work items x kv heads than multiprocessors: wgmma-ws's persistent CTAs walk
+    # More work items x kv heads than multiprocessors: wgmma-tma's persistent CTAs walk
     # several items each (items of different lengths, the K/V buffer rings and their
     # barrier phases carried from one item to the next).
     rows = [(17 + (37 * i) % 90, 17 + (37 * i) % 90 + (53 * i) % 300) for i in range(60)]
@@ -159,7 +189,7 @@ def test_wgmma_many_items_per_cta(head_dim, group):
 @pytest.mark.parametrize("block_size", [8, 64, 128])
 @pytest.mark.parametrize("window", [0, 45, 300])
 def test_wgmma_key_tiles_on_block_boundaries(block_size, window):
-    # The TMA variants start each key range's tiles at its first key rounded down to a
+    # The TMA kernel starts each key range's tiles at its first key rounded down to a
     # block: windows and key splits whose first key sits mid-block (the keys before it
     # masked, their V rows zero-filled: NaN in the tests), last blocks partly past the
     # row's end, blocks as large as a whole key tile; once with the plan's key splits,
@@ -168,6 +198,22 @@ def test_wgmma_key_tiles_on_block_boundaries(block_size, window):
     run_cuda(rows, block_size=block_size, head_dim=128, group=4, dtype=torch.bfloat16, window=window)
     run_cuda(rows, block_size=block_size, head_dim=128, group=3, dtype=torch.bfloat16, window=window, unsplit=True)
     run_cuda(rows, block_size=block_size, head_dim=64, group=2, dtype=torch.float16, window=window)
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 32, 64])
+@pytest.mark.parametrize("window", [0, 45])
+def test_wgmma_tma_runs(block_size, window):
+    # Each row's blocks consecutive in the cache but for a gap every 11 blocks: the -runs
+    # variants copy the key tiles of consecutive blocks as one box of 128 rows per 64-dim
+    # half and the others block by block (V tiles with edge rows too: windows starting
+    # mid-block, rows ending mid-block, key splits); head dims 128 and 64.
+    rows = [(300, 2000), (129, 1000), (40, 5000), (1, 77), (70, 2500)]
+    run_cuda(rows, block_size=block_size, head_dim=128, group=4, dtype=torch.bfloat16, window=window,
+             consecutive=True)
+    run_cuda(rows, block_size=block_size, head_dim=128, group=3, dtype=torch.bfloat16, window=window,
+             consecutive=True, unsplit=True)
+    run_cuda(rows, block_size=block_size, head_dim=64, group=2, dtype=torch.float16, window=window,
+             consecutive=True)
 
 
 def test_wgmma_rows_longer_than_one_staged_block_table():

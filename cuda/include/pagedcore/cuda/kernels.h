@@ -144,14 +144,16 @@ int paged_attention(const PagedAttentionParams& p, void* stream);
 // current device (compute capability 9.0) runs it. Work items (prefill tiles)
 // of bf16/fp16 queries over a cache of the same dtype go to it by
 // PAGEDCORE_PREFILL_KERNEL: unset or "auto" = where it measured faster (head
-// dim 128), "wgmma" / "wgmma-ws" / "wgmma-pp" = that variant for head dims 64
-// and 128, "mma" = never; everything else stays on the mma.sync kernel.
+// dim 128), "wgmma" / "wgmma-tma" = that kernel for head dims 64 and 128,
+// "mma" = never; everything else stays on the mma.sync kernel.
 bool wgmma_prefill_available();
 // Diagnostics: the wgmma building blocks of that kernel (swizzled tiles,
 // descriptors, S = Q K^T from shared memory, O = P V with P in registers) on
 // one tile against float arithmetic: max abs errors of S and O for bf16 head
-// dim 64, bf16 128, fp16 64, fp16 128 into errors[8] (-1 where the kernel is
-// not available). Synchronous (allocates, copies back).
+// dim 64, bf16 128, fp16 64, fp16 128, then bf16 128 and fp16 128 with K and V
+// in the paired layout (wgmma-tma-pairs), into errors[kWgmmaSelftestErrors]
+// (-1 where the kernel is not available). Synchronous (allocates, copies back).
+constexpr int kWgmmaSelftestErrors = 12;
 int wgmma_selftest(float* errors);
 
 }  // namespace pagedcore::cuda
@@ -173,7 +175,7 @@ void copy_blocks_at(std::uintptr_t cache_ptrs, std::uintptr_t block_mapping, int
 void gather_blocks_at(std::uintptr_t cache_ptrs, std::uintptr_t blocks, std::uintptr_t staging,
                       int32_t num_caches, int32_t num_blocks_moved, int32_t num_blocks,
                       int64_t block_bytes, bool to_staging, std::uintptr_t stream);
-// wgmma_selftest's 8 errors; throws std::runtime_error on a CUDA error.
+// wgmma_selftest's kWgmmaSelftestErrors errors; throws std::runtime_error on a CUDA error.
 std::vector<float> wgmma_selftest_at();
 void paged_attention_at(std::uintptr_t out, std::uintptr_t query, std::uintptr_t key_cache,
                         std::uintptr_t value_cache, std::uintptr_t block_tables,
