@@ -312,8 +312,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "--engine-process): the streams' per-token work spreads over N cores")
     srv.add_argument("--max-num-mixed-prefill-tokens", type=int, default=256,
                      help="a step that gives running streams their next token computes at most this many "
-                          "prompt tokens while at most 8 requests wait (longer prompts are chunked over more "
-                          "steps: the streams' inter-token latency); 0: no cap but --max-num-batched-tokens")
+                          "tokens, their rows included, while at most 8 requests wait (longer prompts are "
+                          "chunked over more steps: the streams' inter-token latency); 0: no cap but "
+                          "--max-num-batched-tokens")
     srv.add_argument("--shutdown-timeout", type=float, default=30.0,
                      help="seconds SIGTERM or Ctrl-C lets in-flight requests finish before ending them")
     return parser

@@ -84,8 +84,9 @@ class EngineArgs:
     max_model_len: int | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
-    # A step that runs decode rows computes at most this many prompt tokens while
-    # at most mixed_prefill_max_waiting requests wait (None / 0: no cap); see
+    # A step that runs decode rows computes at most this many tokens (its decode
+    # rows included) while at most mixed_prefill_max_waiting requests wait (None /
+    # 0: no cap); see
     # EngineConfig in cpp/include/pagedcore/config.h. `pagedcore serve` sets it
     # (its --max-num-mixed-prefill-tokens): the streams' inter-token latency.
     max_num_mixed_prefill_tokens: int | None = None
