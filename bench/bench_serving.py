@@ -26,9 +26,9 @@ client asks for continuous_usage_stats and so knows each chunk's tokens
 ("tokens per chunk": 1.0 when every token had its own chunk). Each run also
 prints the CPU time of the clients and of the own server's processes over the
 run's wall time (a client-bound run shows as a client near 1.0 core per
-process), and the server's step times (steps that gave a request its first
-token apart) and event-loop lag from /metrics: what long inter-token gaps come
-from.
+process), and the server's step times (steps in which prompt tokens ran
+apart: async_engine.StepTimes), event-loop lag and the garbage collections
+of the engine's and the HTTP processes from /metrics: what long inter-token gaps come from.
 
 --offline runs ``LLM.generate`` on the requests of the ``inf`` run (in a child
 process, before the server starts, with the same engine flags) and prints the
@@ -633,14 +633,22 @@ def histogram_quantiles(before: dict[str, float], after: dict[str, float], name:
 
 
 def server_diagnostics(before: dict[str, float], after: dict[str, float]) -> dict:
-    """Where long inter-token gaps come from: the engine's step times (steps that
-    gave a request its first token apart) and the HTTP side's event-loop lag."""
+    """Where long inter-token gaps come from: the engine's step times (steps
+    in which prompt tokens ran apart) and the HTTP side's event-loop lag; the
+    garbage collections (count and time per generation) of the engine's process
+    and of the scraped HTTP process."""
     d = {}
     for key, name, labels in (("decode_step", "engine_step_seconds", 'kind="decode"'),
                               ("prefill_step", "engine_step_seconds", 'kind="prefill"'),
                               ("loop_lag", "event_loop_lag_seconds", "")):
         count, (p50, p99) = histogram_quantiles(before, after, name, labels)
         d[f"{key}_count"], d[f"{key}_p50_ms"], d[f"{key}_p99_ms"] = count, p50 * 1e3, p99 * 1e3
+    for side in ("engine", "http"):
+        for generation in range(3):
+            for key, name in (("count", "collections"), ("ms", "seconds")):
+                metric = f'pagedcore_{side}_gc_{name}_total{{generation="{generation}"}}'
+                delta = after.get(metric, math.nan) - before.get(metric, 0.0)
+                d[f"{side}_gc{generation}_{key}"] = delta * 1e3 if key == "ms" else delta
     return d
 
 
@@ -707,6 +715,11 @@ def print_costs(s: dict, duration: float, args: argparse.Namespace) -> None:
           f"{d['decode_step_p99_ms']:.2f} ms, {d['prefill_step_count']:.0f} with a prefill p50/p99 "
           f"{d['prefill_step_p50_ms']:.2f}/{d['prefill_step_p99_ms']:.2f} ms; HTTP event-loop lag p50/p99 "
           f"{d['loop_lag_p50_ms']:.2f}/{d['loop_lag_p99_ms']:.2f} ms")
+    for side in ("engine", "http"):
+        if not math.isnan(d.get(f"{side}_gc2_count", math.nan)):  # (a server that counts them)
+            print(f"{side} process GC collections: " + ", ".join(
+                f"gen {g} {d[f'{side}_gc{g}_count']:.0f} x "
+                f"{d[f'{side}_gc{g}_ms'] / max(d[f'{side}_gc{g}_count'], 1):.2f} ms" for g in range(3)))
 
 
 # ---- the offline run ------------------------------------------------------------------------------

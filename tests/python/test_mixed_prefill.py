@@ -47,18 +47,25 @@ def test_a_prompt_that_arrives_while_another_decodes_is_chunked_at_the_cap(check
     steps = record_steps(llm)
     engine.add_request("short", None, short, params)
     done: dict[str, list[int]] = {}
-    for out in engine.step() + engine.step():  # its prompt, then one decode
-        done[out.request_id] = out.outputs[0].token_ids
-    engine.add_request("long", None, long_, params)
-    while engine.has_unfinished_requests():
+    reported: list[int] = []  # step_prompt_tokens after each step() (the server's step kinds)
+
+    def step() -> None:
         for out in engine.step():
             if out.finished:
                 done[out.request_id] = out.outputs[0].token_ids
+        reported.append(engine.step_prompt_tokens)
+
+    step()  # its prompt
+    step()  # one decode
+    engine.add_request("long", None, long_, params)
+    while engine.has_unfinished_requests():
+        step()
     # The short prompt alone (no decode row yet: no cap), one decode; then the long
     # prompt 15 tokens a step beside the short one's decode row (16 in all; 77 =
     # 5 x 15 + 2), then both decode.
     assert steps[:8] == [(0, 3), (1, 0), (1, 15), (1, 15), (1, 15), (1, 15), (1, 15), (1, 2)]
     assert all(prompt_tokens == 0 for _, prompt_tokens in steps[8:])
+    assert reported == [prompt_tokens for _, prompt_tokens in steps]  # (the CPU: one batch a call)
     assert done["short"] == hf_greedy(checkpoint, short, 24)[0]
     assert done["long"] == hf_greedy(checkpoint, long_, 24)[0]
     stats = llm.stats()

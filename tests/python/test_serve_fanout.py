@@ -289,3 +289,60 @@ def test_every_step_reaches_a_stream_whose_event_loop_stalled_while_the_engine_p
         engine.shutdown()
     assert ids == list(range(1, 151)) and finished
     assert text == "".join(f"<{k}>" for k in range(1, 151))
+
+
+class ScriptedPrefillEngine(CountingEngine):
+    """CountingEngine whose i-th step reports script[i] prompt tokens scheduled
+    (LLMEngine.step_prompt_tokens), pipelined or not (LLMEngine.pipelined)."""
+
+    def __init__(self, script: list[int], pipelined: bool) -> None:
+        super().__init__()
+        self.script, self.pipelined, self.step_prompt_tokens = script, pipelined, 0
+
+    def step(self) -> list[RequestOutput]:
+        self.step_prompt_tokens = self.script.pop(0)
+        return super().step()
+
+
+@pytest.mark.parametrize("pipelined, prefill_steps", [(False, 3), (True, 5)])
+def test_steps_count_as_prefill_when_prompt_tokens_ran_in_them_or_pipelined_in_the_step_before(
+        pipelined, prefill_steps) -> None:
+    # Prompt tokens per step: 0, 40, 0, 0, 16, 16, 0, 0 (a 16-token chunk gives no first
+    # token; the stats never show one). Unpipelined, the steps with prompt tokens are
+    # prefill steps: 3. Pipelined, a call waits for the previous call's forward pass
+    # too: steps 2, 3, 5, 6, 7: 5.
+    script = [0, 40, 0, 0, 16, 16, 0, 0]
+    stub = ScriptedPrefillEngine(list(script), pipelined)
+    server = ae.AsyncEngine(stub)
+
+    async def main() -> None:
+        stream = await server.add("r", None, [1, 2], params(len(script)))
+        async for _ in stream:
+            pass
+
+    try:
+        asyncio.run(main())
+        while sum(server.step_times.counts["decode"]) + sum(server.step_times.counts["prefill"]) < len(script):
+            time.sleep(0.01)  # (the last step's count comes right after its outputs)
+    finally:
+        server.shutdown()
+    assert sum(server.step_times.counts["prefill"]) == prefill_steps
+    assert sum(server.step_times.counts["decode"]) == len(script) - prefill_steps
+
+
+def test_the_engine_stats_count_garbage_collections_per_generation() -> None:
+    # Collections made here, by generation, counted against gc.get_stats() (the
+    # interpreter's own counts).
+    import gc
+
+    times = ae.gc_times()
+    before_counts, _ = times.snapshot()
+    before_stats = [s["collections"] for s in gc.get_stats()]
+    gc.collect(0)
+    gc.collect(2)
+    gc.collect(2)
+    counts, seconds = times.snapshot()
+    want = [s["collections"] - b for s, b in zip(gc.get_stats(), before_stats)]
+    assert [c - b for c, b in zip(counts, before_counts)] == want
+    assert want[0] >= 1 and want[2] == 2
+    assert all(s >= 0 for s in seconds) and seconds[2] > 0

@@ -20,11 +20,31 @@ _LAG_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1
 _BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 
+def _gc_families(prefix: str, where: str, snapshot) -> list:
+    """Counters of a GcTimes snapshot: collections and seconds per generation."""
+    counts, seconds = snapshot
+    count_family = CounterMetricFamily(
+        f"pagedcore_{prefix}_gc_collections", f"collections of Python's garbage collector in {where} "
+        "(each stops its threads)", labels=["generation"])
+    seconds_family = CounterMetricFamily(f"pagedcore_{prefix}_gc_seconds", "time spent in those collections",
+                                         labels=["generation"])
+    for generation, (count, spent) in enumerate(zip(counts, seconds)):
+        count_family.add_metric([str(generation)], count)
+        seconds_family.add_metric([str(generation)], spent)
+    return [count_family, seconds_family]
+
+
 class _EngineCollector:
     def __init__(self, engine) -> None:
         self.engine = engine
+        from .async_engine import gc_times
+
+        self.http_gc = gc_times()
 
     def collect(self):
+        # (the scraped HTTP process's own collections; with the engine as a thread, the same
+        # process's as pagedcore_engine_gc_*)
+        yield from _gc_families("http", "the scraped HTTP process", self.http_gc.snapshot())
         s = self.engine.stats
         gauges = {
             "pagedcore_kv_blocks_total": ("KV-cache blocks of the GPU (or CPU) pool", s.get("num_blocks", 0)),
@@ -45,13 +65,15 @@ class _EngineCollector:
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(name, doc, value=value)
+        if s.get("gc"):
+            yield from _gc_families("engine", "the engine's process", s["gc"])
         steps = s.get("step_seconds")
         if steps:
             from .async_engine import STEP_BUCKETS
 
             family = HistogramMetricFamily(
-                "pagedcore_engine_step_seconds", "wall time of engine steps; kind=prefill: a request's first "
-                "token came out of the step", labels=["kind"])
+                "pagedcore_engine_step_seconds", "wall time of engine steps; kind=prefill: prompt tokens ran in "
+                "the step (or, pipelined, in the step it waited for)", labels=["kind"])
             for kind, (counts, total) in steps.items():
                 cumulative, buckets = 0, []
                 for bound, count in zip((*map(str, STEP_BUCKETS), "+Inf"), counts):
