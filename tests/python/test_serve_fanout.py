@@ -15,37 +15,25 @@ import pytest
 from pagedcore.outputs import CompletionOutput, RequestOutput
 from pagedcore.sampling_params import SamplingParams
 from pagedcore.server import async_engine as ae
+from stub_engines import StubEngine
 
 
-class GatedEngine:
-    """LLMEngine's surface for AsyncEngine. Each step waits for the test's
-    release (once `wait_for` requests run), then gives every running request
-    its next token: id k, text "<k>" for its k-th token, until max_tokens."""
+class GatedEngine(StubEngine):
+    """Each step waits for the test's release (once `wait_for` requests run),
+    then gives every running request its next token: id k, text "<k>" for its
+    k-th token, until max_tokens."""
 
-    tokenizer = None
     max_model_len = 64
 
     def __init__(self, wait_for: int = 1) -> None:
+        super().__init__()
         self.wait_for = wait_for
-        self.running: dict[str, list[int]] = {}
         self.gate = threading.Semaphore(0)
         self.steps = 0
         self.fail_next = False
 
     def stats(self) -> dict:
         return {"num_waiting_seqs": 0}
-
-    def add_request(self, request_id, prompt, prompt_token_ids, params, stream=True, add_special_tokens=True):
-        self.running[request_id] = [0, params.max_tokens]
-
-    def abort(self, request_id: str) -> None:
-        self.running.pop(request_id, None)
-
-    def has_request(self, request_id: str) -> bool:
-        return request_id in self.running
-
-    def has_unfinished_requests(self) -> bool:
-        return bool(self.running)
 
     def step(self) -> list[RequestOutput]:
         if len(self.running) < self.wait_for:
@@ -56,15 +44,7 @@ class GatedEngine:
             self.running.clear()
             raise RuntimeError("boom")
         self.steps += 1
-        outs = []
-        for request_id, state in list(self.running.items()):
-            state[0] += 1
-            k, done = state[0], state[0] >= state[1]
-            outs.append(RequestOutput(request_id, None, [1], [CompletionOutput(
-                0, f"<{k}>", [k], None, None, "length" if done else None)], done))
-            if done:
-                del self.running[request_id]
-        return outs
+        return [self.output(request_id, k, done) for request_id, k, done, _ in self.advance()]
 
 
 async def steps_done(engine: GatedEngine, n: int) -> None:
@@ -223,46 +203,10 @@ def test_outputs_cross_the_engine_process_pipe_unchanged() -> None:
         CompletionOutput(0, " z s", [13, 18, 2], -1.5, None, "stop", None)], True)]
 
 
-class CountingEngine:
+def _counting_engine(engine_args) -> StubEngine:
     """(in the engine process) Each step of ~1 ms gives every request its next
     token: id k, text "<k>" for its k-th token, until max_tokens."""
-
-    tokenizer = None
-    max_model_len = 4096
-
-    def __init__(self) -> None:
-        self.running: dict[str, list[int]] = {}
-
-    def stats(self) -> dict:
-        return {"num_requests": len(self.running)}
-
-    def add_request(self, request_id, prompt, prompt_token_ids, params, stream=True, add_special_tokens=True):
-        self.running[request_id] = [0, params.max_tokens]
-
-    def abort(self, request_id: str) -> None:
-        self.running.pop(request_id, None)
-
-    def has_request(self, request_id: str) -> bool:
-        return request_id in self.running
-
-    def has_unfinished_requests(self) -> bool:
-        return bool(self.running)
-
-    def step(self) -> list[RequestOutput]:
-        time.sleep(0.001)
-        outs = []
-        for request_id, state in list(self.running.items()):
-            state[0] += 1
-            k, done = state[0], state[0] >= state[1]
-            outs.append(RequestOutput(request_id, None, [1], [CompletionOutput(
-                0, f"<{k}>", [k], None, None, "length" if done else None)], done))
-            if done:
-                del self.running[request_id]
-        return outs
-
-
-def _counting_engine(engine_args) -> CountingEngine:
-    return CountingEngine()
+    return StubEngine()
 
 
 def test_every_step_reaches_a_stream_whose_event_loop_stalled_while_the_engine_process_ran() -> None:
@@ -291,8 +235,8 @@ def test_every_step_reaches_a_stream_whose_event_loop_stalled_while_the_engine_p
     assert text == "".join(f"<{k}>" for k in range(1, 151))
 
 
-class ScriptedPrefillEngine(CountingEngine):
-    """CountingEngine whose i-th step reports script[i] prompt tokens scheduled
+class ScriptedPrefillEngine(StubEngine):
+    """StubEngine whose i-th step reports script[i] prompt tokens scheduled
     (LLMEngine.step_prompt_tokens), pipelined or not (LLMEngine.pipelined)."""
 
     def __init__(self, script: list[int], pipelined: bool) -> None:
