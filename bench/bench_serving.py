@@ -540,7 +540,7 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str, str]:
            *args.server_arg]
     with os.fdopen(fd, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                env={**os.environ, "PYTHONUNBUFFERED": "1", "PAGEDCORE_LOOP_STALLS": "1"})
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 600
     while True:
@@ -655,6 +655,10 @@ def server_diagnostics(before: dict[str, float], after: dict[str, float]) -> dic
                 metric = f'pagedcore_{side}_gc_{name}_total{{generation="{generation}"}}'
                 delta = after.get(metric, math.nan) - before.get(metric, 0.0)
                 d[f"{side}_gc{generation}_{key}"] = delta * 1e3 if key == "ms" else delta
+    # What the HTTP side's loop ran while late (server/loop_stalls.py), most samples first.
+    prefix = 'pagedcore_http_loop_stall_samples_total{where="'
+    stalls = {k[len(prefix):-2]: after[k] - before.get(k, 0.0) for k in after if k.startswith(prefix)}
+    d["loop_stalls"] = sorted(((n, w) for w, n in stalls.items() if n > 0), reverse=True)[:5]
     return d
 
 
@@ -721,6 +725,8 @@ def print_costs(s: dict, duration: float, args: argparse.Namespace) -> None:
           f"{d['decode_step_p99_ms']:.2f} ms, {d['prefill_step_count']:.0f} with a prefill p50/p99 "
           f"{d['prefill_step_p50_ms']:.2f}/{d['prefill_step_p99_ms']:.2f} ms; HTTP event-loop lag p50/p99 "
           f"{d['loop_lag_p50_ms']:.2f}/{d['loop_lag_p99_ms']:.2f} ms")
+    if d.get("loop_stalls"):
+        print("HTTP loop while late (samples): " + "; ".join(f"{n:.0f} {w}" for n, w in d["loop_stalls"]))
     for side in ("engine", "http"):
         if not math.isnan(d.get(f"{side}_gc2_count", math.nan)):  # (a server that counts them)
             print(f"{side} process GC collections: " + ", ".join(

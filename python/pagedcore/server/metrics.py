@@ -83,6 +83,24 @@ class _EngineCollector:
             yield family
 
 
+class _StallCollector:
+    """The loop-stall sampler's counts (loop_stalls.py) of this HTTP process."""
+
+    def __init__(self, metrics: "Metrics") -> None:
+        self.metrics = metrics
+
+    def collect(self):
+        sampler = self.metrics.stall_sampler
+        if sampler is None:
+            return
+        family = CounterMetricFamily(
+            "pagedcore_http_loop_stall_samples", "samples of what the HTTP side's event loop ran while it was "
+            "late by more than a few ms (PAGEDCORE_LOOP_STALLS=1)", labels=["where"])
+        for where, count in list(sampler.counts.items()):
+            family.add_metric([where], count)
+        yield family
+
+
 class RequestTimer:
     """Time to first token, inter-token latency and end-to-end latency of one request."""
 
@@ -124,6 +142,8 @@ class Metrics:
                              registry=self.registry)
         self.e2e = Histogram("pagedcore_e2e_request_latency_seconds", "request latency, arrival to last token",
                              buckets=_BUCKETS, registry=self.registry)
+        self.stall_sampler = None  # (started by watch_loop_lag, where loop_stalls.enabled())
+        self._render_registry.register(_StallCollector(self))
         self.loop_lag = Histogram("pagedcore_event_loop_lag_seconds",
                                   f"how late the HTTP side's event loop ran a callback due every "
                                   f"{LOOP_LAG_INTERVAL_S * 1e3:g} ms (a stall delays every stream's writes)",
@@ -131,12 +151,25 @@ class Metrics:
 
     async def watch_loop_lag(self) -> None:
         """Runs until cancelled: sleeps LOOP_LAG_INTERVAL_S at a time and records how
-        much later than due each wake-up came."""
+        much later than due each wake-up came; with loop_stalls.enabled(), a
+        sampler thread records what the loop runs while a wake-up is overdue."""
+        from . import loop_stalls
+
         loop = asyncio.get_running_loop()
-        while True:
-            due = loop.time() + LOOP_LAG_INTERVAL_S
-            await asyncio.sleep(LOOP_LAG_INTERVAL_S)
-            self.loop_lag.observe(max(0.0, loop.time() - due))
+        sampler = None
+        if loop_stalls.enabled():
+            sampler = self.stall_sampler = loop_stalls.LoopStallSampler(LOOP_LAG_INTERVAL_S)
+            sampler.start()
+        try:
+            while True:
+                due = loop.time() + LOOP_LAG_INTERVAL_S
+                await asyncio.sleep(LOOP_LAG_INTERVAL_S)
+                self.loop_lag.observe(max(0.0, loop.time() - due))
+                if sampler is not None:
+                    sampler.beat()
+        finally:
+            if sampler is not None:
+                sampler.stop()
 
     def request_timer(self, arrival: float) -> RequestTimer:
         return RequestTimer(self, arrival)
