@@ -156,7 +156,7 @@ def _serve_on(sock, args: argparse.Namespace) -> int:
 
     from .server.app import build_app
     from .server.async_engine import AsyncEngine
-    from .server.lifecycle import Server, freeze_startup_objects
+    from .server.lifecycle import Server, freeze_startup_objects, set_serving_threads
 
     name = args.served_model_name or served_model_name(args.model)
     if args.model is None:
@@ -169,6 +169,7 @@ def _serve_on(sock, args: argparse.Namespace) -> int:
     else:
         with loading_threads():
             engine = LLMEngine(engine_args)
+        set_serving_threads(engine)
         async_engine = AsyncEngine(engine, max_queue_len=args.max_queue_len)
     api_servers: list = []
     try:
