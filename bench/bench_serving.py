@@ -26,9 +26,9 @@ client asks for continuous_usage_stats and so knows each chunk's tokens
 ("tokens per chunk": 1.0 when every token had its own chunk). Each run also
 prints the CPU time of the clients and of the own server's processes over the
 run's wall time (a client-bound run shows as a client near 1.0 core per
-process), and the server's step times (steps that gave a request its first
-token apart) and event-loop lag from /metrics: what long inter-token gaps come
-from.
+process), and the server's step times (steps in which prompt tokens ran
+apart: async_engine.StepTimes), event-loop lag and the garbage collections
+of the engine's and the HTTP processes from /metrics: what long inter-token gaps come from.
 
 --offline runs ``LLM.generate`` on the requests of the ``inf`` run (in a child
 process, before the server starts, with the same engine flags) and prints the
@@ -423,11 +423,17 @@ def _cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+def _client_work(load: Load) -> tuple[list[Result], float]:
+    """One client's requests, on its own event loop: (results, CPU seconds)."""
+    cpu = _cpu_seconds()
+    results = _run_client(_run_load(load))
+    return results, _cpu_seconds() - cpu
+
+
 def _client_process(load: Load, conn) -> None:
     try:
-        cpu = _cpu_seconds()
-        results = _run_client(_run_load(load))
-        conn.send(([asdict(r) for r in results], _cpu_seconds() - cpu))
+        results, cpu = _client_work(load)
+        conn.send(([asdict(r) for r in results], cpu))
     except BaseException as e:  # noqa: BLE001 - the parent reports it
         conn.send(f"{type(e).__name__}: {e}")
     finally:
@@ -446,35 +452,35 @@ def run_load(base_url: str, api_key: str | None, model: str, prompts: list[list[
     processes > 1: request i goes out from process i % processes. The clients'
     CPU seconds go to LAST_CLIENT_CPU_S[0]."""
     cancel_after = cancel_after or [None] * len(prompts)
-    if processes <= 1:
-        load = Load(base_url, api_key, model, prompts, arrivals, max_tokens, cancel_after, client, time.time())
-        t0, cpu = time.perf_counter(), _cpu_seconds()
-        results = _run_client(_run_load(load))
-        LAST_CLIENT_CPU_S[0] = _cpu_seconds() - cpu
-        return results, time.perf_counter() - t0
-    ctx = multiprocessing.get_context("spawn")
-    start_at = time.time() + 2.0  # (a spawned process takes ~0.5 s to start)
-    workers = []
-    for k in range(processes):
-        idx = list(range(k, len(prompts), processes))
-        load = Load(base_url, api_key, model, [prompts[i] for i in idx], [arrivals[i] for i in idx], max_tokens,
-                    [cancel_after[i] for i in idx], client, start_at)
-        parent, child = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=_client_process, args=(load, child), daemon=True)
-        proc.start()
-        child.close()
-        workers.append((idx, parent, proc))
+    processes = max(1, processes)
+    # (a spawned process takes ~0.5 s to start: the processes share a start 2 s ahead)
+    start_at = time.time() + (2.0 if processes > 1 else 0.0)
+    parts = [list(range(k, len(prompts), processes)) for k in range(processes)]
+    loads = [Load(base_url, api_key, model, [prompts[i] for i in idx], [arrivals[i] for i in idx], max_tokens,
+                  [cancel_after[i] for i in idx], client, start_at) for idx in parts]
+    if processes == 1:
+        done = [_client_work(loads[0])]
+    else:
+        ctx = multiprocessing.get_context("spawn")
+        workers = []
+        for load in loads:
+            parent, child = ctx.Pipe(duplex=False)
+            proc = ctx.Process(target=_client_process, args=(load, child), daemon=True)
+            proc.start()
+            child.close()
+            workers.append((parent, proc))
+        done = []
+        for parent, proc in workers:
+            got = parent.recv()
+            proc.join()
+            if isinstance(got, str):
+                raise RuntimeError(f"a client process failed: {got}")
+            done.append(([Result(**r) for r in got[0]], got[1]))
     results: list[Result | None] = [None] * len(prompts)
-    LAST_CLIENT_CPU_S[0] = 0.0
-    for idx, parent, proc in workers:
-        got = parent.recv()
-        proc.join()
-        if isinstance(got, str):
-            raise RuntimeError(f"a client process failed: {got}")
-        got, cpu = got
-        LAST_CLIENT_CPU_S[0] += cpu
+    for idx, (got, _) in zip(parts, done):
         for i, r in zip(idx, got):
-            results[i] = Result(**r)
+            results[i] = r
+    LAST_CLIENT_CPU_S[0] = sum(cpu for _, cpu in done)
     # From the common start to the last answer (each request starts at its arrival).
     return results, max(r.e2e + a for r, a in zip(results, arrivals))
 
@@ -534,7 +540,7 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str, str]:
            *args.server_arg]
     with os.fdopen(fd, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                env={**os.environ, "PYTHONUNBUFFERED": "1", "PAGEDCORE_LOOP_STALLS": "1"})
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 600
     while True:
@@ -633,14 +639,26 @@ def histogram_quantiles(before: dict[str, float], after: dict[str, float], name:
 
 
 def server_diagnostics(before: dict[str, float], after: dict[str, float]) -> dict:
-    """Where long inter-token gaps come from: the engine's step times (steps that
-    gave a request its first token apart) and the HTTP side's event-loop lag."""
+    """Where long inter-token gaps come from: the engine's step times (steps
+    in which prompt tokens ran apart) and the HTTP side's event-loop lag; the
+    garbage collections (count and time per generation) of the engine's process
+    and of the scraped HTTP process."""
     d = {}
     for key, name, labels in (("decode_step", "engine_step_seconds", 'kind="decode"'),
                               ("prefill_step", "engine_step_seconds", 'kind="prefill"'),
                               ("loop_lag", "event_loop_lag_seconds", "")):
         count, (p50, p99) = histogram_quantiles(before, after, name, labels)
         d[f"{key}_count"], d[f"{key}_p50_ms"], d[f"{key}_p99_ms"] = count, p50 * 1e3, p99 * 1e3
+    for side in ("engine", "http"):
+        for generation in range(3):
+            for key, name in (("count", "collections"), ("ms", "seconds")):
+                metric = f'pagedcore_{side}_gc_{name}_total{{generation="{generation}"}}'
+                delta = after.get(metric, math.nan) - before.get(metric, 0.0)
+                d[f"{side}_gc{generation}_{key}"] = delta * 1e3 if key == "ms" else delta
+    # What the HTTP side's loop ran while late (server/loop_stalls.py), most samples first.
+    prefix = 'pagedcore_http_loop_stall_samples_total{where="'
+    stalls = {k[len(prefix):-2]: after[k] - before.get(k, 0.0) for k in after if k.startswith(prefix)}
+    d["loop_stalls"] = sorted(((n, w) for w, n in stalls.items() if n > 0), reverse=True)[:5]
     return d
 
 
@@ -707,6 +725,13 @@ def print_costs(s: dict, duration: float, args: argparse.Namespace) -> None:
           f"{d['decode_step_p99_ms']:.2f} ms, {d['prefill_step_count']:.0f} with a prefill p50/p99 "
           f"{d['prefill_step_p50_ms']:.2f}/{d['prefill_step_p99_ms']:.2f} ms; HTTP event-loop lag p50/p99 "
           f"{d['loop_lag_p50_ms']:.2f}/{d['loop_lag_p99_ms']:.2f} ms")
+    if d.get("loop_stalls"):
+        print("HTTP loop while late (samples): " + "; ".join(f"{n:.0f} {w}" for n, w in d["loop_stalls"]))
+    for side in ("engine", "http"):
+        if not math.isnan(d.get(f"{side}_gc2_count", math.nan)):  # (a server that counts them)
+            print(f"{side} process GC collections: " + ", ".join(
+                f"gen {g} {d[f'{side}_gc{g}_count']:.0f} x "
+                f"{d[f'{side}_gc{g}_ms'] / max(d[f'{side}_gc{g}_count'], 1):.2f} ms" for g in range(3)))
 
 
 # ---- the offline run ------------------------------------------------------------------------------
@@ -745,12 +770,17 @@ def offline_run(args: argparse.Namespace, prompts: list[list[int]], warmup: list
     if warmup:
         llm.generate([{"prompt_token_ids": p} for p in warmup], SamplingParams(max_tokens=4, ignore_eos=True),
                      use_tqdm=False)
-    start, cpu = time.perf_counter(), time.process_time()
+    import torch
+
+    start, cpu, main_cpu = time.perf_counter(), time.process_time(), time.thread_time()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     duration, cpu = time.perf_counter() - start, time.process_time() - cpu
+    main_cpu = time.thread_time() - main_cpu
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     in_tokens = sum(len(p) for p in prompts)
-    return {"duration_s": duration, "cpu_s": cpu, "total_output_tokens": out_tokens,
+    # (the main thread's CPU apart: what the other threads burn, torch's intra-op pool among them)
+    return {"duration_s": duration, "cpu_s": cpu, "main_thread_cpu_s": main_cpu,
+            "torch_threads": torch.get_num_threads(), "total_output_tokens": out_tokens,
             "output_throughput": out_tokens / duration,
             "request_throughput": len(prompts) / duration,
             "total_token_throughput": (in_tokens + out_tokens) / duration}
@@ -1021,8 +1051,14 @@ def main(argv: list[str] | None = None) -> int:
         if engine_cpu and offline.get("cpu_s"):
             # (on a CPU device the engine's CPU time is its work; on a GPU, its host side)
             tokens = runs[inf_key]["total_output_tokens"]
+            per_token = 1e6 / offline["total_output_tokens"]
             print(f"engine process CPU per output token at saturation: {engine_cpu / tokens * 1e6:.1f} us online, "
-                  f"{offline['cpu_s'] / offline['total_output_tokens'] * 1e6:.1f} us offline")
+                  f"{offline['cpu_s'] * per_token:.1f} us offline", end="")
+            if "main_thread_cpu_s" in offline:
+                print(f" (its main thread {offline['main_thread_cpu_s'] * per_token:.1f} us, the other threads "
+                      f"{(offline['cpu_s'] - offline['main_thread_cpu_s']) * per_token:.1f} us; torch threads "
+                      f"{offline['torch_threads']})", end="")
+            print()
     half = next((k for k in runs if k == "0.5x"), None)
     if half is not None:
         r = runs[half]

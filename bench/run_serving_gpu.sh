@@ -136,6 +136,8 @@ echo
 echo "== summary ($((SECONDS - t0)) s in all)"
 "$py" - "$out" "${shapes[@]}" <<'EOF'
 import json, os, sys
+
+nan = float("nan")
 out, shapes = sys.argv[1], sys.argv[2:]
 print(f"{'shape':<20}{'offline tok/s':>14}{'online tok/s':>13}{'ratio':>7}{'TTFT p50/p99 ms':>18}"
       f"{'ITL p50/p99 ms @0.5x':>22}{'p99/p50':>8}{'disconnect':>11}{'SIGTERM':>9}")
@@ -177,7 +179,8 @@ print("targets: ratio >= 0.9; ITL p99/p50 <= 2 at 0.5x saturation; disconnect: 0
       "/health 200; SIGTERM: every stream drained, exit 0 within --shutdown-timeout")
 print()
 print(f"{'where the time goes':<20}{'run':>5}{'tok/chunk':>10}{'CPU cores: client':>18}{'http':>6}{'engine':>7}"
-      f"{'decode step p50/p99 ms':>24}{'prefill step p50/p99 ms':>25}{'loop lag p50/p99 ms':>21}")
+      f"{'decode step p50/p99 ms':>24}{'prefill step p50/p99 ms':>25}{'loop lag p50/p99 ms':>21}"
+      f"{'GC gen1+2 n/ms: engine':>24}{'http':>10}")
 for shape, name in rows:
     path = os.path.join(out, name)
     if not os.path.exists(path):
@@ -193,7 +196,10 @@ for shape, name in rows:
               f"{cpu.get('engine', float('nan')) / dur:>7.2f}"
               f"{d['decode_step_p50_ms']:>15.2f}/{d['decode_step_p99_ms']:<8.2f}"
               f"{d['prefill_step_p50_ms']:>16.2f}/{d['prefill_step_p99_ms']:<8.2f}"
-              f"{d['loop_lag_p50_ms']:>12.2f}/{d['loop_lag_p99_ms']:<8.2f}")
+              f"{d['loop_lag_p50_ms']:>12.2f}/{d['loop_lag_p99_ms']:<8.2f}"
+              + "".join(f"{d.get(f'{side}_gc1_count', nan) + d.get(f'{side}_gc2_count', nan):>{w}.0f}/"
+                        f"{d.get(f'{side}_gc1_ms', nan) + d.get(f'{side}_gc2_ms', nan):<7.1f}"
+                        for side, w in (("engine", 16), ("http", 2))))
 EOF
 for shape in "${shapes[@]}"; do
   echo "$shape: ${status[$shape]:-not run}${status[${shape}_api]:+; api servers: ${status[${shape}_api]}}${status[${shape}_nocap]:+; no cap: ${status[${shape}_nocap]}}"

@@ -1,35 +1,60 @@
 #!/usr/bin/env python3
-"""What a cap on the prompt tokens of steps with decode rows
+"""What a cap on the tokens of steps with decode rows
 (``max_num_mixed_prefill_tokens``, with ``mixed_prefill_max_waiting``) does to
 the serving benchmark's figures, by simulation: bench_serving.py's workload
 (lognormal prompts, half behind 4 system prompts of 512 that the prefix cache
 holds after their first use, Poisson arrivals) through the scheduler's rule
 (decode rows first, then running prefills and admissions under the budget and
-the cap), each step costing ``a + b * decode rows + c * prompt tokens`` ms.
+the cap).
 
-The costs are fitted to the H200 run of issue 14 (5d8e8d5, bench/RESULTS.md):
-the 8B shape's decode-only steps (6.2 ms with ~40 rows, 12.4 ms with 256) and
-its prefill steps (175 ms for ~8k tokens: 21 us a token); SmolLM2's (1.3 ms
-with ~20 rows, 2.5 ms with 512; 2.7 us a token). The simulation reproduces that
-run's 8B figures without a cap (ITL p50/p99 6.4/27.5 ms at 0.5x against
-6.51/27.36 measured): a guide for the default, which the GPU run then measures
-(run_serving_gpu.sh runs 0.5x with the cap and without it).
+Step costs (ms): a decode-only step ``a + b * rows``; a step with prompt tokens
+``a + b * rows + c * (padded - rows)``, where ``padded`` is the step's token
+count (rows + prompt tokens) rounded up to the runner's piecewise CUDA graphs
+(model_runner.PREFILL_GRAPH_TOKENS: 16, 32, ..., 256, 512, ...): the layer
+bodies run the padded count. Fitted to the H200 runs of issue 14 at a8d4bb0
+(/work/brief/s5/serving_0202.log): 8B decode ~6.2 ms at ~40 rows and ~17 us a
+prompt token (8B time to first token of 512 tokens: 14.4 ms); SmolLM2 ~1.2 ms
+and ~5 us (4.07 ms at 512).
 
-Usage: python bench/sim_mixed_prefill.py [--seeds 3]
+Two rules for the cap (--mode):
+- ``prompt`` (the scheduler before issue 14's fifth part): at most ``cap``
+  prompt tokens in a step with decode rows. At 0.5x the 8B runs ~40 decode
+  rows, so a 256-token chunk makes a 296-token step, padded to 512: a step of
+  ~14 ms against 6.4 (SmolLM2: ~3.6 against ~1.3), which is where the measured
+  p99s (8B 17.2 ms, SmolLM2 5.3 ms) come from.
+- ``total``: the step's tokens (decode rows + prompt tokens) at most ``cap``,
+  so that a mixed step fits the graph of ``cap`` tokens (and at least
+  ``cap // 16`` prompt tokens while rows fill the cap, so that prompts move on):
+  the scheduler's rule since issue 14's fifth part.
+
+The cap holds while at most ``max_waiting`` requests wait; a longer queue is
+admitted with the whole budget (saturation throughput).
+
+Usage: python bench/sim_mixed_prefill.py [--seeds 3] [--mode total prompt]
 """
 
 from __future__ import annotations
 
 import argparse
+import bisect
 import math
 import random
 
 # shape: (a, b, c) ms, requests, own-prompt median, output tokens, max_num_seqs
 SHAPES = {
-    "llama3-8b": ((5.0, 0.029, 0.021), 256, 300, 256, 256),
-    "smollm2": ((1.3, 0.0023, 0.0027), 512, 200, 128, 512),
+    "llama3-8b": ((5.0, 0.029, 0.017), 256, 300, 256, 256),
+    "smollm2": ((1.15, 0.0023, 0.005), 512, 200, 128, 512),
 }
+# Saturation request rates that the H200 run measured (its 0.5x is half of these): the
+# SmolLM2 server with one HTTP process is bound by that process (0.24 of offline), not by
+# its steps, so its 0.5x is a third of what the steps alone would allow.
+MEASURED_SATURATION = {"llama3-8b": 43.75, "smollm2": 207.30}
 BUDGET = 8192  # max_num_batched_tokens on CUDA
+GRAPH_TOKENS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)  # model_runner.PREFILL_GRAPH_TOKENS
+
+
+def padded(tokens: int) -> int:
+    return GRAPH_TOKENS[min(bisect.bisect_left(GRAPH_TOKENS, tokens), len(GRAPH_TOKENS) - 1)]
 
 
 def workload(n: int, median: float, seed: int) -> list[tuple[int, int, int]]:
@@ -45,8 +70,9 @@ def workload(n: int, median: float, seed: int) -> list[tuple[int, int, int]]:
     return out
 
 
-def simulate(shape: str, rate: float, cap: int, max_waiting: int, seed: int) -> tuple[float, list, list]:
-    """Returns (duration ms, inter-token gaps ms, TTFTs ms)."""
+def simulate(shape: str, rate: float, cap: int, max_waiting: int, seed: int,
+             mode: str = "total") -> tuple[float, list, list, int]:
+    """Returns (duration ms, inter-token gaps ms, TTFTs ms, steps with prompt tokens)."""
     (a, b, c), n, median, out_tokens, max_seqs = SHAPES[shape]
     prompts = workload(n, median, seed)
     rng, t, arrivals = random.Random(seed + 1), 0.0, []
@@ -56,7 +82,7 @@ def simulate(shape: str, rate: float, cap: int, max_waiting: int, seed: int) -> 
     cached: set[int] = set()
     waiting: list[list] = []
     running: list[list] = []  # [request, prompt tokens left, outputs left]
-    now, i, done, gaps, ttfts = 0.0, 0, 0, [], []
+    now, i, done, gaps, ttfts, mixed = 0.0, 0, 0, [], [], 0
     while done < n:
         while i < n and arrivals[i] <= now:
             own, shared, system = prompts[i]
@@ -70,7 +96,9 @@ def simulate(shape: str, rate: float, cap: int, max_waiting: int, seed: int) -> 
             continue
         decodes = [r for r in running if r[1] == 0]
         budget = BUDGET
-        prefill = min(cap, budget) if cap and decodes and len(waiting) <= max_waiting else budget
+        prefill = budget
+        if cap and decodes and len(waiting) <= max_waiting:
+            prefill = min(cap, budget) if mode == "prompt" else max(cap - len(decodes), cap // 16, 1)
         budget -= len(decodes)
         tokens, first = 0, []
         for r in running:
@@ -88,7 +116,10 @@ def simulate(shape: str, rate: float, cap: int, max_waiting: int, seed: int) -> 
             running.append(r)
             if r[1] == 0:
                 first.append(r)
-        step = a + b * len(decodes) + c * tokens
+        step = a + b * len(decodes)
+        if tokens:
+            step += c * (padded(len(decodes) + tokens) - len(decodes))
+            mixed += 1
         now += step
         for r in decodes:
             gaps.append(step)
@@ -99,7 +130,7 @@ def simulate(shape: str, rate: float, cap: int, max_waiting: int, seed: int) -> 
         for r in [r for r in running if r[1] == 0 and r[2] <= 0]:
             running.remove(r)
             done += 1
-    return now, gaps, ttfts
+    return now, gaps, ttfts, mixed
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -112,25 +143,32 @@ def percentile(values: list[float], q: float) -> float:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seeds", type=int, default=3)
-    p.add_argument("--caps", type=int, nargs="+", default=[0, 128, 256, 512])
+    p.add_argument("--caps", type=int, nargs="+", default=[0, 256, 512])
     p.add_argument("--max-waiting", type=int, nargs="+", default=[8, 1 << 30])
+    p.add_argument("--mode", nargs="+", default=["prompt", "total"], choices=["prompt", "total"])
+    p.add_argument("--saturation", choices=["measured", "simulated"], default="measured",
+                   help="0.5x of the H200 run's saturation rate, or of the simulated one (no cap)")
     args = p.parse_args()
-    print(f"{'shape':<10}{'cap':>5}{'lifted >':>9}{'inf tok/s':>11}{'ITL p50/p99 @0.5x':>20}{'p99/p50':>9}"
-          f"{'TTFT p99 @0.5x':>16}")
+    print(f"{'shape':<10}{'mode':>7}{'cap':>5}{'lifted >':>9}{'inf tok/s':>11}{'ITL p50/p99 @0.5x':>20}"
+          f"{'p99/p50':>9}{'TTFT p99':>10}{'mixed':>7}")
     for shape, (_, n, _, out_tokens, _) in SHAPES.items():
-        sat = n / (simulate(shape, math.inf, 0, 0, 0)[0] / 1e3)  # requests/s without a cap
-        for cap in args.caps:
-            for max_waiting in (args.max_waiting if cap else [0]):
-                duration = simulate(shape, math.inf, cap, max_waiting, 0)[0]
-                gaps, ttfts = [], []
-                for seed in range(args.seeds):
-                    _, g, t = simulate(shape, 0.5 * sat, cap, max_waiting, seed)
-                    gaps += g
-                    ttfts += t
-                p50, p99 = percentile(gaps, 50), percentile(gaps, 99)
-                lifted = "-" if not cap else ("never" if max_waiting >= 1 << 30 else str(max_waiting))
-                print(f"{shape:<10}{cap:>5}{lifted:>9}{n * out_tokens / (duration / 1e3):>11.0f}"
-                      f"{p50:>13.2f}/{p99:<6.2f}{p99 / p50:>9.2f}{percentile(ttfts, 99):>16.1f}")
+        sat = (MEASURED_SATURATION[shape] if args.saturation == "measured"
+               else n / (simulate(shape, math.inf, 0, 0, 0)[0] / 1e3))  # requests/s
+        for mode in args.mode:
+            for cap in args.caps:
+                for max_waiting in (args.max_waiting if cap else [0]):
+                    if not cap and mode != args.mode[0]:
+                        continue
+                    duration = simulate(shape, math.inf, cap, max_waiting, 0, mode)[0]
+                    gaps, ttfts, mixed, steps = [], [], 0, 0
+                    for seed in range(args.seeds):
+                        _, g, t, m = simulate(shape, 0.5 * sat, cap, max_waiting, seed, mode)
+                        gaps, ttfts, mixed = gaps + g, ttfts + t, mixed + m
+                    p50, p99 = percentile(gaps, 50), percentile(gaps, 99)
+                    lifted = "-" if not cap else ("never" if max_waiting >= 1 << 30 else str(max_waiting))
+                    print(f"{shape:<10}{mode if cap else '-':>7}{cap:>5}{lifted:>9}"
+                          f"{n * out_tokens / (duration / 1e3):>11.0f}{p50:>13.2f}/{p99:<6.2f}{p99 / p50:>9.2f}"
+                          f"{percentile(ttfts, 99):>10.1f}{mixed / args.seeds:>7.0f}")
 
 
 if __name__ == "__main__":

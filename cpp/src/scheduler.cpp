@@ -171,12 +171,19 @@ void Scheduler::schedule(int64_t step) {
   // Prompt tokens (chunks of more than one token, admissions) this step may
   // still take: see EngineConfig::max_num_mixed_prefill_tokens.
   int32_t prefill_budget = budget;
-  if (config_.max_num_mixed_prefill_tokens > 0 &&
-      waiting_.size() <= config_.mixed_prefill_max_waiting &&
-      std::any_of(running_.begin(), running_.end(), [](const Sequence* s) {
-        return !s->finish_pending && s->num_uncomputed() == 1;
-      })) {
-    prefill_budget = std::min(budget, config_.max_num_mixed_prefill_tokens);
+  const int32_t cap = config_.max_num_mixed_prefill_tokens;
+  if (cap > 0 && waiting_.size() <= static_cast<size_t>(config_.mixed_prefill_max_waiting)) {
+    const auto decode_rows = static_cast<int32_t>(
+        std::count_if(running_.begin(), running_.end(), [](const Sequence* s) {
+          return !s->finish_pending && s->num_uncomputed() == 1;
+        }));
+    // NOTE: the cap counts the decode rows too: a mixed step of at most `cap`
+    // tokens runs the runner's graph of that many tokens, where a cap on the
+    // prompt tokens alone (rows + cap) would pad up to the next size, twice
+    // the cost. The floor keeps prompts moving while rows fill the cap.
+    if (decode_rows > 0) {
+      prefill_budget = std::min(budget, std::max(cap - decode_rows, std::max(1, cap / 16)));
+    }
   }
   bool preempted = false;
 

@@ -156,7 +156,7 @@ def _serve_on(sock, args: argparse.Namespace) -> int:
 
     from .server.app import build_app
     from .server.async_engine import AsyncEngine
-    from .server.lifecycle import Server, freeze_startup_objects
+    from .server.lifecycle import Server, freeze_startup_objects, set_serving_threads
 
     name = args.served_model_name or served_model_name(args.model)
     if args.model is None:
@@ -169,6 +169,7 @@ def _serve_on(sock, args: argparse.Namespace) -> int:
     else:
         with loading_threads():
             engine = LLMEngine(engine_args)
+        set_serving_threads(engine)
         async_engine = AsyncEngine(engine, max_queue_len=args.max_queue_len)
     api_servers: list = []
     try:
@@ -312,8 +313,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "--engine-process): the streams' per-token work spreads over N cores")
     srv.add_argument("--max-num-mixed-prefill-tokens", type=int, default=256,
                      help="a step that gives running streams their next token computes at most this many "
-                          "prompt tokens while at most 8 requests wait (longer prompts are chunked over more "
-                          "steps: the streams' inter-token latency); 0: no cap but --max-num-batched-tokens")
+                          "tokens, their rows included, while at most 8 requests wait (longer prompts are "
+                          "chunked over more steps: the streams' inter-token latency); 0: no cap but "
+                          "--max-num-batched-tokens")
     srv.add_argument("--shutdown-timeout", type=float, default=30.0,
                      help="seconds SIGTERM or Ctrl-C lets in-flight requests finish before ending them")
     return parser

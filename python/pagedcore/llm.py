@@ -47,9 +47,10 @@ class LLM:
     max_num_seqs, max_num_batched_tokens : int
         Sequences per step, tokens per step (default ``max(2048, max_num_seqs)``).
     max_num_mixed_prefill_tokens : int, optional
-        A step that runs decode rows computes at most this many prompt tokens
-        (longer prompts are chunked over more steps), while at most 8 requests
-        wait; None (default): no cap but ``max_num_batched_tokens``. For the
+        A step that runs decode rows computes at most this many tokens, its
+        decode rows included (at least 1/16 of it in prompt tokens; longer
+        prompts are chunked over more steps), while at most 8 requests wait;
+        None (default): no cap but ``max_num_batched_tokens``. For the
         inter-token latency of streams (``pagedcore serve`` sets 256).
     enable_prefix_caching : bool
         Reuse the KV of common prompt prefixes.

@@ -84,8 +84,9 @@ class EngineArgs:
     max_model_len: int | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
-    # A step that runs decode rows computes at most this many prompt tokens while
-    # at most mixed_prefill_max_waiting requests wait (None / 0: no cap); see
+    # A step that runs decode rows computes at most this many tokens (its decode
+    # rows included) while at most mixed_prefill_max_waiting requests wait (None /
+    # 0: no cap); see
     # EngineConfig in cpp/include/pagedcore/config.h. `pagedcore serve` sets it
     # (its --max-num-mixed-prefill-tokens): the streams' inter-token latency.
     max_num_mixed_prefill_tokens: int | None = None
@@ -442,6 +443,9 @@ class LLMEngine:
         self._async_scheduling = (self.device.type == "cuda" and args.async_output_proc is not False
                                   if args.async_scheduling is None else args.async_scheduling)
         self._launched: _Launched | None = None
+        # (serving diagnostics) prompt tokens (chunks of more than one token) of the
+        # steps that the last step() call scheduled: see step_prompt_tokens.
+        self.step_prompt_tokens = 0
         # A step scheduled and its forward pass launched, not yet sampled (see _step_async).
         self._prelaunched: tuple[_C.StepBatch, torch.Tensor] | None = None
         self._inflight: tuple[_C.StepBatch, _HostCopy | None, Any] | None = None
@@ -811,10 +815,11 @@ class LLMEngine:
         next step is also scheduled and launched before the previous step's
         tokens reach the host: see :meth:`_step_async`.
         """
+        self.step_prompt_tokens = 0
         if self._async_scheduling:
             return self._step_async()
         self._complete_inflight()
-        batch = self.engine.schedule()
+        batch = self._schedule()
         try:
             logits = self.runner.execute(batch)
             # NOTE: before the sampling metadata, whose penalties count the outputs so far.
@@ -864,7 +869,7 @@ class LLMEngine:
         outputs: list[RequestOutput] = []
         prelaunched, self._prelaunched = self._prelaunched, None
         if prelaunched is None:
-            batch = self.engine.schedule()
+            batch = self._schedule()
             self.engine.append_placeholders()
         else:
             batch, logits = prelaunched
@@ -904,7 +909,7 @@ class LLMEngine:
             # path: this one and the next, which the next call resolves this one before
             # it samples (it needs this step's tokens on the host, as this one did).
             try:
-                following = self.engine.schedule()
+                following = self._schedule()
                 self.engine.append_placeholders()
                 self._prelaunched = (following, self.runner.execute(following, launched.device_ids))
             except BaseException:
@@ -923,6 +928,20 @@ class LLMEngine:
         if self._requests and self._launched is None and not self.engine.has_unfinished_requests():
             raise RuntimeError(f"the engine ended every request, yet {sorted(self._requests)} remain")
         return outputs
+
+    @property
+    def pipelined(self) -> bool:
+        """Whether a :meth:`step` call returns the outputs of a step that an
+        earlier call launched (async output processing or scheduling): its wall
+        time then is mostly the wait for that step's forward pass."""
+        return self._async_output or self._async_scheduling
+
+    def _schedule(self) -> _C.StepBatch:
+        """The next step's batch (Engine.schedule), its prompt tokens counted in step_prompt_tokens."""
+        batch = self.engine.schedule()
+        # (leading rows have one new token each: decode rows; the rest are prompt chunks)
+        self.step_prompt_tokens += batch.num_tokens - batch.num_decode_seqs
+        return batch
 
     def _needs_host_tokens(self, batch: _C.StepBatch) -> bool:
         """Whether sampling the step needs the previous step's tokens on the host:

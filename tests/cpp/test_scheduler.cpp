@@ -138,7 +138,7 @@ TEST(Scheduler, LongPromptIsChunkedAcrossSteps) {
   update_with(e, {501});
 }
 
-TEST(Scheduler, MixedPrefillCapHoldsPromptTokensWhileDecodesRunAndFewWait) {
+TEST(Scheduler, MixedPrefillCapHoldsStepTokensWhileDecodesRunAndFewWait) {
   EngineConfig c = small_config();
   c.max_num_batched_tokens = 64;
   c.max_num_mixed_prefill_tokens = 10;
@@ -150,28 +150,54 @@ TEST(Scheduler, MixedPrefillCapHoldsPromptTokensWhileDecodesRunAndFewWait) {
   update_with(e, {100});
 
   e.add_request("r1", iota_tokens(25, 101), params_max_tokens(2));
-  const StepBatch& b2 = e.schedule();  // r0 decodes: r1's admission gets 10 prompt tokens
-  EXPECT_EQ(b2.num_tokens, 11);
+  // r0 decodes: the step holds 10 tokens, r0's row and 9 of r1's admission
+  const StepBatch& b2 = e.schedule();
+  EXPECT_EQ(b2.num_tokens, 10);
   EXPECT_EQ(b2.num_decode_seqs, 1);
-  EXPECT_EQ(vec(b2.seq_lens, 2), (std::vector<int32_t>{13, 10}));
+  EXPECT_EQ(vec(b2.seq_lens, 2), (std::vector<int32_t>{13, 9}));
   EXPECT_EQ(b2.num_samples, 1);
   update_with(e, {101});
-  const StepBatch& b3 = e.schedule();  // r1's running prefill: 10 more
-  EXPECT_EQ(b3.num_tokens, 11);
-  EXPECT_EQ(vec(b3.seq_lens, 2), (std::vector<int32_t>{14, 20}));
-  EXPECT_EQ(vec(b3.num_computed_tokens, 2), (std::vector<int32_t>{13, 10}));
+  const StepBatch& b3 = e.schedule();  // r1's running prefill: 9 more
+  EXPECT_EQ(b3.num_tokens, 10);
+  EXPECT_EQ(vec(b3.seq_lens, 2), (std::vector<int32_t>{14, 18}));
+  EXPECT_EQ(vec(b3.num_computed_tokens, 2), (std::vector<int32_t>{13, 9}));
   update_with(e, {102});
 
   // Two waiting (more than mixed_prefill_max_waiting): the whole budget, r1's
-  // last 5 prompt tokens and both prompts at once.
+  // last 7 prompt tokens and both prompts at once.
   e.add_request("r2", iota_tokens(6, 201), params_max_tokens(2));
   e.add_request("r3", iota_tokens(6, 301), params_max_tokens(2));
   const StepBatch& b4 = e.schedule();
-  EXPECT_EQ(b4.num_tokens, 1 + 5 + 6 + 6);
+  EXPECT_EQ(b4.num_tokens, 1 + 7 + 6 + 6);
   EXPECT_EQ(vec(b4.seq_lens, 4), (std::vector<int32_t>{15, 25, 6, 6}));
   EXPECT_EQ(b4.num_samples, 4);
   update_with(e, {103, 400, 500, 600});
   EXPECT_EQ(e.stats().num_running_seqs, 3);  // r0 done (4 tokens), the others decode
+  e.check_invariants();
+}
+
+TEST(Scheduler, MixedPrefillCapLeavesAFloorOfPromptTokensWhileRowsFillIt) {
+  // cap 32: at least 32 / 16 = 2 prompt tokens a step, however many rows decode.
+  EngineConfig c = small_config();
+  c.max_num_seqs = 64;
+  c.max_num_batched_tokens = 256;
+  c.max_num_mixed_prefill_tokens = 32;
+  c.mixed_prefill_max_waiting = 1;
+  Engine e(c);
+  std::vector<TokenId> sampled;
+  for (int i = 0; i < 31; ++i) {
+    e.add_request("d" + std::to_string(i), iota_tokens(2, 1 + 2 * i), params_max_tokens(8));
+    sampled.push_back(100 + i);
+  }
+  const StepBatch& b1 = e.schedule();  // no decode row yet: the whole budget
+  EXPECT_EQ(b1.num_tokens, 62);
+  update_with(e, sampled);
+
+  e.add_request("long", iota_tokens(9, 500), params_max_tokens(2));
+  const StepBatch& b2 = e.schedule();  // 31 rows: 32 - 31 = 1, the floor 2 wins
+  EXPECT_EQ(b2.num_decode_seqs, 31);
+  EXPECT_EQ(b2.num_tokens, 31 + 2);
+  EXPECT_EQ(b2.seq_lens[31], 2);
   e.check_invariants();
 }
 

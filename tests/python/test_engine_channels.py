@@ -10,74 +10,25 @@ the other channel goes on."""
 from __future__ import annotations
 
 import asyncio
-import time
 
-import numpy as np
 import pytest
 
-from pagedcore.compact_outputs import CompactOutputs
-from pagedcore.outputs import CompletionOutput, RequestOutput
 from pagedcore.sampling_params import SamplingParams
+from stub_engines import CompactStubEngine
 
 pytest.importorskip("transformers")
 
 
-class StubCompactEngine:
-    """(in the engine process) What AsyncEngine uses of LLMEngine: each step of
-    ~1 ms gives every request its next token (100 + k for its k-th), as rows of
-    take_compact_outputs() for requests added with a compact_key, else as a
-    RequestOutput (text "<k>")."""
+class StubCompactEngine(CompactStubEngine):
+    """(in the engine process) The k-th token of every request is 100 + k; the
+    stats tell the aborted requests and how many objects the process froze."""
 
-    tokenizer = None
-    max_model_len = 4096
-
-    def __init__(self) -> None:
-        self.running: dict[str, list] = {}  # request id -> [tokens so far, max_tokens, compact key]
-        self.rows: list[CompactOutputs] = []
-        self.aborted: list[str] = []
+    first_token = 101
 
     def stats(self) -> dict:
         import gc
 
         return {"num_requests": len(self.running), "aborted": list(self.aborted), "frozen": gc.get_freeze_count()}
-
-    def add_request(self, request_id, prompt, prompt_token_ids, params, stream=True, add_special_tokens=True,
-                    detokenize=True, compact_key=None):
-        self.running[request_id] = [0, params.max_tokens, compact_key]
-
-    def abort(self, request_id: str) -> None:
-        if self.running.pop(request_id, None) is not None:
-            self.aborted.append(request_id)
-
-    def has_request(self, request_id: str) -> bool:
-        return request_id in self.running
-
-    def has_unfinished_requests(self) -> bool:
-        return bool(self.running)
-
-    def step(self) -> list[RequestOutput]:
-        time.sleep(0.001)
-        outs, keys, tokens, finish = [], [], [], []
-        for request_id, state in list(self.running.items()):
-            state[0] += 1
-            k, done = state[0], state[0] >= state[1]
-            if state[2] is not None:
-                keys.append(state[2])
-                tokens.append(100 + k)
-                finish.append(2 if done else 0)
-            else:
-                outs.append(RequestOutput(request_id, None, [1], [CompletionOutput(
-                    0, f"<{k}>", [100 + k], None, None, "length" if done else None)], done))
-            if done:
-                del self.running[request_id]
-        if keys:
-            self.rows.append(CompactOutputs(np.array(keys, dtype=np.int64), np.array(tokens, dtype=np.int32),
-                                            np.array(finish, dtype=np.uint8), np.full(len(keys), -1, np.int32)))
-        return outs
-
-    def take_compact_outputs(self) -> CompactOutputs | None:
-        rows, self.rows = self.rows, []
-        return CompactOutputs.concat(rows) if rows else None
 
 
 def _stub(engine_args) -> StubCompactEngine:

@@ -1,8 +1,9 @@
 """max_num_mixed_prefill_tokens (EngineConfig, LLM, `pagedcore serve`): while
-decode rows run, a step computes at most that many prompt tokens (a long prompt
-is chunked over more steps, so the running streams' next token is not held up
-by it), unless more than mixed_prefill_max_waiting requests wait; the outputs
-are the same greedy tokens as transformers' on the same weights."""
+decode rows run, a step computes at most that many tokens, its decode rows
+included (a long prompt is chunked over more steps, so the running streams'
+next token is not held up by it), unless more than mixed_prefill_max_waiting
+requests wait; the outputs are the same greedy tokens as transformers' on the
+same weights."""
 
 from __future__ import annotations
 
@@ -46,18 +47,25 @@ def test_a_prompt_that_arrives_while_another_decodes_is_chunked_at_the_cap(check
     steps = record_steps(llm)
     engine.add_request("short", None, short, params)
     done: dict[str, list[int]] = {}
-    for out in engine.step() + engine.step():  # its prompt, then one decode
-        done[out.request_id] = out.outputs[0].token_ids
-    engine.add_request("long", None, long_, params)
-    while engine.has_unfinished_requests():
+    reported: list[int] = []  # step_prompt_tokens after each step() (the server's step kinds)
+
+    def step() -> None:
         for out in engine.step():
             if out.finished:
                 done[out.request_id] = out.outputs[0].token_ids
+        reported.append(engine.step_prompt_tokens)
+
+    step()  # its prompt
+    step()  # one decode
+    engine.add_request("long", None, long_, params)
+    while engine.has_unfinished_requests():
+        step()
     # The short prompt alone (no decode row yet: no cap), one decode; then the long
-    # prompt 16 tokens a step beside the short one's decodes (77 = 4 x 16 + 13),
-    # then both decode.
-    assert steps[:7] == [(0, 3), (1, 0), (1, 16), (1, 16), (1, 16), (1, 16), (1, 13)]
-    assert all(prompt_tokens == 0 for _, prompt_tokens in steps[7:])
+    # prompt 15 tokens a step beside the short one's decode row (16 in all; 77 =
+    # 5 x 15 + 2), then both decode.
+    assert steps[:8] == [(0, 3), (1, 0), (1, 15), (1, 15), (1, 15), (1, 15), (1, 15), (1, 2)]
+    assert all(prompt_tokens == 0 for _, prompt_tokens in steps[8:])
+    assert reported == [prompt_tokens for _, prompt_tokens in steps]  # (the CPU: one batch a call)
     assert done["short"] == hf_greedy(checkpoint, short, 24)[0]
     assert done["long"] == hf_greedy(checkpoint, long_, 24)[0]
     stats = llm.stats()

@@ -15,37 +15,25 @@ import pytest
 from pagedcore.outputs import CompletionOutput, RequestOutput
 from pagedcore.sampling_params import SamplingParams
 from pagedcore.server import async_engine as ae
+from stub_engines import StubEngine
 
 
-class GatedEngine:
-    """LLMEngine's surface for AsyncEngine. Each step waits for the test's
-    release (once `wait_for` requests run), then gives every running request
-    its next token: id k, text "<k>" for its k-th token, until max_tokens."""
+class GatedEngine(StubEngine):
+    """Each step waits for the test's release (once `wait_for` requests run),
+    then gives every running request its next token: id k, text "<k>" for its
+    k-th token, until max_tokens."""
 
-    tokenizer = None
     max_model_len = 64
 
     def __init__(self, wait_for: int = 1) -> None:
+        super().__init__()
         self.wait_for = wait_for
-        self.running: dict[str, list[int]] = {}
         self.gate = threading.Semaphore(0)
         self.steps = 0
         self.fail_next = False
 
     def stats(self) -> dict:
         return {"num_waiting_seqs": 0}
-
-    def add_request(self, request_id, prompt, prompt_token_ids, params, stream=True, add_special_tokens=True):
-        self.running[request_id] = [0, params.max_tokens]
-
-    def abort(self, request_id: str) -> None:
-        self.running.pop(request_id, None)
-
-    def has_request(self, request_id: str) -> bool:
-        return request_id in self.running
-
-    def has_unfinished_requests(self) -> bool:
-        return bool(self.running)
 
     def step(self) -> list[RequestOutput]:
         if len(self.running) < self.wait_for:
@@ -56,15 +44,7 @@ class GatedEngine:
             self.running.clear()
             raise RuntimeError("boom")
         self.steps += 1
-        outs = []
-        for request_id, state in list(self.running.items()):
-            state[0] += 1
-            k, done = state[0], state[0] >= state[1]
-            outs.append(RequestOutput(request_id, None, [1], [CompletionOutput(
-                0, f"<{k}>", [k], None, None, "length" if done else None)], done))
-            if done:
-                del self.running[request_id]
-        return outs
+        return [self.output(request_id, k, done) for request_id, k, done, _ in self.advance()]
 
 
 async def steps_done(engine: GatedEngine, n: int) -> None:
@@ -223,46 +203,10 @@ def test_outputs_cross_the_engine_process_pipe_unchanged() -> None:
         CompletionOutput(0, " z s", [13, 18, 2], -1.5, None, "stop", None)], True)]
 
 
-class CountingEngine:
+def _counting_engine(engine_args) -> StubEngine:
     """(in the engine process) Each step of ~1 ms gives every request its next
     token: id k, text "<k>" for its k-th token, until max_tokens."""
-
-    tokenizer = None
-    max_model_len = 4096
-
-    def __init__(self) -> None:
-        self.running: dict[str, list[int]] = {}
-
-    def stats(self) -> dict:
-        return {"num_requests": len(self.running)}
-
-    def add_request(self, request_id, prompt, prompt_token_ids, params, stream=True, add_special_tokens=True):
-        self.running[request_id] = [0, params.max_tokens]
-
-    def abort(self, request_id: str) -> None:
-        self.running.pop(request_id, None)
-
-    def has_request(self, request_id: str) -> bool:
-        return request_id in self.running
-
-    def has_unfinished_requests(self) -> bool:
-        return bool(self.running)
-
-    def step(self) -> list[RequestOutput]:
-        time.sleep(0.001)
-        outs = []
-        for request_id, state in list(self.running.items()):
-            state[0] += 1
-            k, done = state[0], state[0] >= state[1]
-            outs.append(RequestOutput(request_id, None, [1], [CompletionOutput(
-                0, f"<{k}>", [k], None, None, "length" if done else None)], done))
-            if done:
-                del self.running[request_id]
-        return outs
-
-
-def _counting_engine(engine_args) -> CountingEngine:
-    return CountingEngine()
+    return StubEngine()
 
 
 def test_every_step_reaches_a_stream_whose_event_loop_stalled_while_the_engine_process_ran() -> None:
@@ -289,3 +233,60 @@ def test_every_step_reaches_a_stream_whose_event_loop_stalled_while_the_engine_p
         engine.shutdown()
     assert ids == list(range(1, 151)) and finished
     assert text == "".join(f"<{k}>" for k in range(1, 151))
+
+
+class ScriptedPrefillEngine(StubEngine):
+    """StubEngine whose i-th step reports script[i] prompt tokens scheduled
+    (LLMEngine.step_prompt_tokens), pipelined or not (LLMEngine.pipelined)."""
+
+    def __init__(self, script: list[int], pipelined: bool) -> None:
+        super().__init__()
+        self.script, self.pipelined, self.step_prompt_tokens = script, pipelined, 0
+
+    def step(self) -> list[RequestOutput]:
+        self.step_prompt_tokens = self.script.pop(0)
+        return super().step()
+
+
+@pytest.mark.parametrize("pipelined, prefill_steps", [(False, 3), (True, 5)])
+def test_steps_count_as_prefill_when_prompt_tokens_ran_in_them_or_pipelined_in_the_step_before(
+        pipelined, prefill_steps) -> None:
+    # Prompt tokens per step: 0, 40, 0, 0, 16, 16, 0, 0 (a 16-token chunk gives no first
+    # token; the stats never show one). Unpipelined, the steps with prompt tokens are
+    # prefill steps: 3. Pipelined, a call waits for the previous call's forward pass
+    # too: steps 2, 3, 5, 6, 7: 5.
+    script = [0, 40, 0, 0, 16, 16, 0, 0]
+    stub = ScriptedPrefillEngine(list(script), pipelined)
+    server = ae.AsyncEngine(stub)
+
+    async def main() -> None:
+        stream = await server.add("r", None, [1, 2], params(len(script)))
+        async for _ in stream:
+            pass
+
+    try:
+        asyncio.run(main())
+        while sum(server.step_times.counts["decode"]) + sum(server.step_times.counts["prefill"]) < len(script):
+            time.sleep(0.01)  # (the last step's count comes right after its outputs)
+    finally:
+        server.shutdown()
+    assert sum(server.step_times.counts["prefill"]) == prefill_steps
+    assert sum(server.step_times.counts["decode"]) == len(script) - prefill_steps
+
+
+def test_the_engine_stats_count_garbage_collections_per_generation() -> None:
+    # Collections made here, by generation, counted against gc.get_stats() (the
+    # interpreter's own counts).
+    import gc
+
+    times = ae.gc_times()
+    before_counts, _ = times.snapshot()
+    before_stats = [s["collections"] for s in gc.get_stats()]
+    gc.collect(0)
+    gc.collect(2)
+    gc.collect(2)
+    counts, seconds = times.snapshot()
+    want = [s["collections"] - b for s, b in zip(gc.get_stats(), before_stats)]
+    assert [c - b for c, b in zip(counts, before_counts)] == want
+    assert want[0] >= 1 and want[2] == 2
+    assert all(s >= 0 for s in seconds) and seconds[2] > 0

@@ -289,3 +289,28 @@ def test_log_level_before_and_after_the_subcommand() -> None:
     assert parse(["--log-level", "error", "generate", "hi", "--log-level", "info"]).log_level == "INFO"
     with pytest.raises(SystemExit):
         parse(["serve", "--log-level", "loud"])
+
+
+@pytest.mark.parametrize("device, before, want", [("cpu", 4, 3), ("cpu", 1, 1), ("cuda", 4, 1)])
+def test_a_serving_engine_takes_one_torch_thread_fewer_on_the_cpu_and_one_on_cuda(monkeypatch, device, before,
+                                                                                  want) -> None:
+    import types
+
+    from pagedcore.server.lifecycle import set_serving_threads
+
+    saved = torch.get_num_threads()
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    engine = types.SimpleNamespace(device=torch.device(device))
+    try:
+        torch.set_num_threads(before)
+        assert set_serving_threads(engine) == want
+        assert torch.get_num_threads() == want
+        # The user's OMP_NUM_THREADS wins; an engine without a device (a stub) is left alone.
+        torch.set_num_threads(before)
+        monkeypatch.setenv("OMP_NUM_THREADS", str(before))
+        assert set_serving_threads(engine) is None
+        monkeypatch.delenv("OMP_NUM_THREADS")
+        assert set_serving_threads(types.SimpleNamespace()) is None
+        assert torch.get_num_threads() == before
+    finally:
+        torch.set_num_threads(saved)

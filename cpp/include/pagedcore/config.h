@@ -22,11 +22,13 @@ struct EngineConfig {
   // Token budget of one step: decode tokens plus prefill chunk tokens.
   int32_t max_num_batched_tokens = 2048;
   // 0: no cap but max_num_batched_tokens. N > 0: a step that runs decode rows
-  // (running sequences with one token to compute) computes at most N prompt
-  // tokens (chunks of running prefills and admissions together), so that a
-  // step that gives the running streams their next token costs about a decode
-  // step (their inter-token latency), while longer prompts are chunked over
-  // more steps. The cap holds only while at most mixed_prefill_max_waiting
+  // (running sequences with one token to compute) computes at most N tokens in
+  // all: its R decode rows and up to N - R prompt tokens (chunks of running
+  // prefills and admissions together; at least max(1, N / 16) however many
+  // rows run), so that a step that gives the running streams their next token
+  // costs about a decode step (their inter-token latency; on CUDA it fits the
+  // piecewise graph of N tokens), while longer prompts are chunked over more
+  // steps. The cap holds only while at most mixed_prefill_max_waiting
   // sequences wait: a longer queue (a burst, saturation) is admitted with the
   // whole budget, so the cap never slows a server that has work queued.
   int32_t max_num_mixed_prefill_tokens = 0;

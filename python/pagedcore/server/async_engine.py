@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import collections
+import gc
 import logging
 import queue
 import threading
@@ -296,9 +297,15 @@ STEP_BUCKETS = (0.0005, 0.001, 0.0015, 0.002, 0.003, 0.004, 0.005, 0.0075, 0.01,
 
 class StepTimes:
     """Wall time of the engine's steps (each ``LLMEngine.step()`` call), apart
-    for steps that gave some request its first token (a prefill ran in them)
-    and the others (decode only): the steps that can stretch a stream's
-    inter-token gap. Cumulative bucket counts, as a Prometheus histogram."""
+    for steps in which prompt tokens ran (a prefill or a chunk of one: kind
+    "prefill") and the others (decode only): the steps that can stretch a
+    stream's inter-token gap. Cumulative bucket counts, as a Prometheus histogram.
+
+    NOTE: with a pipelined engine (LLMEngine.pipelined) a call waits for the
+    forward pass that the previous call launched and launches the next one, so
+    a call counts as "prefill" when either of them computed prompt tokens: a
+    capped chunk that gives no request its first token yet (the cap's
+    middle steps), or the eager launch of a mixed step, is no decode step."""
 
     KINDS = ("decode", "prefill")
 
@@ -314,6 +321,53 @@ class StepTimes:
     def snapshot(self) -> dict[str, tuple[tuple[int, ...], float]]:
         """{kind: (count per bucket, the last one past STEP_BUCKETS; sum of seconds)}."""
         return {kind: (tuple(self.counts[kind]), self.sums[kind]) for kind in self.KINDS}
+
+
+class GcTimes:
+    """Collections of Python's garbage collector in this process and the time
+    they took, per generation (gc.callbacks): each one stops every thread of
+    the process, the engine's steps included (a full collection walks every
+    object the collector tracks: what serving made since
+    lifecycle.freeze_startup_objects()).
+
+    Counts since :meth:`install`; one instance per process is enough (see
+    :func:`gc_times`)."""
+
+    def __init__(self) -> None:
+        self.counts = [0, 0, 0]
+        self.seconds = [0.0, 0.0, 0.0]
+        self._started: float | None = None
+        self._installed = False
+
+    def install(self) -> None:
+        if not self._installed:
+            gc.callbacks.append(self._callback)
+            self._installed = True
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        elif self._started is not None:
+            generation = info["generation"]
+            self.counts[generation] += 1
+            self.seconds[generation] += time.perf_counter() - self._started
+            self._started = None
+
+    def snapshot(self) -> tuple[tuple[int, ...], tuple[float, ...]]:
+        """(collections per generation, seconds per generation)."""
+        return tuple(self.counts), tuple(self.seconds)
+
+
+_GC_TIMES: GcTimes | None = None
+
+
+def gc_times() -> GcTimes:
+    """This process's GcTimes, installed on first use."""
+    global _GC_TIMES
+    if _GC_TIMES is None:
+        _GC_TIMES = GcTimes()
+        _GC_TIMES.install()
+    return _GC_TIMES
 
 
 class AsyncEngine:
@@ -342,7 +396,10 @@ class AsyncEngine:
         # Why the engine died (set by the engine thread before _dead); None for a shutdown.
         self._death: str | None = None
         self.step_times = StepTimes()
-        self.stats: dict[str, Any] = {**engine.stats(), "step_seconds": self.step_times.snapshot()}
+        self._last_step_prompt_tokens = 0  # (engine thread) of the previous step() call
+        self.gc_times = gc_times()
+        self.stats: dict[str, Any] = {**engine.stats(), "step_seconds": self.step_times.snapshot(),
+                                      "gc": self.gc_times.snapshot()}
         self.errors = 0
         self._thread = threading.Thread(target=self._run, name="pagedcore-engine", daemon=True)
         self._thread.start()
@@ -591,14 +648,22 @@ class AsyncEngine:
             self._publish_stats(elapsed)
             self._flush()
 
+    def _step_had_prefill(self, stats: dict[str, Any]) -> bool:
+        """(engine thread, after a step() call) Whether prompt tokens ran in the
+        step(s) the call waited for: see StepTimes."""
+        launched = getattr(self.engine, "step_prompt_tokens", None)
+        if launched is None:  # (the benchmarks' and tests' stubs: a request's first token came out)
+            return stats.get("num_prompt_tokens", 0) > self.stats.get("num_prompt_tokens", 0)
+        previous, self._last_step_prompt_tokens = self._last_step_prompt_tokens, launched
+        return launched > 0 or (previous > 0 and getattr(self.engine, "pipelined", False))
+
     def _publish_stats(self, step_seconds: float | None = None) -> None:
         """The engine's stats for /metrics, with the step just made (if any) counted."""
         stats = self.engine.stats()
         if step_seconds is not None:
-            # (a request's first token came out of this step: its prefill ran in it)
-            prefill = stats.get("num_prompt_tokens", 0) > self.stats.get("num_prompt_tokens", 0)
-            self.step_times.observe(step_seconds, prefill)
+            self.step_times.observe(step_seconds, self._step_had_prefill(stats))
         stats["step_seconds"] = self.step_times.snapshot()
+        stats["gc"] = self.gc_times.snapshot()
         self.stats = stats
 
     def _close(self) -> None:

@@ -263,8 +263,9 @@ def _child_main(engine_args, channels, log_level: str, engine_factory) -> None:
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises it
         outs[0].send(("failed", e if isinstance(e, ValueError) else RuntimeError(f"{type(e).__name__}: {e}")))
         return
-    from .lifecycle import freeze_startup_objects
+    from .lifecycle import freeze_startup_objects, set_serving_threads
 
+    set_serving_threads(engine)
     freeze_startup_objects()
     ready = ("ready", {"max_model_len": engine.max_model_len, "stats": engine.stats()})
     for out in outs:

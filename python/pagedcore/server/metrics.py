@@ -20,11 +20,31 @@ _LAG_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1
 _BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 
+def _gc_families(prefix: str, where: str, snapshot) -> list:
+    """Counters of a GcTimes snapshot: collections and seconds per generation."""
+    counts, seconds = snapshot
+    count_family = CounterMetricFamily(
+        f"pagedcore_{prefix}_gc_collections", f"collections of Python's garbage collector in {where} "
+        "(each stops its threads)", labels=["generation"])
+    seconds_family = CounterMetricFamily(f"pagedcore_{prefix}_gc_seconds", "time spent in those collections",
+                                         labels=["generation"])
+    for generation, (count, spent) in enumerate(zip(counts, seconds)):
+        count_family.add_metric([str(generation)], count)
+        seconds_family.add_metric([str(generation)], spent)
+    return [count_family, seconds_family]
+
+
 class _EngineCollector:
     def __init__(self, engine) -> None:
         self.engine = engine
+        from .async_engine import gc_times
+
+        self.http_gc = gc_times()
 
     def collect(self):
+        # (the scraped HTTP process's own collections; with the engine as a thread, the same
+        # process's as pagedcore_engine_gc_*)
+        yield from _gc_families("http", "the scraped HTTP process", self.http_gc.snapshot())
         s = self.engine.stats
         gauges = {
             "pagedcore_kv_blocks_total": ("KV-cache blocks of the GPU (or CPU) pool", s.get("num_blocks", 0)),
@@ -45,13 +65,15 @@ class _EngineCollector:
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(name, doc, value=value)
+        if s.get("gc"):
+            yield from _gc_families("engine", "the engine's process", s["gc"])
         steps = s.get("step_seconds")
         if steps:
             from .async_engine import STEP_BUCKETS
 
             family = HistogramMetricFamily(
-                "pagedcore_engine_step_seconds", "wall time of engine steps; kind=prefill: a request's first "
-                "token came out of the step", labels=["kind"])
+                "pagedcore_engine_step_seconds", "wall time of engine steps; kind=prefill: prompt tokens ran in "
+                "the step (or, pipelined, in the step it waited for)", labels=["kind"])
             for kind, (counts, total) in steps.items():
                 cumulative, buckets = 0, []
                 for bound, count in zip((*map(str, STEP_BUCKETS), "+Inf"), counts):
@@ -59,6 +81,24 @@ class _EngineCollector:
                     buckets.append((bound, cumulative))
                 family.add_metric([kind], buckets, sum_value=total)
             yield family
+
+
+class _StallCollector:
+    """The loop-stall sampler's counts (loop_stalls.py) of this HTTP process."""
+
+    def __init__(self, metrics: "Metrics") -> None:
+        self.metrics = metrics
+
+    def collect(self):
+        sampler = self.metrics.stall_sampler
+        if sampler is None:
+            return
+        family = CounterMetricFamily(
+            "pagedcore_http_loop_stall_samples", "samples of what the HTTP side's event loop ran while it was "
+            "late by more than a few ms (PAGEDCORE_LOOP_STALLS=1)", labels=["where"])
+        for where, count in list(sampler.counts.items()):
+            family.add_metric([where], count)
+        yield family
 
 
 class RequestTimer:
@@ -102,6 +142,8 @@ class Metrics:
                              registry=self.registry)
         self.e2e = Histogram("pagedcore_e2e_request_latency_seconds", "request latency, arrival to last token",
                              buckets=_BUCKETS, registry=self.registry)
+        self.stall_sampler = None  # (started by watch_loop_lag, where loop_stalls.enabled())
+        self._render_registry.register(_StallCollector(self))
         self.loop_lag = Histogram("pagedcore_event_loop_lag_seconds",
                                   f"how late the HTTP side's event loop ran a callback due every "
                                   f"{LOOP_LAG_INTERVAL_S * 1e3:g} ms (a stall delays every stream's writes)",
@@ -109,12 +151,25 @@ class Metrics:
 
     async def watch_loop_lag(self) -> None:
         """Runs until cancelled: sleeps LOOP_LAG_INTERVAL_S at a time and records how
-        much later than due each wake-up came."""
+        much later than due each wake-up came; with loop_stalls.enabled(), a
+        sampler thread records what the loop runs while a wake-up is overdue."""
+        from . import loop_stalls
+
         loop = asyncio.get_running_loop()
-        while True:
-            due = loop.time() + LOOP_LAG_INTERVAL_S
-            await asyncio.sleep(LOOP_LAG_INTERVAL_S)
-            self.loop_lag.observe(max(0.0, loop.time() - due))
+        sampler = None
+        if loop_stalls.enabled():
+            sampler = self.stall_sampler = loop_stalls.LoopStallSampler(LOOP_LAG_INTERVAL_S)
+            sampler.start()
+        try:
+            while True:
+                due = loop.time() + LOOP_LAG_INTERVAL_S
+                await asyncio.sleep(LOOP_LAG_INTERVAL_S)
+                self.loop_lag.observe(max(0.0, loop.time() - due))
+                if sampler is not None:
+                    sampler.beat()
+        finally:
+            if sampler is not None:
+                sampler.stop()
 
     def request_timer(self, arrival: float) -> RequestTimer:
         return RequestTimer(self, arrival)
