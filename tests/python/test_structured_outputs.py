@@ -353,7 +353,7 @@ def test_masks_on_the_pool_spread_over_lanes(byte_model, monkeypatch) -> None:
     """A pool of two threads: each spec's matchers come from two compiled copies of its
     grammar in turn (their lexers have a lock each), and take a step's tokens on the
     pool; a step's masks, computed in the
-    background, are each row's own, step by step to the end of random walks under three
+    background and in line in turn (the manager's trials of the two), are each row's own, step by step to the end of random walks under three
     grammars: equal to an independent matcher's (compiled apart, its mask computed on
     this thread through llguidance's other entry point), within what the regex module
     allows, EOS exactly at a full match; all in the buffer when the job's release runs."""
@@ -381,12 +381,13 @@ def test_masks_on_the_pool_spread_over_lanes(byte_model, monkeypatch) -> None:
     assert len(templates) == 2 and templates[0] is not templates[1]
     rng = np.random.default_rng(0)
     n = len(rows)
-    texts, done = [""] * n, [False] * n
+    texts, done, ways = [""] * n, [False] * n, set()
     out = torch.empty((n, manager.num_words), dtype=torch.int32)
     while not all(done):
         out.fill_(0x5A5A5A5A)  # (poison: a mask not written shows)
         seen = []
         job = manager.start_masks(matchers, out, release=lambda: seen.append(out.clone()))
+        ways.add(job.background)
         job.wait()
         assert len(seen) == 1 and torch.equal(seen[0], out)
         bits = np.unpackbits(out.numpy().view(np.uint8), axis=1, bitorder="little")[:, :BYTE_VOCAB]
@@ -407,6 +408,7 @@ def test_masks_on_the_pool_spread_over_lanes(byte_model, monkeypatch) -> None:
             tokens.append(token)
         assert all(manager.consume(matchers, tokens))
     assert all(re.fullmatch(patterns[k], t) for k, t in zip(rows, texts)), texts
+    assert ways == {True, False}
 
 
 def byte_llm(path: str, monkeypatch, threads: int, device_wait: bool = True, **kw) -> LLM:
@@ -491,3 +493,33 @@ def test_consume_keeps_the_faster_way_after_its_trials(byte_model, monkeypatch, 
     before = clock[0]
     assert manager.consume(matchers[:15], [1] * 15) == [True] * 15
     assert clock[0] - before == 15 * loop_cost  # (fewer than 16 rows: one by one)
+
+
+@pytest.mark.parametrize("background_cost, inline_cost, chosen", [(1, 5, True), (5, 1, False)])
+def test_masks_keep_the_cheaper_way_after_their_trials(byte_model, monkeypatch, background_cost, inline_cost,
+                                                        chosen) -> None:
+    """With a pool, a step's masks go to the background and in line in turn over the
+    first MASK_TRIALS jobs, then the way that cost the engine's thread less per row
+    (median) stays for MASK_TRIAL_PERIOD jobs, then the trials run again. Each job's
+    cost here: its rows times its way's cost, as if measured."""
+    import transformers
+
+    from pagedcore import structured_outputs
+    from pagedcore.structured_outputs import MASK_TRIALS, MaskJob
+
+    monkeypatch.setenv("PAGEDCORE_MASK_THREADS", "2")
+    monkeypatch.setattr(structured_outputs, "MASK_TRIAL_PERIOD", 5)
+    path, eos = byte_model
+    manager = StructuredOutputManager(transformers.AutoTokenizer.from_pretrained(path), BYTE_VOCAB, [eos])
+    ways = []
+    for step in range(MASK_TRIALS + 5 + 2):
+        background = manager._choose_mask_way()
+        ways.append(background)
+        rows = 1 + step % 3  # (per row: the rows differ between jobs)
+        job = MaskJob(None, background=background)
+        job._run(lambda: None)
+        job.host_seconds = rows * (background_cost if background else inline_cost)
+        manager._last_job = (job, rows)
+    assert ways[:MASK_TRIALS] == [True, False] * (MASK_TRIALS // 2)
+    assert ways[MASK_TRIALS:MASK_TRIALS + 5] == [chosen] * 5
+    assert ways[MASK_TRIALS + 5:] == [True, False]  # the trials again
