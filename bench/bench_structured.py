@@ -354,6 +354,69 @@ def apply_alone(device: torch.device, rows: int, vocab: int) -> None:
               f"on the device, {host:6.1f} us of host time per call")
 
 
+def masks_alone(model: str, rows: int, steps: int, threads: int, busy_ms: float, schema_name: str) -> None:
+    """The engine thread's cost of a step's masks each way, without a model: ``rows``
+    matchers of the schema walk ``steps`` steps (each takes a seeded random token that
+    its mask allows); per step, with the masks started the engine thread runs
+    ``busy_ms`` of Python (as it queues the sampler) and then waits for them. Each way
+    in turn, step by step: in the background (start, the Python, the wait) and in line
+    (the computation in start_masks, then the Python). Reported: the engine thread's
+    time besides the Python, ms per step (median, p90), and the tokens fed one by one."""
+    import transformers
+
+    from pagedcore.structured_outputs import MaskJob, StructuredOutputManager
+
+    os.environ[MASK_THREADS_ENV] = str(threads)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model)
+    vocab = json_config(model)["vocab_size"]
+    manager = StructuredOutputManager(tokenizer, vocab, [tokenizer.eos_token_id])
+    spec = StructuredOutputsParams(json=SCHEMAS[schema_name])
+    ways = {"background": True, "in line": False}
+    sets = {way: [manager.new_matcher(spec) for _ in range(rows)] for way in ways}
+    out = torch.empty((rows, manager.num_words), dtype=torch.int32)
+    rng = np.random.default_rng(0)
+    cost: dict[str, list[float]] = {way: [] for way in ways}
+    fed: list[float] = []
+
+    def python_work() -> None:
+        end = time.perf_counter() + busy_ms / 1e3
+        while time.perf_counter() < end:
+            pass
+
+    for t in range(steps):
+        for way in (ways if t % 2 else list(ways)[::-1]):
+            manager._choose_mask_way = lambda b=ways[way]: b
+            t0 = time.perf_counter()
+            job: MaskJob = manager.start_masks(sets[way], out)
+            t1 = time.perf_counter()
+            python_work()
+            t2 = time.perf_counter()
+            job.wait()
+            cost[way].append(1e3 * ((t1 - t0) + (time.perf_counter() - t2)))
+        bits = np.unpackbits(out.numpy().view(np.uint8), axis=1, bitorder="little")[:, :vocab]
+        tokens = [int(rng.choice(np.nonzero(row)[0])) for row in bits]
+        for way in ways:
+            t0 = time.perf_counter()
+            accepted = [m.ll.consume_token(token) for m, token in zip(sets[way], tokens)]
+            fed.append(1e3 * (time.perf_counter() - t0))
+            if not all(accepted):
+                raise SystemExit(f"masks alone: a token refused at step {t}")
+    print(f"masks alone: {rows} rows x {steps} steps, {schema_name} schema, pool of {threads} threads "
+          f"({os.cpu_count()} CPUs), {busy_ms} ms of Python while they are computed; the engine thread's "
+          f"time besides it, ms per step:")
+    for way, xs in cost.items():
+        print(f"  {way:10s}: median {statistics.median(xs):7.3f}, p90 {np.percentile(xs, 90):7.3f}, "
+              f"mean {statistics.mean(xs):7.3f}")
+    print(f"  tokens fed one by one: median {statistics.median(fed):7.3f}")
+
+
+def json_config(model: str) -> dict:
+    import json
+
+    with open(os.path.join(model, "config.json"), encoding="utf-8") as f:
+        return json.load(f)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=64)
@@ -366,9 +429,19 @@ def main() -> None:
     ap.add_argument("--async-scheduling", choices=("both", "on", "off"), default="both")
     ap.add_argument("--replay-steps", type=int, default=-1, help="steps of the replay (0: none; -1: every "
                     "step of the run)")
+    ap.add_argument("--mask-way", choices=("auto", "background", "inline"), default="auto",
+                    help="with a mask pool: the engine's choice by its trials (auto), or always one way")
     ap.add_argument("--schema", choices=sorted(SCHEMAS), default="bounded",
                     help="the items' strings: of at most 8 characters (bounded) or any (plain)")
+    ap.add_argument("--masks-alone", type=int, default=0, metavar="STEPS",
+                    help="instead of the engine: the masks' cost each way over STEPS steps, without a model "
+                         "(see masks_alone; --requests rows, $PAGEDCORE_MASK_THREADS threads, default 2)")
+    ap.add_argument("--busy-ms", type=float, default=1.5, help="--masks-alone: the Python run meanwhile")
     args = ap.parse_args()
+    if args.masks_alone:
+        masks_alone(args.model or default_model_path(), args.requests, args.masks_alone,
+                    int(os.environ.get(MASK_THREADS_ENV, "2")), args.busy_ms, args.schema)
+        return
 
     prompts = [f"Request {i}: list some short words as JSON." for i in range(args.requests)]
     spec = StructuredOutputsParams(json=SCHEMAS[args.schema])
@@ -387,6 +460,8 @@ def main() -> None:
         timers.wrap_structured()
         name = f"async scheduling {'on' if mode else 'off'}"
         manager = engine._structured
+        if args.mask_way != "auto":
+            manager._choose_mask_way = lambda: args.mask_way == "background"
         print(f"== {name}: {args.requests} requests x {args.max_tokens} tokens on {engine.device}, "
               f"{args.schema} schema; masks: {manager.mask_threads} pool threads, {manager.num_lanes} lanes, "
               f"device wait {'on' if engine._bitmask_staging and engine._bitmask_staging.device_wait else 'off'} "
@@ -398,6 +473,13 @@ def main() -> None:
             gpu = tuple(p for p in ("gpu execute", "gpu sample", "gpu wait") if p in parts)
             print(f"{label:14s} {tokens / wall:10.1f} output tokens/s ({wall:.3f} s); per step (ms): "
                   + " ".join(f"{p} {parts[p]:.3f}" for p in ("step",) + PARTS + ("compute",) + gpu))
+        if manager.background:
+            medians = manager.mask_trial_medians
+            print(f"masks with the pool ({args.mask_way}): "
+                  f"{'in the background' if manager._masks_in_background else 'in line'} last chosen; "
+                  + ("no trials finished" if medians is None else
+                     f"the trials' engine-thread time per row: background {1e6 * medians[0]:.1f} us, "
+                     f"in line {1e6 * medians[1]:.1f} us"))
         ratios[name] = results["JSON schema"][0] / results["unconstrained"][0]
         if mode == modes[-1] and replay_steps:
             replay(engine, spec, results["JSON schema"][1], replay_steps)
