@@ -420,8 +420,9 @@ def byte_llm(path: str, monkeypatch, threads: int, device_wait: bool = True, **k
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 def test_masks_in_the_background_give_the_outputs_of_masks_in_line(byte_model, monkeypatch, device) -> None:
     """The masks computed on the pool while the step goes on (on CUDA also queued behind
-    the device's wait for them, or without it) give the outputs of masks computed on
-    the engine's thread before the sampler: regexes and choices that hold (re, the list),
+    the device's wait for them, or without it), or on the pool in line (the way the
+    manager's trials may keep), give the outputs of masks computed on the engine's
+    thread before the sampler: regexes and choices that hold (re, the list),
     n = 2, a stop string, an unconstrained request beside them, async scheduling on
     and off."""
     path, eos = byte_model
@@ -435,10 +436,15 @@ def test_masks_in_the_background_give_the_outputs_of_masks_in_line(byte_model, m
     prompts = ["a1", "b2", "c3", "d4", "e5"]
     configs = [dict(threads=0)] + ([dict(threads=2, device_wait=True), dict(threads=2, device_wait=False)]
                                    if device == "cuda" else [dict(threads=2)])
+    configs.append(dict(threads=2, inline=True))  # (every step's masks in line, past the trials too)
     runs = []
     for config in configs:
+        config = dict(config)
+        inline = config.pop("inline", False)
         for mode in (False, True):
             llm = byte_llm(path, monkeypatch, device=device, async_scheduling=mode, **config)
+            if inline:
+                monkeypatch.setattr(StructuredOutputManager, "_choose_mask_way", lambda self: False)
             outs = llm.generate(prompts, params, use_tqdm=False)
             assert llm.llm_engine._structured.mask_threads == config["threads"]
             staging = llm.llm_engine._bitmask_staging
