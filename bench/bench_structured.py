@@ -385,7 +385,7 @@ def masks_alone(model: str, rows: int, steps: int, threads: int, busy_ms: float,
 
     for t in range(steps):
         for way in (ways if t % 2 else list(ways)[::-1]):
-            manager._choose_mask_way = lambda b=ways[way]: b
+            manager._choose_mask_way = lambda rows, b=ways[way]: b
             t0 = time.perf_counter()
             job: MaskJob = manager.start_masks(sets[way], out)
             t1 = time.perf_counter()
@@ -461,7 +461,7 @@ def main() -> None:
         name = f"async scheduling {'on' if mode else 'off'}"
         manager = engine._structured
         if args.mask_way != "auto":
-            manager._choose_mask_way = lambda: args.mask_way == "background"
+            manager._choose_mask_way = lambda rows: args.mask_way == "background"
         print(f"== {name}: {args.requests} requests x {args.max_tokens} tokens on {engine.device}, "
               f"{args.schema} schema; masks: {manager.mask_threads} pool threads, {manager.num_lanes} lanes, "
               f"device wait {'on' if engine._bitmask_staging and engine._bitmask_staging.device_wait else 'off'} "

@@ -61,8 +61,9 @@ CONSUME_TRIALS = 16
 #: With a pool, a step's masks are computed either in the background (the engine's
 #: thread hands them to the mask thread and joins them later) or in line (the engine's
 #: thread calls the pool and waits): whichever costs the engine's thread less per row,
-#: measured over MASK_TRIALS steps taking turns (see StructuredOutputManager.start_masks);
-#: the trials run again every MASK_TRIAL_PERIOD steps, as the grammars' states change.
+#: measured over MASK_TRIALS steps taking turns (see StructuredOutputManager._choose_mask_way);
+#: the trials run again every MASK_TRIAL_PERIOD steps (the grammars' states change), and
+#: when the batch's constrained rows double or halve.
 MASK_TRIALS = 16
 MASK_TRIAL_PERIOD = 1024
 #: "0": on CUDA, the host waits for a step's masks before it queues the sampler,
@@ -367,7 +368,7 @@ class StructuredOutputManager:
         # the last job (its time is read once it was waited for: at the next call)
         self._mask_trials: dict[bool, list[float]] | None = {True: [], False: []}
         self._masks_in_background = True
-        self._jobs_until_trials = 0
+        self._jobs_until_trials = self._mask_choice_rows = 0
         self._last_job: tuple[MaskJob, int] | None = None
         #: The last trials' medians, seconds per row (background, in line); None before.
         self.mask_trial_medians: tuple[float, float] | None = None
@@ -379,33 +380,37 @@ class StructuredOutputManager:
         see masks_in_background)."""
         return self.mask_threads > 0
 
-    def _choose_mask_way(self) -> bool:
-        """Whether the next job runs in the background: the two ways take turns over
-        MASK_TRIALS jobs (background first), then the one that cost the engine's thread
-        less per row (median) stays for MASK_TRIAL_PERIOD jobs, then they take turns again.
+    def _choose_mask_way(self, rows: int) -> bool:
+        """Whether the next job (of ``rows`` masks) runs in the background: the two ways
+        take turns over MASK_TRIALS jobs (background first), then the one that cost the
+        engine's thread less per row (median) stays for MASK_TRIAL_PERIOD jobs, or until
+        a job's rows are more than twice or less than half those of the job it was
+        chosen at; then they take turns again.
 
         NOTE: in the background the engine's thread pays the hand-over, the copy's wait
         and the join (a mask thread needs the GIL to start and to finish, which the
-        engine's thread holds while it runs Python); in line it pays the computation on
-        the pool. Cheap masks (outside strings) favour in line, expensive ones (inside
-        bounded strings, ~0.5 ms each) the background, where the engine's thread queues
-        the sampler meanwhile; which holds depends on the grammars and the host.
+        engine's thread holds while it runs Python): roughly fixed per step, so the
+        rows' count matters; in line it pays the computation on the pool. Cheap masks
+        (outside strings) favour in line, expensive ones (inside bounded strings, ~0.5
+        ms each) the background, where the engine's thread queues the sampler
+        meanwhile; which holds depends on the grammars, the batch and the host.
         """
         last, self._last_job = self._last_job, None
         trials = self._mask_trials
         if trials is None:
             self._jobs_until_trials -= 1
-            if self._jobs_until_trials > 0:
+            chosen_at = self._mask_choice_rows
+            if self._jobs_until_trials > 0 and chosen_at <= 2 * rows and rows <= 2 * chosen_at:
                 return self._masks_in_background
             trials = self._mask_trials = {True: [], False: []}
         elif last is not None and last[0].done():
-            job, rows = last
-            trials[job.background].append(job.host_seconds / rows)
+            job, job_rows = last
+            trials[job.background].append(job.host_seconds / job_rows)
             if min(len(trials[True]), len(trials[False])) >= MASK_TRIALS // 2:
                 self.mask_trial_medians = (statistics.median(trials[True]), statistics.median(trials[False]))
                 self._masks_in_background = self.mask_trial_medians[0] <= self.mask_trial_medians[1]
                 self._mask_trials = None
-                self._jobs_until_trials = MASK_TRIAL_PERIOD
+                self._jobs_until_trials, self._mask_choice_rows = MASK_TRIAL_PERIOD, rows
                 return self._masks_in_background
         return len(trials[True]) <= len(trials[False])
 
@@ -494,7 +499,7 @@ class StructuredOutputManager:
             lls = [m.ll for m in matchers]
             job._run(lambda: [m.unsafe_compute_mask_ptr(base + row * nbytes, nbytes) for row, m in enumerate(lls)])
         else:
-            job = MaskJob(release, background=self._choose_mask_way())
+            job = MaskJob(release, background=self._choose_mask_way(len(matchers)))
             self._last_job = (job, len(matchers))
             # NOTE: rows grouped by lane: the pool splits the list into contiguous runs,
             # so that its threads mostly take different lanes (different locks).

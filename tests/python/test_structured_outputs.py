@@ -444,7 +444,7 @@ def test_masks_in_the_background_give_the_outputs_of_masks_in_line(byte_model, m
         for mode in (False, True):
             llm = byte_llm(path, monkeypatch, device=device, async_scheduling=mode, **config)
             if inline:
-                monkeypatch.setattr(StructuredOutputManager, "_choose_mask_way", lambda self: False)
+                monkeypatch.setattr(StructuredOutputManager, "_choose_mask_way", lambda self, rows: False)
             outs = llm.generate(prompts, params, use_tqdm=False)
             assert llm.llm_engine._structured.mask_threads == config["threads"]
             staging = llm.llm_engine._bitmask_staging
@@ -506,8 +506,9 @@ def test_masks_keep_the_cheaper_way_after_their_trials(byte_model, monkeypatch, 
                                                         chosen) -> None:
     """With a pool, a step's masks go to the background and in line in turn over the
     first MASK_TRIALS jobs, then the way that cost the engine's thread less per row
-    (median) stays for MASK_TRIAL_PERIOD jobs, then the trials run again. Each job's
-    cost here: its rows times its way's cost, as if measured."""
+    (median) stays for MASK_TRIAL_PERIOD jobs, then the trials run again; also when a
+    job's rows are more than twice, or less than half, those the way was chosen at.
+    Each job's cost here: its rows times its way's cost, as if measured."""
     import transformers
 
     from pagedcore import structured_outputs
@@ -517,15 +518,24 @@ def test_masks_keep_the_cheaper_way_after_their_trials(byte_model, monkeypatch, 
     monkeypatch.setattr(structured_outputs, "MASK_TRIAL_PERIOD", 5)
     path, eos = byte_model
     manager = StructuredOutputManager(transformers.AutoTokenizer.from_pretrained(path), BYTE_VOCAB, [eos])
-    ways = []
-    for step in range(MASK_TRIALS + 5 + 2):
-        background = manager._choose_mask_way()
-        ways.append(background)
-        rows = 1 + step % 3  # (per row: the rows differ between jobs)
-        job = MaskJob(None, background=background)
-        job._run(lambda: None)
-        job.host_seconds = rows * (background_cost if background else inline_cost)
-        manager._last_job = (job, rows)
+
+    def jobs(row_counts: list[int]) -> list[bool]:
+        ways = []
+        for rows in row_counts:
+            background = manager._choose_mask_way(rows)
+            ways.append(background)
+            job = MaskJob(None, background=background)
+            job._run(lambda: None)
+            job.host_seconds = rows * (background_cost if background else inline_cost)
+            manager._last_job = (job, rows)
+        return ways
+
+    # (per row: the rows differ between jobs; the choice is made at 8 rows)
+    ways = jobs([7, 8, 9] * (MASK_TRIALS // 3) + [8] * (MASK_TRIALS % 3) + [8, 16, 4, 9] + [8] * 3)
     assert ways[:MASK_TRIALS] == [True, False] * (MASK_TRIALS // 2)
     assert ways[MASK_TRIALS:MASK_TRIALS + 5] == [chosen] * 5
-    assert ways[MASK_TRIALS + 5:] == [True, False]  # the trials again
+    assert ways[MASK_TRIALS + 5:] == [True, False]  # the trials again, after 5 jobs
+    assert jobs([8] * (MASK_TRIALS - 2)) == [True, False] * (MASK_TRIALS // 2 - 1)  # (the rest of them)
+    assert jobs([8, 17, 8]) == [chosen, True, False]  # 17 rows: more than twice 8, the trials again
+    jobs([8] * (MASK_TRIALS - 2))
+    assert jobs([8, 3]) == [chosen, True]  # 3 rows: less than half
