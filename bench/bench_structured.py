@@ -474,12 +474,13 @@ def main() -> None:
             print(f"{label:14s} {tokens / wall:10.1f} output tokens/s ({wall:.3f} s); per step (ms): "
                   + " ".join(f"{p} {parts[p]:.3f}" for p in ("step",) + PARTS + ("compute",) + gpu))
         if manager.background:
-            medians = manager.mask_trial_medians
-            print(f"masks with the pool ({args.mask_way}): "
-                  f"{'in the background' if manager._masks_in_background else 'in line'} last chosen; "
-                  + ("no trials finished" if medians is None else
-                     f"the trials' engine-thread time per row: background {1e6 * medians[0]:.1f} us, "
-                     f"in line {1e6 * medians[1]:.1f} us"))
+            rows = args.requests.bit_length()
+            way = manager.mask_ways.get(rows)
+            print(f"masks with the pool ({args.mask_way}; the engine's trials for {2 ** (rows - 1)}-"
+                  f"{2 ** rows - 1} rows): " + ("none" if way is None else
+                  f"{'in the background' if way.background else 'in line'}" + ("" if way.medians is None else
+                  f", engine-thread time per row: background {1e6 * way.medians[0]:.1f} us, "
+                  f"in line {1e6 * way.medians[1]:.1f} us")))
         ratios[name] = results["JSON schema"][0] / results["unconstrained"][0]
         if mode == modes[-1] and replay_steps:
             replay(engine, spec, results["JSON schema"][1], replay_steps)

@@ -62,8 +62,8 @@ CONSUME_TRIALS = 16
 #: thread hands them to the mask thread and joins them later) or in line (the engine's
 #: thread calls the pool and waits): whichever costs the engine's thread less per row,
 #: measured over MASK_TRIALS steps taking turns (see StructuredOutputManager._choose_mask_way);
-#: the trials run again every MASK_TRIAL_PERIOD steps (the grammars' states change), and
-#: when the batch's constrained rows double or halve.
+#: the trials run again every MASK_TRIAL_PERIOD steps (the grammars' states change); each
+#: power-of-two bucket of batch sizes has its own trials and choice.
 MASK_TRIALS = 16
 MASK_TRIAL_PERIOD = 1024
 #: "0": on CUDA, the host waits for a step's masks before it queues the sampler,
@@ -323,6 +323,40 @@ def _mask_worker(jobs: queue.SimpleQueue) -> None:
         del job, compute, item  # (nothing kept alive between jobs)
 
 
+class _MaskWay:
+    """The mask ways' trials and choice for one bucket of batch sizes (see
+    StructuredOutputManager._choose_mask_way)."""
+
+    __slots__ = ("trials", "background", "jobs_until_trials", "medians")
+
+    def __init__(self) -> None:
+        #: Engine-thread seconds per row of each way's trial jobs (None once chosen).
+        self.trials: dict[bool, list[float]] | None = {True: [], False: []}
+        self.background = True
+        self.jobs_until_trials = 0
+        #: The last trials' medians, seconds per row (background, in line); None before.
+        self.medians: tuple[float, float] | None = None
+
+    def next(self) -> bool:
+        if self.trials is None:
+            if self.jobs_until_trials > 0:
+                self.jobs_until_trials -= 1
+                return self.background
+            self.trials = {True: [], False: []}
+        return len(self.trials[True]) <= len(self.trials[False])
+
+    def record(self, background: bool, seconds_per_row: float) -> None:
+        trials = self.trials
+        if trials is None:
+            return
+        trials[background].append(seconds_per_row)
+        if min(len(trials[True]), len(trials[False])) >= MASK_TRIALS // 2:
+            self.medians = (statistics.median(trials[True]), statistics.median(trials[False]))
+            self.background = self.medians[0] <= self.medians[1]
+            self.trials = None
+            self.jobs_until_trials = MASK_TRIAL_PERIOD
+
+
 class StructuredOutputManager:
     """Compiles specs against the model's tokenizer (cached) and hands out matchers;
     computes a step's masks on a pool of threads, in the background.
@@ -366,12 +400,10 @@ class StructuredOutputManager:
         # start_masks(): the engine thread's time per row of each way while they take
         # turns (None once chosen), the way chosen, the jobs until the next trials, and
         # the last job (its time is read once it was waited for: at the next call)
-        self._mask_trials: dict[bool, list[float]] | None = {True: [], False: []}
-        self._masks_in_background = True
-        self._jobs_until_trials = self._mask_choice_rows = 0
+        #: The mask ways' trials and choices, per batch size (a power-of-two bucket of
+        #: constrained rows: rows.bit_length()).
+        self.mask_ways: dict[int, _MaskWay] = {}
         self._last_job: tuple[MaskJob, int] | None = None
-        #: The last trials' medians, seconds per row (background, in line); None before.
-        self.mask_trial_medians: tuple[float, float] | None = None
         self.num_words = (vocab_size + 31) // 32
 
     @property
@@ -381,38 +413,28 @@ class StructuredOutputManager:
         return self.mask_threads > 0
 
     def _choose_mask_way(self, rows: int) -> bool:
-        """Whether the next job (of ``rows`` masks) runs in the background: the two ways
-        take turns over MASK_TRIALS jobs (background first), then the one that cost the
-        engine's thread less per row (median) stays for MASK_TRIAL_PERIOD jobs, or until
-        a job's rows are more than twice or less than half those of the job it was
-        chosen at; then they take turns again.
+        """Whether the next job (of ``rows`` masks) runs in the background. Per bucket of
+        batch sizes (rows from 2**k to 2**(k+1) - 1), the two ways take turns over
+        MASK_TRIALS jobs (background first), then the one that cost the engine's thread
+        less per row (median) stays for MASK_TRIAL_PERIOD jobs of that bucket, then
+        they take turns again.
 
         NOTE: in the background the engine's thread pays the hand-over, the copy's wait
         and the join (a mask thread needs the GIL to start and to finish, which the
-        engine's thread holds while it runs Python): roughly fixed per step, so the
-        rows' count matters; in line it pays the computation on the pool. Cheap masks
-        (outside strings) favour in line, expensive ones (inside bounded strings, ~0.5
-        ms each) the background, where the engine's thread queues the sampler
-        meanwhile; which holds depends on the grammars, the batch and the host.
+        engine's thread holds while it runs Python): roughly fixed per step, hence the
+        buckets; in line it pays the computation on the pool. Cheap masks (outside
+        strings) favour in line, expensive ones (inside bounded strings, ~0.5 ms each)
+        the background, where the engine's thread queues the sampler meanwhile; which
+        holds depends on the grammars, the batch and the host.
         """
         last, self._last_job = self._last_job, None
-        trials = self._mask_trials
-        if trials is None:
-            self._jobs_until_trials -= 1
-            chosen_at = self._mask_choice_rows
-            if self._jobs_until_trials > 0 and chosen_at <= 2 * rows and rows <= 2 * chosen_at:
-                return self._masks_in_background
-            trials = self._mask_trials = {True: [], False: []}
-        elif last is not None and last[0].done():
+        if last is not None and last[0].done():
             job, job_rows = last
-            trials[job.background].append(job.host_seconds / job_rows)
-            if min(len(trials[True]), len(trials[False])) >= MASK_TRIALS // 2:
-                self.mask_trial_medians = (statistics.median(trials[True]), statistics.median(trials[False]))
-                self._masks_in_background = self.mask_trial_medians[0] <= self.mask_trial_medians[1]
-                self._mask_trials = None
-                self._jobs_until_trials, self._mask_choice_rows = MASK_TRIAL_PERIOD, rows
-                return self._masks_in_background
-        return len(trials[True]) <= len(trials[False])
+            self.mask_ways[job_rows.bit_length()].record(job.background, job.host_seconds / job_rows)
+        way = self.mask_ways.get(rows.bit_length())
+        if way is None:
+            way = self.mask_ways[rows.bit_length()] = _MaskWay()
+        return way.next()
 
     def new_matcher(self, spec: StructuredOutputsParams) -> GrammarMatcher:
         """A fresh matcher for ``spec``; raises ValueError naming the field if it does not compile."""

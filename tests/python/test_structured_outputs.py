@@ -506,9 +506,9 @@ def test_masks_keep_the_cheaper_way_after_their_trials(byte_model, monkeypatch, 
                                                         chosen) -> None:
     """With a pool, a step's masks go to the background and in line in turn over the
     first MASK_TRIALS jobs, then the way that cost the engine's thread less per row
-    (median) stays for MASK_TRIAL_PERIOD jobs, then the trials run again; also when a
-    job's rows are more than twice, or less than half, those the way was chosen at.
-    Each job's cost here: its rows times its way's cost, as if measured."""
+    (median) stays for MASK_TRIAL_PERIOD jobs, then the trials run again; each
+    power-of-two bucket of batch sizes apart. Each job's cost here: its rows times its
+    way's cost (plus, for the background, a fixed cost per job), as if measured."""
     import transformers
 
     from pagedcore import structured_outputs
@@ -526,16 +526,17 @@ def test_masks_keep_the_cheaper_way_after_their_trials(byte_model, monkeypatch, 
             ways.append(background)
             job = MaskJob(None, background=background)
             job._run(lambda: None)
-            job.host_seconds = rows * (background_cost if background else inline_cost)
+            job.host_seconds = rows * (background_cost if background else inline_cost) + 12 * background
             manager._last_job = (job, rows)
         return ways
 
-    # (per row: the rows differ between jobs; the choice is made at 8 rows)
-    ways = jobs([7, 8, 9] * (MASK_TRIALS // 3) + [8] * (MASK_TRIALS % 3) + [8, 16, 4, 9] + [8] * 3)
+    # 8-15 rows: the trials (the rows differ: per row), then the choice for 5 jobs, then the trials again
+    ways = jobs([8, 15, 12] * (MASK_TRIALS // 3) + [8] * (MASK_TRIALS % 3) + [15, 9, 8, 12, 13] + [8] * 2)
     assert ways[:MASK_TRIALS] == [True, False] * (MASK_TRIALS // 2)
     assert ways[MASK_TRIALS:MASK_TRIALS + 5] == [chosen] * 5
-    assert ways[MASK_TRIALS + 5:] == [True, False]  # the trials again, after 5 jobs
-    assert jobs([8] * (MASK_TRIALS - 2)) == [True, False] * (MASK_TRIALS // 2 - 1)  # (the rest of them)
-    assert jobs([8, 17, 8]) == [chosen, True, False]  # 17 rows: more than twice 8, the trials again
-    jobs([8] * (MASK_TRIALS - 2))
-    assert jobs([8, 3]) == [chosen, True]  # 3 rows: less than half
+    assert ways[MASK_TRIALS + 5:] == [True, False]
+    # 1 row (bucket 1): trials of its own, where the background's fixed cost decides;
+    # meanwhile the 8-15 rows' bucket goes on with its trials where it was
+    assert jobs([1] * MASK_TRIALS + [1]) == [True, False] * (MASK_TRIALS // 2) + [False]
+    assert jobs([8, 8]) == [True, False]
+    assert manager.mask_ways[1].medians == (background_cost + 12, inline_cost)
