@@ -42,10 +42,18 @@ step by step over the same rows: how many rows per step are inside strings (wher
 costs ~0.5 ms), each mask on one thread, the bound a pool meets when the matchers share
 one compiled grammar (its lexer is locked through each mask) or are spread over lanes,
 and the pool measured both ways; on CUDA, the bitmask's application alone, the kernel
-against the torch unpacking it replaced.
+against the torch unpacking it replaced. Last, the sampler alone on the bench's rows,
+every row seeded (as the bench's requests) and none: its host time per call and its
+torch calls (on CUDA, launches; a seeded row costs one exponential_ of its own).
+
+With a mask pool, the engine computes a step's masks in the background or in line,
+whichever its trials find cheaper for the engine's thread (printed after each mode's
+runs); ``--mask-way background|inline`` forces one. ``--masks-alone STEPS`` times the
+two ways without a model (see masks_alone).
 
 Usage: python bench/bench_structured.py [--requests 64] [--max-tokens 256] [--device cuda]
        [--load-format dummy --model DIR] [--async-scheduling both|on|off]
+       [--mask-way auto|background|inline] [--masks-alone STEPS [--busy-ms 1.5]]
        (PAGEDCORE_MASK_THREADS=N: the mask pool's threads; PAGEDCORE_MASK_DEVICE_WAIT=0: no device wait)
 """
 
@@ -354,6 +362,41 @@ def apply_alone(device: torch.device, rows: int, vocab: int) -> None:
               f"on the device, {host:6.1f} us of host time per call")
 
 
+def sampler_alone(device: torch.device, rows: int, vocab: int, calls: int = 50) -> None:
+    """The sampler's host time per call for the bench's rows (temperature 0.8, every row
+    seeded as the bench's requests are, and none seeded), and its torch calls (each a
+    launch on CUDA): what its 'sample' part is made of."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from pagedcore.sampler import Sampler, SamplingMetadata
+
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(0)).to(device)
+    sampler = Sampler()
+    for seeded in (True, False):
+        params = [SamplingParams(temperature=0.8, seed=i if seeded else None) for i in range(rows)]
+        md = SamplingMetadata.from_params(params, device)
+        md.need_sampled_logprobs = False  # (as the engine's, without logprobs)
+        for _ in range(3):
+            sampler(logits, md)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            sampler(logits, md)
+        ops = [e.name for e in prof.events() if e.cpu_parent is None and e.name.startswith("aten::")]
+        times = []
+        for _ in range(calls):
+            if device.type == "cuda":
+                # (the device busy for ~2.5 ms behind an empty queue: the host's time alone is timed)
+                torch.cuda.synchronize()
+                torch.cuda._sleep(5_000_000)
+            t0 = time.perf_counter()
+            sampler(logits, md)
+            times.append(1e3 * (time.perf_counter() - t0))
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        print(f"  sampler alone, [{rows}, {vocab}], temperature 0.8, {'every row seeded' if seeded else 'unseeded':16s}: "
+              f"{statistics.median(times):.3f} ms of host time per call (median of {calls}), {len(ops)} torch calls, "
+              f"{ops.count('aten::exponential_')} of them exponential_")
+
+
 def masks_alone(model: str, rows: int, steps: int, threads: int, busy_ms: float, schema_name: str) -> None:
     """The engine thread's cost of a step's masks each way, without a model: ``rows``
     matchers of the schema walk ``steps`` steps (each takes a seeded random token that
@@ -486,6 +529,9 @@ def main() -> None:
             replay(engine, spec, results["JSON schema"][1], replay_steps)
         if mode == modes[-1] and engine.device.type == "cuda":
             apply_alone(engine.device, args.requests, engine.spec.vocab_size)
+        if mode == modes[-1]:
+            sampler_alone(engine.device, args.requests, engine.spec.vocab_size,
+                          calls=50 if engine.device.type == "cuda" else 5)
         timers.close()
         del llm, engine, timers, results
         gc.collect()
