@@ -520,10 +520,11 @@ def main() -> None:
             rows = args.requests.bit_length()
             way = manager.mask_ways.get(rows)
             print(f"masks with the pool ({args.mask_way}; the engine's trials for {2 ** (rows - 1)}-"
-                  f"{2 ** rows - 1} rows): " + ("none" if way is None else
-                  f"{'in the background' if way.background else 'in line'}" + ("" if way.medians is None else
-                  f", engine-thread time per row: background {1e6 * way.medians[0]:.1f} us, "
-                  f"in line {1e6 * way.medians[1]:.1f} us")))
+                  f"{2 ** rows - 1} rows): " + ("none" if way is None or way.medians is None else
+                  f"{'in the background' if way.background else 'in line'} chosen, engine-thread time per row: "
+                  f"background {1e6 * way.medians[0]:.1f} us, in line {1e6 * way.medians[1]:.1f} us")
+                  + ("" if way is None or way.trials is None else
+                     f" (trials under way: {sum(map(len, way.trials.values()))} jobs done)"))
         ratios[name] = results["JSON schema"][0] / results["unconstrained"][0]
         if mode == modes[-1] and replay_steps:
             replay(engine, spec, results["JSON schema"][1], replay_steps)
