@@ -425,6 +425,8 @@ def test_masks_in_the_background_give_the_outputs_of_masks_in_line(byte_model, m
     thread before the sampler: regexes and choices that hold (re, the list),
     n = 2, a stop string, an unconstrained request beside them, async scheduling on
     and off."""
+    from pagedcore import structured_outputs
+
     path, eos = byte_model
     choices = ["ab-12", "abab", "-a-a"]
     specs = [StructuredOutputsParams(regex=REGEX), StructuredOutputsParams(choice=choices),
@@ -434,18 +436,24 @@ def test_masks_in_the_background_give_the_outputs_of_masks_in_line(byte_model, m
     params.append(SamplingParams(temperature=1.0, seed=9, max_tokens=16, stop=["-"],
                                  structured_outputs=StructuredOutputsParams(regex=REGEX)))
     prompts = ["a1", "b2", "c3", "d4", "e5"]
-    configs = [dict(threads=0)] + ([dict(threads=2, device_wait=True), dict(threads=2, device_wait=False)]
-                                   if device == "cuda" else [dict(threads=2)])
-    configs.append(dict(threads=2, inline=True))  # (every step's masks in line, past the trials too)
+    # (way "inline": every step's masks in line, past the trials too; "device wait": every
+    # step's in the background, the device waiting for them even when they are in already)
+    configs = [dict(threads=0)] + ([dict(threads=2, device_wait=True, way="device wait"),
+                                    dict(threads=2, device_wait=False)] if device == "cuda" else [dict(threads=2)])
+    configs.append(dict(threads=2, way="inline"))
     runs = []
     for config in configs:
         config = dict(config)
-        inline = config.pop("inline", False)
+        way = config.pop("way", None)
         for mode in (False, True):
             llm = byte_llm(path, monkeypatch, device=device, async_scheduling=mode, **config)
-            if inline:
-                monkeypatch.setattr(StructuredOutputManager, "_choose_mask_way", lambda self, rows: False)
-            outs = llm.generate(prompts, params, use_tqdm=False)
+            with monkeypatch.context() as patch:
+                if way is not None:
+                    background = way != "inline"
+                    patch.setattr(StructuredOutputManager, "_choose_mask_way", lambda self, rows: background)
+                if way == "device wait":
+                    patch.setattr(structured_outputs.MaskJob, "done", lambda self: False)
+                outs = llm.generate(prompts, params, use_tqdm=False)
             assert llm.llm_engine._structured.mask_threads == config["threads"]
             staging = llm.llm_engine._bitmask_staging
             assert staging.device_wait == (config["threads"] > 0 and config.get("device_wait", False)
