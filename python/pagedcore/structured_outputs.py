@@ -397,19 +397,18 @@ class StructuredOutputManager:
         # consume(): per-token times of each way while they take turns (None once chosen)
         self._consume_trials: dict[bool, list[float]] | None = {True: [], False: []}
         self._consume_on_pool = False
-        # start_masks(): the engine thread's time per row of each way while they take
-        # turns (None once chosen), the way chosen, the jobs until the next trials, and
-        # the last job (its time is read once it was waited for: at the next call)
         #: The mask ways' trials and choices, per batch size (a power-of-two bucket of
         #: constrained rows: rows.bit_length()).
         self.mask_ways: dict[int, _MaskWay] = {}
+        # start_masks(): the last job with a pool and its rows (its cost is read once it
+        # was waited for: at the next call)
         self._last_job: tuple[MaskJob, int] | None = None
         self.num_words = (vocab_size + 31) // 32
 
     @property
     def background(self) -> bool:
         """Whether start_masks may return before the masks are computed (with a pool:
-        see masks_in_background)."""
+        see _choose_mask_way)."""
         return self.mask_threads > 0
 
     def _choose_mask_way(self, rows: int) -> bool:
