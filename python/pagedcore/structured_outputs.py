@@ -657,7 +657,9 @@ class BitmaskStaging:
             return host[:n].long(), host[n:].view(n, self.num_words), None
         status = None
         if device_wait:
+            t0 = time.perf_counter()
             bitmask_ops.wait_host_flag(self._flag, ticket, self._status, self.WAIT_TIMEOUT_S)
+            job.host_seconds += time.perf_counter() - t0  # (the background way's cost too)
             status = self._status
         staged = host.to(self.device, non_blocking=True)
         self._events[i].record()
