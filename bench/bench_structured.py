@@ -42,10 +42,18 @@ step by step over the same rows: how many rows per step are inside strings (wher
 costs ~0.5 ms), each mask on one thread, the bound a pool meets when the matchers share
 one compiled grammar (its lexer is locked through each mask) or are spread over lanes,
 and the pool measured both ways; on CUDA, the bitmask's application alone, the kernel
-against the torch unpacking it replaced.
+against the torch unpacking it replaced. Last, the sampler alone on the bench's rows,
+every row seeded (as the bench's requests) and none: its host time per call and its
+torch calls (on CUDA, launches; a seeded row costs one exponential_ of its own).
+
+With a mask pool, the engine computes a step's masks in the background or in line,
+whichever its trials find cheaper for the engine's thread (printed after each mode's
+runs); ``--mask-way background|inline`` forces one. ``--masks-alone STEPS`` times the
+two ways without a model (see masks_alone).
 
 Usage: python bench/bench_structured.py [--requests 64] [--max-tokens 256] [--device cuda]
        [--load-format dummy --model DIR] [--async-scheduling both|on|off]
+       [--mask-way auto|background|inline] [--masks-alone STEPS [--busy-ms 1.5]]
        (PAGEDCORE_MASK_THREADS=N: the mask pool's threads; PAGEDCORE_MASK_DEVICE_WAIT=0: no device wait)
 """
 
@@ -354,6 +362,104 @@ def apply_alone(device: torch.device, rows: int, vocab: int) -> None:
               f"on the device, {host:6.1f} us of host time per call")
 
 
+def sampler_alone(device: torch.device, rows: int, vocab: int, calls: int = 50) -> None:
+    """The sampler's host time per call for the bench's rows (temperature 0.8, every row
+    seeded as the bench's requests are, and none seeded), and its torch calls (each a
+    launch on CUDA): what its 'sample' part is made of."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from pagedcore.sampler import Sampler, SamplingMetadata
+
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(0)).to(device)
+    sampler = Sampler()
+    for seeded in (True, False):
+        params = [SamplingParams(temperature=0.8, seed=i if seeded else None) for i in range(rows)]
+        md = SamplingMetadata.from_params(params, device)
+        md.need_sampled_logprobs = False  # (as the engine's, without logprobs)
+        for _ in range(3):
+            sampler(logits, md)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            sampler(logits, md)
+        ops = [e.name for e in prof.events() if e.cpu_parent is None and e.name.startswith("aten::")]
+        times = []
+        for _ in range(calls):
+            if device.type == "cuda":
+                # (the device busy for ~2.5 ms behind an empty queue: the host's time alone is timed)
+                torch.cuda.synchronize()
+                torch.cuda._sleep(5_000_000)
+            t0 = time.perf_counter()
+            sampler(logits, md)
+            times.append(1e3 * (time.perf_counter() - t0))
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        print(f"  sampler alone, [{rows}, {vocab}], temperature 0.8, {'every row seeded' if seeded else 'unseeded':16s}: "
+              f"{statistics.median(times):.3f} ms of host time per call (median of {calls}), {len(ops)} torch calls, "
+              f"{ops.count('aten::exponential_')} of them exponential_")
+
+
+def masks_alone(model: str, rows: int, steps: int, threads: int, busy_ms: float, schema_name: str) -> None:
+    """The engine thread's cost of a step's masks each way, without a model: ``rows``
+    matchers of the schema walk ``steps`` steps (each takes a seeded random token that
+    its mask allows); per step, with the masks started the engine thread runs
+    ``busy_ms`` of Python (as it queues the sampler) and then waits for them. Each way
+    in turn, step by step: in the background (start, the Python, the wait) and in line
+    (the computation in start_masks, then the Python). Reported: the engine thread's
+    time besides the Python, ms per step (median, p90), and the tokens fed one by one."""
+    import transformers
+
+    from pagedcore.structured_outputs import MaskJob, StructuredOutputManager
+
+    os.environ[MASK_THREADS_ENV] = str(threads)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model)
+    vocab = json_config(model)["vocab_size"]
+    manager = StructuredOutputManager(tokenizer, vocab, [tokenizer.eos_token_id])
+    spec = StructuredOutputsParams(json=SCHEMAS[schema_name])
+    ways = {"background": True, "in line": False}
+    sets = {way: [manager.new_matcher(spec) for _ in range(rows)] for way in ways}
+    out = torch.empty((rows, manager.num_words), dtype=torch.int32)
+    rng = np.random.default_rng(0)
+    cost: dict[str, list[float]] = {way: [] for way in ways}
+    fed: list[float] = []
+
+    def python_work() -> None:
+        end = time.perf_counter() + busy_ms / 1e3
+        while time.perf_counter() < end:
+            pass
+
+    for t in range(steps):
+        for way in (ways if t % 2 else list(ways)[::-1]):
+            manager._choose_mask_way = lambda rows, b=ways[way]: b
+            t0 = time.perf_counter()
+            job: MaskJob = manager.start_masks(sets[way], out)
+            t1 = time.perf_counter()
+            python_work()
+            t2 = time.perf_counter()
+            job.wait()
+            cost[way].append(1e3 * ((t1 - t0) + (time.perf_counter() - t2)))
+        bits = np.unpackbits(out.numpy().view(np.uint8), axis=1, bitorder="little")[:, :vocab]
+        tokens = [int(rng.choice(np.nonzero(row)[0])) for row in bits]
+        for way in ways:
+            t0 = time.perf_counter()
+            accepted = [m.ll.consume_token(token) for m, token in zip(sets[way], tokens)]
+            fed.append(1e3 * (time.perf_counter() - t0))
+            if not all(accepted):
+                raise SystemExit(f"masks alone: a token refused at step {t}")
+    print(f"masks alone: {rows} rows x {steps} steps, {schema_name} schema, pool of {threads} threads "
+          f"({os.cpu_count()} CPUs), {busy_ms} ms of Python while they are computed; the engine thread's "
+          f"time besides it, ms per step:")
+    for way, xs in cost.items():
+        print(f"  {way:10s}: median {statistics.median(xs):7.3f}, p90 {np.percentile(xs, 90):7.3f}, "
+              f"mean {statistics.mean(xs):7.3f}")
+    print(f"  tokens fed one by one: median {statistics.median(fed):7.3f}")
+
+
+def json_config(model: str) -> dict:
+    import json
+
+    with open(os.path.join(model, "config.json"), encoding="utf-8") as f:
+        return json.load(f)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=64)
@@ -366,9 +472,19 @@ def main() -> None:
     ap.add_argument("--async-scheduling", choices=("both", "on", "off"), default="both")
     ap.add_argument("--replay-steps", type=int, default=-1, help="steps of the replay (0: none; -1: every "
                     "step of the run)")
+    ap.add_argument("--mask-way", choices=("auto", "background", "inline"), default="auto",
+                    help="with a mask pool: the engine's choice by its trials (auto), or always one way")
     ap.add_argument("--schema", choices=sorted(SCHEMAS), default="bounded",
                     help="the items' strings: of at most 8 characters (bounded) or any (plain)")
+    ap.add_argument("--masks-alone", type=int, default=0, metavar="STEPS",
+                    help="instead of the engine: the masks' cost each way over STEPS steps, without a model "
+                         "(see masks_alone; --requests rows, $PAGEDCORE_MASK_THREADS threads, default 2)")
+    ap.add_argument("--busy-ms", type=float, default=1.5, help="--masks-alone: the Python run meanwhile")
     args = ap.parse_args()
+    if args.masks_alone:
+        masks_alone(args.model or default_model_path(), args.requests, args.masks_alone,
+                    int(os.environ.get(MASK_THREADS_ENV, "2")), args.busy_ms, args.schema)
+        return
 
     prompts = [f"Request {i}: list some short words as JSON." for i in range(args.requests)]
     spec = StructuredOutputsParams(json=SCHEMAS[args.schema])
@@ -387,6 +503,8 @@ def main() -> None:
         timers.wrap_structured()
         name = f"async scheduling {'on' if mode else 'off'}"
         manager = engine._structured
+        if args.mask_way != "auto":
+            manager._choose_mask_way = lambda rows: args.mask_way == "background"
         print(f"== {name}: {args.requests} requests x {args.max_tokens} tokens on {engine.device}, "
               f"{args.schema} schema; masks: {manager.mask_threads} pool threads, {manager.num_lanes} lanes, "
               f"device wait {'on' if engine._bitmask_staging and engine._bitmask_staging.device_wait else 'off'} "
@@ -398,11 +516,23 @@ def main() -> None:
             gpu = tuple(p for p in ("gpu execute", "gpu sample", "gpu wait") if p in parts)
             print(f"{label:14s} {tokens / wall:10.1f} output tokens/s ({wall:.3f} s); per step (ms): "
                   + " ".join(f"{p} {parts[p]:.3f}" for p in ("step",) + PARTS + ("compute",) + gpu))
+        if manager.background:
+            rows = args.requests.bit_length()
+            way = manager.mask_ways.get(rows)
+            print(f"masks with the pool ({args.mask_way}; the engine's trials for {2 ** (rows - 1)}-"
+                  f"{2 ** rows - 1} rows): " + ("none" if way is None or way.medians is None else
+                  f"{'in the background' if way.background else 'in line'} chosen, engine-thread time per row: "
+                  f"background {1e6 * way.medians[0]:.1f} us, in line {1e6 * way.medians[1]:.1f} us")
+                  + ("" if way is None or way.trials is None else
+                     f" (trials under way: {sum(map(len, way.trials.values()))} jobs done)"))
         ratios[name] = results["JSON schema"][0] / results["unconstrained"][0]
         if mode == modes[-1] and replay_steps:
             replay(engine, spec, results["JSON schema"][1], replay_steps)
         if mode == modes[-1] and engine.device.type == "cuda":
             apply_alone(engine.device, args.requests, engine.spec.vocab_size)
+        if mode == modes[-1]:
+            sampler_alone(engine.device, args.requests, engine.spec.vocab_size,
+                          calls=50 if engine.device.type == "cuda" else 5)
         timers.close()
         del llm, engine, timers, results
         gc.collect()

@@ -22,6 +22,9 @@ as soon as the matchers have the previous step's tokens, while the engine's
 thread finishes the outputs and queues the sampler; on CUDA the sampler's work
 is queued behind a device-side wait for the masks (see BitmaskStaging), so that
 the engine's thread waits for them only once the sampler is queued, if at all.
+Or in line, on the pool from the engine's thread, when that costs the engine's
+thread less: each way is timed over a few steps, and the cheaper one stays (see
+StructuredOutputManager._choose_mask_way).
 """
 
 from __future__ import annotations
@@ -55,6 +58,14 @@ MASK_THREADS_ENV = "PAGEDCORE_MASK_THREADS"
 #: StructuredOutputManager.consume), which tries both ways over its first CONSUME_TRIALS calls.
 CONSUME_POOL_MIN_ROWS = 16
 CONSUME_TRIALS = 16
+#: With a pool, a step's masks are computed either in the background (the engine's
+#: thread hands them to the mask thread and joins them later) or in line (the engine's
+#: thread calls the pool and waits): whichever costs the engine's thread less per row,
+#: measured over MASK_TRIALS steps taking turns (see StructuredOutputManager._choose_mask_way);
+#: the trials run again every MASK_TRIAL_PERIOD steps (the grammars' states change); each
+#: power-of-two bucket of batch sizes has its own trials and choice.
+MASK_TRIALS = 16
+MASK_TRIAL_PERIOD = 1024
 #: "0": on CUDA, the host waits for a step's masks before it queues the sampler,
 #: instead of queuing it behind a device-side wait for them (see BitmaskStaging).
 DEVICE_WAIT_ENV = "PAGEDCORE_MASK_DEVICE_WAIT"
@@ -249,15 +260,21 @@ class _Lanes:
 class MaskJob:
     """A step's grammar bitmasks being computed (see StructuredOutputManager.start_masks)."""
 
-    __slots__ = ("_started", "_done", "_error", "_release", "compute_seconds", "__weakref__")
+    __slots__ = ("_started", "_done", "_error", "_release", "compute_seconds", "background", "host_seconds",
+                 "__weakref__")
 
-    def __init__(self, release: Callable[[], None] | None) -> None:
+    def __init__(self, release: Callable[[], None] | None, background: bool = False) -> None:
         self._started = threading.Event()
         self._done = threading.Event()
         self._error: BaseException | None = None
         self._release = release
         #: Wall time of the computation (of llguidance's call), for benchmarks.
         self.compute_seconds = 0.0
+        #: Whether the masks are computed on the mask thread (else on the caller's, in line).
+        self.background = background
+        #: The caller's time in start_masks and in wait() for this job: what the job cost
+        #: the engine's thread (the manager compares the two ways by it).
+        self.host_seconds = 0.0
 
     def done(self) -> bool:
         return self._done.is_set()
@@ -267,8 +284,12 @@ class MaskJob:
         False if ``timeout`` seconds passed first; raises RuntimeError if the
         computation failed. While it waits, this thread lets the mask thread have the
         GIL, which it needs to finish."""
-        if not self._done.wait(timeout):
-            return False
+        if not self._done.is_set():
+            t0 = time.perf_counter()
+            done = self._done.wait(timeout)
+            self.host_seconds += time.perf_counter() - t0
+            if not done:
+                return False
         if self._error is not None:
             raise RuntimeError(f"computing the grammar bitmasks failed: {self._error!r}") from self._error
         return True
@@ -300,6 +321,40 @@ def _mask_worker(jobs: queue.SimpleQueue) -> None:
         job, compute = item
         job._run(compute)
         del job, compute, item  # (nothing kept alive between jobs)
+
+
+class _MaskWay:
+    """The mask ways' trials and choice for one bucket of batch sizes (see
+    StructuredOutputManager._choose_mask_way)."""
+
+    __slots__ = ("trials", "background", "jobs_until_trials", "medians")
+
+    def __init__(self) -> None:
+        #: Engine-thread seconds per row of each way's trial jobs (None once chosen).
+        self.trials: dict[bool, list[float]] | None = {True: [], False: []}
+        self.background = True
+        self.jobs_until_trials = 0
+        #: The last trials' medians, seconds per row (background, in line); None before.
+        self.medians: tuple[float, float] | None = None
+
+    def next(self) -> bool:
+        if self.trials is None:
+            if self.jobs_until_trials > 0:
+                self.jobs_until_trials -= 1
+                return self.background
+            self.trials = {True: [], False: []}
+        return len(self.trials[True]) <= len(self.trials[False])
+
+    def record(self, background: bool, seconds_per_row: float) -> None:
+        trials = self.trials
+        if trials is None:
+            return
+        trials[background].append(seconds_per_row)
+        if min(len(trials[True]), len(trials[False])) >= MASK_TRIALS // 2:
+            self.medians = (statistics.median(trials[True]), statistics.median(trials[False]))
+            self.background = self.medians[0] <= self.medians[1]
+            self.trials = None
+            self.jobs_until_trials = MASK_TRIAL_PERIOD
 
 
 class StructuredOutputManager:
@@ -342,12 +397,43 @@ class StructuredOutputManager:
         # consume(): per-token times of each way while they take turns (None once chosen)
         self._consume_trials: dict[bool, list[float]] | None = {True: [], False: []}
         self._consume_on_pool = False
+        #: The mask ways' trials and choices, per batch size (a power-of-two bucket of
+        #: constrained rows: rows.bit_length()).
+        self.mask_ways: dict[int, _MaskWay] = {}
+        # start_masks(): the last job with a pool and its rows (its cost is read once it
+        # was waited for: at the next call)
+        self._last_job: tuple[MaskJob, int] | None = None
         self.num_words = (vocab_size + 31) // 32
 
     @property
     def background(self) -> bool:
-        """Whether start_masks returns before the masks are computed."""
+        """Whether start_masks may return before the masks are computed (with a pool:
+        see _choose_mask_way)."""
         return self.mask_threads > 0
+
+    def _choose_mask_way(self, rows: int) -> bool:
+        """Whether the next job (of ``rows`` masks) runs in the background. Per bucket of
+        batch sizes (rows from 2**k to 2**(k+1) - 1), the two ways take turns over
+        MASK_TRIALS jobs (background first), then the one that cost the engine's thread
+        less per row (median) stays for MASK_TRIAL_PERIOD jobs of that bucket, then
+        they take turns again.
+
+        NOTE: in the background the engine's thread pays the hand-over, the copy's wait
+        and the join (a mask thread needs the GIL to start and to finish, which the
+        engine's thread holds while it runs Python): roughly fixed per step, hence the
+        buckets; in line it pays the computation on the pool. Cheap masks (outside
+        strings) favour in line, expensive ones (inside bounded strings, ~0.5 ms each)
+        the background, where the engine's thread queues the sampler meanwhile; which
+        holds depends on the grammars, the batch and the host.
+        """
+        last, self._last_job = self._last_job, None
+        if last is not None and last[0].done():
+            job, job_rows = last
+            self.mask_ways[job_rows.bit_length()].record(job.background, job.host_seconds / job_rows)
+        way = self.mask_ways.get(rows.bit_length())
+        if way is None:
+            way = self.mask_ways[rows.bit_length()] = _MaskWay()
+        return way.next()
 
     def new_matcher(self, spec: StructuredOutputsParams) -> GrammarMatcher:
         """A fresh matcher for ``spec``; raises ValueError naming the field if it does not compile."""
@@ -409,12 +495,13 @@ class StructuredOutputManager:
         ceil(V / 32)]`` int32, contiguous, on the host. Bit ``t % 32`` of word ``t // 32``
         of row ``i`` is set iff ``matchers[i]`` allows token ``t`` next.
 
-        With a pool (``background``) the masks are computed on it behind the caller's
-        back: until the job's ``wait()`` returns, ``out`` is being written and the
-        matchers must not be used (llguidance refuses a matcher in use elsewhere).
-        ``release`` runs once every mask is written (or the computation failed),
-        before ``wait()`` returns. Without a pool the masks are computed before this
-        returns.
+        With a pool (``background``) the masks are computed on it, behind the caller's
+        back or in line, whichever costs the caller less (``job.background`` says
+        which; see _choose_mask_way): until the job's ``wait()`` returns, ``out`` may
+        be being written and the matchers must not be used (llguidance refuses a
+        matcher in use elsewhere). ``release`` runs once every mask is written (or the
+        computation failed), before ``wait()`` returns. Without a pool the masks are
+        computed on the caller's thread before this returns.
         """
         import torch
 
@@ -423,18 +510,26 @@ class StructuredOutputManager:
             raise RuntimeError(f"internal error: a bitmask buffer must be contiguous int32 "
                                f"[{len(matchers)}, {self.num_words}] on the host, got {out.dtype} "
                                f"{tuple(out.shape)} on {out.device}")
-        job = MaskJob(release)
+        t0 = time.perf_counter()
         nbytes, base = self.num_words * 4, out.data_ptr()
         if not matchers:
+            job = MaskJob(release)
             job._run(lambda: None)
         elif self.mask_threads == 0:
+            job = MaskJob(release)
             lls = [m.ll for m in matchers]
             job._run(lambda: [m.unsafe_compute_mask_ptr(base + row * nbytes, nbytes) for row, m in enumerate(lls)])
         else:
+            job = MaskJob(release, background=self._choose_mask_way(len(matchers)))
+            self._last_job = (job, len(matchers))
             # NOTE: rows grouped by lane: the pool splits the list into contiguous runs,
             # so that its threads mostly take different lanes (different locks).
             pairs = [(matchers[row].ll, row) for row in sorted(range(len(matchers)), key=lambda i: matchers[i].lane)]
             executor, rows = self._pool(), len(matchers)
+            if not job.background:
+                job._run(lambda: executor.unsafe_compute_mask_ptr(pairs, base, nbytes, rows))
+                job.host_seconds += time.perf_counter() - t0
+                return job
             if self._jobs is None:
                 self._jobs = queue.SimpleQueue()
                 threading.Thread(target=_mask_worker, args=(self._jobs,), name="pagedcore-masks",
@@ -445,6 +540,7 @@ class StructuredOutputManager:
             # the computation, which this thread, running Python, would otherwise hold
             # for up to sys.getswitchinterval() (5 ms) at a time.
             job._started.wait()
+            job.host_seconds += time.perf_counter() - t0
         return job
 
     def fill_bitmask(self, matchers: list[GrammarMatcher], out: torch.Tensor) -> None:
@@ -541,7 +637,7 @@ class BitmaskStaging:
         """The staged rows and masks on the device: ``[B]`` rows (int64 on the CPU,
         int32 on CUDA), ``[B, num_words]`` int32 masks, and the device wait's status
         (None without it). Waits for ``job`` first, unless the device waits for it
-        (then the stream does: see the class).
+        (then the stream does, if the job is not done yet: see the class).
 
         On the CPU ``masks`` is a view of the buffer: valid until the buffer's turn
         comes again, ``DEPTH`` calls later.
@@ -552,13 +648,18 @@ class BitmaskStaging:
             raise RuntimeError("internal error: BitmaskStaging.finish without begin")
         (host, i, ticket), self._staged = self._staged, None
         n = host.numel() // (self.num_words + 1)
-        if not self.device_wait:
+        # NOTE: masks already in (computed in line, or a background job done by now)
+        # need no device-side wait: it would cost the host a launch and its checks.
+        device_wait = self.device_wait and not job.done()
+        if not device_wait:
             job.wait()
         if not self._cuda:
             return host[:n].long(), host[n:].view(n, self.num_words), None
         status = None
-        if self.device_wait:
+        if device_wait:
+            t0 = time.perf_counter()
             bitmask_ops.wait_host_flag(self._flag, ticket, self._status, self.WAIT_TIMEOUT_S)
+            job.host_seconds += time.perf_counter() - t0  # (the background way's cost too)
             status = self._status
         staged = host.to(self.device, non_blocking=True)
         self._events[i].record()

@@ -353,7 +353,7 @@ def test_masks_on_the_pool_spread_over_lanes(byte_model, monkeypatch) -> None:
     """A pool of two threads: each spec's matchers come from two compiled copies of its
     grammar in turn (their lexers have a lock each), and take a step's tokens on the
     pool; a step's masks, computed in the
-    background, are each row's own, step by step to the end of random walks under three
+    background and in line in turn (the manager's trials of the two), are each row's own, step by step to the end of random walks under three
     grammars: equal to an independent matcher's (compiled apart, its mask computed on
     this thread through llguidance's other entry point), within what the regex module
     allows, EOS exactly at a full match; all in the buffer when the job's release runs."""
@@ -381,12 +381,13 @@ def test_masks_on_the_pool_spread_over_lanes(byte_model, monkeypatch) -> None:
     assert len(templates) == 2 and templates[0] is not templates[1]
     rng = np.random.default_rng(0)
     n = len(rows)
-    texts, done = [""] * n, [False] * n
+    texts, done, ways = [""] * n, [False] * n, set()
     out = torch.empty((n, manager.num_words), dtype=torch.int32)
     while not all(done):
         out.fill_(0x5A5A5A5A)  # (poison: a mask not written shows)
         seen = []
         job = manager.start_masks(matchers, out, release=lambda: seen.append(out.clone()))
+        ways.add(job.background)
         job.wait()
         assert len(seen) == 1 and torch.equal(seen[0], out)
         bits = np.unpackbits(out.numpy().view(np.uint8), axis=1, bitorder="little")[:, :BYTE_VOCAB]
@@ -407,6 +408,7 @@ def test_masks_on_the_pool_spread_over_lanes(byte_model, monkeypatch) -> None:
             tokens.append(token)
         assert all(manager.consume(matchers, tokens))
     assert all(re.fullmatch(patterns[k], t) for k, t in zip(rows, texts)), texts
+    assert ways == {True, False}
 
 
 def byte_llm(path: str, monkeypatch, threads: int, device_wait: bool = True, **kw) -> LLM:
@@ -418,10 +420,13 @@ def byte_llm(path: str, monkeypatch, threads: int, device_wait: bool = True, **k
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 def test_masks_in_the_background_give_the_outputs_of_masks_in_line(byte_model, monkeypatch, device) -> None:
     """The masks computed on the pool while the step goes on (on CUDA also queued behind
-    the device's wait for them, or without it) give the outputs of masks computed on
-    the engine's thread before the sampler: regexes and choices that hold (re, the list),
+    the device's wait for them, or without it), or on the pool in line (the way the
+    manager's trials may keep), give the outputs of masks computed on the engine's
+    thread before the sampler: regexes and choices that hold (re, the list),
     n = 2, a stop string, an unconstrained request beside them, async scheduling on
     and off."""
+    from pagedcore import structured_outputs
+
     path, eos = byte_model
     choices = ["ab-12", "abab", "-a-a"]
     specs = [StructuredOutputsParams(regex=REGEX), StructuredOutputsParams(choice=choices),
@@ -431,13 +436,24 @@ def test_masks_in_the_background_give_the_outputs_of_masks_in_line(byte_model, m
     params.append(SamplingParams(temperature=1.0, seed=9, max_tokens=16, stop=["-"],
                                  structured_outputs=StructuredOutputsParams(regex=REGEX)))
     prompts = ["a1", "b2", "c3", "d4", "e5"]
-    configs = [dict(threads=0)] + ([dict(threads=2, device_wait=True), dict(threads=2, device_wait=False)]
-                                   if device == "cuda" else [dict(threads=2)])
+    # (way "inline": every step's masks in line, past the trials too; "device wait": every
+    # step's in the background, the device waiting for them even when they are in already)
+    configs = [dict(threads=0)] + ([dict(threads=2, device_wait=True, way="device wait"),
+                                    dict(threads=2, device_wait=False)] if device == "cuda" else [dict(threads=2)])
+    configs.append(dict(threads=2, way="inline"))
     runs = []
     for config in configs:
+        config = dict(config)
+        way = config.pop("way", None)
         for mode in (False, True):
             llm = byte_llm(path, monkeypatch, device=device, async_scheduling=mode, **config)
-            outs = llm.generate(prompts, params, use_tqdm=False)
+            with monkeypatch.context() as patch:
+                if way is not None:
+                    background = way != "inline"
+                    patch.setattr(StructuredOutputManager, "_choose_mask_way", lambda self, rows: background)
+                if way == "device wait":
+                    patch.setattr(structured_outputs.MaskJob, "done", lambda self: False)
+                outs = llm.generate(prompts, params, use_tqdm=False)
             assert llm.llm_engine._structured.mask_threads == config["threads"]
             staging = llm.llm_engine._bitmask_staging
             assert staging.device_wait == (config["threads"] > 0 and config.get("device_wait", False)
@@ -491,3 +507,44 @@ def test_consume_keeps_the_faster_way_after_its_trials(byte_model, monkeypatch, 
     before = clock[0]
     assert manager.consume(matchers[:15], [1] * 15) == [True] * 15
     assert clock[0] - before == 15 * loop_cost  # (fewer than 16 rows: one by one)
+
+
+@pytest.mark.parametrize("background_cost, inline_cost, chosen", [(1, 5, True), (5, 1, False)])
+def test_masks_keep_the_cheaper_way_after_their_trials(byte_model, monkeypatch, background_cost, inline_cost,
+                                                        chosen) -> None:
+    """With a pool, a step's masks go to the background and in line in turn over the
+    first MASK_TRIALS jobs, then the way that cost the engine's thread less per row
+    (median) stays for MASK_TRIAL_PERIOD jobs, then the trials run again; each
+    power-of-two bucket of batch sizes apart. Each job's cost here: its rows times its
+    way's cost (plus, for the background, a fixed cost per job), as if measured."""
+    import transformers
+
+    from pagedcore import structured_outputs
+    from pagedcore.structured_outputs import MASK_TRIALS, MaskJob
+
+    monkeypatch.setenv("PAGEDCORE_MASK_THREADS", "2")
+    monkeypatch.setattr(structured_outputs, "MASK_TRIAL_PERIOD", 5)
+    path, eos = byte_model
+    manager = StructuredOutputManager(transformers.AutoTokenizer.from_pretrained(path), BYTE_VOCAB, [eos])
+
+    def jobs(row_counts: list[int]) -> list[bool]:
+        ways = []
+        for rows in row_counts:
+            background = manager._choose_mask_way(rows)
+            ways.append(background)
+            job = MaskJob(None, background=background)
+            job._run(lambda: None)
+            job.host_seconds = rows * (background_cost if background else inline_cost) + 12 * background
+            manager._last_job = (job, rows)
+        return ways
+
+    # 8-15 rows: the trials (the rows differ: per row), then the choice for 5 jobs, then the trials again
+    ways = jobs([8, 15, 12] * (MASK_TRIALS // 3) + [8] * (MASK_TRIALS % 3) + [15, 9, 8, 12, 13] + [8] * 2)
+    assert ways[:MASK_TRIALS] == [True, False] * (MASK_TRIALS // 2)
+    assert ways[MASK_TRIALS:MASK_TRIALS + 5] == [chosen] * 5
+    assert ways[MASK_TRIALS + 5:] == [True, False]
+    # 1 row (bucket 1): trials of its own, where the background's fixed cost decides;
+    # meanwhile the 8-15 rows' bucket goes on with its trials where it was
+    assert jobs([1] * MASK_TRIALS + [1]) == [True, False] * (MASK_TRIALS // 2) + [False]
+    assert jobs([8, 8]) == [True, False]
+    assert manager.mask_ways[1].medians == (background_cost + 12, inline_cost)
