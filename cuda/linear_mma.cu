@@ -82,8 +82,7 @@ __host__ __device__ inline int num_groups(const LinearParams& p) {
   return GATED ? (p.out_features / 2 + 7) / 8 : (p.out_features + 15) / 16;
 }
 
-// PIPE: two rounds of weight loads in flight per warp (see the main loop).
-template <typename T, int NT, bool GATED, bool PIPE>
+template <typename T, int NT, bool GATED>
 __global__ void __launch_bounds__(32 * kWarps, 2) linear_mma_kernel(LinearParams p, int splits, int cluster) {
   // [warp][accumulator register][lane]: a lane's partial sums, then (in the first
   // warp of each group) the CTA's sums.
@@ -113,9 +112,8 @@ __global__ void __launch_bounds__(32 * kWarps, 2) linear_mma_kernel(LinearParams
   const T* w_hi = weight + static_cast<int64_t>(row_hi) * p.in_features + 8 * t;
   const T* input = static_cast<const T*>(p.input);
 
-  // A round: kUnroll chunks of the group's two weight rows per lane (registers
-  // `a`), then the token rows' matching input words and the mmas.
-  const auto load_weights = [&](uint4 (&a)[kUnroll][2], int c0) {
+  uint4 a[kUnroll][2];
+  const auto load_weights = [&](int c0) {
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int c = c0 + u;
@@ -136,7 +134,12 @@ __global__ void __launch_bounds__(32 * kWarps, 2) linear_mma_kernel(LinearParams
     for (int r = 0; r < 4; ++r) acc[i][r] = 0.f;
   }
 
-  const auto multiply = [&](const uint4 (&a)[kUnroll][2], int c0) {
+  // The first weight loads go out before the kernel that writes the input ends (PDL).
+  load_weights(chunk_begin);
+  pdl_wait();
+  pdl_launch_dependents();
+  for (int c0 = chunk_begin; c0 < chunk_end; c0 += kUnroll) {
+    if (c0 != chunk_begin) load_weights(c0);
     uint4 b[kUnroll][NT];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
@@ -160,31 +163,6 @@ __global__ void __launch_bounds__(32 * kWarps, 2) linear_mma_kernel(LinearParams
 #pragma unroll
         for (int i = 0; i < NT; ++i) mma16816<T>(acc[i], frag, word(b[u][i], 2 * j), word(b[u][i], 2 * j + 1));
       }
-    }
-  };
-
-  uint4 a0[kUnroll][2];
-  // The first weight loads go out before the kernel that writes the input ends (PDL).
-  load_weights(a0, chunk_begin);
-  if constexpr (PIPE) {
-    // Two register buffers: the next round's weight loads are in flight while
-    // this round's mmas wait for theirs (the order of the sums is unchanged).
-    uint4 a1[kUnroll][2];
-    load_weights(a1, chunk_begin + kUnroll);
-    pdl_wait();
-    pdl_launch_dependents();
-    for (int c0 = chunk_begin; c0 < chunk_end; c0 += 2 * kUnroll) {
-      multiply(a0, c0);
-      if (c0 + 2 * kUnroll < chunk_end) load_weights(a0, c0 + 2 * kUnroll);
-      if (c0 + kUnroll < chunk_end) multiply(a1, c0 + kUnroll);
-      if (c0 + 3 * kUnroll < chunk_end) load_weights(a1, c0 + 3 * kUnroll);
-    }
-  } else {
-    pdl_wait();
-    pdl_launch_dependents();
-    for (int c0 = chunk_begin; c0 < chunk_end; c0 += kUnroll) {
-      if (c0 != chunk_begin) load_weights(a0, c0);
-      multiply(a0, c0);
     }
   }
 
@@ -261,11 +239,11 @@ __global__ void __launch_bounds__(32 * kWarps, 2) linear_mma_kernel(LinearParams
 }
 
 // Blocks of a kernel instance resident per SM (the occupancy calculator, once).
-template <typename T, int NT, bool GATED, bool PIPE>
+template <typename T, int NT, bool GATED>
 int blocks_per_sm() {
   static const int blocks = [] {
     int b = 0;
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, linear_mma_kernel<T, NT, GATED, PIPE>, 32 * kWarps, 0) !=
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, linear_mma_kernel<T, NT, GATED>, 32 * kWarps, 0) !=
         cudaSuccess) {
       cudaGetLastError();  // (leave no sticky error behind for the caller)
       b = 1;
@@ -382,7 +360,7 @@ Plan plan(int groups, int chunks, int in_features, const Device& d, int capacity
   return plan_for_parts(1 << i);
 }
 
-template <typename T, int NT, bool GATED, bool PIPE>
+template <typename T, int NT, bool GATED>
 cudaError_t launch(const LinearParams& p, const Plan& pl, cudaStream_t stream) {
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(static_cast<unsigned>(grid_ctas(num_groups<GATED>(p), pl)));
@@ -405,35 +383,22 @@ cudaError_t launch(const LinearParams& p, const Plan& pl, cudaStream_t stream) {
   }
   config.attrs = attributes;
   config.numAttrs = count;
-  return cudaLaunchKernelEx(&config, linear_mma_kernel<T, NT, GATED, PIPE>, p, pl.splits, pl.cluster);
+  return cudaLaunchKernelEx(&config, linear_mma_kernel<T, NT, GATED>, p, pl.splits, pl.cluster);
 }
 
 // NOTE: a gated product plans as the plain one over the same weight (the same
 // groups when I is a multiple of 8), so that its sums are the plain product's.
-template <typename T, int NT, bool GATED, bool PIPE>
+template <typename T, int NT, bool GATED>
 cudaError_t launch_planned(const LinearParams& p, cudaStream_t stream) {
   const Device d = current_device();
-  const int capacity = blocks_per_sm<T, NT, GATED, PIPE>() * d.sms;
+  const int capacity = blocks_per_sm<T, NT, GATED>() * d.sms;
   const Plan pl = plan(num_groups<GATED>(p), (p.in_features + kChunk - 1) / kChunk, p.in_features, d, capacity);
-  return launch<T, NT, GATED, PIPE>(p, pl, stream);
-}
-
-// PAGEDCORE_LINEAR_PIPE=1 (read at each launch) takes the kernel with two rounds
-// of weight loads in flight: an opt-in variant until it is measured on the GPU.
-bool pipelined() {
-  const char* env = std::getenv("PAGEDCORE_LINEAR_PIPE");
-  return env != nullptr && std::strcmp(env, "1") == 0;
-}
-
-template <typename T, bool GATED, bool PIPE>
-cudaError_t launch_rows(const LinearParams& p, cudaStream_t stream) {
-  return p.num_tokens <= 8 ? launch_planned<T, 1, GATED, PIPE>(p, stream)
-                           : launch_planned<T, 2, GATED, PIPE>(p, stream);
+  return launch<T, NT, GATED>(p, pl, stream);
 }
 
 template <typename T, bool GATED>
 cudaError_t launch_gated(const LinearParams& p, cudaStream_t stream) {
-  return pipelined() ? launch_rows<T, GATED, true>(p, stream) : launch_rows<T, GATED, false>(p, stream);
+  return p.num_tokens <= 8 ? launch_planned<T, 1, GATED>(p, stream) : launch_planned<T, 2, GATED>(p, stream);
 }
 
 template <typename T>

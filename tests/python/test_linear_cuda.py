@@ -83,30 +83,6 @@ def test_linear_every_split_of_k(monkeypatch, parts, rows, in_features, out_feat
     assert torch.equal(again, out), "the same product twice gave different bits"
 
 
-@pytest.mark.parametrize("parts", [0, 1, 4, 16])
-@pytest.mark.parametrize("rows", [2, 9, 16])
-@pytest.mark.parametrize("in_features,out_features", [(4096, 6144), (14336, 520), (1000, 24), (72, 40)])
-def test_linear_pipelined_loads_same_bits(monkeypatch, parts, rows, in_features, out_features):
-    # PAGEDCORE_LINEAR_PIPE=1 (read at each launch): two rounds of weight loads in flight
-    # per warp. The sums are added in the same order, so the bits equal the default
-    # kernel's (k ranges of 1-448 chunks: odd round counts, a last round that is partial,
-    # a range shorter than one round), and the float64 bounds hold; gated too.
-    if parts:
-        monkeypatch.setenv("PAGEDCORE_LINEAR_PARTS", str(parts))
-    x, w, b = _case(rows, in_features, out_features, torch.bfloat16, bias=True, seed=rows + parts)
-    plain = ops.linear(x, w, b)
-    gated = ops.linear_silu_and_mul(x, w, b) if out_features % 2 == 0 else None
-    monkeypatch.setenv("PAGEDCORE_LINEAR_PIPE", "1")
-    full = torch.full((rows, out_features + 8), float("nan"), dtype=torch.bfloat16, device="cuda")
-    out = full[:, :out_features]
-    ops.linear(x, w, b, out=out)
-    _check(x, w, b, out)
-    assert torch.isnan(full[:, out_features:]).all(), "wrote past out_features"
-    assert torch.equal(out, plain)
-    if gated is not None:
-        assert torch.equal(ops.linear_silu_and_mul(x, w, b), gated)
-
-
 @pytest.mark.parametrize("in_features,out_features", [(576, 960), (1536, 576), (4096, 6144)])
 def test_linear_row_sums_independent_of_the_other_rows(in_features, out_features):
     # ops.linear's contract: on CUDA a row's result is the same bits whichever other rows

@@ -31,9 +31,7 @@ CUDA_LINEAR_MAX_ROWS = int(getattr(_C, "CUDA_LINEAR_MAX_ROWS", 0))
 # 576-wide LM head: 19.1 against 16.6 us). So: one row always, except large weights of
 # short rows; 2-16 rows over weights up to _LARGE_WEIGHT_BYTES.
 _DEFAULT_MODEL_ROWS = 16
-#: ``PAGEDCORE_CUDA_LINEAR_LARGE_MB`` overrides the 40 MiB (for A/B runs of the kernels
-#: against cuBLAS over the large weights).
-_LARGE_WEIGHT_BYTES = int(os.environ.get("PAGEDCORE_CUDA_LINEAR_LARGE_MB", "40")) << 20
+_LARGE_WEIGHT_BYTES = 40 << 20
 #: Token rows up to which the model sends a CUDA product to the kernels (where its
 #: weight is small enough, see :func:`cuda_linear_eligible`; else cuBLAS).
 #: ``PAGEDCORE_CUDA_LINEAR_ROWS`` overrides the default of 16, for benchmarks and A/B runs.
