@@ -6,6 +6,13 @@ with its error against SDPA on the same keys gathered contiguously.
   PAGEDCORE_DECODE_DEEP_CTAS  decode launches of at most this many CTAs keep more tiles in
                               flight (default one per SM; 0: never, 100000: always)
   PAGEDCORE_FP8_FAST_CVT      fp8 widened by integer operations (1, default) or cvt (0)
+  PAGEDCORE_DECODE_EARLY_META lengths and first block ids read before the PDL wait (1), and
+                              the first tiles' K/V rows prefetched into L2 there too (2)
+  PAGEDCORE_DECODE_TILE32     bf16 launches that are not deep: 32-key tiles, 2 warps, 4 or 6 stages
+  PAGEDCORE_FP8_WIDE_TILES    fp8 launches that are not deep: 128-key tiles (1)
+  PAGEDCORE_DECODE_CLUSTER    rows under 512 keys split over a cluster of 2 or 4 CTAs, merged
+                              through distributed shared memory (launches of <= 2 waves)
+
 
 Usage: python3 bench/decode_variants.py
 """
@@ -27,6 +34,14 @@ VARIANTS = (
     ("deep off", {"PAGEDCORE_DECODE_DEEP_CTAS": "0"}),
     ("deep always", {"PAGEDCORE_DECODE_DEEP_CTAS": "100000"}),
     ("fp8 cvt", {"PAGEDCORE_FP8_FAST_CVT": "0"}),
+    ("early meta", {"PAGEDCORE_DECODE_EARLY_META": "1"}),
+    ("early + L2", {"PAGEDCORE_DECODE_EARLY_META": "2"}),
+    ("tile32 x4", {"PAGEDCORE_DECODE_TILE32": "4"}),
+    ("tile32 x6", {"PAGEDCORE_DECODE_TILE32": "6"}),
+    ("fp8 wide", {"PAGEDCORE_FP8_WIDE_TILES": "1"}),
+    ("cluster 2", {"PAGEDCORE_DECODE_CLUSTER": "2"}),
+    ("cluster 4", {"PAGEDCORE_DECODE_CLUSTER": "4"}),
+    ("cluster 4 early", {"PAGEDCORE_DECODE_CLUSTER": "4", "PAGEDCORE_DECODE_EARLY_META": "1"}),
 )
 # (name, batch, keys, heads, kv heads, head dim, fp8, graph plan length or 0)
 CASES = (
@@ -72,7 +87,7 @@ def case(batch, ctx, heads, kv_heads, hd, fp8, plan_len, bs=16):
 
 def main() -> None:
     torch.manual_seed(0)
-    print(f"{'case':<32}" + "".join(f"{name:>14}" for name, _ in VARIANTS) + "   (us; max rel err)")
+    print(f"{'case':<32}" + "".join(f"{name:>16}" for name, _ in VARIANTS) + "   (us; max rel err)")
     with ops.unchecked_indices():
         for name, *shape in CASES:
             fn, out, ref = case(*shape)
@@ -89,7 +104,7 @@ def main() -> None:
                 finally:
                     for k, val in saved.items():
                         os.environ.pop(k) if val is None else os.environ.__setitem__(k, val)
-            print(f"{name:<32}" + "".join(f"{c:14.1f}" for c in cells) + f"   {max(errs):.1e}", flush=True)
+            print(f"{name:<32}" + "".join(f"{c:16.1f}" for c in cells) + f"   {max(errs):.1e}", flush=True)
 
 
 if __name__ == "__main__":
