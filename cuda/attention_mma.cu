@@ -237,7 +237,7 @@ __global__ void __launch_bounds__(DECODE ? 32 * decode_warps<KT>() : 32 * kPrefi
   const int lane = threadIdx.x % 32;
   const int group = p.num_heads / p.num_kv_heads;
   int row, t0, tile_tokens, splits;
-  // Clusters of kClusterShift's CTAs along the splits (a run-time switch, sm_90):
+  // Clusters of flags >> kClusterShift CTAs along z (a run-time switch, sm_90):
   // a one-split row's keys in that many parts, merged through distributed
   // shared memory instead of partials in global memory.
   const int cluster_n = DECODE ? flags >> kClusterShift : 0;
@@ -272,11 +272,11 @@ __global__ void __launch_bounds__(DECODE ? 32 * decode_warps<KT>() : 32 * kPrefi
   const int per_split = (k_hi - k_lo + splits - 1) / splits;
   const int s_lo = k_lo + split * per_split;
   const int s_hi = min(k_hi, s_lo + per_split);
-  const int32_t* table = p.block_tables + static_cast<int64_t>(row) * p.block_tables_stride;
-  const int bs = p.block_size;
   if (early) {
     // The first chunk's block ids (the loop below stages the later ones), then
     // the wait: what follows reads the queries and the keys.
+    const int32_t* table = p.block_tables + static_cast<int64_t>(row) * p.block_tables_stride;
+    const int bs = p.block_size;
     if (s_lo < s_hi) {
       const int b0 = s_lo / bs;
       const int c1 = min(s_hi, (b0 + kTable) * bs);
@@ -353,6 +353,8 @@ __global__ void __launch_bounds__(DECODE ? 32 * decode_warps<KT>() : 32 * kPrefi
 
   const CT* key_cache = static_cast<const CT*>(p.key_cache);
   const CT* value_cache = static_cast<const CT*>(p.value_cache);
+  const int32_t* table = p.block_tables + static_cast<int64_t>(row) * p.block_tables_stride;
+  const int bs = p.block_size;
   // Block sizes are powers of two in practice: shifts then, divisions otherwise.
   const int bs_shift = (bs & (bs - 1)) == 0 ? __ffs(bs) - 1 : -1;
   const int slot_elems = p.num_kv_heads * HD;                          // one token, all kv heads
