@@ -6,6 +6,15 @@ with its error against SDPA on the same keys gathered contiguously.
   PAGEDCORE_DECODE_DEEP_CTAS  decode launches of at most this many CTAs keep more tiles in
                               flight (default one per SM; 0: never, 100000: always)
   PAGEDCORE_FP8_FAST_CVT      fp8 widened by integer operations (1, default) or cvt (0)
+  PAGEDCORE_DECODE_EARLY_META lengths and first block ids read before the PDL wait (1), and
+                              the first tiles' K/V rows prefetched into L2 there too (2)
+  PAGEDCORE_DECODE_TILE32     bf16 launches that are not deep: 32-key tiles, 2 warps, 4 or 6 stages
+  PAGEDCORE_FP8_WIDE_TILES    fp8 launches that are not deep: 128-key tiles (1)
+  PAGEDCORE_DECODE_CLUSTER    rows under 512 keys split over a cluster of 2 or 4 CTAs, merged
+                              through distributed shared memory (launches of <= 2 waves)
+
+After the table, FlashInfer's tensor-core decode on B=64 L=4k with the cache in its NHD
+layout (ours) and in HND (head-major blocks), when flashinfer is installed.
 
 Usage: python3 bench/decode_variants.py
 """
@@ -27,6 +36,14 @@ VARIANTS = (
     ("deep off", {"PAGEDCORE_DECODE_DEEP_CTAS": "0"}),
     ("deep always", {"PAGEDCORE_DECODE_DEEP_CTAS": "100000"}),
     ("fp8 cvt", {"PAGEDCORE_FP8_FAST_CVT": "0"}),
+    ("early meta", {"PAGEDCORE_DECODE_EARLY_META": "1"}),
+    ("early + L2", {"PAGEDCORE_DECODE_EARLY_META": "2"}),
+    ("tile32 x4", {"PAGEDCORE_DECODE_TILE32": "4"}),
+    ("tile32 x6", {"PAGEDCORE_DECODE_TILE32": "6"}),
+    ("fp8 wide", {"PAGEDCORE_FP8_WIDE_TILES": "1"}),
+    ("cluster 2", {"PAGEDCORE_DECODE_CLUSTER": "2"}),
+    ("cluster 4", {"PAGEDCORE_DECODE_CLUSTER": "4"}),
+    ("cluster 4 early", {"PAGEDCORE_DECODE_CLUSTER": "4", "PAGEDCORE_DECODE_EARLY_META": "1"}),
 )
 # (name, batch, keys, heads, kv heads, head dim, fp8, graph plan length or 0)
 CASES = (
@@ -45,7 +62,10 @@ CASES = (
 )
 
 
-def case(batch, ctx, heads, kv_heads, hd, fp8, plan_len, bs=16):
+def build(batch, ctx, heads, kv_heads, hd, fp8, plan_len, bs=16):
+    """One decode step's tensors on the GPU: (q, kc, vc, tables, lens, qsl, plan); one
+    query a row, every row `ctx` keys in shuffled blocks, the plan the step's own or, with
+    `plan_len`, the decode graphs' (splits for rows up to plan_len)."""
     g = torch.Generator(device="cuda").manual_seed(0)
     per_seq = -(-ctx // bs)
     kc = torch.randn((batch * per_seq + 1, bs, kv_heads, hd), generator=g, device="cuda", dtype=torch.bfloat16)
@@ -62,17 +82,30 @@ def case(batch, ctx, heads, kv_heads, hd, fp8, plan_len, bs=16):
                                   torch.bfloat16)
     lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
     qsl = torch.from_numpy(qsl_np).cuda()
+    return q, kc, vc, tables, lens, qsl, plan
+
+
+def reference(q, kc, vc, tables, ctx):
+    """SDPA in float32 over the rows' keys gathered contiguously: [batch, heads, 1, hd]."""
+    batch, heads, hd = q.shape
+    bs, kv_heads = kc.shape[1], kc.shape[2]
+    per_seq = tables.shape[1]
     idx = tables.long()
     k = kc[idx].view(batch, per_seq * bs, kv_heads, hd)[:, :ctx].transpose(1, 2).to(torch.float32)
     v = vc[idx].view(batch, per_seq * bs, kv_heads, hd)[:, :ctx].transpose(1, 2).to(torch.float32)
-    ref = F.scaled_dot_product_attention(q.float().view(batch, heads, 1, hd), k, v, enable_gqa=True, scale=hd**-0.5)
+    return F.scaled_dot_product_attention(q.float().view(batch, heads, 1, hd), k, v, enable_gqa=True, scale=hd**-0.5)
+
+
+def case(batch, ctx, heads, kv_heads, hd, fp8, plan_len, bs=16):
+    q, kc, vc, tables, lens, qsl, plan = build(batch, ctx, heads, kv_heads, hd, fp8, plan_len, bs)
+    ref = reference(q, kc, vc, tables, ctx)
     out = torch.empty_like(q)
     return lambda: ops.paged_attention(q, kc, vc, tables, lens, qsl, scale=hd**-0.5, out=out, plan=plan), out, ref
 
 
 def main() -> None:
     torch.manual_seed(0)
-    print(f"{'case':<32}" + "".join(f"{name:>14}" for name, _ in VARIANTS) + "   (us; max rel err)")
+    print(f"{'case':<32}" + "".join(f"{name:>16}" for name, _ in VARIANTS) + "   (us; max rel err)")
     with ops.unchecked_indices():
         for name, *shape in CASES:
             fn, out, ref = case(*shape)
@@ -89,7 +122,38 @@ def main() -> None:
                 finally:
                     for k, val in saved.items():
                         os.environ.pop(k) if val is None else os.environ.__setitem__(k, val)
-            print(f"{name:<32}" + "".join(f"{c:14.1f}" for c in cells) + f"   {max(errs):.1e}", flush=True)
+            print(f"{name:<32}" + "".join(f"{c:16.1f}" for c in cells) + f"   {max(errs):.1e}", flush=True)
+    for layout in ("NHD", "HND"):
+        print(f"FlashInfer B=64 L=4k {layout}: {flashinfer_peer(64, 4096, 32, 8, 128, layout)}", flush=True)
+
+
+def flashinfer_peer(batch, ctx, heads, kv_heads, hd, layout, bs=16):
+    """FlashInfer's tensor-core paged decode (bench_kernels_gpu.flashinfer_decode's set-up)
+    on the same keys, the cache in `layout`: "us (rel err)" or why not."""
+    try:
+        import flashinfer
+    except ImportError:
+        return "skipped (flashinfer not installed)"
+    try:
+        q, kc, vc, tables, _, _, _ = build(batch, ctx, heads, kv_heads, hd, False, 0, bs)
+        ref = reference(q, kc, vc, tables, ctx)
+        if layout == "HND":  # [blocks, kv heads, block size, hd]: a head's rows of a block adjacent
+            kc, vc = kc.transpose(1, 2).contiguous(), vc.transpose(1, 2).contiguous()
+        per = tables.shape[1]
+        indptr = torch.arange(batch + 1, dtype=torch.int32, device="cuda") * per
+        indices = tables.reshape(-1).contiguous()
+        last = torch.full((batch,), ctx - (per - 1) * bs, dtype=torch.int32, device="cuda")
+        ws = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
+        wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            ws, layout, use_cuda_graph=True, use_tensor_cores=True, paged_kv_indptr_buffer=indptr,
+            paged_kv_indices_buffer=indices, paged_kv_last_page_len_buffer=last)
+        wrapper.plan(indptr, indices, last, heads, kv_heads, hd, bs, q_data_type=q.dtype, kv_data_type=kc.dtype,
+                     sm_scale=hd**-0.5)
+        out = wrapper.run(q, (kc, vc))
+        err = ((out.float().view_as(ref) - ref).norm() / ref.norm()).item()
+        return f"{time_graph(lambda: wrapper.run(q, (kc, vc))):.1f} us ({err:.1e})"
+    except Exception as exc:  # a peer that fails is reported, not fatal
+        return f"failed: {type(exc).__name__}: {str(exc)[:200]}"
 
 
 if __name__ == "__main__":

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import sys
 
-import numpy as np
 import torch
 
 from pagedcore import ops
+
+from decode_variants import build
 
 # (name, batch, keys, heads, kv heads, head dim, fp8, graph plan length or 0)
 CASES = (
@@ -28,21 +29,7 @@ CASES = (
 
 
 def decode(name, batch, ctx, heads, kv_heads, hd, fp8, plan_len, bs=16) -> None:
-    per_seq = -(-ctx // bs)
-    kc = torch.randn((batch * per_seq + 1, bs, kv_heads, hd), device="cuda", dtype=torch.bfloat16)
-    vc = torch.randn_like(kc)
-    if fp8:
-        kc, vc = kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn)
-    tables = (torch.randperm(batch * per_seq, device="cuda").to(torch.int32) + 1).view(batch, per_seq)
-    q = torch.randn((batch, heads, hd), device="cuda", dtype=torch.bfloat16)
-    qsl_np = np.arange(batch + 1, dtype=np.int32)
-    if plan_len:
-        plan = ops.plan_decode(batch, kv_heads, torch.device("cuda"), plan_len)
-    else:
-        plan = ops.plan_attention(qsl_np, np.full(batch, ctx), heads, kv_heads, torch.device("cuda"), hd,
-                                  torch.bfloat16)
-    lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
-    qsl = torch.from_numpy(qsl_np).cuda()
+    q, kc, vc, tables, lens, qsl, plan = build(batch, ctx, heads, kv_heads, hd, fp8, plan_len, bs)
     print(f"case {name}: splits {plan.decode_splits}", flush=True)
     for _ in range(2):
         ops.paged_attention(q, kc, vc, tables, lens, qsl, scale=hd**-0.5, plan=plan)
