@@ -51,16 +51,18 @@ __global__ void __launch_bounds__(128, 1) wgmma_selftest_kernel(float* errors) {
   const int warp = tid / 32;
   const int lane = tid % 32;
   const int qd = lane % 4;
-  auto put = [&](uint32_t tile, int rows, int r, int c, float x) {
-    const uint32_t off = rows == kRows ? wgmma::swizzled<kRows>(r, c / 8)
-                         : PAIRS       ? wgmma::swizzled_paired(r, c / 8)
-                                       : wgmma::swizzled<kKeys>(r, c / 8);
+  // (kv: a K or V tile, in the paired layout under PAIRS; the query tile never is.
+  // NOTE: kRows == kKeys, so the tile's row count cannot tell them apart.)
+  auto put = [&](uint32_t tile, bool kv, int r, int c, float x) {
+    const uint32_t off = !kv    ? wgmma::swizzled<kRows>(r, c / 8)
+                         : PAIRS ? wgmma::swizzled_paired(r, c / 8)
+                                 : wgmma::swizzled<kKeys>(r, c / 8);
     reinterpret_cast<T*>(smem_raw + (tile + off - raw))[c % 8] = static_cast<T>(x);
   };
-  for (int i = tid; i < kRows * HD; i += 128) put(q_s, kRows, i / HD, i % HD, selftest_value(0, i / HD, i % HD));
+  for (int i = tid; i < kRows * HD; i += 128) put(q_s, false, i / HD, i % HD, selftest_value(0, i / HD, i % HD));
   for (int i = tid; i < kKeys * HD; i += 128) {
-    put(k_s, kKeys, i / HD, i % HD, selftest_value(1, i / HD, i % HD));
-    put(v_s, kKeys, i / HD, i % HD, selftest_value(2, i / HD, i % HD));
+    put(k_s, true, i / HD, i % HD, selftest_value(1, i / HD, i % HD));
+    put(v_s, true, i / HD, i % HD, selftest_value(2, i / HD, i % HD));
   }
   wgmma::fence_proxy_async();
   __syncthreads();
