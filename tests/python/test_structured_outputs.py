@@ -456,7 +456,7 @@ def test_masks_in_the_background_give_the_outputs_of_masks_in_line(byte_model, m
                 outs = llm.generate(prompts, params, use_tqdm=False)
             assert llm.llm_engine._structured.mask_threads == config["threads"]
             staging = llm.llm_engine._bitmask_staging
-            assert staging.device_wait == (config["threads"] > 0 and config.get("device_wait", False)
+            assert staging.device_wait == (config["threads"] > 0 and config.get("device_wait", True)
                                            and device == "cuda")
             runs.append([[(c.token_ids, c.text, c.finish_reason) for c in o.outputs] for o in outs])
             for c in outs[0].outputs + outs[2].outputs:
