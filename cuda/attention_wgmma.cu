@@ -582,14 +582,23 @@ int dispatch_head_dim(const PagedAttentionParams& p, int choice, cudaStream_t st
 // log: wgmma-ws/-pp with a cp.async producer warpgroup, 2490 us; wgmma-late,
 // 1841; wgmma-tma-plain/-async, the plain kernel copying by TMA, 1456/1483;
 // wgmma-tma-pp, 1173; the "-rev" item orders: no gain) lost on every case.
+// Then at 5afe504 (every variant correct over the test grid): 8k causal d128
+// bs16 wgmma-tma 1158 us, -pairs 1030 (534 TFLOP/s), -ids 1185, -runs 1264
+// (1084 when the blocks are consecutive), -ids-pairs 1096; bs128 wgmma-tma
+// 1028, -pairs 1069; 2048 over 6144 cached (bs16) 493 against -pairs 429, 16 x
+// 512 over 1-4k 844 against 780. So -pairs (one copy a block for both 64-dim
+// halves) at block sizes up to 32 (32 not timed apart: it halves the copies as
+// at 16), wgmma-tma above.
 constexpr int kAutoD128 = kTmaChoice;
+constexpr int kAutoD128SmallBlocks = kTmaChoice + kPairs;
 constexpr int kAutoD64 = 0;
 int kernel_choice(const PagedAttentionParams& p) {
   // NOTE: read on every call (a getenv per layer is noise) so that a process
   // can switch kernels, as the tests and benchmarks do.
   const char* env = std::getenv("PAGEDCORE_PREFILL_KERNEL");
   if (env == nullptr || env[0] == '\0' || std::strcmp(env, "auto") == 0) {
-    return p.head_dim == 128 ? kAutoD128 : p.head_dim == 64 ? kAutoD64 : 0;
+    if (p.head_dim == 128) return p.block_size <= 32 ? kAutoD128SmallBlocks : kAutoD128;
+    return p.head_dim == 64 ? kAutoD64 : 0;
   }
   if (std::strcmp(env, "wgmma") == 0) return 1;
   if (std::strcmp(env, "wgmma-tma") == 0) return kTmaChoice;
