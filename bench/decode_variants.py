@@ -6,10 +6,11 @@ with its error against SDPA on the same keys gathered contiguously.
   PAGEDCORE_DECODE_DEEP_CTAS  decode launches of at most this many CTAs keep more tiles in
                               flight (default one per SM; 0: never, 100000: always)
   PAGEDCORE_FP8_FAST_CVT      fp8 widened by integer operations (1, default) or cvt (0)
-  PAGEDCORE_DECODE_EARLY_META lengths and first block ids read before the PDL wait (1), and
-                              the first tiles' K/V rows prefetched into L2 there too (2)
+  PAGEDCORE_DECODE_EARLY_META lengths and first block ids read before the PDL wait (1, the
+                              default over 16-bit caches; 0 off), and the first tiles' K/V rows
+                              prefetched into L2 there too (2)
   PAGEDCORE_DECODE_TILE32     bf16 launches that are not deep: 32-key tiles, 2 warps, 4 or 6 stages
-  PAGEDCORE_FP8_WIDE_TILES    fp8 launches that are not deep: 128-key tiles (1)
+  PAGEDCORE_FP8_WIDE_TILES    fp8 launches that are not deep: 128-key tiles (1, default; 0: 64)
   PAGEDCORE_DECODE_CLUSTER    rows under 512 keys split over a cluster of 2 or 4 CTAs, merged
                               through distributed shared memory (launches of <= 2 waves)
 
@@ -36,11 +37,11 @@ VARIANTS = (
     ("deep off", {"PAGEDCORE_DECODE_DEEP_CTAS": "0"}),
     ("deep always", {"PAGEDCORE_DECODE_DEEP_CTAS": "100000"}),
     ("fp8 cvt", {"PAGEDCORE_FP8_FAST_CVT": "0"}),
-    ("early meta", {"PAGEDCORE_DECODE_EARLY_META": "1"}),
+    ("early off", {"PAGEDCORE_DECODE_EARLY_META": "0"}),
     ("early + L2", {"PAGEDCORE_DECODE_EARLY_META": "2"}),
     ("tile32 x4", {"PAGEDCORE_DECODE_TILE32": "4"}),
     ("tile32 x6", {"PAGEDCORE_DECODE_TILE32": "6"}),
-    ("fp8 wide", {"PAGEDCORE_FP8_WIDE_TILES": "1"}),
+    ("fp8 narrow", {"PAGEDCORE_FP8_WIDE_TILES": "0"}),
     ("cluster 2", {"PAGEDCORE_DECODE_CLUSTER": "2"}),
     ("cluster 4", {"PAGEDCORE_DECODE_CLUSTER": "4"}),
     ("cluster 4 early", {"PAGEDCORE_DECODE_CLUSTER": "4", "PAGEDCORE_DECODE_EARLY_META": "1"}),

@@ -870,26 +870,35 @@ int launch_variant(const PagedAttentionParams& p, cudaStream_t stream, int flags
 // also took B=1 L=32k (264 CTAs of ~1000 keys) and lost there, 61.5 against 52.3.
 // Integer fp8 widening: 197.5 against 200.8 us at B=64 L=4k (within the noise).
 //
-// Variants to measure (issue 13; off by default, bench/decode_variants.py):
+// Variants (issue 13; bench/decode_variants.py measures each):
 //   PAGEDCORE_DECODE_EARLY_META=1  kEarlyMeta: lengths and first block ids
-//     before the PDL wait (every decode launch); =2 also kEarlyPrefetch.
+//     before the PDL wait (every decode launch); =2 also kEarlyPrefetch; =0
+//     off. Default: 1 over 16-bit caches, 0 over fp8. NOTE: measured on the
+//     H200 (decode_variants.py at 5afe504, us, off -> on): B=1 L=256 8.5 -> 7.7,
+//     L=4k 12.9 -> 12.2, L=32k 47.0 -> 46.1, B=64 L=1k 76.4 -> 75.1, L=4k
+//     265.3 -> 264.0; under the decode graphs' plan 8B B=1 L=160 8.7 -> 6.9,
+//     B=16 10.0 -> 8.9, SmolLM2 B=1 5.8 -> 5.0, B=16 6.2 -> 5.4; one loss,
+//     SmolLM2 B=64 L=1k 20.3 -> 21.4. fp8: B=64 L=4k 198.6 -> 193.2 but B=1 L=4k
+//     15.0 -> 16.0, so off there. =2 (L2 prefetch) gained nothing more.
 //   PAGEDCORE_DECODE_TILE32=S (S = 4 or 6)  launches that are not deep, bf16 /
 //     fp16 cache, head dim 64 or 128: 32-key tiles, two warps, S stages
 //     (S - 1 tiles in flight of S instead of 2 of 3; 4: three CTAs an SM at
-//     d128, 6: two).
+//     d128, 6: two). Lost everywhere (B=64 L=4k 350.0 / 270.4 against 265.3).
 //   PAGEDCORE_FP8_WIDE_TILES=1  fp8 launches that are not deep, integer
 //     widening, head dim 64 or 128: 128-key tiles (the bytes of a 64-key bf16
 //     tile), three stages, two CTAs an SM at d128: half the tiles' fixed
 //     costs (barriers, max updates) per key, four score fragments a pass.
+//     On by default (=0 turns it off): fp8 B=64 L=4k 198.6 -> 183.1 us (0.69x of bf16).
 //   PAGEDCORE_DECODE_CLUSTER=N (N = 2 or 4; sm_90; launches whose rows x kv
 //     heads x N fit two waves)  rows of one split (under 512 keys) share
 //     their keys among a cluster of N CTAs, merged through distributed shared
-//     memory (no partials, no counter); longer rows split as before.
+//     memory (no partials, no counter); longer rows split as before. Lost
+//     (B=1 L=256 9.2 / 11.6 against 8.5).
 template <typename T, typename CT, int HD, bool DECODE>
 int launch_kernel(const PagedAttentionParams& p, cudaStream_t stream) {
   constexpr bool FP8 = std::is_same_v<CT, uint8_t>;
   if constexpr (DECODE) {
-    const int early = env_int("PAGEDCORE_DECODE_EARLY_META", 0);
+    const int early = env_int("PAGEDCORE_DECODE_EARLY_META", FP8 ? 0 : 1);
     int flags = early == 0 ? 0 : (early == 2 ? kEarlyMeta | kEarlyPrefetch : kEarlyMeta);
     const int cluster = env_int("PAGEDCORE_DECODE_CLUSTER", 0);
     const int64_t rows = static_cast<int64_t>(p.num_kv_heads) * p.num_decode;
@@ -906,7 +915,7 @@ int launch_kernel(const PagedAttentionParams& p, cudaStream_t stream) {
     }
     if constexpr (HD == 64 || HD == 128) {
       if constexpr (FP8) {
-        if (fast && env_int("PAGEDCORE_FP8_WIDE_TILES", 0) != 0) {
+        if (fast && env_int("PAGEDCORE_FP8_WIDE_TILES", 1) != 0) {
           return launch_variant<T, CT, HD, true, 3, true, 128>(p, stream, flags);
         }
       } else {
