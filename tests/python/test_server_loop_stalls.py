@@ -25,10 +25,11 @@ def test_samples_come_only_from_a_loop_that_missed_its_heartbeat() -> None:
         punctual = dict(sampler.counts)
         sampler.beat()
         spin_without_beating(0.3)  # a stalled one: late after 54 ms
+        places = dict(sampler.counts)  # (before stop(): the heartbeat is still overdue there)
     finally:
         sampler.stop()
     assert punctual == {}
-    places = dict(sampler.counts)
-    assert list(places) == ["test_server_loop_stalls.py:spin_without_beating"]
-    # (the sampler gets the GIL once the switch interval, 5 ms, has passed: ~49 of them in 246 ms)
-    assert places["test_server_loop_stalls.py:spin_without_beating"] >= 10
+    spinning = places.pop("test_server_loop_stalls.py:spin_without_beating", 0)
+    # (the sampler gets the GIL once the switch interval, 5 ms, has passed: ~49 of them in
+    # 246 ms; at most one sample may land on the lines after the spin before the copy)
+    assert spinning >= 10 and sum(places.values()) <= 1, (spinning, places)

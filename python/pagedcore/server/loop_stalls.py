@@ -6,9 +6,11 @@ counts (``pagedcore_http_loop_stall_samples_total{where=...}``): what blocks
 every stream's writes, for the event-loop lag's tail.
 
 Off unless ``PAGEDCORE_LOOP_STALLS=1`` (bench_serving.py sets it for the server
-it starts). NOTE: the sampler holds the GIL only to read a frame; while the
-loop runs Python, it gets the GIL after the switch interval (5 ms), so it
-samples exactly the long callbacks and costs a switch per sample.
+it starts, so its serving figures include the sampler's cost). NOTE: the
+sampler's overdue check is Python: it takes the GIL every ``sample_s`` (2 ms)
+whether or not the loop is late; while the loop runs Python, the sampler gets
+the GIL after the switch interval (5 ms), so it samples exactly the long
+callbacks and costs a switch per sample.
 """
 
 from __future__ import annotations
