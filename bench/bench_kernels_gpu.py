@@ -9,7 +9,8 @@ SmolLM2 and Llama-3-8B shapes for one token and 4096. Each case: warm-up, then C
 timed with events, median of repeats; achieved GB/s against the copy bandwidth
 measured in the same run. Prefill (issue 12's cases: 8k causal at block sizes 16
 and 128, 2048 new over 6144 cached, 16 x 512 over 1-4k cached, the SmolLM2 shape):
-the prefill kernels (PAGEDCORE_PREFILL_KERNEL=mma / wgmma / wgmma-tma, the default) beside FlashAttention-2
+the prefill kernels (PAGEDCORE_PREFILL_KERNEL=mma / wgmma / wgmma-tma / wgmma-tma-pairs; the default at head dim
+128: -pairs up to block size 32, wgmma-tma above) beside FlashAttention-2
 varlen (SDPA's flash kernel) on contiguous keys and FlashInfer's paged prefill, in
 TFLOP/s. Prints the tables last.
 
@@ -92,9 +93,10 @@ def copy_bandwidth() -> float:
     return 2 * a.numel() / us / 1e3
 
 
-def flashinfer_decode(q, kc, vc, tables, ctx: int, block_size: int):
+def flashinfer_decode(q, kc, vc, tables, ctx: int, block_size: int, layout: str = "NHD"):
     """FlashInfer's tensor-core paged decode on the same cache (NHD layout, the same
-    as ours), CUDA-graph timed: (us, output) or (None, why not)."""
+    as ours; HND: [blocks, kv heads, block size, head dim]), CUDA-graph timed: (us,
+    output) or (None, why not)."""
     try:
         import flashinfer
     except ImportError:
@@ -107,9 +109,10 @@ def flashinfer_decode(q, kc, vc, tables, ctx: int, block_size: int):
         last = torch.full((batch,), ctx - (per - 1) * block_size, dtype=torch.int32, device="cuda")
         ws = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
         wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            ws, "NHD", use_cuda_graph=True, use_tensor_cores=True, paged_kv_indptr_buffer=indptr,
+            ws, layout, use_cuda_graph=True, use_tensor_cores=True, paged_kv_indptr_buffer=indptr,
             paged_kv_indices_buffer=indices, paged_kv_last_page_len_buffer=last)
-        wrapper.plan(indptr, indices, last, heads, kc.shape[2], hd, block_size, q_data_type=q.dtype,
+        kv_heads = kc.shape[2] if layout == "NHD" else kc.shape[1]
+        wrapper.plan(indptr, indices, last, heads, kv_heads, hd, block_size, q_data_type=q.dtype,
                      kv_data_type=kc.dtype, sm_scale=hd**-0.5)
         out = wrapper.run(q, (kc, vc))
         return time_graph(lambda: wrapper.run(q, (kc, vc))), out
@@ -248,7 +251,7 @@ def flashinfer_prefill(case, q, kc, vc, tables, qsl_np, seq_np):
 def prefill_kernel_rows(quick: bool) -> tuple[list[tuple], list[str]]:
     """The issue's prefill cases (bench/check_wgmma.py builds them: NaN-poisoned paged
     cache, scattered blocks) on every prefill kernel (PAGEDCORE_PREFILL_KERNEL=mma,
-    wgmma, wgmma-tma; one plan), FlashAttention-2 varlen (SDPA's flash kernel,
+    wgmma, wgmma-tma, wgmma-tma-pairs; one plan), FlashAttention-2 varlen (SDPA's flash kernel,
     bottom-right causal, GQA) on the keys laid out contiguously, and FlashInfer's paged
     prefill when present: (case, kernel, us, TFLOP/s, max abs err vs float32 math) rows."""
     import os
@@ -264,7 +267,8 @@ def prefill_kernel_rows(quick: bool) -> tuple[list[tuple], list[str]]:
         want = cw.reference(case, q, kc, vc, tables, qsl_np, seq_np)
         tflop = cw.flops(case) / 1e12
         out = torch.empty_like(q)
-        for kernel in ("mma", "wgmma", "wgmma-tma"):
+        before = os.environ.get(cw.ENV)
+        for kernel in ("mma", "wgmma", "wgmma-tma", "wgmma-tma-pairs"):
             os.environ[cw.ENV] = kernel
             fn = lambda: ops.paged_attention(q, kc, vc, tables, seq_lens, qsl, scale=case.head_dim**-0.5, out=out,
                                              plan=plan)
@@ -273,6 +277,8 @@ def prefill_kernel_rows(quick: bool) -> tuple[list[tuple], list[str]]:
             us = time_eager(fn, iters=3, repeats=5)
             rows.append((case.name, f"pagedcore {kernel}", us, tflop * 1e6 / us, err))
         os.environ.pop(cw.ENV)
+        if before is not None:  # (a kernel the caller had chosen)
+            os.environ[cw.ENV] = before
         for peer, (fn, why) in (("FA2 varlen (SDPA flash)", cw.flash_varlen(case, q, kc, vc, tables, qsl_np, seq_np)),
                                 ("FlashInfer paged", flashinfer_prefill(case, q, kc, vc, tables, qsl_np, seq_np))):
             if fn is None:

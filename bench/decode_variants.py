@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from pagedcore import ops
 
-from bench_kernels_gpu import time_graph
+from bench_kernels_gpu import flashinfer_decode, time_graph
 
 VARIANTS = (
     ("default", {}),
@@ -44,7 +44,6 @@ VARIANTS = (
     ("fp8 narrow", {"PAGEDCORE_FP8_WIDE_TILES": "0"}),
     ("cluster 2", {"PAGEDCORE_DECODE_CLUSTER": "2"}),
     ("cluster 4", {"PAGEDCORE_DECODE_CLUSTER": "4"}),
-    ("cluster 4 early", {"PAGEDCORE_DECODE_CLUSTER": "4", "PAGEDCORE_DECODE_EARLY_META": "1"}),
 )
 # (name, batch, keys, heads, kv heads, head dim, fp8, graph plan length or 0)
 CASES = (
@@ -129,32 +128,17 @@ def main() -> None:
 
 
 def flashinfer_peer(batch, ctx, heads, kv_heads, hd, layout, bs=16):
-    """FlashInfer's tensor-core paged decode (bench_kernels_gpu.flashinfer_decode's set-up)
-    on the same keys, the cache in `layout`: "us (rel err)" or why not."""
-    try:
-        import flashinfer
-    except ImportError:
-        return "skipped (flashinfer not installed)"
-    try:
-        q, kc, vc, tables, _, _, _ = build(batch, ctx, heads, kv_heads, hd, False, 0, bs)
-        ref = reference(q, kc, vc, tables, ctx)
-        if layout == "HND":  # [blocks, kv heads, block size, hd]: a head's rows of a block adjacent
-            kc, vc = kc.transpose(1, 2).contiguous(), vc.transpose(1, 2).contiguous()
-        per = tables.shape[1]
-        indptr = torch.arange(batch + 1, dtype=torch.int32, device="cuda") * per
-        indices = tables.reshape(-1).contiguous()
-        last = torch.full((batch,), ctx - (per - 1) * bs, dtype=torch.int32, device="cuda")
-        ws = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
-        wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            ws, layout, use_cuda_graph=True, use_tensor_cores=True, paged_kv_indptr_buffer=indptr,
-            paged_kv_indices_buffer=indices, paged_kv_last_page_len_buffer=last)
-        wrapper.plan(indptr, indices, last, heads, kv_heads, hd, bs, q_data_type=q.dtype, kv_data_type=kc.dtype,
-                     sm_scale=hd**-0.5)
-        out = wrapper.run(q, (kc, vc))
-        err = ((out.float().view_as(ref) - ref).norm() / ref.norm()).item()
-        return f"{time_graph(lambda: wrapper.run(q, (kc, vc))):.1f} us ({err:.1e})"
-    except Exception as exc:  # a peer that fails is reported, not fatal
-        return f"failed: {type(exc).__name__}: {str(exc)[:200]}"
+    """FlashInfer's tensor-core paged decode (bench_kernels_gpu.flashinfer_decode) on the
+    same keys, the cache in `layout`: "us (rel err)" or why not."""
+    q, kc, vc, tables, _, _, _ = build(batch, ctx, heads, kv_heads, hd, False, 0, bs)
+    ref = reference(q, kc, vc, tables, ctx)
+    if layout == "HND":  # [blocks, kv heads, block size, hd]: a head's rows of a block adjacent
+        kc, vc = kc.transpose(1, 2).contiguous(), vc.transpose(1, 2).contiguous()
+    us, out = flashinfer_decode(q, kc, vc, tables, ctx, bs, layout)
+    if us is None:
+        return f"skipped: {out}"
+    err = ((out.float().view_as(ref) - ref).norm() / ref.norm()).item()
+    return f"{us:.1f} us ({err:.1e})"
 
 
 if __name__ == "__main__":
