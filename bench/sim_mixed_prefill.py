@@ -12,8 +12,8 @@ Step costs (ms): a decode-only step ``a + b * rows``; a step with prompt tokens
 count (rows + prompt tokens) rounded up to the runner's piecewise CUDA graphs
 (model_runner.PREFILL_GRAPH_TOKENS: 16, 32, ..., 256, 512, ...): the layer
 bodies run the padded count. Fitted to the H200 runs of issue 14 at a8d4bb0
-(/work/brief/s5/serving_0202.log): 8B decode ~6.2 ms at ~40 rows and ~17 us a
-prompt token (8B time to first token of 512 tokens: 14.4 ms); SmolLM2 ~1.2 ms
+(bench/RESULTS.md, the serving table of the fifth session's first GPU calls):
+8B decode ~6.2 ms at ~40 rows and ~17 us a prompt token (8B time to first token of 512 tokens: 14.4 ms); SmolLM2 ~1.2 ms
 and ~5 us (4.07 ms at 512).
 
 Two rules for the cap (--mode):

@@ -15,10 +15,12 @@
 // Kernels (PAGEDCORE_PREFILL_KERNEL): =wgmma, where all threads' cp.async
 // copies bring K_{t+2} and V_{t+1} (three buffers each) and a __syncthreads
 // closes each tile (also what serves softcap); =wgmma-tma (the default at head
-// dim 128), where a third warpgroup copies K and V by TMA, one copy per cache
-// block (attention_wgmma_tma.cuh), mbarriers hand the buffers between it and
-// the two computing warpgroups, and CTAs are persistent; its opt-in variants
-// for small blocks =wgmma-tma-ids, -runs, -ids-runs, -pairs, -ids-pairs.
+// dim 128 above block size 32), where a third warpgroup copies K and V by TMA,
+// one copy per cache block and 64-dim half (attention_wgmma_tma.cuh), mbarriers
+// hand the buffers between it and the two computing warpgroups, and CTAs are
+// persistent; =wgmma-tma-pairs (the default at head dim 128 up to block size
+// 32), one copy per block for both halves; the opt-in variants for small
+// blocks =wgmma-tma-ids, -runs, -ids-runs, -ids-pairs (see kernel_choice).
 // Scores, softmax and O are float32; P is rounded to the query type.
 #include "attention_wgmma.h"
 
@@ -171,7 +173,7 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_prefill_kernel(const __grid
 #endif
 }
 
-// ---- the TMA kernel (PAGEDCORE_PREFILL_KERNEL=wgmma-tma, the default at head dim 128) ----
+// ---- the TMA kernel (PAGEDCORE_PREFILL_KERNEL=wgmma-tma and its MODEs; the default at head dim 128) ----
 //
 // Warpgroup 0 copies (40 registers), warpgroups 1 and 2 compute (232
 // registers), as FlashAttention-3 does. K and V tiles have their own rings of
@@ -184,8 +186,8 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_prefill_kernel(const __grid
 // the bytes, the full V barrier that and the 128 threads' cp.async arrivals
 // (edge rows of V, zero-filled). The two computing warpgroups never wait for
 // each other.
-// MODE (opt-in variants, for small blocks: 16 copies per K or V tile at block
-// size 16 and head dim 128, against 2 at 128):
+// MODE (variants for small blocks: 16 copies per K or V tile at block size 16
+// and head dim 128, against 2 at 128; kPairs is the default up to block size 32):
 //   kIdsAhead (=wgmma-tma-ids): warp 0 looks up the block ids of the item's
 //     next tile before it waits for this tile's buffers, so that the table's
 //     latency is not between a buffer coming free and its copies;
@@ -572,7 +574,7 @@ int dispatch_head_dim(const PagedAttentionParams& p, int choice, cudaStream_t st
 // block for both 64-dim halves), "wgmma-tma-ids-pairs" (7: with ids ahead),
 // "mma" (0: the mma.sync kernel) or
 // anything else unknown (0); unset, empty or "auto": the variant measured
-// fastest for the head dim (kAuto*).
+// fastest for the head dim and block size (kAuto*).
 // NOTE: measured on the H200 (bench/check_wgmma.py, at 83b8cea; every variant
 // then built correct): 8k causal d128 bs16 mma 3117 us, wgmma 2190 (251
 // TFLOP/s), wgmma-tma 1167 (471), FA2 varlen 1716; bs128 wgmma-tma 1002 (549);

@@ -11,7 +11,8 @@ namespace pagedcore::cuda {
 // the kernel was compiled (a build for sm_90), PAGEDCORE_PREFILL_KERNEL picks
 // a wgmma kernel (wgmma, wgmma-tma, wgmma-tma-ids, wgmma-tma-runs,
 // wgmma-tma-ids-runs, wgmma-tma-pairs, wgmma-tma-ids-pairs; unset or auto: the
-// one measured fastest for the head dim, or mma.sync), scale > 0, the current device is compute capability 9.0,
+// one measured fastest for the head dim and block size — wgmma-tma-pairs at
+// 128 up to block size 32, wgmma-tma above, mma.sync at 64), scale > 0, the current device is compute capability 9.0,
 // queries and cache are both bf16 or both fp16, head_dim is 64 or 128, and
 // queries, cache and output are 16-byte aligned (query rows too).
 bool wgmma_prefill_serves(const PagedAttentionParams& p);

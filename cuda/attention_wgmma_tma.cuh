@@ -1,5 +1,5 @@
 // Internal: the TMA pieces of the Hopper prefill kernel (attention_wgmma.cu,
-// PAGEDCORE_PREFILL_KERNEL=wgmma-tma and its -ids / -runs variants): the
+// PAGEDCORE_PREFILL_KERNEL=wgmma-tma and its -ids / -runs / -pairs variants): the
 // tensor maps over the paged cache (encoded on the host), the block-aligned
 // key tiles, and the per-block TMA copies of K and V tiles (device code for
 // sm_90a only, wgmma_ops.cuh).

@@ -359,7 +359,9 @@ class _MaskWay:
 
 class StructuredOutputManager:
     """Compiles specs against the model's tokenizer (cached) and hands out matchers;
-    computes a step's masks on a pool of threads, in the background.
+    computes a step's masks on a pool of threads, in the background or in line (the
+    engine's thread waiting on the pool), whichever the trials of ``_choose_mask_way``
+    measured cheaper for the engine's thread.
 
     NOTE: llguidance's matchers copied from one compiled grammar (``deep_copy``) share
     its lexer behind a lock, which a mask's computation holds throughout: masks of one

@@ -25,7 +25,7 @@ from test_ops_cpu import NAN, make_batch, mixed_rows, reference  # noqa: E402
 from test_ops_cuda import TOLERANCE  # noqa: E402
 
 # wgmma: the plain kernel (every thread gathers K/V by cp.async); wgmma-tma (the default
-# at head dim 128): a copying warpgroup brings K and V by TMA, one copy per cache block,
+# at head dim 128 above block size 32; -pairs up to 32): a copying warpgroup brings K and V by TMA, one copy per cache block,
 # key tiles starting on a block boundary, persistent CTAs (softcap and block sizes that are
 # not powers of two in 8..128 run the plain kernel); wgmma-tma-ids: its copying warp looks
 # the block ids up a tile ahead; wgmma-tma-runs: a key tile whose blocks are consecutive in
