@@ -773,26 +773,6 @@ __global__ void __launch_bounds__(DECODE ? 32 * decode_warps<KT>() : 32 * kPrefi
   }
 }
 
-// Multiprocessors of the current device (asked once per device).
-int multiprocessors() {
-  constexpr int kMaxDevices = 64;
-  static int cached[kMaxDevices] = {};
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= kMaxDevices) {
-    cudaGetLastError();
-    return 132;
-  }
-  if (cached[dev] == 0) {
-    int n = 0;
-    if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || n <= 0) {
-      cudaGetLastError();
-      n = 132;
-    }
-    cached[dev] = n;
-  }
-  return cached[dev];
-}
-
 // Whether the current device runs thread-block clusters (compute capability
 // 9.0 and up; asked once per device).
 bool cluster_capable() {
@@ -903,11 +883,11 @@ int launch_kernel(const PagedAttentionParams& p, cudaStream_t stream) {
     const int cluster = env_int("PAGEDCORE_DECODE_CLUSTER", 0);
     const int64_t rows = static_cast<int64_t>(p.num_kv_heads) * p.num_decode;
     int z = p.decode_splits;
-    if ((cluster == 2 || cluster == 4) && rows * cluster <= 2 * multiprocessors() && cluster_capable()) {
+    if ((cluster == 2 || cluster == 4) && rows * cluster <= 2 * multiprocessor_count() && cluster_capable()) {
       flags |= cluster << kClusterShift;
       z = (std::max(z, cluster) + cluster - 1) / cluster * cluster;
     }
-    const bool deep = rows * z <= env_int("PAGEDCORE_DECODE_DEEP_CTAS", multiprocessors());
+    const bool deep = rows * z <= env_int("PAGEDCORE_DECODE_DEEP_CTAS", multiprocessor_count());
     const bool fast = FP8 && env_int("PAGEDCORE_FP8_FAST_CVT", 1) != 0;
     if (deep) {
       return fast ? launch_variant<T, CT, HD, true, deep_stages<HD>(), FP8>(p, stream, flags)
@@ -965,6 +945,27 @@ int dispatch_cache(const PagedAttentionParams& p, cudaStream_t s) {
 }
 
 }  // namespace
+
+// Multiprocessors of the current device (asked once per device; 132, an
+// H100/H200's, where the device cannot be asked).
+int multiprocessor_count() {
+  constexpr int kMaxDevices = 64;
+  static int cached[kMaxDevices] = {};
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= kMaxDevices) {
+    cudaGetLastError();
+    return 132;
+  }
+  if (cached[dev] == 0) {
+    int n = 0;
+    if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || n <= 0) {
+      cudaGetLastError();
+      n = 132;
+    }
+    cached[dev] = n;
+  }
+  return cached[dev];
+}
 
 int paged_attention_mma(const PagedAttentionParams& p, cudaStream_t stream) {
   switch (p.dtype) {

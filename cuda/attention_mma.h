@@ -11,6 +11,9 @@ namespace pagedcore::cuda {
 // bf16 / fp16 queries over a cache of the same type or fp8 e4m3.
 int paged_attention_mma(const PagedAttentionParams& p, cudaStream_t stream);
 
+// Multiprocessors of the current device (asked once per device).
+int multiprocessor_count();
+
 // Combines the key splits' partial outputs (decode rows or work items).
 int merge_attention_splits(const PagedAttentionParams& p, bool decode, cudaStream_t stream);
 

@@ -466,33 +466,6 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
 #endif
 }
 
-int current_device() {
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess) {
-    cudaGetLastError();
-    return -1;
-  }
-  return dev;
-}
-
-// Multiprocessors of the current device, asked once per device.
-int sm_count() {
-  constexpr int kMaxDevices = 64;
-  static int cached[kMaxDevices] = {};
-  const int dev = current_device();
-  if (dev < 0 || dev >= kMaxDevices) return 132;
-  if (cached[dev] == 0) {
-    int n = 0;
-    if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || n <= 0) {
-      cudaGetLastError();
-      n = 132;
-    }
-    cached[dev] = n;
-  }
-  return cached[dev];
-}
-
-
 // Launches `kernel` (threads per CTA: `threads`) over work items x kv heads x
 // key splits — `persistent`: one CTA per multiprocessor, each walking the
 // items of that grid in launch order, blockIdx.x + k gridDim.x (without key
@@ -512,7 +485,7 @@ int launch(void (*kernel)(PagedAttentionParams, Args...), bool& configured, int 
   if (p.num_work > 65535) return cudaErrorInvalidConfiguration;
   if (persistent) {
     const int64_t total = static_cast<int64_t>(p.num_kv_heads) * p.num_work * p.num_splits;
-    const int grid = static_cast<int>(p.num_splits > 1 ? total : std::min<int64_t>(total, sm_count()));
+    const int grid = static_cast<int>(p.num_splits > 1 ? total : std::min<int64_t>(total, multiprocessor_count()));
     kernel<<<grid, threads, smem, stream>>>(p, args...);
   } else {
     kernel<<<dim3(p.num_kv_heads, p.num_work, p.num_splits), threads, smem, stream>>>(p, args...);
