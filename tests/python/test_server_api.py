@@ -515,7 +515,7 @@ def test_health_is_503_with_the_reason_after_the_engine_loop_died(serve, checkpo
         if served.faults is not None:
             served.faults.arm(2, kill_thread)
         body = {"model": MODEL, "prompt": PROMPT, "temperature": 0, "max_tokens": 20, "ignore_eos": True,
-                "stream": True}
+                "stream": True, "stream_options": {"continuous_usage_stats": True}}
         with caplog.at_level("INFO"), http.stream("POST", "/v1/completions", json=body) as r:
             assert r.status_code == 200
             payloads = sse_payloads(r)
@@ -524,8 +524,9 @@ def test_health_is_503_with_the_reason_after_the_engine_loop_died(serve, checkpo
         assert json.loads(payloads[-2])["error"] == {"message": DIED, "type": "service_unavailable",
                                                      "param": None, "code": "engine_dead"}
         # The tokens of the 2 healthy forward passes; with async scheduling the 3rd pass
-        # fails before the 2nd's tokens reach the host.
-        assert len(payloads) - 2 == (1 if mode.endswith("async scheduling") else 2)
+        # fails before the 2nd's tokens reach the host. (Counted by the chunks' usage: a
+        # handler that fell behind sends both tokens in one chunk.)
+        assert json.loads(payloads[-3])["usage"]["completion_tokens"] == (1 if mode.endswith("async scheduling") else 2)
         # /health says why; new requests are refused at once rather than queued for a loop that is gone.
         _refused_as_dead(http, DIED)
     # The log says it once, with the reason (the engine process logs it there).
@@ -549,13 +550,16 @@ def test_requests_waiting_for_admission_when_the_engine_process_dies_get_503(che
             with httpx.Client(base_url=served.url, timeout=30) as own:
                 answers[name] = own.post(path, json={**body, "stream": False, **fields})
 
-        with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        stream = {**body, "stream": True, "stream_options": {"continuous_usage_stats": True}}
+        with http.stream("POST", "/v1/completions", json=stream) as r:
             lines = r.iter_lines()
-            streamed = []
-            while len(streamed) < 2:
+            streamed, tokens = [], 0
+            while tokens < 2:  # (by the chunks' usage: a handler that fell behind merges tokens into one chunk)
                 line = next(lines)
                 if line:
                     streamed.append(line)
+                    tokens = json.loads(line.removeprefix("data: "))["usage"]["completion_tokens"]
+            assert tokens == 2
             waiting = [threading.Thread(target=post, args=(route, *STREAMS[route])) for route in STREAMS]
             for t in waiting:
                 t.start()
@@ -574,7 +578,7 @@ def test_requests_waiting_for_admission_when_the_engine_process_dies_get_503(che
         for route in STREAMS:
             assert (answers[route].status_code, answers[route].json()) == (503, {"error": error}), route
         # The stream in flight: its 2 tokens, then the error event and [DONE].
-        assert payloads[2:] == [f"data: {json.dumps({'error': error})}", "data: [DONE]"]
+        assert payloads[len(streamed):] == [f"data: {json.dumps({'error': error})}", "data: [DONE]"]
         _refused_as_dead(http, message)
     # No traceback (the ASGI server logs one for an unhandled error), and the death said once.
     assert [rec.getMessage() for rec in caplog.records if rec.name.startswith("uvicorn")] == []
