@@ -38,8 +38,16 @@ prefill step, in all and per decoder layer (the difference between the model wit
 all its layers and with one, over the layers removed), with one layer's kernel
 names.
 
+With ``--mixed``: what a step that carries prompt tokens costs against a decode-only
+step while ``--mixed-rows`` requests decode (issue 14's serving case: a request arrives
+while others stream), as the engine runs them (CUDA graphs, async scheduling): each
+step's wall time (``LLMEngine.step``), the host time inside the model runner's
+``execute``, the GPU span from before the forward pass to after sampling (events), and
+under torch.profiler the sum of the step's kernel times and their count. Kernels far
+shorter than the GPU span mean the device waits for launches (host-bound pieces).
+
 Usage: python bench/bench_e2e_gpu.py --shape smollm2 [--peers generate,generate_batch]
-       [--latency | --overhead | --shared-prefix | --kernels | --profile]
+       [--latency | --overhead | --shared-prefix | --kernels | --profile | --mixed]
 """
 
 from __future__ import annotations
@@ -491,6 +499,100 @@ def decode_profile(path: Path, fields: dict, args) -> None:
             print(f"{us / steps:9.1f}{n / steps:11.1f}  {name[:100]}")
 
 
+def mixed_steps(path: Path, fields: dict, args) -> None:
+    """Steps with prompt tokens against decode-only steps, ``--mixed-rows`` rows decoding."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    from pagedcore import LLM, SamplingParams
+
+    cuda = args.device == "cuda"
+    llm = LLM(model=str(path), load_format="dummy", dtype="bfloat16", device=args.device,
+              max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
+              max_num_seqs=args.max_num_seqs, enforce_eager=args.enforce_eager, enable_prefix_caching=False)
+    engine, rng = llm.llm_engine, np.random.default_rng(args.seed)
+    vocab, rows = fields["vocab_size"], args.mixed_rows
+    execute, sample = engine.runner.execute, engine.sampler.__call__
+    # per execute() call: host seconds inside it, its prompt tokens, [start, end] events
+    calls: list[list] = []
+
+    def timed_execute(batch, *a):
+        start = torch.cuda.Event(enable_timing=True) if cuda else None
+        if cuda:
+            start.record()
+        t = time.perf_counter()
+        out = execute(batch, *a)
+        calls.append([time.perf_counter() - t, batch.num_tokens - batch.num_decode_seqs, start, None])
+        return out
+
+    def timed_sample(*a, **kw):
+        out = sample(*a, **kw)
+        if cuda and calls:
+            calls[-1][3] = torch.cuda.Event(enable_timing=True)
+            calls[-1][3].record()
+        return out
+
+    engine.runner.execute, engine.sampler = timed_execute, timed_sample
+    decode_params = SamplingParams(temperature=0.0, max_tokens=4096 - 512, ignore_eos=True)
+    for i in range(rows):
+        engine.add_request(f"d{i}", None, rng.integers(3, vocab, 256).tolist(), decode_params)
+    for _ in range(8):  # the rows' prefills and a few decode steps
+        engine.step()
+    tag = iter(range(1 << 30))
+
+    def rounds(prompt: int, k: int) -> list[float]:
+        """k rounds of: a request of ``prompt`` tokens (max_tokens 1) added, then 4
+        engine steps; returns the steps' wall times (``calls`` gets their execute calls)."""
+        calls.clear()
+        walls = []
+        for _ in range(k):
+            if prompt:
+                engine.add_request(f"p{next(tag)}", None, rng.integers(3, vocab, prompt).tolist(),
+                                   SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+            for _ in range(4):
+                t = time.perf_counter()
+                engine.step()
+                walls.append(time.perf_counter() - t)
+        if cuda:
+            torch.cuda.synchronize()
+        return walls
+
+    def kernels(prompt: int) -> tuple[float, float]:
+        """(kernel ms, launches) of one round of 4 steps, under torch.profiler."""
+        if not cuda:
+            return float("nan"), float("nan")
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            rounds(prompt, 4)
+        events = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+        return sum(e.device_time_total for e in events) / 1e3 / 4, len(events) / 4
+
+    def med(values) -> float:
+        values = list(values)
+        return statistics.median(values) if values else float("nan")
+
+    print(f"\n{args.shape}: {rows} rows decoding (256-token prompts); every 4 steps a request of P prompt "
+          f"tokens arrives (max_tokens 1); medians, ms per step")
+    print(f"{'P':>5}{'step':>8}{'wall':>8}{'host in execute':>17}{'GPU span':>10}{'kernels':>9}{'launches':>10}")
+    base_ms = base_n = float("nan")
+    for prompt in (0, 16, 64, 256, 512):
+        rounds(prompt, 2)  # warm-up
+        walls = rounds(prompt, 12)
+        ms, n = kernels(prompt)
+        if prompt == 0:
+            base_ms, base_n = ms / 4, n / 4
+        for mixed in ((False,) if prompt == 0 else (True, False)):
+            sel = [i for i, c in enumerate(calls[:len(walls)]) if (c[1] > 0) == mixed]
+            span = med(calls[i][2].elapsed_time(calls[i][3]) for i in sel if cuda and calls[i][3] is not None)
+            # The mixed step's kernels: the round's less three decode-only steps'.
+            k_ms, k_n = (ms - 3 * base_ms, n - 3 * base_n) if mixed else (base_ms, base_n)
+            print(f"{prompt:>5}{'mixed' if mixed else 'decode':>8}{med(walls[i] for i in sel) * 1e3:8.3f}"
+                  f"{med(calls[i][0] for i in sel) * 1e3:17.3f}{span:10.3f}{k_ms:9.3f}{k_n:10.0f}")
+    print("(wall: the engine.step() call that launched the step; with async scheduling it also waits for the "
+          "step before. kernels: a mixed step's = its round's less three decode-only steps')")
+    del llm, engine
+    _free()
+
+
 def _peak(device: str) -> float:
     return torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan")
 
@@ -522,6 +624,8 @@ def main() -> None:
     parser.add_argument("--shared-prefix", action="store_true", help="prefix caching on against off")
     parser.add_argument("--kernels", action="store_true", help="CUDA kernels per layer of a decode and a prefill step")
     parser.add_argument("--profile", action="store_true", help="kernel time per decode step by name, batch 1 and 16")
+    parser.add_argument("--mixed", action="store_true", help="steps with prompt tokens against decode-only steps")
+    parser.add_argument("--mixed-rows", type=int, default=40, help="--mixed: the rows decoding meanwhile")
     args = parser.parse_args()
     fields, n, mean_prompt, out = SHAPES[args.shape]
     n = args.requests or n
@@ -529,7 +633,8 @@ def main() -> None:
     out = args.output_tokens or out
     torch.manual_seed(args.seed)
     mode = (latency if args.latency else overhead if args.overhead else shared_prefix if args.shared_prefix
-            else kernel_counts if args.kernels else decode_profile if args.profile else None)
+            else kernel_counts if args.kernels else decode_profile if args.profile
+            else mixed_steps if args.mixed else None)
     if mode is not None:
         with tempfile.TemporaryDirectory() as tmp:
             mode(checkpoint_dir(fields, Path(tmp)), fields, args)
