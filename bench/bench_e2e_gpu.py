@@ -500,7 +500,16 @@ def decode_profile(path: Path, fields: dict, args) -> None:
 
 
 def mixed_steps(path: Path, fields: dict, args) -> None:
-    """Steps with prompt tokens against decode-only steps, ``--mixed-rows`` rows decoding."""
+    """Steps with prompt tokens against decode-only steps, ``--mixed-rows`` rows
+    decoding, once per value of ``--mixed-graphs`` (PAGEDCORE_MIXED_GRAPHS)."""
+    import os
+
+    for tokens in args.mixed_graphs.split(","):
+        os.environ["PAGEDCORE_MIXED_GRAPHS"] = tokens
+        _mixed_steps(path, fields, args, tokens)
+
+
+def _mixed_steps(path: Path, fields: dict, args, mixed_graphs: str) -> None:
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -533,7 +542,7 @@ def mixed_steps(path: Path, fields: dict, args) -> None:
         return out
 
     engine.runner.execute, engine.sampler = timed_execute, timed_sample
-    decode_params = SamplingParams(temperature=0.0, max_tokens=4096 - 512, ignore_eos=True)
+    decode_params = SamplingParams(temperature=0.0, max_tokens=args.max_model_len - 256, ignore_eos=True)
     for i in range(rows):
         engine.add_request(f"d{i}", None, rng.integers(3, vocab, 256).tolist(), decode_params)
     for _ in range(8):  # the rows' prefills and a few decode steps
@@ -571,7 +580,7 @@ def mixed_steps(path: Path, fields: dict, args) -> None:
         return statistics.median(values) if values else float("nan")
 
     print(f"\n{args.shape}: {rows} rows decoding (256-token prompts); every 4 steps a request of P prompt "
-          f"tokens arrives (max_tokens 1); medians, ms per step")
+          f"tokens arrives (max_tokens 1); PAGEDCORE_MIXED_GRAPHS={mixed_graphs}; medians, ms per step")
     print(f"{'P':>5}{'step':>8}{'wall':>8}{'host in execute':>17}{'GPU span':>10}{'kernels':>9}{'launches':>10}")
     base_ms = base_n = float("nan")
     for prompt in (0, 16, 64, 256, 512):
@@ -587,9 +596,12 @@ def mixed_steps(path: Path, fields: dict, args) -> None:
             k_ms, k_n = (ms - 3 * base_ms, n - 3 * base_n) if mixed else (base_ms, base_n)
             print(f"{prompt:>5}{'mixed' if mixed else 'decode':>8}{med(walls[i] for i in sel) * 1e3:8.3f}"
                   f"{med(calls[i][0] for i in sel) * 1e3:17.3f}{span:10.3f}{k_ms:9.3f}{k_n:10.0f}")
+    runner = engine.runner
     print("(wall: the engine.step() call that launched the step; with async scheduling it also waits for the "
           "step before. kernels: a mixed step's = its round's less three decode-only steps')")
-    del llm, engine
+    print(f"steps replayed: {runner.mixed_graph_replays} whole mixed graphs, {runner.prefill_graph_replays} "
+          f"piecewise, {runner.graph_replays} decode graphs")
+    del llm, engine, runner
     _free()
 
 
@@ -626,6 +638,7 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="kernel time per decode step by name, batch 1 and 16")
     parser.add_argument("--mixed", action="store_true", help="steps with prompt tokens against decode-only steps")
     parser.add_argument("--mixed-rows", type=int, default=40, help="--mixed: the rows decoding meanwhile")
+    parser.add_argument("--mixed-graphs", default="0", help="--mixed: PAGEDCORE_MIXED_GRAPHS values to run, comma list")
     args = parser.parse_args()
     fields, n, mean_prompt, out = SHAPES[args.shape]
     n = args.requests or n

@@ -16,11 +16,15 @@ write no cache slot and read the null block), unless ``enforce_eager``. Other st
 (prefill chunks, mixed) replay piecewise graphs for a ladder of token counts: one
 graph per layer boundary holding everything but attention, which runs eagerly
 between them with the step's own plan (padding tokens write no cache slot).
+With ``PAGEDCORE_MIXED_GRAPHS=N`` (opt-in, off by default), steps of up to N
+tokens instead replay one whole graph with attention inside, over a plan of
+fixed size (:class:`pagedcore.ops.planning.PaddedPlan`).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -80,13 +84,14 @@ class _Staging:
             return torch.zeros(shape, dtype=torch.int32, pin_memory=pin)
 
         tokens, seqs = config.max_num_batched_tokens, config.max_num_seqs
+        # (the row arrays hold one row more: the mixed graphs' padding row)
         return cls(
             input_ids=buf(tokens),
             positions=buf(tokens),
             slot_mapping=buf(tokens),
-            seq_lens=buf(seqs),
-            query_start_loc=buf(seqs + 1),
-            block_tables=buf(seqs, config.max_blocks_per_seq),
+            seq_lens=buf(seqs + 1),
+            query_start_loc=buf(seqs + 2),
+            block_tables=buf(seqs + 1, config.max_blocks_per_seq),
             sample_indices=buf(seqs),
             deferred=torch.zeros(2 * seqs, dtype=torch.int64, pin_memory=pin),
         )
@@ -112,6 +117,36 @@ class _PrefillGraphs:
 
     graphs: list[torch.cuda.CUDAGraph]
     hidden: torch.Tensor  # [tokens, hidden_size], the final norm's output, written by the last graph
+
+
+def mixed_graph_tokens() -> int:
+    """PAGEDCORE_MIXED_GRAPHS=N (opt-in, read when a runner is made): steps of up to
+    N tokens that are not pure decode replay one whole CUDA graph each, attention
+    included (the sizes of PREFILL_GRAPH_TOKENS up to N). 0 or unset: off."""
+    value = os.environ.get("PAGEDCORE_MIXED_GRAPHS", "0") or "0"
+    try:
+        tokens = int(value)
+    except ValueError:
+        raise ValueError(f"PAGEDCORE_MIXED_GRAPHS must be a token count (0: off), got {value!r}") from None
+    if tokens < 0:
+        raise ValueError(f"PAGEDCORE_MIXED_GRAPHS must be >= 0 (0: off), got {tokens}")
+    return tokens
+
+# Rows cut into tiles (prefill chunks) a step may have to replay them: each one adds
+# padding CTAs to every layer's attention, and a mixed step has few.
+MIXED_GRAPH_TILE_ROWS = 8
+
+
+@dataclass
+class _MixedGraph:
+    """A step of up to one ladder size of tokens as one graph: the layer pieces
+    of _PrefillGraphs with attention between them over ``plan`` (fixed size;
+    rows up to ``max_rows``, the padding row after them)."""
+
+    graph: torch.cuda.CUDAGraph
+    hidden: torch.Tensor  # [tokens, hidden_size], written by each replay
+    plan: ops.planning.PaddedPlan
+    max_rows: int
 
 
 @dataclass
@@ -192,9 +227,13 @@ class ModelRunner:
         self.graph_replays = 0  # decode steps served by a graph
         self.prefill_graphs: dict[int, _PrefillGraphs | None] = {}  # None: run_prefill_in_pieces
         self.prefill_graph_replays = 0  # other steps whose layer bodies replayed graphs
+        self.mixed_graphs: dict[int, _MixedGraph] = {}
+        self.mixed_graph_replays = 0  # steps, not pure decode, served by one whole graph
         if device.type == "cuda" and not enforce_eager:
             self._capture_decode_graphs(engine_config)
             self._capture_prefill_graphs(engine_config)
+            if mixed_graph_tokens() > 0:
+                self._capture_mixed_graphs(engine_config, mixed_graph_tokens())
 
     # ---- CUDA graphs for decode steps ------------------------------------------
 
@@ -285,8 +324,9 @@ class ModelRunner:
         self._p_input_ids = torch.zeros(top, dtype=torch.int32, device=dev)
         self._p_positions = torch.zeros(top, dtype=torch.int32, device=dev)
         self._p_slot_mapping = torch.full((top,), -1, dtype=torch.int32, device=dev)
-        self._p_qkv = torch.zeros((top, spec.q_size + 2 * spec.kv_size), dtype=dtype, device=dev)
-        self._p_attn = torch.zeros((top, spec.num_heads, spec.head_dim), dtype=dtype, device=dev)
+        # (one row more: the query token of the mixed graphs' padding row, after a step's last)
+        self._p_qkv = torch.zeros((top + 1, spec.q_size + 2 * spec.kv_size), dtype=dtype, device=dev)
+        self._p_attn = torch.zeros((top + 1, spec.num_heads, spec.head_dim), dtype=dtype, device=dev)
         self._p_residual = torch.zeros((top, spec.hidden_size), dtype=dtype, device=dev)
 
     def run_prefill_in_pieces(self, sizes: tuple[int, ...]) -> None:
@@ -318,6 +358,101 @@ class ModelRunner:
         key_cache, value_cache = self.kv_caches[i]
         layers[i].pre_attention(positions, hidden, residual, table, key_cache, value_cache, slots, qkv_out=qkv)
         return None
+
+    # ---- whole CUDA graphs for small mixed steps (opt-in) --------------------------
+
+    def _capture_mixed_graphs(self, config: _C.EngineConfig, max_tokens: int) -> None:
+        """Captures, for each size of the prefill ladder up to ``max_tokens``, the
+        whole step in one graph: the layer pieces and attention between them over a
+        plan of fixed size. A small mixed step otherwise pays ~30 eager attention
+        calls and graph launches, more than its kernels take (issue 14)."""
+        spec, dev = self.spec, self.device
+        sizes = [t for t in self.prefill_graphs if t <= max_tokens]
+        if not sizes:
+            return
+        top_rows = min(config.max_num_seqs, sizes[-1])
+        # Row metadata with the padding row; the token buffers are the pieces' own.
+        self._m_seq_lens = torch.ones(top_rows + 1, dtype=torch.int32, device=dev)
+        self._m_query_start_loc = torch.zeros(top_rows + 2, dtype=torch.int32, device=dev)
+        self._m_block_tables = torch.zeros((top_rows + 1, config.max_blocks_per_seq), dtype=torch.int32, device=dev)
+        layer0 = self.model.layers[0]
+        scale, window = layer0.scale, spec.sliding_window
+        pool = torch.cuda.graph_pool_handle()
+        start = time.perf_counter()
+        with ops.unchecked_indices():
+            for t in reversed(sizes):  # largest first: the smaller ones reuse its pool
+                rows = min(config.max_num_seqs, t)
+                padded = ops.planning.PaddedPlan(
+                    t, rows, MIXED_GRAPH_TILE_ROWS, spec.num_heads, spec.num_kv_heads, spec.head_dim,
+                    self.model.dtype, dev, config.max_model_len)
+                md = AttentionMetadata(slot_mapping=self._p_slot_mapping[:t], block_tables=self._m_block_tables[:rows + 1],
+                                       seq_lens=self._m_seq_lens[:rows + 1],
+                                       query_start_loc=self._m_query_start_loc[:rows + 2], plan=padded.plan)
+                # Until a step fills them: row 0 one padding token over the null block.
+                self._m_query_start_loc[:rows + 2] = 1
+                self._m_query_start_loc[0] = 0
+                # Attention over t + 1 query rows: the padding row's token is the one
+                # after the step's last (the pieces never write row t: its q stays finite).
+                q = self._p_qkv[:t + 1, :spec.q_size].view(t + 1, spec.num_heads, spec.head_dim)
+                attn = self._p_attn[:t + 1]
+
+                def forward() -> torch.Tensor:
+                    hidden = self._prefill_segment(t, 0)
+                    for i, (key_cache, value_cache) in enumerate(self.kv_caches):
+                        layer = self.model.layers[i]
+                        ops.paged_attention(q, key_cache, value_cache, md.block_tables, md.seq_lens,
+                                            md.query_start_loc, scale=scale, sliding_window=window, plan=md.plan,
+                                            out=attn, k_scale=layer.k_scale, v_scale=layer.v_scale)
+                        hidden = self._prefill_segment(t, i + 1)
+                    return hidden
+
+                side = torch.cuda.Stream(dev)
+                side.wait_stream(torch.cuda.current_stream(dev))
+                with torch.cuda.stream(side):  # warm-up: lazily made buffers (the plan's scratch) exist first
+                    forward()
+                torch.cuda.current_stream(dev).wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    hidden = forward()
+                self.mixed_graphs[t] = _MixedGraph(graph, hidden, padded, rows)
+        self.mixed_graphs = dict(sorted(self.mixed_graphs.items()))
+        torch.cuda.synchronize(dev)
+        logger.info("CUDA graphs captured for whole mixed steps of %s tokens in %.1f s", sizes,
+                    time.perf_counter() - start)
+
+    def _replay_mixed(self, batch: _C.StepBatch, seq_lens: np.ndarray, width: int,
+                      deferred: tuple[torch.Tensor, torch.Tensor] | None,
+                      previous: torch.Tensor | None) -> torch.Tensor | None:
+        """The step's final hidden states from the whole graph of the next size up;
+        None (nothing done) when no graph fits it."""
+        n, r = batch.num_tokens, batch.num_seqs
+        t = next((size for size in self.mixed_graphs if size >= n), None)
+        if t is None:
+            return None
+        entry = self.mixed_graphs[t]
+        if r > entry.max_rows or not entry.plan.fill(batch.query_start_loc, seq_lens, pad_row=r):
+            return None
+        s = self.staging
+        ids, pos, slots = s.input_ids.numpy(), s.positions.numpy(), s.slot_mapping.numpy()
+        ids[:n], pos[:n], slots[:n] = batch.input_ids, batch.positions, batch.slot_mapping
+        ids[n:t], pos[n:t], slots[n:t] = 0, 0, -1
+        # The padding row r: query token n (a padding token), one key, the null block.
+        lens, starts = s.seq_lens.numpy(), s.query_start_loc.numpy()
+        lens[:r], lens[r] = seq_lens, 1
+        starts[:r + 1], starts[r + 1] = batch.query_start_loc, n + 1
+        s.block_tables.numpy()[r, :width] = 0
+        self._p_input_ids[:t].copy_(s.input_ids[:t], non_blocking=True)
+        self._p_positions[:t].copy_(s.positions[:t], non_blocking=True)
+        self._p_slot_mapping[:t].copy_(s.slot_mapping[:t], non_blocking=True)
+        self._m_seq_lens[:r + 1].copy_(s.seq_lens[:r + 1], non_blocking=True)
+        self._m_query_start_loc[:r + 2].copy_(s.query_start_loc[:r + 2], non_blocking=True)
+        self._m_block_tables[:r + 1, :width].copy_(s.block_tables[:r + 1, :width], non_blocking=True)
+        entry.plan.upload()
+        self._staging_copied()
+        self._take_deferred(self._p_input_ids, deferred, previous)
+        entry.graph.replay()
+        self.mixed_graph_replays += 1
+        return entry.hidden[:n]
 
     def _replay_prefill(self, batch: _C.StepBatch, md: AttentionMetadata,
                         deferred: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -493,6 +628,11 @@ class ModelRunner:
         if (self.graphs and batch.num_tokens == num_seqs == batch.num_samples
                 and batch.num_prompt_logprob_tokens == 0 and num_seqs <= max(self.graphs)):
             return self._replay_decode(batch, width, deferred, previous)
+        if self.mixed_graphs and batch.num_prompt_logprob_tokens == 0:
+            sample_indices = self._to_device(_put(s.sample_indices, batch.sample_indices))
+            hidden = self._replay_mixed(batch, seq_lens_np, width, deferred, previous)
+            if hidden is not None:
+                return self.model.compute_logits(hidden[sample_indices.long()])
         md = AttentionMetadata(
             slot_mapping=self._to_device(_put(s.slot_mapping, batch.slot_mapping)),
             block_tables=self._to_device(s.block_tables[:num_seqs, :width]),

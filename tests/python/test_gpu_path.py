@@ -221,3 +221,39 @@ def test_prefill_graphs_replay_prefill_and_mixed_steps(tiny) -> None:
     eager = LLM(model=str(tiny), device="cuda", dtype="float32", num_kv_blocks=256, max_model_len=256,
                 max_num_batched_tokens=48, enforce_eager=True)
     assert not eager.llm_engine.runner.prefill_graphs
+
+
+def test_mixed_graphs_replay_whole_small_steps(tiny, monkeypatch) -> None:
+    # PAGEDCORE_MIXED_GRAPHS=48: steps that are not pure decode, of up to 48 tokens
+    # (here all of them: 48-token prompt chunks beside decode rows), replay one whole
+    # graph with attention inside over a padded plan. float32 tokens equal
+    # transformers'.
+    monkeypatch.setenv("PAGEDCORE_MIXED_GRAPHS", "48")
+    gen = torch.Generator().manual_seed(5)
+    ps = prompts() + [torch.randint(3, 384, (150,), generator=gen).tolist()]
+    llm = LLM(model=str(tiny), device="cuda", dtype="float32", num_kv_blocks=256, max_model_len=256,
+              max_num_batched_tokens=48)
+    runner = llm.llm_engine.runner
+    assert sorted(runner.mixed_graphs) == [16, 32, 48]
+    assert generate(llm, ps, 24) == hf_greedy_gpu(tiny, ps, 24)
+    assert runner.mixed_graph_replays >= 4
+    assert llm.stats()["num_free_blocks"] == llm.stats()["num_blocks"]
+
+
+def test_mixed_graphs_equal_the_pieces_in_bfloat16(tiny, monkeypatch) -> None:
+    # bfloat16: rows of a few queries go to the decode kernel inside the graph too.
+    # Contexts stay short (no key splits either way), so the graph computes what the
+    # pieces with eager attention compute.
+    gen = torch.Generator().manual_seed(6)
+    ps = [torch.randint(3, 384, (int(n),), generator=gen).tolist() for n in (5, 40, 90, 3, 61, 17)]
+    runs, replays = {}, {}
+    for tokens in ("0", "64"):
+        monkeypatch.setenv("PAGEDCORE_MIXED_GRAPHS", tokens)
+        llm = LLM(model=str(tiny), device="cuda", dtype="bfloat16", num_kv_blocks=256, max_model_len=256,
+                  max_num_batched_tokens=64, max_num_seqs=4)
+        runs[tokens] = generate(llm, ps, 16)
+        replays[tokens] = llm.llm_engine.runner.mixed_graph_replays
+        assert llm.stats()["num_free_blocks"] == llm.stats()["num_blocks"]
+        del llm
+    assert replays["0"] == 0 and replays["64"] >= 4
+    assert runs["64"] == runs["0"]

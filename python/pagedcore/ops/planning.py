@@ -81,28 +81,10 @@ def _splits(blocks: int, longest: int, sms: int, split_keys: int = 256) -> int:
     return int(max(1, min(-(-2 * sms // blocks), longest // split_keys, 64)))
 
 
-def plan_attention(
-    query_start_loc: np.ndarray,
-    seq_lens: np.ndarray,
-    num_heads: int,
-    num_kv_heads: int,
-    device: torch.device,
-    head_dim: int | None = None,
-    dtype: torch.dtype | None = None,
-) -> AttentionPlan:
-    """Plans :func:`paged_attention` on CUDA for one step (host arrays in, no sync).
-
-    Parameters
-    ----------
-    query_start_loc : np.ndarray
-        ``[num_seqs + 1]`` the step's row starts (host copy).
-    seq_lens : np.ndarray
-        ``[num_seqs]`` tokens cached per row after the step (host copy).
-    head_dim, dtype : optional
-        The head size and the query's dtype; when given, tiles are sized for the
-        kernel that serves that dtype and rows with a single query go to the
-        decode kernel where it supports them.
-    """
+def _plan_lists(query_start_loc, seq_lens, num_heads: int, num_kv_heads: int, head_dim: int | None,
+                dtype: torch.dtype | None) -> tuple[np.ndarray, np.ndarray, int, np.ndarray, np.ndarray, np.ndarray]:
+    """The host half of :func:`plan_attention`: (work_seq, work_q_start, tile
+    tokens, decode_seq, the rows' query lengths, their lengths as int64)."""
     group = num_heads // num_kv_heads
     element_size = dtype.itemsize if dtype is not None else 4
     vectors = _C.cuda_attention_tile_vectors(element_size)
@@ -134,6 +116,34 @@ def plan_attention(
         keys = seq_lens[work_seq] - q_lens[work_seq] + np.minimum(work_q_start + tile, q_lens[work_seq])
         order = np.argsort(-keys, kind="stable")
         work_seq, work_q_start = work_seq[order], work_q_start[order]
+    return work_seq, work_q_start, tile, decode_seq, is_decode, seq_lens
+
+
+def plan_attention(
+    query_start_loc: np.ndarray,
+    seq_lens: np.ndarray,
+    num_heads: int,
+    num_kv_heads: int,
+    device: torch.device,
+    head_dim: int | None = None,
+    dtype: torch.dtype | None = None,
+) -> AttentionPlan:
+    """Plans :func:`paged_attention` on CUDA for one step (host arrays in, no sync).
+
+    Parameters
+    ----------
+    query_start_loc : np.ndarray
+        ``[num_seqs + 1]`` the step's row starts (host copy).
+    seq_lens : np.ndarray
+        ``[num_seqs]`` tokens cached per row after the step (host copy).
+    head_dim, dtype : optional
+        The head size and the query's dtype; when given, tiles are sized for the
+        kernel that serves that dtype and rows with a single query go to the
+        decode kernel where it supports them.
+    """
+    work_seq, work_q_start, tile, decode_seq, is_decode, seq_lens = _plan_lists(
+        query_start_loc, seq_lens, num_heads, num_kv_heads, head_dim, dtype)
+    total = work_seq.shape[0]
     sms = _sm_count(device)
     longest_tile = int(seq_lens[~is_decode].max()) if total else 0
     longest_decode = int(seq_lens[is_decode].max()) if decode_seq.size else 0
@@ -141,6 +151,70 @@ def plan_attention(
         work_seq, work_q_start, tile, _splits(max(1, total * num_kv_heads), longest_tile, sms),
         decode_seq, _splits(max(1, decode_seq.size * num_kv_heads), longest_decode, sms, _DECODE_SPLIT_KEYS), device,
     )
+
+
+class PaddedPlan:
+    """A plan of fixed size for a CUDA graph of mixed steps (prefill chunks with
+    decode rows) that runs attention inside the graph: ``plan.num_work`` tile
+    items and ``plan.num_decode`` decode items whatever the step, so that one
+    launch configuration serves every step that fits (:meth:`fill`).
+
+    Sized for steps of up to ``max_tokens`` tokens in up to ``max_rows`` rows, of
+    which at most ``max_tile_rows`` are cut into tiles (prefill chunks; every row
+    when the decode kernel does not serve the shape). Items beyond the step's own
+    repeat a padding row, the step's last row + 1, which the caller gives one
+    query token (a padding token of the graph), one cached key and a block table
+    pointing at the null block: CTAs that read one key each, whose output lands in
+    the padding token's row. Tiles never split their keys (``num_splits`` 1: any
+    split count computes the same attention); decode rows keep the splits chosen
+    for ``max_seq_len``, each row running only the splits its length needs (as
+    :func:`plan_decode`).
+    """
+
+    def __init__(self, max_tokens: int, max_rows: int, max_tile_rows: int, num_heads: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device: torch.device, max_seq_len: int) -> None:
+        self.num_heads, self.num_kv_heads, self.head_dim, self.dtype = num_heads, num_kv_heads, head_dim, dtype
+        group = num_heads // num_kv_heads
+        tile = max(1, _C.cuda_attention_tile_vectors(dtype.itemsize) // group)
+        if _C.cuda_decode_supported(group, head_dim, dtype.itemsize):
+            num_decode, tile_rows = max_rows + 1, min(max_tile_rows, max_rows)
+        else:  # every row is cut into tiles
+            num_decode, tile_rows = 0, max_rows
+        # A row of q tokens makes ceil(q / tile) tiles: at most tokens / tile + rows in all.
+        num_work = -(-max_tokens // tile) + tile_rows + 1
+        splits = _splits(max(1, num_decode * num_kv_heads), max_seq_len, _sm_count(device), _DECODE_SPLIT_KEYS)
+        zeros = np.zeros(num_work, dtype=np.int32)
+        self.plan = AttentionPlan(zeros, zeros, tile, 1, np.zeros(num_decode, dtype=np.int32), splits, device)
+        # The plan's three lists as views of one buffer: one copy a step.
+        self.host = torch.zeros(num_work * 2 + num_decode, dtype=torch.int32, pin_memory=device.type == "cuda")
+        self.device_lists = torch.zeros(num_work * 2 + num_decode, dtype=torch.int32, device=device)
+        self.plan.work_seq = self.device_lists[:num_work]
+        self.plan.work_q_start = self.device_lists[num_work:2 * num_work]
+        self.plan.decode_seq = self.device_lists[2 * num_work:]
+
+    def fill(self, query_start_loc, seq_lens, pad_row: int) -> bool:
+        """Stages the step's lists, padded (the copy to the device is queued by
+        :meth:`upload`); False, with nothing staged, when the step has more tile
+        or decode items than the plan holds."""
+        plan = self.plan
+        work_seq, work_q_start, tile, decode_seq, _, _ = _plan_lists(
+            query_start_loc, seq_lens, self.num_heads, self.num_kv_heads, self.head_dim, self.dtype)
+        if tile != plan.tile_tokens or work_seq.shape[0] > plan.num_work or decode_seq.shape[0] > plan.num_decode:
+            return False
+        w = plan.num_work
+        host = self.host.numpy()
+        host[:w] = pad_row
+        host[w:2 * w] = 0
+        host[2 * w:] = pad_row
+        host[:work_seq.shape[0]] = work_seq
+        host[w:w + work_q_start.shape[0]] = work_q_start
+        host[2 * w:2 * w + decode_seq.shape[0]] = decode_seq
+        return True
+
+    def upload(self) -> None:
+        """Queues the staged lists' copy to the device (the host buffer must stay
+        untouched until the copy has run: the model runner's staging event)."""
+        self.device_lists.copy_(self.host, non_blocking=True)
 
 
 def plan_decode(num_rows: int, num_kv_heads: int, device: torch.device, max_seq_len: int) -> AttentionPlan:

@@ -1,0 +1,111 @@
+"""The fixed-size attention plan of the whole-step CUDA graphs for small mixed
+steps (PAGEDCORE_MIXED_GRAPHS; ops.planning.PaddedPlan), checked on the host:
+its lists cover every query token of the step exactly once, the rest repeat the
+padding row, and a step it cannot hold is refused with nothing staged. (The
+graphs themselves run in test_gpu_path.py.)"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from pagedcore import _C
+from pagedcore.ops import planning
+
+if not hasattr(_C, "cuda_attention_tile_vectors"):
+    pytest.skip("pagedcore was built without CUDA (the plan's tile sizes come from it)", allow_module_level=True)
+
+
+@pytest.fixture(autouse=True)
+def _no_gpu_needed(monkeypatch) -> None:
+    monkeypatch.setattr(planning, "_sm_count", lambda device: 132)  # an H200's
+
+
+def padded(max_tokens: int, max_rows: int, dtype=torch.bfloat16, heads=(9, 3), head_dim=64) -> planning.PaddedPlan:
+    return planning.PaddedPlan(max_tokens, max_rows, 8, heads[0], heads[1], head_dim, dtype, torch.device("cpu"),
+                               max_seq_len=4096)
+
+
+def lists(p: planning.PaddedPlan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    w, host = p.plan.num_work, p.host.numpy()
+    return host[:w], host[w:2 * w], host[2 * w:]
+
+
+def covered(p: planning.PaddedPlan, q_lens: list[int]) -> dict[tuple[int, int], int]:
+    """How often each (row, query token) is computed by the plan's items."""
+    work_seq, work_q_start, decode_seq = lists(p)
+    tile = p.plan.tile_tokens
+    count: dict[tuple[int, int], int] = {}
+    for row, t0 in zip(work_seq.tolist(), work_q_start.tolist()):
+        for i in range(t0, min(t0 + tile, q_lens[row])):
+            count[row, i] = count.get((row, i), 0) + 1
+    for row in decode_seq.tolist():
+        for i in range(q_lens[row]):
+            count[row, i] = count.get((row, i), 0) + 1
+    return count
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_mixed_step_is_covered_once_and_the_rest_is_padding(dtype) -> None:
+    # 40 decode rows, a 2-token row (a decode item in bf16: 2 x 3 heads <= 16 vectors),
+    # a 200-token prefill chunk and a 37-token one; the padding row is 43, token 280.
+    q_lens = [1] * 40 + [2, 200, 37]
+    seq_lens = [300 + i for i in range(40)] + [90, 200, 1037]
+    qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    p = padded(512, 256, dtype)
+    work_before = (p.plan.num_work, p.plan.num_decode)
+    assert p.fill(qsl, np.array(seq_lens, dtype=np.int32), pad_row=43)
+    assert (p.plan.num_work, p.plan.num_decode) == work_before  # fixed: one launch configuration
+    q_lens_with_pad = q_lens + [1]
+    count = covered(p, q_lens_with_pad)
+    real = {(r, i) for r, n in enumerate(q_lens) for i in range(n)}
+    assert {k: v for k, v in count.items() if k[0] != 43} == {k: 1 for k in real}
+    work_seq, work_q_start, decode_seq = lists(p)
+    tile = p.plan.tile_tokens
+    real_tiles = sum(-(-n // tile) for n in q_lens if dtype == torch.float32 and n > 1 or n * 3 > 16)
+    assert (work_seq == 43).sum() == p.plan.num_work - real_tiles
+    assert (work_q_start[work_seq == 43] == 0).all()
+    if dtype == torch.bfloat16:
+        assert sorted(decode_seq[decode_seq != 43].tolist()) == list(range(41))  # the 1- and 2-token rows
+        assert p.plan.num_decode == 257 and (decode_seq == 43).sum() == 257 - 41
+    else:  # float32: the decode kernel takes one-query rows only
+        assert sorted(decode_seq[decode_seq != 43].tolist()) == list(range(40))
+    assert p.plan.num_splits == 1
+
+
+def test_a_step_with_more_tiles_than_the_plan_holds_is_refused_untouched() -> None:
+    # Thirty 17-token chunks (510 tokens): one tile each (17 x 3 vectors > 16: not
+    # decode rows), 30 tiles against the plan's ceil(512 / tile) + 8 + 1.
+    p = padded(512, 256)
+    assert p.plan.num_work == -(-512 // p.plan.tile_tokens) + 9 < 30
+    before = p.host.clone()
+    q_lens = [17] * 30
+    qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    assert not p.fill(qsl, np.array(q_lens, dtype=np.int32), pad_row=30)
+    assert torch.equal(p.host, before)
+    # The first twenty-two fit.
+    assert p.fill(qsl[:23], np.array(q_lens[:22], dtype=np.int32), pad_row=22)
+    count = covered(p, [17] * 22 + [1])
+    assert {k: v for k, v in count.items() if k[0] != 22} == {(r, i): 1 for r in range(22) for i in range(17)}
+
+
+@pytest.mark.parametrize("value, expected", [("", 0), ("0", 0), ("512", 512)])
+def test_the_switch_reads_a_token_count(monkeypatch, value, expected) -> None:
+    from pagedcore.model_runner import mixed_graph_tokens
+
+    monkeypatch.setenv("PAGEDCORE_MIXED_GRAPHS", value)
+    assert mixed_graph_tokens() == expected
+
+
+@pytest.mark.parametrize("value, message", [
+    ("on", "PAGEDCORE_MIXED_GRAPHS must be a token count (0: off), got 'on'"),
+    ("-1", "PAGEDCORE_MIXED_GRAPHS must be >= 0 (0: off), got -1"),
+])
+def test_a_bad_switch_is_refused_by_name(monkeypatch, value, message) -> None:
+    from pagedcore.model_runner import mixed_graph_tokens
+
+    monkeypatch.setenv("PAGEDCORE_MIXED_GRAPHS", value)
+    with pytest.raises(ValueError) as e:
+        mixed_graph_tokens()
+    assert str(e.value) == message
