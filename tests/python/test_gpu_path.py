@@ -205,39 +205,29 @@ def test_chunked_prefill_of_long_prompts_equals_transformers_on_gpu(tiny) -> Non
     assert llm.stats()["num_free_blocks"] == llm.stats()["num_blocks"]
 
 
-def test_prefill_graphs_replay_prefill_and_mixed_steps(tiny) -> None:
+@pytest.mark.parametrize("whole", [False, True], ids=["pieces", "whole"])
+def test_prefill_graphs_replay_prefill_and_mixed_steps(tiny, monkeypatch, whole) -> None:
     # Steps that are not pure decode replay the layer pieces captured for their padded
     # token count (attention eagerly between them): 48-token chunks, mixed steps and
-    # steps above the decode graphs' sizes. float32 tokens equal transformers'.
+    # steps above the decode graphs' sizes. With PAGEDCORE_MIXED_GRAPHS=48 the same
+    # steps (all of up to 48 tokens) replay one whole graph each instead, attention
+    # inside over a padded plan. float32 tokens equal transformers'.
+    monkeypatch.setenv("PAGEDCORE_MIXED_GRAPHS", "48" if whole else "0")
     gen = torch.Generator().manual_seed(5)
     ps = prompts() + [torch.randint(3, 384, (150,), generator=gen).tolist()]
     llm = LLM(model=str(tiny), device="cuda", dtype="float32", num_kv_blocks=256, max_model_len=256,
               max_num_batched_tokens=48)
     runner = llm.llm_engine.runner
     assert sorted(runner.prefill_graphs) == [16, 32, 48]
+    assert sorted(runner.mixed_graphs) == ([16, 32, 48] if whole else [])
     assert generate(llm, ps, 24) == hf_greedy_gpu(tiny, ps, 24)
-    assert runner.prefill_graph_replays >= 4
+    assert (runner.mixed_graph_replays if whole else runner.prefill_graph_replays) >= 4
     assert llm.stats()["num_free_blocks"] == llm.stats()["num_blocks"]
+    if whole:
+        return
     eager = LLM(model=str(tiny), device="cuda", dtype="float32", num_kv_blocks=256, max_model_len=256,
                 max_num_batched_tokens=48, enforce_eager=True)
     assert not eager.llm_engine.runner.prefill_graphs
-
-
-def test_mixed_graphs_replay_whole_small_steps(tiny, monkeypatch) -> None:
-    # PAGEDCORE_MIXED_GRAPHS=48: steps that are not pure decode, of up to 48 tokens
-    # (here all of them: 48-token prompt chunks beside decode rows), replay one whole
-    # graph with attention inside over a padded plan. float32 tokens equal
-    # transformers'.
-    monkeypatch.setenv("PAGEDCORE_MIXED_GRAPHS", "48")
-    gen = torch.Generator().manual_seed(5)
-    ps = prompts() + [torch.randint(3, 384, (150,), generator=gen).tolist()]
-    llm = LLM(model=str(tiny), device="cuda", dtype="float32", num_kv_blocks=256, max_model_len=256,
-              max_num_batched_tokens=48)
-    runner = llm.llm_engine.runner
-    assert sorted(runner.mixed_graphs) == [16, 32, 48]
-    assert generate(llm, ps, 24) == hf_greedy_gpu(tiny, ps, 24)
-    assert runner.mixed_graph_replays >= 4
-    assert llm.stats()["num_free_blocks"] == llm.stats()["num_blocks"]
 
 
 def test_mixed_graphs_equal_the_pieces_in_bfloat16(tiny, monkeypatch) -> None:
