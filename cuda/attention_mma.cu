@@ -740,7 +740,7 @@ int launch_variant(const PagedAttentionParams& p, cudaStream_t stream, int flags
 //     tile), three stages, two CTAs an SM at d128: half the tiles' fixed
 //     costs (barriers, max updates) per key, four score fragments a pass.
 //     On by default (=0 turns it off): fp8 B=64 L=4k 198.6 -> 183.1 us (0.69x of bf16).
-// Deleted after that run, losers everywhere (git log --grep decode4): 32-key
+// Deleted after the run at 5afe504, losers everywhere (git log --grep decode4): 32-key
 // tiles of two warps with 4 or 6 stages (B=64 L=4k 350.0 / 270.4 against
 // 265.3 us) and rows under 512 keys shared by a cluster of 2 or 4 CTAs,
 // merged through distributed shared memory (B=1 L=256 9.2 / 11.6 against 8.5).
