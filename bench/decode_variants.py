@@ -9,10 +9,7 @@ with its error against SDPA on the same keys gathered contiguously.
   PAGEDCORE_DECODE_EARLY_META lengths and first block ids read before the PDL wait (1, the
                               default over 16-bit caches; 0 off), and the first tiles' K/V rows
                               prefetched into L2 there too (2)
-  PAGEDCORE_DECODE_TILE32     bf16 launches that are not deep: 32-key tiles, 2 warps, 4 or 6 stages
   PAGEDCORE_FP8_WIDE_TILES    fp8 launches that are not deep: 128-key tiles (1, default; 0: 64)
-  PAGEDCORE_DECODE_CLUSTER    rows under 512 keys split over a cluster of 2 or 4 CTAs, merged
-                              through distributed shared memory (launches of <= 2 waves)
 
 After the table, FlashInfer's tensor-core decode on B=64 L=4k with the cache in its NHD
 layout (ours) and in HND (head-major blocks), when flashinfer is installed.
@@ -39,11 +36,7 @@ VARIANTS = (
     ("fp8 cvt", {"PAGEDCORE_FP8_FAST_CVT": "0"}),
     ("early off", {"PAGEDCORE_DECODE_EARLY_META": "0"}),
     ("early + L2", {"PAGEDCORE_DECODE_EARLY_META": "2"}),
-    ("tile32 x4", {"PAGEDCORE_DECODE_TILE32": "4"}),
-    ("tile32 x6", {"PAGEDCORE_DECODE_TILE32": "6"}),
     ("fp8 narrow", {"PAGEDCORE_FP8_WIDE_TILES": "0"}),
-    ("cluster 2", {"PAGEDCORE_DECODE_CLUSTER": "2"}),
-    ("cluster 4", {"PAGEDCORE_DECODE_CLUSTER": "4"}),
 )
 # (name, batch, keys, heads, kv heads, head dim, fp8, graph plan length or 0)
 CASES = (

@@ -21,13 +21,11 @@
 // K), V by ldmatrix.trans on byte pairs, whose even and odd head dims then
 // feed two mma tiles. Its scales fold into the score scale (k) and the output
 // (v).
-#include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
-#include <algorithm>
 #include <cfloat>
 #include <cstdint>
 #include <cstdlib>
@@ -78,12 +76,8 @@ __host__ __device__ constexpr size_t smem_bytes() {
   return bytes;
 }
 
-// Decode CTAs' warps: four, each a quarter of a tile's keys; two for 32-key
-// tiles (16 keys a warp, the mma's k).
-template <int KT>
-__host__ __device__ constexpr int decode_warps() {
-  return KT >= 64 ? 4 : 2;
-}
+// Decode CTAs' warps: four, each a quarter of a tile's keys.
+constexpr int kDecodeWarps = 4;
 
 // Run-time switches of a decode launch (the kernel's second argument).
 // kEarlyMeta: the row's lengths, split range and first block ids are read
@@ -94,8 +88,6 @@ constexpr int kEarlyMeta = 1;
 // kEarlyPrefetch (with kEarlyMeta): the K/V rows of the first tiles the
 // pipeline issues are prefetched into L2 before the wait as well.
 constexpr int kEarlyPrefetch = 2;
-// flags >> kClusterShift: CTAs per cluster along the splits (0: no clusters).
-constexpr int kClusterShift = 8;
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -200,11 +192,11 @@ __device__ __forceinline__ void ldmatrix_x2_trans(uint32_t addr, uint32_t (&r)[2
 
 // STAGES: tiles in flight (num_stages or, for small decode launches,
 // deep_stages); FASTCVT: fp8 widened by fp8x2_to_half2_scaled; KT: keys per
-// tile (decode variants: 32 or 128). flags: kEarlyMeta, kEarlyPrefetch (decode only).
+// tile (fp8 decode: 128 where not deep). flags: kEarlyMeta, kEarlyPrefetch (decode only).
 template <typename T, typename CT, int HD, bool DECODE, int STAGES, bool FASTCVT, int KT = kTileKeys>
-__global__ void __launch_bounds__(DECODE ? 32 * decode_warps<KT>() : 32 * kPrefillWarps)
+__global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarps)
     mma_attention_kernel(PagedAttentionParams p, int flags) {
-  constexpr int kWarps = DECODE ? decode_warps<KT>() : kPrefillWarps;
+  constexpr int kWarps = DECODE ? kDecodeWarps : kPrefillWarps;
   constexpr int kThreads = 32 * kWarps;
   constexpr int THREADS = kThreads;
   constexpr bool FP8 = std::is_same_v<CT, uint8_t>;
@@ -237,23 +229,11 @@ __global__ void __launch_bounds__(DECODE ? 32 * decode_warps<KT>() : 32 * kPrefi
   const int lane = threadIdx.x % 32;
   const int group = p.num_heads / p.num_kv_heads;
   int row, t0, tile_tokens, splits;
-  // Clusters of flags >> kClusterShift CTAs along z (a run-time switch, sm_90):
-  // a one-split row's keys in that many parts, merged through distributed
-  // shared memory instead of partials in global memory.
-  const int cluster_n = DECODE ? flags >> kClusterShift : 0;
-  bool in_cluster = false;
   if constexpr (DECODE) {
     row = p.decode_seq[work];
     t0 = 0;
     splits = merge::decode_active_splits(p, merge::decode_keys(p, row));
-    if (cluster_n > 1 && splits == 1) {
-      // A row of one split: the first cluster of its CTAs shares its keys.
-      if (split >= cluster_n) return;
-      in_cluster = true;
-      splits = cluster_n;
-    } else if (split >= splits) {
-      return;  // a short row: fewer splits than planned
-    }
+    if (split >= splits) return;  // a short row: fewer splits than planned
   } else {
     row = p.work_seq[work];
     t0 = p.work_q_start[work];
@@ -618,8 +598,6 @@ __global__ void __launch_bounds__(DECODE ? 32 * decode_warps<KT>() : 32 * kPrefi
     float* s_acc = reinterpret_cast<float*>(stages);
     float* s_m = s_acc + kWarps * 16 * HD;
     float* s_l = s_m + kWarps * 16;
-    static_assert(smem_bytes<CT, HD, STAGES, KT>() - kTable * 4 >= (kWarps * 16 * HD + 6 * kWarps * 16) * 4,
-                  "cluster merge space");  // (+ the weights of up to 4 CTAs' warps)
     static_assert(smem_bytes<CT, HD, STAGES, KT>() - kTable * 4 >= (kWarps * 16 * HD + 2 * kWarps * 16) * 4,
                   "merge space");
     static_assert(smem_bytes<CT, HD, STAGES, KT>() - kTable * 4 >= merge::kScratchFloats * 4, "split merge space");
@@ -639,9 +617,7 @@ __global__ void __launch_bounds__(DECODE ? 32 * decode_warps<KT>() : 32 * kPrefi
       s_l[warp * 16 + lane / 4 + 8] = l[1];
     }
     __syncthreads();
-    // (A cluster's CTAs leave their warps' shares in shared memory: the first
-    // CTA merges them all, below.)
-    for (int i = threadIdx.x; i < (in_cluster ? 0 : num_vectors * HD); i += kThreads) {
+    for (int i = threadIdx.x; i < num_vectors * HD; i += kThreads) {
       const int h = i / HD;  // the vector: query token h / group, head kv_head * group + h % group
       const int d = i % HD;
       float gmax = -INFINITY;
@@ -708,90 +684,10 @@ __global__ void __launch_bounds__(DECODE ? 32 * decode_warps<KT>() : 32 * kPrefi
       }
     }
   }
-  if constexpr (DECODE) {
-    if (in_cluster) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-      namespace cg = cooperative_groups;
-      cg::cluster_group cluster = cg::this_cluster();
-      cluster.sync();  // every CTA's warp shares are in its shared memory
-      if (cluster.block_rank() == 0) {
-        // The (max, sum) of every (CTA, warp) share per vector -> its weight
-        // (normalised, the v scale in), then each output a weighted sum of
-        // the shares' accumulators read across the cluster.
-        const float* s_acc = reinterpret_cast<const float*>(stages);
-        const float* s_m = s_acc + kWarps * 16 * HD;
-        const float* s_l = s_m + kWarps * 16;
-        float* s_w = reinterpret_cast<float*>(stages) + kWarps * 16 * HD + 2 * kWarps * 16;
-        for (int h = threadIdx.x; h < num_vectors; h += kThreads) {
-          float gmax = -INFINITY;
-          for (int r = 0; r < cluster_n; ++r) {
-            const float* rm = cluster.map_shared_rank(s_m, r);
-            const float* rl = cluster.map_shared_rank(s_l, r);
-            for (int w = 0; w < kWarps; ++w) {
-              if (rl[w * 16 + h] > 0.f) gmax = fmaxf(gmax, rm[w * 16 + h]);
-            }
-          }
-          float den = 0.f;
-          for (int r = 0; r < cluster_n; ++r) {
-            const float* rm = cluster.map_shared_rank(s_m, r);
-            const float* rl = cluster.map_shared_rank(s_l, r);
-            for (int w = 0; w < kWarps; ++w) {
-              const float lw = rl[w * 16 + h];
-              const float wt = lw > 0.f ? exp2f(rm[w * 16 + h] - gmax) : 0.f;
-              s_w[(r * kWarps + w) * 16 + h] = wt;
-              den += wt * lw;
-            }
-          }
-          const float inv = den > 0.f ? out_scale / den : 0.f;
-          for (int j = 0; j < cluster_n * kWarps; ++j) s_w[j * 16 + h] *= inv;
-        }
-        __syncthreads();
-        for (int i = threadIdx.x; i < num_vectors * HD; i += kThreads) {
-          const int h = i / HD;
-          const int d = i % HD;
-          float o = 0.f;
-          for (int r = 0; r < cluster_n; ++r) {
-            const float* ra = cluster.map_shared_rank(s_acc, r);
-#pragma unroll
-            for (int w = 0; w < kWarps; ++w) {
-              const float wt = s_w[(r * kWarps + w) * 16 + h];
-              o += wt != 0.f ? wt * ra[(w * 16 + h) * HD + d] : 0.f;
-            }
-          }
-          static_cast<T*>(p.out)[(static_cast<int64_t>(q_begin + h / group) * p.num_heads + kv_head * group + h % group) *
-                                     HD + d] = static_cast<T>(o);
-        }
-      }
-      cluster.sync();  // the others' shared memory lives until the first CTA has read it
-#endif
-      return;
-    }
-  }
   if (splits > 1 && (DECODE ? p.decode_split_counters : p.split_counters) != nullptr) {
     // The last split of this (item, kv head) to finish merges them all.
     merge::count_and_merge<T, HD, THREADS, DECODE>(p, work, kv_head, reinterpret_cast<float*>(stages));
   }
-}
-
-// Whether the current device runs thread-block clusters (compute capability
-// 9.0 and up; asked once per device).
-bool cluster_capable() {
-  constexpr int kMaxDevices = 64;
-  static int cached[kMaxDevices] = {};  // 0: not asked, 1: no, 2: yes
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= kMaxDevices) {
-    cudaGetLastError();
-    return false;
-  }
-  if (cached[dev] == 0) {
-    int major = 0;
-    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) {
-      cudaGetLastError();
-      major = 0;
-    }
-    cached[dev] = major >= 9 ? 2 : 1;
-  }
-  return cached[dev] == 2;
 }
 
 // An integer from the environment, or `fallback` (read at each launch: a getenv
@@ -804,7 +700,7 @@ int env_int(const char* name, int fallback) {
 template <typename T, typename CT, int HD, bool DECODE, int STAGES, bool FASTCVT, int KT = kTileKeys>
 int launch_variant(const PagedAttentionParams& p, cudaStream_t stream, int flags = 0) {
   constexpr size_t smem = smem_bytes<CT, HD, STAGES, KT>();
-  constexpr int threads = DECODE ? 32 * decode_warps<KT>() : 32 * kPrefillWarps;
+  constexpr int threads = DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarps;
   auto* kernel = mma_attention_kernel<T, CT, HD, DECODE, STAGES, FASTCVT, KT>;
   static bool configured = false;  // NOTE: per instantiation; raising the limit is idempotent
   if (!configured) {
@@ -815,29 +711,8 @@ int launch_variant(const PagedAttentionParams& p, cudaStream_t stream, int flags
   const int items = DECODE ? p.num_decode : p.num_work;
   const int splits = DECODE ? p.decode_splits : p.num_splits;
   if (items > 65535) return cudaErrorInvalidConfiguration;
-  const int cluster = flags >> kClusterShift;
-  cudaError_t e;
-  if (cluster > 1) {
-    // The splits rounded up to whole clusters (at least one).
-    const int z = (max(splits, cluster) + cluster - 1) / cluster * cluster;
-    cudaLaunchConfig_t config = {};
-    config.gridDim = dim3(p.num_kv_heads, items, z);
-    config.blockDim = dim3(threads);
-    config.dynamicSmemBytes = smem;
-    config.stream = stream;
-    cudaLaunchAttribute attribute[2];
-    attribute[0].id = cudaLaunchAttributeClusterDimension;
-    attribute[0].val.clusterDim.x = 1;
-    attribute[0].val.clusterDim.y = 1;
-    attribute[0].val.clusterDim.z = cluster;
-    attribute[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attribute[1].val.programmaticStreamSerializationAllowed = 1;
-    config.attrs = attribute;
-    config.numAttrs = pdl_enabled() ? 2 : 1;
-    e = cudaLaunchKernelEx(&config, kernel, p, flags);
-  } else {
-    e = launch_pdl(kernel, dim3(p.num_kv_heads, items, splits), dim3(threads), smem, stream, p, flags);
-  }
+  const cudaError_t e =
+      launch_pdl(kernel, dim3(p.num_kv_heads, items, splits), dim3(threads), smem, stream, p, flags);
   if (e != cudaSuccess || splits == 1 || (DECODE ? p.decode_split_counters : p.split_counters) != nullptr) return e;
   return merge_attention_splits(p, DECODE, stream);
 }
@@ -860,48 +735,31 @@ int launch_variant(const PagedAttentionParams& p, cudaStream_t stream, int flags
 //     B=16 10.0 -> 8.9, SmolLM2 B=1 5.8 -> 5.0, B=16 6.2 -> 5.4; one loss,
 //     SmolLM2 B=64 L=1k 20.3 -> 21.4. fp8: B=64 L=4k 198.6 -> 193.2 but B=1 L=4k
 //     15.0 -> 16.0, so off there. =2 (L2 prefetch) gained nothing more.
-//   PAGEDCORE_DECODE_TILE32=S (S = 4 or 6)  launches that are not deep, bf16 /
-//     fp16 cache, head dim 64 or 128: 32-key tiles, two warps, S stages
-//     (S - 1 tiles in flight of S instead of 2 of 3; 4: three CTAs an SM at
-//     d128, 6: two). Lost everywhere (B=64 L=4k 350.0 / 270.4 against 265.3).
 //   PAGEDCORE_FP8_WIDE_TILES=1  fp8 launches that are not deep, integer
 //     widening, head dim 64 or 128: 128-key tiles (the bytes of a 64-key bf16
 //     tile), three stages, two CTAs an SM at d128: half the tiles' fixed
 //     costs (barriers, max updates) per key, four score fragments a pass.
 //     On by default (=0 turns it off): fp8 B=64 L=4k 198.6 -> 183.1 us (0.69x of bf16).
-//   PAGEDCORE_DECODE_CLUSTER=N (N = 2 or 4; sm_90; launches whose rows x kv
-//     heads x N fit two waves)  rows of one split (under 512 keys) share
-//     their keys among a cluster of N CTAs, merged through distributed shared
-//     memory (no partials, no counter); longer rows split as before. Lost
-//     (B=1 L=256 9.2 / 11.6 against 8.5).
+// Deleted after the run at 5afe504, losers everywhere (git log --grep decode4): 32-key
+// tiles of two warps with 4 or 6 stages (B=64 L=4k 350.0 / 270.4 against
+// 265.3 us) and rows under 512 keys shared by a cluster of 2 or 4 CTAs,
+// merged through distributed shared memory (B=1 L=256 9.2 / 11.6 against 8.5).
 template <typename T, typename CT, int HD, bool DECODE>
 int launch_kernel(const PagedAttentionParams& p, cudaStream_t stream) {
   constexpr bool FP8 = std::is_same_v<CT, uint8_t>;
   if constexpr (DECODE) {
     const int early = env_int("PAGEDCORE_DECODE_EARLY_META", FP8 ? 0 : 1);
-    int flags = early == 0 ? 0 : (early == 2 ? kEarlyMeta | kEarlyPrefetch : kEarlyMeta);
-    const int cluster = env_int("PAGEDCORE_DECODE_CLUSTER", 0);
-    const int64_t rows = static_cast<int64_t>(p.num_kv_heads) * p.num_decode;
-    int z = p.decode_splits;
-    if ((cluster == 2 || cluster == 4) && rows * cluster <= 2 * multiprocessor_count() && cluster_capable()) {
-      flags |= cluster << kClusterShift;
-      z = (std::max(z, cluster) + cluster - 1) / cluster * cluster;
-    }
-    const bool deep = rows * z <= env_int("PAGEDCORE_DECODE_DEEP_CTAS", multiprocessor_count());
+    const int flags = early == 0 ? 0 : (early == 2 ? kEarlyMeta | kEarlyPrefetch : kEarlyMeta);
+    const int64_t ctas = static_cast<int64_t>(p.num_kv_heads) * p.num_decode * p.decode_splits;
+    const bool deep = ctas <= env_int("PAGEDCORE_DECODE_DEEP_CTAS", multiprocessor_count());
     const bool fast = FP8 && env_int("PAGEDCORE_FP8_FAST_CVT", 1) != 0;
     if (deep) {
       return fast ? launch_variant<T, CT, HD, true, deep_stages<HD>(), FP8>(p, stream, flags)
                   : launch_variant<T, CT, HD, true, deep_stages<HD>(), false>(p, stream, flags);
     }
-    if constexpr (HD == 64 || HD == 128) {
-      if constexpr (FP8) {
-        if (fast && env_int("PAGEDCORE_FP8_WIDE_TILES", 1) != 0) {
-          return launch_variant<T, CT, HD, true, 3, true, 128>(p, stream, flags);
-        }
-      } else {
-        const int tile32 = env_int("PAGEDCORE_DECODE_TILE32", 0);
-        if (tile32 == 4) return launch_variant<T, CT, HD, true, 4, false, 32>(p, stream, flags);
-        if (tile32 == 6) return launch_variant<T, CT, HD, true, 6, false, 32>(p, stream, flags);
+    if constexpr (FP8 && (HD == 64 || HD == 128)) {
+      if (fast && env_int("PAGEDCORE_FP8_WIDE_TILES", 1) != 0) {
+        return launch_variant<T, CT, HD, true, 3, true, 128>(p, stream, flags);
       }
     }
     return fast ? launch_variant<T, CT, HD, true, num_stages<HD, true>(), FP8>(p, stream, flags)

@@ -13,6 +13,7 @@ step's cost in Python does not grow with the number of such streams.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import NamedTuple
 
 import numpy as np
@@ -46,6 +47,13 @@ class CompactOutputs(NamedTuple):
         if len(parts) == 1:
             return parts[0]
         return CompactOutputs(*(np.concatenate([p[i] for p in parts]) for i in range(4)))
+
+    def rows(self) -> Iterator[tuple[int, int, int, int]]:
+        """The rows in order as (key, token_id, finish, stop_reason) tuples of
+        Python ints. NOTE: each array goes through ``tolist()`` once: the server's
+        per-row delivery loops look keys up in dicts, where numpy scalars would
+        cost a conversion per row."""
+        return zip(self.keys.tolist(), self.token_ids.tolist(), self.finish.tolist(), self.stop_reasons.tolist())
 
     def select(self, mask: np.ndarray) -> CompactOutputs:
         return CompactOutputs(self.keys[mask], self.token_ids[mask], self.finish[mask], self.stop_reasons[mask])

@@ -89,6 +89,14 @@ def test_compact_rows_are_the_greedy_tokens_and_an_abort_ends_them(mode, checkpo
     assert all(np.array_equal(a, b) for a, b in zip(back, out))
 
 
+def test_rows_give_each_rows_four_fields_as_python_ints() -> None:
+    out = CompactOutputs(np.array([10, 11, 10], dtype=np.int64), np.array([5, 7, 9], dtype=np.int32),
+                         np.array([0, 2, 1], dtype=np.uint8), np.array([-1, -1, 9], dtype=np.int32))
+    got = list(out.rows())
+    assert got == [(10, 5, 0, -1), (11, 7, 2, -1), (10, 9, 1, 9)]
+    assert all(type(x) is int for row in got for x in row)
+
+
 def test_a_stop_token_finishes_a_compact_request_with_its_stop_reason(checkpoint, reference) -> None:
     from pagedcore import default_model_path
 

@@ -150,23 +150,16 @@ def test_decode_rows_shorter_than_the_graph_plan(dtype, window, fp8):
     {"PAGEDCORE_DECODE_EARLY_META": "0", "PAGEDCORE_FP8_WIDE_TILES": "0", "PAGEDCORE_DECODE_DEEP_CTAS": "0"},
     {"PAGEDCORE_DECODE_EARLY_META": "1", "PAGEDCORE_DECODE_DEEP_CTAS": "100000"},
     {"PAGEDCORE_DECODE_EARLY_META": "2"},
-    {"PAGEDCORE_DECODE_TILE32": "4", "PAGEDCORE_DECODE_DEEP_CTAS": "0"},
-    {"PAGEDCORE_DECODE_TILE32": "6", "PAGEDCORE_DECODE_DEEP_CTAS": "0"},
-    {"PAGEDCORE_DECODE_CLUSTER": "2"},
-    {"PAGEDCORE_DECODE_CLUSTER": "4", "PAGEDCORE_DECODE_EARLY_META": "0"},
-], ids=["shallow", "deep", "fp8-cvt", "early-off-narrow-fp8", "early-meta-fp8-deep", "early-l2", "tile32x4",
-        "tile32x6", "cluster2", "cluster4-late-meta"])
+], ids=["shallow", "deep", "fp8-cvt", "early-off-narrow-fp8", "early-meta-fp8-deep", "early-l2"])
 def test_decode_kernel_variants(monkeypatch, env):
     # The decode kernel's pipelines (three tiles in flight, or five for launches of few
     # CTAs), fp8 widenings (integer operations, or the cvt unit), the lengths and first
     # block ids read before the PDL wait (and the first tiles prefetched into L2 there),
-    # 32-key tiles on two warps (bf16/fp16 cache, head dim 64 and 128), 128-key fp8
-    # tiles, rows under 512 keys shared by a cluster of 2 or 4 CTAs (lengths 1-256 here:
-    # clusters with CTAs of no keys), each forced: the defaults pick per launch, so that
-    # each would otherwise run only on some shapes. The defaults (early metadata over
-    # 16-bit caches, 128-key fp8 tiles) run in "shallow"; "early-off-narrow-fp8": the paths
-    # they left (metadata after the wait, 64-key fp8 tiles), "early-meta-fp8-deep": early
-    # metadata over fp8 and in the deep pipeline.
+    # 128-key fp8 tiles, each forced: the defaults pick per launch, so that each would
+    # otherwise run only on some shapes. The defaults (early metadata over 16-bit caches,
+    # 128-key fp8 tiles) run in "shallow"; "early-off-narrow-fp8": the paths they left
+    # (metadata after the wait, 64-key fp8 tiles), "early-meta-fp8-deep": early metadata
+    # over fp8 and in the deep pipeline.
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     lengths = [1, 17, 255, 256, 513, 1500, 4097, 9000]

@@ -547,8 +547,7 @@ class AsyncEngine:
         a token id each, a request's last one as a _Finish (one row per stream
         and step: a plain loop, no object but the last)."""
         ids, streams, outbox = self._compact_ids, self._streams, self._outbox
-        for key, token, finish, stop in zip(rows.keys.tolist(), rows.token_ids.tolist(), rows.finish.tolist(),
-                                            rows.stop_reasons.tolist()):
+        for key, token, finish, stop in rows.rows():
             request_id = ids.get(key)
             if request_id is None:
                 continue

@@ -713,8 +713,7 @@ class EngineProcess:
         plain loop; a row of a stream aborted here meanwhile is dropped."""
         rows = CompactOutputs.from_bytes(raw)
         streams = self._compact_streams
-        for key, token, finish, stop in zip(rows.keys.tolist(), rows.token_ids.tolist(), rows.finish.tolist(),
-                                            rows.stop_reasons.tolist()):
+        for key, token, finish, stop in rows.rows():
             stream = streams.get(key)
             if stream is None:
                 continue
