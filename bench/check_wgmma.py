@@ -29,11 +29,8 @@ import torch
 from pagedcore import _C, ops
 
 ENV = "PAGEDCORE_PREFILL_KERNEL"
-# wgmma-tma-ids: the copying warp looks block ids up a tile ahead; wgmma-tma-runs: a key tile
-# of consecutive cache blocks as one copy per 64-dim half; wgmma-tma-ids-runs: both;
-# wgmma-tma-pairs: one copy per block for both 64-dim halves (d128); -ids-pairs: with ids ahead.
-KERNELS = ("mma", "wgmma", "wgmma-tma", "wgmma-tma-ids", "wgmma-tma-runs", "wgmma-tma-ids-runs", "wgmma-tma-pairs",
-           "wgmma-tma-ids-pairs")
+# wgmma-tma-pairs: one copy per block for both 64-dim halves (d128).
+KERNELS = ("mma", "wgmma", "wgmma-tma", "wgmma-tma-pairs")
 PROBE_SECONDS = 90
 
 
@@ -48,7 +45,6 @@ class Case:
     dtype: torch.dtype = torch.bfloat16
     window: int = 0
     softcap: float = 0.0
-    consecutive: bool = False  # the rows' blocks in table order in the cache (else scattered)
 
 
 ISSUE_CASES = [
@@ -69,16 +65,9 @@ EXTRA_CASES = [
     Case("window 200, bs64, splits (32/8, d128)", [(1000, 3000), (40, 5000)], window=200, block_size=64),
 ]
 
-# Block size 16 with each row's blocks consecutive in the cache, as a fresh allocation may
-# lay them out (wgmma-tma-runs then copies whole key tiles), beside ISSUE_CASES' scattered ones.
-RUN_CASES = [
-    Case("8k causal (32/8, d128, bs16, consecutive)", [(8192, 8192)], consecutive=True),
-]
-
-
 def build(case: Case, seed: int = 0):
     """Paged cache with NaN in block 0 and in every slot past a row's length; rows'
-    blocks scattered at random (case.consecutive: in order)."""
+    blocks scattered at random."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     bs = case.block_size
     per_row = [-(-ctx // bs) for _, ctx in case.rows]
@@ -89,8 +78,6 @@ def build(case: Case, seed: int = 0):
     kc[0] = float("nan")
     vc[0] = float("nan")
     perm = (torch.randperm(nb - 1, generator=g, device="cuda") + 1).to(torch.int32)
-    if case.consecutive:
-        perm = torch.arange(1, nb, device="cuda", dtype=torch.int32)
     width = max(per_row)
     tables = torch.zeros((len(case.rows), width), dtype=torch.int32, device="cuda")
     at = 0
@@ -303,7 +290,7 @@ def main() -> None:
     KERNELS = tuple(alive)
     # (for the device command: PAGEDCORE_TEST_PREFILL_KERNELS=$(... | sed -n 's/^ALIVE=//p'))
     print(f"ALIVE={','.join(alive)}", flush=True)
-    cases = EXTRA_CASES + ([] if args.quick else ISSUE_CASES + RUN_CASES)
+    cases = EXTRA_CASES + ([] if args.quick else ISSUE_CASES)
     rows = []
     with ops.unchecked_indices():
         for case in cases:

@@ -19,8 +19,7 @@
 // one copy per cache block and 64-dim half (attention_wgmma_tma.cuh), mbarriers
 // hand the buffers between it and the two computing warpgroups, and CTAs are
 // persistent; =wgmma-tma-pairs (the default at head dim 128 up to block size
-// 32), one copy per block for both halves; the opt-in variants for small
-// blocks =wgmma-tma-ids, -runs, -ids-runs, -ids-pairs (see kernel_choice).
+// 32), one copy per block for both halves.
 // Scores, softmax and O are float32; P is rounded to the query type.
 #include "attention_wgmma.h"
 
@@ -173,7 +172,7 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_prefill_kernel(const __grid
 #endif
 }
 
-// ---- the TMA kernel (PAGEDCORE_PREFILL_KERNEL=wgmma-tma and its MODEs; the default at head dim 128) ----
+// ---- the TMA kernel (PAGEDCORE_PREFILL_KERNEL=wgmma-tma, -pairs; the default at head dim 128) ----
 //
 // Warpgroup 0 copies (40 registers), warpgroups 1 and 2 compute (232
 // registers), as FlashAttention-3 does. K and V tiles have their own rings of
@@ -186,22 +185,13 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_prefill_kernel(const __grid
 // the bytes, the full V barrier that and the 128 threads' cp.async arrivals
 // (edge rows of V, zero-filled). The two computing warpgroups never wait for
 // each other.
-// MODE (variants for small blocks: 16 copies per K or V tile at block size 16
-// and head dim 128, against 2 at 128; kPairs is the default up to block size 32):
-//   kIdsAhead (=wgmma-tma-ids): warp 0 looks up the block ids of the item's
-//     next tile before it waits for this tile's buffers, so that the table's
-//     latency is not between a buffer coming free and its copies;
-//   kRuns (=wgmma-tma-runs): a tile whose blocks are consecutive in the cache
-//     (rows block_0 * block_size .. + kKeys of [num_blocks * block_size, kv
-//     heads, HD]) comes as one copy per 64-dim half (tma_tile_run);
-//   kPairs (=wgmma-tma-pairs, head dim 128): one copy per block for both
-//     64-dim halves, K and V tiles in the paired layout (the halves' 8-row
-//     atoms side by side, wgmma::swizzled_paired; the wgmma descriptors'
-//     strides follow): 8 copies per K or V tile at block size 16, not 16.
-// Names: wgmma-tma-ids, -runs, -ids-runs, -pairs, -ids-pairs.
+// MODE kPairs (=wgmma-tma-pairs, head dim 128; the default up to block size
+// 32, where a K or V tile is 16 copies at block size 16 against 2 at 128):
+// one copy per block for both 64-dim halves, K and V tiles in the paired
+// layout (the halves' 8-row atoms side by side, wgmma::swizzled_paired; the
+// wgmma descriptors' strides follow): 8 copies per K or V tile at block size
+// 16, not 16.
 constexpr int kTmaThreads = 384;
-constexpr int kIdsAhead = 1;
-constexpr int kRuns = 2;
 constexpr int kPairs = 4;
 
 // The r-th item (linear index of the launch's grid) of this persistent CTA, or
@@ -228,15 +218,12 @@ constexpr int kJoinRegs = 168;  // everyone's share again (65536 / 384), for the
 template <typename T, int HD, int MODE>
 __global__ void __launch_bounds__(kTmaThreads, 1)
     wgmma_tma_prefill_kernel(const __grid_constant__ PagedAttentionParams p,
-                             const __grid_constant__ KvTensorMaps<(MODE & kRuns) != 0> maps) {
+                             const __grid_constant__ KvTensorMaps maps) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int ON = HD / 2;
   constexpr int PK = kKeys / 16;
   constexpr int TB = tile_bytes<HD>(kKeys);
-  constexpr bool IDS_AHEAD = (MODE & kIdsAhead) != 0;
-  constexpr bool RUNS = (MODE & kRuns) != 0;
   constexpr bool PAIRS = (MODE & kPairs) != 0 && HD == 128;
-  static_assert(!(RUNS && PAIRS), "runs copy the panel-major layout");
   static_assert(HD == 64 || HD == 128, "head dim");
 
   extern __shared__ unsigned char smem_raw[];
@@ -279,10 +266,6 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
     if (tid == 0) {
       wgmma::tma_prefetch_map(&maps.k);
       wgmma::tma_prefetch_map(&maps.v);
-      if constexpr (RUNS) {
-        wgmma::tma_prefetch_map(&maps.k_rows);
-        wgmma::tma_prefetch_map(&maps.v_rows);
-      }
     }
     // Tile g of this CTA (over all its items) uses stage g % kStages for the
     // (g / kStages)-th time: its full barrier completes phase g / kStages;
@@ -295,47 +278,22 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
       const Item it = item_at(p, linear);
       const KvGather<T, HD> kv(p, it);
       const TileSpan span = block_aligned_tiles(it, p.block_size);
-      // (IDS_AHEAD: the block ids of tile t + 1, looked up at the top of tile t.)
-      int next = IDS_AHEAD && tid < 32 && span.n > 0 ? tile_block(kv, span.k0, it.s_lo, it.s_hi, tid) : -1;
 #pragma unroll 1
       for (int t = 0; t < span.n; ++t, ++g) {
         const int st = g % kStages;
         const uint32_t use = g / kStages;
         const int kbase = span.k0 + t * kKeys;
         // Warp 0's lanes look up the tile's blocks once, for K and V.
-        int block = -1;
-        if constexpr (IDS_AHEAD) {
-          block = next;
-          if (tid < 32) next = t + 1 < span.n ? tile_block(kv, kbase + kKeys, it.s_lo, it.s_hi, tid) : -1;
-        }
         if (use > 0) wgmma::mbar_wait(empty_k(st), (use - 1) & 1);
-        if constexpr (!IDS_AHEAD) block = tid < 32 ? tile_block(kv, kbase, it.s_lo, it.s_hi, tid) : -1;
-        // (RUNS: whether the tile's blocks are consecutive, asked once for K and V.)
-        const bool run = RUNS && tid < 32 && tile_is_run(block, p.block_size, tid);
+        const int block = tid < 32 ? tile_block(kv, kbase, it.s_lo, it.s_hi, tid) : -1;
         if (tid < 32) {
-          if constexpr (RUNS) {
-            if (run) {
-              tma_tile_run<HD>(&maps.k_rows, it.kv_head, k_s + st * TB, full_k(st), block, p.block_size, tid);
-            } else {
-              tma_k_blocks<HD, PAIRS>(&maps.k, it.kv_head, k_s + st * TB, full_k(st), block, p.block_size, tid);
-            }
-          } else {
-            tma_k_blocks<HD, PAIRS>(&maps.k, it.kv_head, k_s + st * TB, full_k(st), block, p.block_size, tid);
-          }
+          tma_k_blocks<HD, PAIRS>(&maps.k, it.kv_head, k_s + st * TB, full_k(st), block, p.block_size, tid);
         }
         if (use > 0) wgmma::mbar_wait(empty_v(st), (use - 1) & 1);
         int lo, hi;
         full_block_rows(kbase, it.s_lo, it.s_hi, p.block_size, lo, hi);
         if (tid < 32) {
-          if constexpr (RUNS) {
-            if (run && lo == 0 && hi == kKeys) {
-              tma_tile_run<HD>(&maps.v_rows, it.kv_head, v_s + st * TB, full_v(st), block, p.block_size, tid);
-            } else {
-              tma_v_blocks<HD, PAIRS>(&maps.v, it.kv_head, v_s + st * TB, full_v(st), block, p.block_size, lo, hi, tid);
-            }
-          } else {
-            tma_v_blocks<HD, PAIRS>(&maps.v, it.kv_head, v_s + st * TB, full_v(st), block, p.block_size, lo, hi, tid);
-          }
+          tma_v_blocks<HD, PAIRS>(&maps.v, it.kv_head, v_s + st * TB, full_v(st), block, p.block_size, lo, hi, tid);
         }
         kv.template load_edge_rows<PAIRS>(v_s + st * TB, kv.value_base, kbase, lo, hi, it.s_lo, it.s_hi, tid, 128);
         wgmma::cp_async_arrive(full_v(st));
@@ -500,8 +458,8 @@ constexpr int kTmaChoice = 2;
 
 template <typename T, int HD, int MODE>
 int launch_tma(const PagedAttentionParams& p, cudaStream_t stream) {
-  KvTensorMaps<(MODE & kRuns) != 0> maps{};
-  if (encode_kv_maps<T, HD, (MODE & kRuns) != 0, (MODE & kPairs) != 0 && HD == 128>(p, maps)) {
+  KvTensorMaps maps{};
+  if (encode_kv_maps<T, HD, (MODE & kPairs) != 0 && HD == 128>(p, maps)) {
     static bool configured = false;
     return launch<HD>(wgmma_tma_prefill_kernel<T, HD, MODE>, configured, kTmaThreads, p, stream, true, maps);
   }
@@ -520,11 +478,7 @@ int launch_head_dim(const PagedAttentionParams& p, int choice, cudaStream_t stre
   }
   switch (choice - kTmaChoice) {
     case 0: return launch_tma<T, HD, 0>(p, stream);
-    case kIdsAhead: return launch_tma<T, HD, kIdsAhead>(p, stream);
-    case kRuns: return launch_tma<T, HD, kRuns>(p, stream);
-    case kIdsAhead | kRuns: return launch_tma<T, HD, kIdsAhead | kRuns>(p, stream);
     case kPairs: return launch_tma<T, HD, kPairs>(p, stream);
-    case kIdsAhead | kPairs: return launch_tma<T, HD, kIdsAhead | kPairs>(p, stream);
     default: break;
   }
   static bool configured = false;
@@ -541,11 +495,8 @@ int dispatch_head_dim(const PagedAttentionParams& p, int choice, cudaStream_t st
 }
 
 // PAGEDCORE_PREFILL_KERNEL: "wgmma" (1: the plain kernel), "wgmma-tma" (2: the
-// TMA kernel), "wgmma-tma-ids" (3: its block ids a tile ahead),
-// "wgmma-tma-runs" (4: a tile of consecutive blocks as one copy per 64-dim
-// half), "wgmma-tma-ids-runs" (5: both), "wgmma-tma-pairs" (6: one copy per
-// block for both 64-dim halves), "wgmma-tma-ids-pairs" (7: with ids ahead),
-// "mma" (0: the mma.sync kernel) or
+// TMA kernel), "wgmma-tma-pairs" (6: one copy per block for both 64-dim
+// halves), "mma" (0: the mma.sync kernel) or
 // anything else unknown (0); unset, empty or "auto": the variant measured
 // fastest for the head dim and block size (kAuto*).
 // NOTE: measured on the H200 (bench/check_wgmma.py, at 83b8cea; every variant
@@ -563,7 +514,8 @@ int dispatch_head_dim(const PagedAttentionParams& p, int choice, cudaStream_t st
 // 1028, -pairs 1069; 2048 over 6144 cached (bs16) 493 against -pairs 429, 16 x
 // 512 over 1-4k 844 against 780. So -pairs (one copy a block for both 64-dim
 // halves) at block sizes up to 32 (32 not timed apart: it halves the copies as
-// at 16), wgmma-tma above.
+// at 16), wgmma-tma above. -ids (block ids a tile ahead), -runs (a tile of
+// consecutive blocks as one copy per half), -ids-runs, -ids-pairs were deleted.
 constexpr int kAutoD128 = kTmaChoice;
 constexpr int kAutoD128SmallBlocks = kTmaChoice + kPairs;
 constexpr int kAutoD64 = 0;
@@ -577,11 +529,7 @@ int kernel_choice(const PagedAttentionParams& p) {
   }
   if (std::strcmp(env, "wgmma") == 0) return 1;
   if (std::strcmp(env, "wgmma-tma") == 0) return kTmaChoice;
-  if (std::strcmp(env, "wgmma-tma-ids") == 0) return kTmaChoice + kIdsAhead;
-  if (std::strcmp(env, "wgmma-tma-runs") == 0) return kTmaChoice + kRuns;
-  if (std::strcmp(env, "wgmma-tma-ids-runs") == 0) return kTmaChoice + (kIdsAhead | kRuns);
   if (std::strcmp(env, "wgmma-tma-pairs") == 0) return kTmaChoice + kPairs;
-  if (std::strcmp(env, "wgmma-tma-ids-pairs") == 0) return kTmaChoice + (kIdsAhead | kPairs);
   return 0;  // "mma", or anything else
 }
 

@@ -9,8 +9,7 @@ namespace pagedcore::cuda {
 
 // Whether paged_attention_wgmma serves the work items (prefill tiles) of `p`:
 // the kernel was compiled (a build for sm_90), PAGEDCORE_PREFILL_KERNEL picks
-// a wgmma kernel (wgmma, wgmma-tma, wgmma-tma-ids, wgmma-tma-runs,
-// wgmma-tma-ids-runs, wgmma-tma-pairs, wgmma-tma-ids-pairs; unset or auto: the
+// a wgmma kernel (wgmma, wgmma-tma, wgmma-tma-pairs; unset or auto: the
 // one measured fastest for the head dim and block size — wgmma-tma-pairs at
 // 128 up to block size 32, wgmma-tma above, mma.sync at 64), scale > 0, the current device is compute capability 9.0,
 // queries and cache are both bf16 or both fp16, head_dim is 64 or 128, and

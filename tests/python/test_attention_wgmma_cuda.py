@@ -27,16 +27,11 @@ from test_ops_cuda import TOLERANCE  # noqa: E402
 # wgmma: the plain kernel (every thread gathers K/V by cp.async); wgmma-tma (the default
 # at head dim 128 above block size 32; -pairs up to 32): a copying warpgroup brings K and V by TMA, one copy per cache block,
 # key tiles starting on a block boundary, persistent CTAs (softcap and block sizes that are
-# not powers of two in 8..128 run the plain kernel); wgmma-tma-ids: its copying warp looks
-# the block ids up a tile ahead; wgmma-tma-runs: a key tile whose blocks are consecutive in
-# the cache comes as one copy per 64-dim half (test_wgmma_tma_runs has such tiles);
-# wgmma-tma-ids-runs: both; wgmma-tma-pairs: one copy per cache block for both 64-dim halves
-# (head dim 128; K/V tiles in the paired shared-memory layout), wgmma-tma-ids-pairs: with
-# ids ahead. mma: the mma.sync kernel, which the default (auto) no longer picks for head
-# dim 128 here. PAGEDCORE_TEST_PREFILL_KERNELS (comma-separated) narrows the list, e.g. to
+# not powers of two in 8..128 run the plain kernel); wgmma-tma-pairs: one copy per cache
+# block for both 64-dim halves (head dim 128; K/V tiles in the paired shared-memory layout).
+# mma: the mma.sync kernel, which the default (auto) no longer picks for head dim 128 here. PAGEDCORE_TEST_PREFILL_KERNELS (comma-separated) narrows the list, e.g. to
 # leave out a variant that bench/check_wgmma.py found hanging.
-KERNELS = ["mma", "wgmma", "wgmma-tma", "wgmma-tma-ids", "wgmma-tma-runs", "wgmma-tma-ids-runs", "wgmma-tma-pairs",
-           "wgmma-tma-ids-pairs"]
+KERNELS = ["mma", "wgmma", "wgmma-tma", "wgmma-tma-pairs"]
 if os.environ.get("PAGEDCORE_TEST_PREFILL_KERNELS"):
     KERNELS = [k for k in os.environ["PAGEDCORE_TEST_PREFILL_KERNELS"].split(",") if k]
 
@@ -47,41 +42,13 @@ def needs_sm90():
         pytest.skip("the wgmma prefill kernel runs on compute capability 9.0 (sm_90 builds) only")
 
 
-def consecutive_blocks(kc, vc, bt, seq_lens, *, gap_every=11):
-    """The same batch with each row's blocks renumbered in table order to consecutive
-    cache blocks, one id skipped before every `gap_every`-th block of a row (so that some
-    key tiles are runs of consecutive blocks and some are not); the null block 0 and the
-    garbage entries past a row's blocks stay as they are (clamped later), the new cache
-    NaN where no block was moved."""
-    bs = kc.shape[1]
-    n_rows = [-(-int(s) // bs) for s in seq_lens]
-    total = 1 + sum(n + n // gap_every + 1 for n in n_rows)
-    new_k = torch.full((total, *kc.shape[1:]), NAN, dtype=kc.dtype)
-    new_v = torch.full_like(new_k, NAN)
-    new_bt = bt.clone()
-    nxt = 1
-    for r, n in enumerate(n_rows):
-        for j in range(n):
-            if j % gap_every == gap_every - 1:
-                nxt += 1
-            old = int(bt[r, j])
-            if old != 0:
-                new_k[nxt], new_v[nxt] = kc[old], vc[old]
-                new_bt[r, j] = nxt
-            nxt += 1
-    return new_k, new_v, new_bt
-
-
 def run_cuda(rows, *, block_size, head_dim, group, dtype, window=0, softcap=0.0, num_kv_heads=2, seed=0,
-             fp8_scales=None, unsplit=False, consecutive=False):
-    """test_ops_cuda.run_cuda for every wgmma variant, one float64 reference for all.
-    consecutive: each row's blocks consecutive in the cache (consecutive_blocks)."""
+             fp8_scales=None, unsplit=False):
+    """test_ops_cuda.run_cuda for every wgmma variant, one float64 reference for all."""
     query, kc, vc, bt, seq_lens, qsl = make_batch(
         rows, block_size=block_size, head_dim=head_dim, num_kv_heads=num_kv_heads, group=group,
         dtype=dtype, window=window, seed=seed,
     )
-    if consecutive:
-        kc, vc, bt = consecutive_blocks(kc, vc, bt, seq_lens)
     bt = bt.clamp(0, kc.shape[0] - 1)  # garbage entries in range: a stray read shows as NaN
     scale = head_dim**-0.5
     kw = {}
@@ -198,22 +165,6 @@ def test_wgmma_key_tiles_on_block_boundaries(block_size, window):
     run_cuda(rows, block_size=block_size, head_dim=128, group=4, dtype=torch.bfloat16, window=window)
     run_cuda(rows, block_size=block_size, head_dim=128, group=3, dtype=torch.bfloat16, window=window, unsplit=True)
     run_cuda(rows, block_size=block_size, head_dim=64, group=2, dtype=torch.float16, window=window)
-
-
-@pytest.mark.parametrize("block_size", [8, 16, 32, 64])
-@pytest.mark.parametrize("window", [0, 45])
-def test_wgmma_tma_runs(block_size, window):
-    # Each row's blocks consecutive in the cache but for a gap every 11 blocks: the -runs
-    # variants copy the key tiles of consecutive blocks as one box of 128 rows per 64-dim
-    # half and the others block by block (V tiles with edge rows too: windows starting
-    # mid-block, rows ending mid-block, key splits); head dims 128 and 64.
-    rows = [(300, 2000), (129, 1000), (40, 5000), (1, 77), (70, 2500)]
-    run_cuda(rows, block_size=block_size, head_dim=128, group=4, dtype=torch.bfloat16, window=window,
-             consecutive=True)
-    run_cuda(rows, block_size=block_size, head_dim=128, group=3, dtype=torch.bfloat16, window=window,
-             consecutive=True, unsplit=True)
-    run_cuda(rows, block_size=block_size, head_dim=64, group=2, dtype=torch.float16, window=window,
-             consecutive=True)
 
 
 def test_wgmma_rows_longer_than_one_staged_block_table():

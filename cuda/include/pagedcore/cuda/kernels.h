@@ -145,8 +145,7 @@ int paged_attention(const PagedAttentionParams& p, void* stream);
 // of bf16/fp16 queries over a cache of the same dtype go to it by
 // PAGEDCORE_PREFILL_KERNEL: unset or "auto" = where it measured faster (head
 // dim 128: wgmma-tma-pairs up to block size 32, wgmma-tma above), "wgmma",
-// "wgmma-tma", "wgmma-tma-ids", "wgmma-tma-runs", "wgmma-tma-ids-runs",
-// "wgmma-tma-pairs", "wgmma-tma-ids-pairs" = that kernel for head dims 64 and
+// "wgmma-tma", "wgmma-tma-pairs" = that kernel for head dims 64 and
 // 128 (-pairs pairs the halves at 128 only), "mma" = never; everything else
 // stays on the mma.sync kernel.
 bool wgmma_prefill_available();
