@@ -30,11 +30,10 @@ from pagedcore import _C, ops
 from bench_kernels_gpu import time_graph
 
 ENV = "PAGEDCORE_PREFILL_KERNEL"
-# wgmma-tma-ids: the copying warp looks block ids up a tile ahead; wgmma-tma-runs: a key tile
-# of consecutive cache blocks as one copy per 64-dim half; wgmma-tma-ids-runs: both;
-# wgmma-tma-pairs: one copy per block for both 64-dim halves (d128); -ids-pairs: with ids ahead.
-KERNELS = ("mma", "wgmma", "wgmma-tma", "wgmma-tma-ids", "wgmma-tma-runs", "wgmma-tma-ids-runs", "wgmma-tma-pairs",
-           "wgmma-tma-ids-pairs")
+# wgmma-tma-pairs: one copy per block for both 64-dim halves (d128); wgmma-tma-fp8: the TMA
+# kernel over an fp8 e4m3 cache (widened to fp16 in shared memory; auto over 16-bit caches:
+# the other names leave fp8 caches on mma.sync, so in the fp8 cases they time mma.sync).
+KERNELS = ("mma", "wgmma", "wgmma-tma", "wgmma-tma-pairs", "wgmma-tma-fp8")
 PROBE_SECONDS = 90
 
 
@@ -49,7 +48,7 @@ class Case:
     dtype: torch.dtype = torch.bfloat16
     window: int = 0
     softcap: float = 0.0
-    consecutive: bool = False  # the rows' blocks in table order in the cache (else scattered)
+    fp8: tuple | None = None  # (k_scale, v_scale): the cache in fp8 e4m3 (stored value / scale)
 
 
 ISSUE_CASES = [
@@ -68,18 +67,18 @@ EXTRA_CASES = [
     Case("window 256 + softcap 30 (32/8, d128)", [(1000, 3000)], window=256, softcap=30.0),
     # (first keys mid-block, for the TMA kernel's block-aligned tiles)
     Case("window 200, bs64, splits (32/8, d128)", [(1000, 3000), (40, 5000)], window=200, block_size=64),
+    Case("fp8 cache, window 200, splits (32/8, d128)", [(1000, 3000), (40, 5000), (70, 101)], window=200,
+         fp8=(0.5, 2.0)),
 ]
-
-# Block size 16 with each row's blocks consecutive in the cache, as a fresh allocation may
-# lay them out (wgmma-tma-runs then copies whole key tiles), beside ISSUE_CASES' scattered ones.
-RUN_CASES = [
-    Case("8k causal (32/8, d128, bs16, consecutive)", [(8192, 8192)], consecutive=True),
+# The fp8 cache at issue 12's 8k causal shape: wgmma-tma-fp8 against mma.sync over the same
+# fp8 cache (the other names) and the bf16 case above.
+FP8_CASES = [
+    Case("8k causal fp8 cache (32/8, d128, bs16)", [(8192, 8192)], fp8=(0.5, 2.0)),
 ]
-
 
 def build(case: Case, seed: int = 0):
     """Paged cache with NaN in block 0 and in every slot past a row's length; rows'
-    blocks scattered at random (case.consecutive: in order)."""
+    blocks scattered at random."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     bs = case.block_size
     per_row = [-(-ctx // bs) for _, ctx in case.rows]
@@ -90,8 +89,6 @@ def build(case: Case, seed: int = 0):
     kc[0] = float("nan")
     vc[0] = float("nan")
     perm = (torch.randperm(nb - 1, generator=g, device="cuda") + 1).to(torch.int32)
-    if case.consecutive:
-        perm = torch.arange(1, nb, device="cuda", dtype=torch.int32)
     width = max(per_row)
     tables = torch.zeros((len(case.rows), width), dtype=torch.int32, device="cuda")
     at = 0
@@ -105,6 +102,9 @@ def build(case: Case, seed: int = 0):
     total_q = sum(q for q, _ in case.rows)
     q = torch.randn((total_q, case.heads, case.head_dim), generator=g, device="cuda", dtype=torch.float32)
     q = q.to(case.dtype)
+    if case.fp8:  # (NaN stays NaN in e4m3)
+        kc = (kc.float() / case.fp8[0]).to(torch.float8_e4m3fn)
+        vc = (vc.float() / case.fp8[1]).to(torch.float8_e4m3fn)
     qsl_np = np.concatenate([[0], np.cumsum([q_len for q_len, _ in case.rows])]).astype(np.int32)
     seq_np = np.array([ctx for _, ctx in case.rows], dtype=np.int32)
     return q, kc, vc, tables, torch.from_numpy(seq_np).cuda(), torch.from_numpy(qsl_np).cuda(), qsl_np, seq_np
@@ -172,6 +172,8 @@ def flash_varlen(case: Case, q, kc, vc, tables, qsl_np, seq_np):
             kw.update(window_size_left=case.window - 1, window_size_right=0)
         if case.softcap > 0:
             return None, "softcap: no peer"
+        if case.fp8:
+            return None, "fp8 cache: no peer (FA2 over bf16 in the bf16 case)"
 
         def run():
             return torch.ops.aten._flash_attention_forward(q, ks, vs, cu_q, cu_k, max_q, max_k, 0.0, True, False, **kw)[0]
@@ -211,11 +213,19 @@ def diagnose(case: Case, out, want, plan, qsl_np) -> str:
     return "; ".join(parts)
 
 
+def scales(case: Case) -> dict:
+    """paged_attention's k_scale / v_scale for an fp8 case."""
+    return {"k_scale": case.fp8[0], "v_scale": case.fp8[1]} if case.fp8 else {}
+
+
 def check(case: Case, iters: int) -> dict:
     q, kc, vc, tables, seq_lens, qsl, qsl_np, seq_np = build(case)
     plan = ops.plan_attention(qsl_np, seq_np, case.heads, case.kv_heads, torch.device("cuda"), case.head_dim,
                               case.dtype)
-    want = reference(case, q, kc, vc, tables, qsl_np, seq_np)
+    if case.fp8:  # against the dequantized cache: the kernel's own error
+        want = reference(case, q, kc.float() * case.fp8[0], vc.float() * case.fp8[1], tables, qsl_np, seq_np)
+    else:
+        want = reference(case, q, kc, vc, tables, qsl_np, seq_np)
     res = {"case": case.name, "splits": plan.num_splits, "tflop": flops(case) / 1e12}
     for kernel in KERNELS:
         os.environ[ENV] = kernel
@@ -223,7 +233,7 @@ def check(case: Case, iters: int) -> dict:
 
         def call():
             ops.paged_attention(q, kc, vc, tables, seq_lens, qsl, scale=case.head_dim**-0.5,
-                                sliding_window=case.window, softcap=case.softcap, out=out, plan=plan)
+                                sliding_window=case.window, softcap=case.softcap, out=out, plan=plan, **scales(case))
 
         call()
         torch.cuda.synchronize()
@@ -243,9 +253,9 @@ def probe(kernel: str) -> None:
     """Runs `kernel` once on two small cases (one with key splits) and exits: what the
     parent times out on if the kernel hangs."""
     os.environ[ENV] = kernel
-    for case in (EXTRA_CASES[0], EXTRA_CASES[2]):
+    for case in (EXTRA_CASES[0], EXTRA_CASES[2], EXTRA_CASES[-1]):  # (the last: an fp8 cache)
         q, kc, vc, tables, seq_lens, qsl, qsl_np, seq_np = build(case)
-        ops.paged_attention(q, kc, vc, tables, seq_lens, qsl, scale=case.head_dim**-0.5)
+        ops.paged_attention(q, kc, vc, tables, seq_lens, qsl, scale=case.head_dim**-0.5, **scales(case))
     torch.cuda.synchronize()
 
 
@@ -297,7 +307,7 @@ def main() -> None:
     KERNELS = tuple(alive)
     # (for the device command: PAGEDCORE_TEST_PREFILL_KERNELS=$(... | sed -n 's/^ALIVE=//p'))
     print(f"ALIVE={','.join(alive)}", flush=True)
-    cases = EXTRA_CASES + ([] if args.quick else ISSUE_CASES + RUN_CASES)
+    cases = EXTRA_CASES + ([] if args.quick else ISSUE_CASES + FP8_CASES)
     rows = []
     with ops.unchecked_indices():
         for case in cases:
@@ -335,6 +345,12 @@ def main() -> None:
     if r16 and r128:
         ratios = [f"{k} {r16[f'{k}_us'] / r128[f'{k}_us']:.3f}" for k in KERNELS if k != "mma"]
         print(f"8k causal, bs16 time / bs128 time: {', '.join(ratios)} (target <= 1.05)")
+    # The fp8 cache at 8k causal against mma.sync over it and the bf16 cache's fastest kernel.
+    r8, r16 = by_name.get(FP8_CASES[0].name), by_name.get(ISSUE_CASES[0].name)
+    if r8 and r16 and "wgmma-tma-fp8" in KERNELS:
+        best16 = min((k for k in KERNELS if k != "wgmma-tma-fp8"), key=lambda k: r16[f"{k}_us"])
+        print(f"8k causal, fp8 cache: wgmma-tma-fp8 {r8['wgmma-tma-fp8_us']:.1f} us, mma.sync {r8['mma_us']:.1f} us; "
+              f"bf16 cache {best16} {r16[f'{best16}_us']:.1f} us")
     for note in {r["flash_note"] for r in rows if r.get("flash_note")}:
         print(f"FA2 peer: {note}")
     print("wgmma kernels: OK" if not bad else f"wgmma kernels: FAILED on {bad}")

@@ -19,9 +19,11 @@
 // one copy per cache block and 64-dim half (attention_wgmma_tma.cuh), mbarriers
 // hand the buffers between it and the two computing warpgroups, and CTAs are
 // persistent; =wgmma-tma-pairs (the default at head dim 128 up to block size
-// 32), one copy per block for both halves; the opt-in variants for small
-// blocks =wgmma-tma-ids, -runs, -ids-runs, -ids-pairs (see kernel_choice).
-// Scores, softmax and O are float32; P is rounded to the query type.
+// 32), one copy per block for both halves; =wgmma-tma-fp8 (opt-in), the TMA
+// kernel over an fp8 e4m3 cache: bytes by TMA, widened to fp16 in shared
+// memory by the copying warpgroup (attention_wgmma_fp8.cuh).
+// Scores, softmax and O are float32; P is rounded to the query type (fp8
+// caches: to fp16, as Q).
 #include "attention_wgmma.h"
 
 #include <cuda_bf16.h>
@@ -37,6 +39,7 @@
 
 #include "attention_merge.cuh"
 #include "attention_mma.h"
+#include "attention_wgmma_fp8.cuh"
 #include "attention_wgmma_parts.cuh"
 #include "attention_wgmma_tma.cuh"
 #include "pagedcore/cuda/kernels.h"
@@ -173,7 +176,7 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_prefill_kernel(const __grid
 #endif
 }
 
-// ---- the TMA kernel (PAGEDCORE_PREFILL_KERNEL=wgmma-tma and its MODEs; the default at head dim 128) ----
+// ---- the TMA kernel (PAGEDCORE_PREFILL_KERNEL=wgmma-tma, -pairs; the default at head dim 128) ----
 //
 // Warpgroup 0 copies (40 registers), warpgroups 1 and 2 compute (232
 // registers), as FlashAttention-3 does. K and V tiles have their own rings of
@@ -186,23 +189,25 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_prefill_kernel(const __grid
 // the bytes, the full V barrier that and the 128 threads' cp.async arrivals
 // (edge rows of V, zero-filled). The two computing warpgroups never wait for
 // each other.
-// MODE (variants for small blocks: 16 copies per K or V tile at block size 16
-// and head dim 128, against 2 at 128; kPairs is the default up to block size 32):
-//   kIdsAhead (=wgmma-tma-ids): warp 0 looks up the block ids of the item's
-//     next tile before it waits for this tile's buffers, so that the table's
-//     latency is not between a buffer coming free and its copies;
-//   kRuns (=wgmma-tma-runs): a tile whose blocks are consecutive in the cache
-//     (rows block_0 * block_size .. + kKeys of [num_blocks * block_size, kv
-//     heads, HD]) comes as one copy per 64-dim half (tma_tile_run);
-//   kPairs (=wgmma-tma-pairs, head dim 128): one copy per block for both
-//     64-dim halves, K and V tiles in the paired layout (the halves' 8-row
-//     atoms side by side, wgmma::swizzled_paired; the wgmma descriptors'
-//     strides follow): 8 copies per K or V tile at block size 16, not 16.
-// Names: wgmma-tma-ids, -runs, -ids-runs, -pairs, -ids-pairs.
+// MODE kPairs (=wgmma-tma-pairs, head dim 128; the default up to block size
+// 32, where a K or V tile is 16 copies at block size 16 against 2 at 128):
+// one copy per block for both 64-dim halves, K and V tiles in the paired
+// layout (the halves' 8-row atoms side by side, wgmma::swizzled_paired; the
+// wgmma descriptors' strides follow): 8 copies per K or V tile at block size
+// 16, not 16.
+// MODE kFp8 (=wgmma-tma-fp8, an fp8 e4m3 cache; opt-in): warp 0 copies each
+// tile's blocks of both byte caches by TMA into a staging slot (two slots,
+// one mbarrier each, bytes counted), and the whole copying warpgroup widens
+// the staged tile one step later (the next tile's copies in flight meanwhile)
+// into fp16 K and V tiles (kFp8Stages each; full barriers count its 128
+// threads' arrivals, each after its writes and a proxy fence), V rows outside
+// the key range as zeros; a named barrier of the warpgroup frees the slot for
+// the next copy. The computing warpgroups run as for 16-bit caches but in
+// fp16 (Q rounded to it), k_scale in the score scale and v_scale in the
+// output (attention_wgmma_fp8.cuh).
 constexpr int kTmaThreads = 384;
-constexpr int kIdsAhead = 1;
-constexpr int kRuns = 2;
 constexpr int kPairs = 4;
+constexpr int kFp8 = 8;
 
 // The r-th item (linear index of the launch's grid) of this persistent CTA, or
 // -1 when it has no more: blockIdx.x + r * gridDim.x; with `snake`, the items
@@ -228,33 +233,40 @@ constexpr int kJoinRegs = 168;  // everyone's share again (65536 / 384), for the
 template <typename T, int HD, int MODE>
 __global__ void __launch_bounds__(kTmaThreads, 1)
     wgmma_tma_prefill_kernel(const __grid_constant__ PagedAttentionParams p,
-                             const __grid_constant__ KvTensorMaps<(MODE & kRuns) != 0> maps) {
+                             const __grid_constant__ KvTensorMaps maps) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int ON = HD / 2;
   constexpr int PK = kKeys / 16;
   constexpr int TB = tile_bytes<HD>(kKeys);
-  constexpr bool IDS_AHEAD = (MODE & kIdsAhead) != 0;
-  constexpr bool RUNS = (MODE & kRuns) != 0;
-  constexpr bool PAIRS = (MODE & kPairs) != 0 && HD == 128;
-  static_assert(!(RUNS && PAIRS), "runs copy the panel-major layout");
+  constexpr bool FP8 = (MODE & kFp8) != 0;
+  constexpr bool PAIRS = (MODE & kPairs) != 0 && HD == 128 && !FP8;
+  // The wgmma type: an fp8 cache is widened to fp16, as in the mma.sync kernel.
+  using MT = std::conditional_t<FP8, __half, T>;
+  constexpr int NST = FP8 ? kFp8Stages : kStages;  // K (and V) tiles in shared memory
+  constexpr int F8B = fp8_tile_bytes<HD>();
   static_assert(HD == 64 || HD == 128, "head dim");
 
   extern __shared__ unsigned char smem_raw[];
-  // full K, full V, empty K, empty V: kStages each.
-  __shared__ __align__(8) uint64_t bars[4 * kStages];
+  // full K, full V, empty K, empty V: NST each; FP8: a full barrier per staging slot.
+  __shared__ __align__(8) uint64_t bars[4 * NST + (FP8 ? kFp8Slots : 0)];
   const uint32_t raw = wgmma::smem_addr(smem_raw);
   const uint32_t q_s = (raw + 1023u) & ~1023u;
   const uint32_t k_s = q_s + tile_bytes<HD>(kRows);
-  const uint32_t v_s = k_s + kStages * TB;
+  const uint32_t v_s = k_s + NST * TB;
+  const uint32_t staged_s = v_s + NST * TB;  // FP8: slot i's K bytes at + 2 i F8B, its V bytes F8B after
   const uint32_t bar0 = wgmma::smem_addr(bars);
   auto full_k = [&](int st) { return bar0 + 8 * st; };
-  auto full_v = [&](int st) { return bar0 + 8 * (kStages + st); };
-  auto empty_k = [&](int st) { return bar0 + 8 * (2 * kStages + st); };
-  auto empty_v = [&](int st) { return bar0 + 8 * (3 * kStages + st); };
+  auto full_v = [&](int st) { return bar0 + 8 * (NST + st); };
+  auto empty_k = [&](int st) { return bar0 + 8 * (2 * NST + st); };
+  auto empty_v = [&](int st) { return bar0 + 8 * (3 * NST + st); };
+  auto staged = [&](int slot) { return bar0 + 8 * (4 * NST + slot); };
 
   const int tid = threadIdx.x;
   const int wg = tid / 128;  // 0: copies; 1, 2: compute
-  const int total = p.num_kv_heads * p.num_work * p.num_splits;
+  // NOTE: FP8: each branch below computes the item count again after its
+  // setmaxnreg (one computed before was kept across it in local memory there).
+  const int items = p.num_kv_heads * p.num_work * p.num_splits;
+  auto items_total = [&] { return FP8 ? p.num_kv_heads * p.num_work * p.num_splits : items; };
   // NOTE: with key splits each CTA takes one item (the last split to finish
   // merges them, with a CTA barrier); without, CTAs are persistent and take
   // items blockIdx.x, + gridDim.x, ... while the buffers keep rotating, so the
@@ -264,92 +276,115 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
   const bool merge = p.num_splits > 1 && p.split_counters != nullptr;
   const bool snake = !merge;
   if (tid == 0) {
-    for (int st = 0; st < kStages; ++st) {
-      wgmma::mbar_init(full_k(st), 1);
-      wgmma::mbar_init(full_v(st), 1 + 128);
+    for (int st = 0; st < NST; ++st) {
+      wgmma::mbar_init(full_k(st), FP8 ? 128 : 1);
+      wgmma::mbar_init(full_v(st), FP8 ? 128 : 1 + 128);
       wgmma::mbar_init(empty_k(st), 8);
       wgmma::mbar_init(empty_v(st), 8);
     }
+    for (int slot = 0; slot < (FP8 ? kFp8Slots : 0); ++slot) wgmma::mbar_init(staged(slot), 1);
     wgmma::mbar_init_fence();
   }
   __syncthreads();
 
   if (wg == 0) {
     wgmma::reg_dealloc<kCopyRegs>();
+    const int total = items_total();
     if (tid == 0) {
       wgmma::tma_prefetch_map(&maps.k);
       wgmma::tma_prefetch_map(&maps.v);
-      if constexpr (RUNS) {
-        wgmma::tma_prefetch_map(&maps.k_rows);
-        wgmma::tma_prefetch_map(&maps.v_rows);
-      }
     }
-    // Tile g of this CTA (over all its items) uses stage g % kStages for the
-    // (g / kStages)-th time: its full barrier completes phase g / kStages;
-    // before the copy, the empty barrier must have completed the previous
-    // use's phase.
-    int g = 0;
-#pragma unroll 1
-    for (int r = 0, linear = persistent_item(0, total, snake); linear >= 0;
-         linear = persistent_item(++r, total, snake)) {
-      const Item it = item_at(p, linear);
-      const KvGather<T, HD> kv(p, it);
-      const TileSpan span = block_aligned_tiles(it, p.block_size);
-      // (IDS_AHEAD: the block ids of tile t + 1, looked up at the top of tile t.)
-      int next = IDS_AHEAD && tid < 32 && span.n > 0 ? tile_block(kv, span.k0, it.s_lo, it.s_hi, tid) : -1;
-#pragma unroll 1
-      for (int t = 0; t < span.n; ++t, ++g) {
-        const int st = g % kStages;
-        const uint32_t use = g / kStages;
-        const int kbase = span.k0 + t * kKeys;
-        // Warp 0's lanes look up the tile's blocks once, for K and V.
-        int block = -1;
-        if constexpr (IDS_AHEAD) {
-          block = next;
-          if (tid < 32) next = t + 1 < span.n ? tile_block(kv, kbase + kKeys, it.s_lo, it.s_hi, tid) : -1;
-        }
+    if constexpr (FP8) {
+      // Step g copies tile g into staging slot g % kFp8Slots, then widens tile
+      // g - 1 (`prev`) into fp16 stage (g - 1) % NST; the slot of tile g is
+      // free since the barrier that closed step g - 1's widening (of tile g - 2).
+      struct Pending {
+        int g, kbase, s_lo, s_hi;
+      };
+      auto widen = [&](const Pending& w) {
+        const int slot = w.g % kFp8Slots;
+        const int st = w.g % NST;
+        const uint32_t use = w.g / NST;
+        const uint32_t k8 = staged_s + 2 * slot * F8B;
+        wgmma::mbar_wait(staged(slot), (w.g / kFp8Slots) & 1);
         if (use > 0) wgmma::mbar_wait(empty_k(st), (use - 1) & 1);
-        if constexpr (!IDS_AHEAD) block = tid < 32 ? tile_block(kv, kbase, it.s_lo, it.s_hi, tid) : -1;
-        // (RUNS: whether the tile's blocks are consecutive, asked once for K and V.)
-        const bool run = RUNS && tid < 32 && tile_is_run(block, p.block_size, tid);
-        if (tid < 32) {
-          if constexpr (RUNS) {
-            if (run) {
-              tma_tile_run<HD>(&maps.k_rows, it.kv_head, k_s + st * TB, full_k(st), block, p.block_size, tid);
-            } else {
-              tma_k_blocks<HD, PAIRS>(&maps.k, it.kv_head, k_s + st * TB, full_k(st), block, p.block_size, tid);
-            }
-          } else {
+        widen_fp8_tile<HD, false>(k8, k_s + st * TB, w.kbase, w.s_lo, w.s_hi, tid);
+        wgmma::fence_proxy_async();
+        wgmma::mbar_arrive(full_k(st));
+        if (use > 0) wgmma::mbar_wait(empty_v(st), (use - 1) & 1);
+        widen_fp8_tile<HD, true>(k8 + F8B, v_s + st * TB, w.kbase, w.s_lo, w.s_hi, tid);
+        wgmma::fence_proxy_async();
+        wgmma::mbar_arrive(full_v(st));
+        wgmma::named_sync(3, 128);  // every thread's reads of the slot are done
+      };
+      Pending prev{-1, 0, 0, 0};
+      int g = 0;
+#pragma unroll 1
+      for (int r = 0, linear = persistent_item(0, total, snake); linear >= 0;
+           linear = persistent_item(++r, total, snake)) {
+        const Item it = item_at(p, linear);
+        const KvGather<uint8_t, HD> kv(p, it);
+        const TileSpan span = block_aligned_tiles(it, p.block_size);
+#pragma unroll 1
+        for (int t = 0; t < span.n; ++t, ++g) {
+          const int kbase = span.k0 + t * kKeys;
+          if (tid < 32) {
+            const int slot = g % kFp8Slots;
+            const int block = tile_block(kv, kbase, it.s_lo, it.s_hi, tid);
+            tma_fp8_blocks<HD>(maps, it.kv_head, staged_s + 2 * slot * F8B, staged_s + (2 * slot + 1) * F8B,
+                               staged(slot), block, p.block_size, tid);
+          }
+          if (prev.g >= 0) widen(prev);
+          prev = Pending{g, kbase, it.s_lo, it.s_hi};
+        }
+      }
+      if (prev.g >= 0) widen(prev);
+    } else {
+      // Tile g of this CTA (over all its items) uses stage g % kStages for the
+      // (g / kStages)-th time: its full barrier completes phase g / kStages;
+      // before the copy, the empty barrier must have completed the previous
+      // use's phase.
+      int g = 0;
+#pragma unroll 1
+      for (int r = 0, linear = persistent_item(0, total, snake); linear >= 0;
+           linear = persistent_item(++r, total, snake)) {
+        const Item it = item_at(p, linear);
+        const KvGather<T, HD> kv(p, it);
+        const TileSpan span = block_aligned_tiles(it, p.block_size);
+#pragma unroll 1
+        for (int t = 0; t < span.n; ++t, ++g) {
+          const int st = g % kStages;
+          const uint32_t use = g / kStages;
+          const int kbase = span.k0 + t * kKeys;
+          // Warp 0's lanes look up the tile's blocks once, for K and V.
+          if (use > 0) wgmma::mbar_wait(empty_k(st), (use - 1) & 1);
+          const int block = tid < 32 ? tile_block(kv, kbase, it.s_lo, it.s_hi, tid) : -1;
+          if (tid < 32) {
             tma_k_blocks<HD, PAIRS>(&maps.k, it.kv_head, k_s + st * TB, full_k(st), block, p.block_size, tid);
           }
-        }
-        if (use > 0) wgmma::mbar_wait(empty_v(st), (use - 1) & 1);
-        int lo, hi;
-        full_block_rows(kbase, it.s_lo, it.s_hi, p.block_size, lo, hi);
-        if (tid < 32) {
-          if constexpr (RUNS) {
-            if (run && lo == 0 && hi == kKeys) {
-              tma_tile_run<HD>(&maps.v_rows, it.kv_head, v_s + st * TB, full_v(st), block, p.block_size, tid);
-            } else {
-              tma_v_blocks<HD, PAIRS>(&maps.v, it.kv_head, v_s + st * TB, full_v(st), block, p.block_size, lo, hi, tid);
-            }
-          } else {
+          if (use > 0) wgmma::mbar_wait(empty_v(st), (use - 1) & 1);
+          int lo, hi;
+          full_block_rows(kbase, it.s_lo, it.s_hi, p.block_size, lo, hi);
+          if (tid < 32) {
             tma_v_blocks<HD, PAIRS>(&maps.v, it.kv_head, v_s + st * TB, full_v(st), block, p.block_size, lo, hi, tid);
           }
+          kv.template load_edge_rows<PAIRS>(v_s + st * TB, kv.value_base, kbase, lo, hi, it.s_lo, it.s_hi, tid, 128);
+          wgmma::cp_async_arrive(full_v(st));
         }
-        kv.template load_edge_rows<PAIRS>(v_s + st * TB, kv.value_base, kbase, lo, hi, it.s_lo, it.s_hi, tid, 128);
-        wgmma::cp_async_arrive(full_v(st));
       }
     }
     wgmma::cp_async_wait<0>();
     if (merge) wgmma::reg_alloc<kJoinRegs>();
   } else {
     wgmma::reg_alloc<kMathRegs>();
+    const int total = items_total();
     const int mwg = wg - 1;  // computing warpgroup: rows 64 mwg .. 64 mwg + 63
     const int mtid = tid - 128 * wg;
     const int lane = tid % 32;
     const int qd = lane % 4;
-    const ScoreScale sc(p);
+    ScoreScale sc(p);
+    if constexpr (FP8) sc.score_log2 *= p.k_scale;  // (no softcap here)
+    const float out_scale = FP8 ? p.v_scale : 1.f;
     const uint32_t q_wg = q_s + mwg * 64 * 128;
     int g = 0;  // the copier's tile counter, followed
     // This warpgroup's Q rows, copied by itself: the first item's now, each
@@ -358,7 +393,11 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
     auto prefetch_q = [&](int linear) {
       if (linear < 0) return;
       wgmma::named_sync(1 + mwg, 128);  // every warp's wgmma reading Q has retired
-      load_q<T, HD>(p, item_at(p, linear), q_s, 64 * mwg, 64, mtid, 128);
+      if constexpr (FP8) {
+        load_q_half<T, HD>(p, item_at(p, linear), q_s, 64 * mwg, 64, mtid, 128);
+      } else {
+        load_q<T, HD>(p, item_at(p, linear), q_s, 64 * mwg, 64, mtid, 128);
+      }
       wgmma::cp_async_commit();
     };
     prefetch_q(persistent_item(0, total, snake));
@@ -386,24 +425,24 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
 #pragma unroll 1
       for (int t = 0; t < span.n; ++t, ++g) {
         const int kbase = span.k0 + t * kKeys;
-        const int st = g % kStages;
-        const uint32_t use = g / kStages;
+        const int st = g % NST;
+        const uint32_t use = g / NST;
         const int pg = g - 1;  // the tile whose P V runs now (t > 0: same item)
-        const int pst = (g + kStages - 1) % kStages;
+        const int pst = (g + NST - 1) % NST;
         float s[kKeys / 2];
         wgmma::mbar_wait(full_k(st), use & 1);
-        if (t > 0) wgmma::mbar_wait(full_v(pst), (pg / kStages) & 1);
+        if (t > 0) wgmma::mbar_wait(full_v(pst), (pg / NST) & 1);
         wgmma::fence_proxy_async();
         __syncwarp();
         wgmma::pin(o);
         wgmma::pin(pa);
         wgmma::fence();
-        issue_s<T, HD, PAIRS>(s, q_wg, k_s + st * TB);
+        issue_s<MT, HD, PAIRS>(s, q_wg, k_s + st * TB);
         wgmma::commit();
         // NOTE: issue and wait in one branch each: ptxas serializes wgmma whose
         // accumulators are in flight across a join of branches.
         if (t > 0) {
-          issue_pv<T, HD, PAIRS>(o, pa, v_s + pst * TB);
+          issue_pv<MT, HD, PAIRS>(o, pa, v_s + pst * TB);
           wgmma::commit();
           wgmma::wait<1>();
         } else {
@@ -417,7 +456,7 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
         uint32_t pn[PK][4];
         float corr[2];
         bool grow;
-        softmax_tile<T, false>(s, pn, rs, sc, kbase, qd, corr, grow);
+        softmax_tile<MT, false>(s, pn, rs, sc, kbase, qd, corr, grow);
 
         wgmma::wait<0>();
         wgmma::pin(o);
@@ -435,14 +474,14 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
       }
       if (span.n > 0) {
         const int pg = g - 1;
-        const int pst = pg % kStages;
-        wgmma::mbar_wait(full_v(pst), (pg / kStages) & 1);
+        const int pst = pg % NST;
+        wgmma::mbar_wait(full_v(pst), (pg / NST) & 1);
         wgmma::fence_proxy_async();
         __syncwarp();
         wgmma::pin(o);
         wgmma::pin(pa);
         wgmma::fence();
-        issue_pv<T, HD, PAIRS>(o, pa, v_s + pst * TB);
+        issue_pv<MT, HD, PAIRS>(o, pa, v_s + pst * TB);
         wgmma::commit();
         wgmma::wait<0>();
         wgmma::pin(o);
@@ -451,7 +490,7 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
       } else {
         prefetch_q(persistent_item(r + 1, total, snake));
       }
-      store_rows<T, HD>(p, it, o, rs, qd);
+      store_rows<T, HD>(p, it, o, rs, qd, out_scale);
     }
     if (merge) wgmma::reg_dealloc<kJoinRegs>();
   }
@@ -497,11 +536,12 @@ int launch(void (*kernel)(PagedAttentionParams, Args...), bool& configured, int 
 
 // kernel_choice(): 1 the plain kernel, kTmaChoice + MODE the TMA kernel.
 constexpr int kTmaChoice = 2;
+constexpr int kFp8Choice = kTmaChoice + kFp8;
 
 template <typename T, int HD, int MODE>
 int launch_tma(const PagedAttentionParams& p, cudaStream_t stream) {
-  KvTensorMaps<(MODE & kRuns) != 0> maps{};
-  if (encode_kv_maps<T, HD, (MODE & kRuns) != 0, (MODE & kPairs) != 0 && HD == 128>(p, maps)) {
+  KvTensorMaps maps{};
+  if (encode_kv_maps<T, HD, (MODE & kPairs) != 0 && HD == 128>(p, maps)) {
     static bool configured = false;
     return launch<HD>(wgmma_tma_prefill_kernel<T, HD, MODE>, configured, kTmaThreads, p, stream, true, maps);
   }
@@ -509,8 +549,19 @@ int launch_tma(const PagedAttentionParams& p, cudaStream_t stream) {
   return launch<HD>(wgmma_prefill_kernel<T, HD, false>, configured, kThreads, p, stream, false);
 }
 
+// An fp8 cache (kFp8Choice; wgmma_prefill_serves encoded its maps already, so
+// this fails only where the driver changed its mind).
+template <typename T, int HD>
+int launch_tma_fp8(const PagedAttentionParams& p, cudaStream_t stream) {
+  KvTensorMaps maps{};
+  if (!encode_fp8_kv_maps<HD>(p, maps)) return cudaErrorNotSupported;
+  static bool configured = false;
+  return launch<HD>(wgmma_tma_prefill_kernel<T, HD, kFp8>, configured, kTmaThreads, p, stream, true, maps);
+}
+
 template <typename T, int HD>
 int launch_head_dim(const PagedAttentionParams& p, int choice, cudaStream_t stream) {
+  if (choice == kFp8Choice) return launch_tma_fp8<T, HD>(p, stream);
   // NOTE: the TMA kernel's computing warpgroups have 232 registers; softcap's
   // tanh needs more, so softcap stays on the plain one (as do block sizes the
   // TMA kernel does not serve: encode_kv_maps says no).
@@ -520,11 +571,7 @@ int launch_head_dim(const PagedAttentionParams& p, int choice, cudaStream_t stre
   }
   switch (choice - kTmaChoice) {
     case 0: return launch_tma<T, HD, 0>(p, stream);
-    case kIdsAhead: return launch_tma<T, HD, kIdsAhead>(p, stream);
-    case kRuns: return launch_tma<T, HD, kRuns>(p, stream);
-    case kIdsAhead | kRuns: return launch_tma<T, HD, kIdsAhead | kRuns>(p, stream);
     case kPairs: return launch_tma<T, HD, kPairs>(p, stream);
-    case kIdsAhead | kPairs: return launch_tma<T, HD, kIdsAhead | kPairs>(p, stream);
     default: break;
   }
   static bool configured = false;
@@ -541,13 +588,12 @@ int dispatch_head_dim(const PagedAttentionParams& p, int choice, cudaStream_t st
 }
 
 // PAGEDCORE_PREFILL_KERNEL: "wgmma" (1: the plain kernel), "wgmma-tma" (2: the
-// TMA kernel), "wgmma-tma-ids" (3: its block ids a tile ahead),
-// "wgmma-tma-runs" (4: a tile of consecutive blocks as one copy per 64-dim
-// half), "wgmma-tma-ids-runs" (5: both), "wgmma-tma-pairs" (6: one copy per
-// block for both 64-dim halves), "wgmma-tma-ids-pairs" (7: with ids ahead),
-// "mma" (0: the mma.sync kernel) or
-// anything else unknown (0); unset, empty or "auto": the variant measured
-// fastest for the head dim and block size (kAuto*).
+// TMA kernel), "wgmma-tma-pairs" (6: one copy per block for both 64-dim
+// halves), "wgmma-tma-fp8" (10, kFp8Choice: the TMA kernel over an fp8 cache,
+// opt-in until measured; over a 16-bit cache the same as auto), "mma" (0: the
+// mma.sync kernel) or anything else unknown (0); unset, empty or "auto": the
+// variant measured fastest for the head dim and block size (kAuto*), and
+// mma.sync for fp8 caches.
 // NOTE: measured on the H200 (bench/check_wgmma.py, at 83b8cea; every variant
 // then built correct): 8k causal d128 bs16 mma 3117 us, wgmma 2190 (251
 // TFLOP/s), wgmma-tma 1167 (471), FA2 varlen 1716; bs128 wgmma-tma 1002 (549);
@@ -563,25 +609,25 @@ int dispatch_head_dim(const PagedAttentionParams& p, int choice, cudaStream_t st
 // 1028, -pairs 1069; 2048 over 6144 cached (bs16) 493 against -pairs 429, 16 x
 // 512 over 1-4k 844 against 780. So -pairs (one copy a block for both 64-dim
 // halves) at block sizes up to 32 (32 not timed apart: it halves the copies as
-// at 16), wgmma-tma above.
+// at 16), wgmma-tma above. -ids (block ids a tile ahead), -runs (a tile of
+// consecutive blocks as one copy per half), -ids-runs, -ids-pairs were deleted.
 constexpr int kAutoD128 = kTmaChoice;
 constexpr int kAutoD128SmallBlocks = kTmaChoice + kPairs;
 constexpr int kAutoD64 = 0;
+int auto_choice(const PagedAttentionParams& p) {
+  if (p.kv_dtype == DType::kFloat8E4M3) return 0;
+  if (p.head_dim == 128) return p.block_size <= 32 ? kAutoD128SmallBlocks : kAutoD128;
+  return p.head_dim == 64 ? kAutoD64 : 0;
+}
 int kernel_choice(const PagedAttentionParams& p) {
   // NOTE: read on every call (a getenv per layer is noise) so that a process
   // can switch kernels, as the tests and benchmarks do.
   const char* env = std::getenv("PAGEDCORE_PREFILL_KERNEL");
-  if (env == nullptr || env[0] == '\0' || std::strcmp(env, "auto") == 0) {
-    if (p.head_dim == 128) return p.block_size <= 32 ? kAutoD128SmallBlocks : kAutoD128;
-    return p.head_dim == 64 ? kAutoD64 : 0;
-  }
+  if (env == nullptr || env[0] == '\0' || std::strcmp(env, "auto") == 0) return auto_choice(p);
+  if (std::strcmp(env, "wgmma-tma-fp8") == 0) return p.kv_dtype == DType::kFloat8E4M3 ? kFp8Choice : auto_choice(p);
   if (std::strcmp(env, "wgmma") == 0) return 1;
   if (std::strcmp(env, "wgmma-tma") == 0) return kTmaChoice;
-  if (std::strcmp(env, "wgmma-tma-ids") == 0) return kTmaChoice + kIdsAhead;
-  if (std::strcmp(env, "wgmma-tma-runs") == 0) return kTmaChoice + kRuns;
-  if (std::strcmp(env, "wgmma-tma-ids-runs") == 0) return kTmaChoice + (kIdsAhead | kRuns);
   if (std::strcmp(env, "wgmma-tma-pairs") == 0) return kTmaChoice + kPairs;
-  if (std::strcmp(env, "wgmma-tma-ids-pairs") == 0) return kTmaChoice + (kIdsAhead | kPairs);
   return 0;  // "mma", or anything else
 }
 
@@ -611,16 +657,28 @@ bool device_is_sm90() {
 bool wgmma_prefill_available() { return device_is_sm90(); }
 
 bool wgmma_prefill_serves(const PagedAttentionParams& p) {
-  if (kernel_choice(p) == 0) return false;
+  const int choice = kernel_choice(p);
+  if (choice == 0) return false;
   if (!(p.scale > 0.f)) return false;  // the softmax takes the max of unscaled scores
   if (p.dtype != DType::kBFloat16 && p.dtype != DType::kFloat16) return false;
-  if (p.kv_dtype != p.dtype || (p.head_dim != 64 && p.head_dim != 128)) return false;
+  const bool fp8 = p.kv_dtype == DType::kFloat8E4M3;
+  // (fp8: the TMA kernel only, which has no softcap and no plain fallback; k_scale
+  // joins the score scale, which must stay > 0)
+  if (fp8 ? choice != kFp8Choice || p.softcap > 0.f || !(p.k_scale > 0.f) : p.kv_dtype != p.dtype) return false;
+  if (p.head_dim != 64 && p.head_dim != 128) return false;
   if (p.tile_tokens * (p.num_heads / p.num_kv_heads) > kRows) return false;
   if (!aligned16(p.query) || !aligned16(p.key_cache) || !aligned16(p.value_cache) || !aligned16(p.out) ||
       p.query_stride % 8 != 0) {
     return false;
   }
-  return device_is_sm90();
+  if (!device_is_sm90()) return false;
+  if (!fp8) return true;
+  // NOTE: an fp8 cache that the tensor maps cannot describe (block sizes that
+  // are not powers of two in 8..128, a driver without the encoder or refusing
+  // the cache) stays on the mma.sync kernel: encoded here once more per launch
+  // (microseconds of host time, on the opt-in variant only).
+  KvTensorMaps maps{};
+  return p.head_dim == 64 ? encode_fp8_kv_maps<64>(p, maps) : encode_fp8_kv_maps<128>(p, maps);
 }
 
 int paged_attention_wgmma(const PagedAttentionParams& p, cudaStream_t stream) {

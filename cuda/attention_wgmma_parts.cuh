@@ -329,11 +329,11 @@ __device__ __forceinline__ void issue_pv(float (&o)[HD / 2], const uint32_t (&pa
   for (int k = 0; k < kKeys / 16; ++k) wgmma::mma_rs<T, HD>(o, pa[k], wgmma::desc(vt + k * 2 * kGroup, kPanel, kGroup));
 }
 
-// o[4n + 2r + c] (row r, head dim 8n + 2qd + c) / l -> out, or the split's
-// partial output and (max, sum).
+// o[4n + 2r + c] (row r, head dim 8n + 2qd + c) * out_scale / l -> out, or the
+// split's partial output and (max, sum). out_scale: an fp8 cache's v_scale.
 template <typename T, int HD>
 __device__ __forceinline__ void store_rows(const PagedAttentionParams& p, const Item& it, const float (&o)[HD / 2],
-                                           RowState& rs, int qd) {
+                                           RowState& rs, int qd, float out_scale = 1.f) {
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     rs.l[r] += __shfl_xor_sync(0xffffffffu, rs.l[r], 1);
@@ -342,7 +342,7 @@ __device__ __forceinline__ void store_rows(const PagedAttentionParams& p, const 
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     if (!rs.valid[r]) continue;
-    const float inv = rs.l[r] > 0.f ? 1.f / rs.l[r] : 0.f;
+    const float inv = rs.l[r] > 0.f ? out_scale / rs.l[r] : 0.f;
     const int v = rs.vr[r];
     if (it.splits == 1) {
       const int64_t tok = it.q_begin + it.t0 + v / it.group;

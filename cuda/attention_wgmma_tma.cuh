@@ -1,5 +1,5 @@
 // Internal: the TMA pieces of the Hopper prefill kernel (attention_wgmma.cu,
-// PAGEDCORE_PREFILL_KERNEL=wgmma-tma and its -ids / -runs / -pairs variants): the
+// PAGEDCORE_PREFILL_KERNEL=wgmma-tma and wgmma-tma-pairs): the
 // tensor maps over the paged cache (encoded on the host), the block-aligned
 // key tiles, and the per-block TMA copies of K and V tiles (device code for
 // sm_90a only, wgmma_ops.cuh).
@@ -21,20 +21,10 @@ namespace pagedcore::cuda::wgmma_attention {
 
 // Tensor maps over the key and value caches for the TMA kernel (encoded on
 // the host per launch, passed by value: CUDA graphs capture them with the
-// launch): k, v a box per block; with ROWS (the -runs variants) also k_rows,
-// v_rows, a box of kKeys rows of the cache seen as [num_blocks * block_size,
-// kv heads, HD] (tma_tile_run).
-template <bool ROWS>
+// launch): a box per block.
 struct KvTensorMaps {
   CUtensorMap k;
   CUtensorMap v;
-};
-template <>
-struct KvTensorMaps<true> {
-  CUtensorMap k;
-  CUtensorMap v;
-  CUtensorMap k_rows;
-  CUtensorMap v_rows;
 };
 
 // ---- TMA (PAGEDCORE_PREFILL_KERNEL=wgmma-tma*): one copy per cache block ----
@@ -119,30 +109,6 @@ __device__ __forceinline__ void tma_v_blocks(const void* map, int kv_head, uint3
   if (load) tma_block<HD, PAIRS>(map, kv_head, dst, bar, block, bs, lane);
 }
 
-// Whether every block of the tile is there (tile_block, `block`, not -1) and
-// they are consecutive in the cache (lane j's == lane 0's + j): then the
-// tile's kKeys rows are rows block_0 * bs .. + kKeys - 1 of the cache seen as
-// [num_blocks * bs, kv heads, HD], one box of a rows map per 64-dim half
-// (tma_tile_run). All 32 lanes of the warp call it; it answers the same in all.
-__device__ __forceinline__ bool tile_is_run(int block, int bs, int lane) {
-  const int n = kKeys / bs;
-  const int first = __shfl_sync(0xffffffffu, block, 0);
-  const bool ok = lane >= n || (block >= 0 && block == first + lane);
-  return n > 1 && __all_sync(0xffffffffu, ok);
-}
-
-// A whole K or V tile whose blocks form a run (tile_is_run) -> dst, by one
-// warp: lane 0 arms `bar` with the tile's bytes (its one arrival), then lane h
-// copies 64-dim half h as one box of kKeys rows (map: k_rows or v_rows).
-template <int HD>
-__device__ __forceinline__ void tma_tile_run(const void* map, int kv_head, uint32_t dst, uint32_t bar, int block,
-                                             int bs, int lane) {
-  const int first = __shfl_sync(0xffffffffu, block, 0);
-  if (lane == 0) wgmma::mbar_arrive_expect_tx(bar, kKeys * HD * 2);
-  __syncwarp();
-  if (lane < HD / 64) wgmma::tma_load_3d(dst + lane * kKeys * 128, map, lane * 64, kv_head, first * bs, bar);
-}
-
 // cuTensorMapEncodeTiled from the driver through the runtime (no libcuda
 // link), looked up once; null where the driver has none.
 using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
@@ -177,15 +143,12 @@ inline bool tma_block_size(int bs) { return bs >= 8 && bs <= kKeys && (bs & (bs 
 // swizzle; PAIRS (head dim 128): dims (64, 8 rows, 2 * kv heads 64-dim
 // halves, block_size / 8 row groups, num_blocks), box (64, 8, 2, block_size /
 // 8, 1) — a block's rows of both halves of one kv head, landing as 8-row atoms
-// of the two panels side by side (wgmma::swizzled_paired); with ROWS also
-// k_rows / v_rows (tma_tile_run): dims (HD, kv heads, num_blocks *
-// block_size), box (64, 1, kKeys). False if it cannot.
-template <typename T, int HD, bool ROWS, bool PAIRS = false>
-bool encode_kv_maps(const PagedAttentionParams& p, KvTensorMaps<ROWS>& maps) {
-  static_assert(!PAIRS || (HD == 128 && !ROWS), "pairs: two 64-dim panels, block by block");
+// of the two panels side by side (wgmma::swizzled_paired). False if it cannot.
+template <typename T, int HD, bool PAIRS = false>
+bool encode_kv_maps(const PagedAttentionParams& p, KvTensorMaps& maps) {
+  static_assert(!PAIRS || HD == 128, "pairs: two 64-dim panels, block by block");
   const EncodeTiledFn encode = tensor_map_encoder();
   if (p.num_blocks <= 0 || !tma_block_size(p.block_size)) return false;
-  if (ROWS && static_cast<int64_t>(p.num_blocks) * p.block_size > INT32_MAX) return false;
   if (encode == nullptr) {
     static bool told = false;
     if (!told) {
@@ -218,18 +181,7 @@ bool encode_kv_maps(const PagedAttentionParams& p, KvTensorMaps<ROWS>& maps) {
                   CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                   CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
   };
-  bool ok = one(&maps.k, p.key_cache) && one(&maps.v, p.value_cache);
-  if constexpr (ROWS) {
-    const cuuint64_t row_dims[3] = {dims[0], dims[1], static_cast<cuuint64_t>(p.num_blocks) * p.block_size};
-    const cuuint32_t row_box[3] = {64, 1, static_cast<cuuint32_t>(kKeys)};
-    auto rows = [&](CUtensorMap* map, const void* cache) {
-      return encode(map, type, 3, const_cast<void*>(cache), row_dims, strides, row_box, elem_strides,
-                    CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                    CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
-    };
-    ok = ok && rows(&maps.k_rows, p.key_cache) && rows(&maps.v_rows, p.value_cache);
-  }
-  if (ok) return true;
+  if (one(&maps.k, p.key_cache) && one(&maps.v, p.value_cache)) return true;
   // NOTE: the caller then runs the plain kernel; said once (per dtype and head
   // dim), so that a measurement of an opt-in TMA variant does not pass the
   // plain one off as it.

@@ -5,9 +5,11 @@ replace), each against the float64 references of test_ops_cuda.py
 outputs): block sizes, head dims 64/128, GQA ratios (1, non-powers of two), bf16 and
 fp16, mixed rows (decode rows stay on the decode kernel; cached prefixes, lengths that
 are and are not block multiples), sliding window, softcap, key splits, rows of many key
-tiles. Shapes the kernel does not serve (head dims 32/80/96/256, fp8 caches) must fall
-back to the mma.sync kernel under the same setting. Runs only where the kernel runs
-(an sm_90 build on a compute capability 9.0 device)."""
+tiles; fp8 (e4m3) caches, which only wgmma-tma-fp8 takes, against float64 attention
+over the dequantized cache. Shapes a kernel does not serve (head dims 32/80/96/256, fp8
+caches under the other names, fp8 with softcap or block sizes that are not powers of two)
+must fall back to the mma.sync kernel under the same setting. Runs only where the kernel
+runs (an sm_90 build on a compute capability 9.0 device)."""
 
 from __future__ import annotations
 
@@ -27,16 +29,14 @@ from test_ops_cuda import TOLERANCE  # noqa: E402
 # wgmma: the plain kernel (every thread gathers K/V by cp.async); wgmma-tma (the default
 # at head dim 128 above block size 32; -pairs up to 32): a copying warpgroup brings K and V by TMA, one copy per cache block,
 # key tiles starting on a block boundary, persistent CTAs (softcap and block sizes that are
-# not powers of two in 8..128 run the plain kernel); wgmma-tma-ids: its copying warp looks
-# the block ids up a tile ahead; wgmma-tma-runs: a key tile whose blocks are consecutive in
-# the cache comes as one copy per 64-dim half (test_wgmma_tma_runs has such tiles);
-# wgmma-tma-ids-runs: both; wgmma-tma-pairs: one copy per cache block for both 64-dim halves
-# (head dim 128; K/V tiles in the paired shared-memory layout), wgmma-tma-ids-pairs: with
-# ids ahead. mma: the mma.sync kernel, which the default (auto) no longer picks for head
+# not powers of two in 8..128 run the plain kernel); wgmma-tma-pairs: one copy per cache
+# block for both 64-dim halves (head dim 128; K/V tiles in the paired shared-memory layout);
+# wgmma-tma-fp8: the TMA kernel over an fp8 cache (bytes by TMA into a staging area, widened
+# to fp16 in shared memory by the copying warpgroup; k/v scales as in mma.sync), auto over a
+# 16-bit cache. mma: the mma.sync kernel, which the default (auto) no longer picks for head
 # dim 128 here. PAGEDCORE_TEST_PREFILL_KERNELS (comma-separated) narrows the list, e.g. to
 # leave out a variant that bench/check_wgmma.py found hanging.
-KERNELS = ["mma", "wgmma", "wgmma-tma", "wgmma-tma-ids", "wgmma-tma-runs", "wgmma-tma-ids-runs", "wgmma-tma-pairs",
-           "wgmma-tma-ids-pairs"]
+KERNELS = ["mma", "wgmma", "wgmma-tma", "wgmma-tma-pairs", "wgmma-tma-fp8"]
 if os.environ.get("PAGEDCORE_TEST_PREFILL_KERNELS"):
     KERNELS = [k for k in os.environ["PAGEDCORE_TEST_PREFILL_KERNELS"].split(",") if k]
 
@@ -47,41 +47,14 @@ def needs_sm90():
         pytest.skip("the wgmma prefill kernel runs on compute capability 9.0 (sm_90 builds) only")
 
 
-def consecutive_blocks(kc, vc, bt, seq_lens, *, gap_every=11):
-    """The same batch with each row's blocks renumbered in table order to consecutive
-    cache blocks, one id skipped before every `gap_every`-th block of a row (so that some
-    key tiles are runs of consecutive blocks and some are not); the null block 0 and the
-    garbage entries past a row's blocks stay as they are (clamped later), the new cache
-    NaN where no block was moved."""
-    bs = kc.shape[1]
-    n_rows = [-(-int(s) // bs) for s in seq_lens]
-    total = 1 + sum(n + n // gap_every + 1 for n in n_rows)
-    new_k = torch.full((total, *kc.shape[1:]), NAN, dtype=kc.dtype)
-    new_v = torch.full_like(new_k, NAN)
-    new_bt = bt.clone()
-    nxt = 1
-    for r, n in enumerate(n_rows):
-        for j in range(n):
-            if j % gap_every == gap_every - 1:
-                nxt += 1
-            old = int(bt[r, j])
-            if old != 0:
-                new_k[nxt], new_v[nxt] = kc[old], vc[old]
-                new_bt[r, j] = nxt
-            nxt += 1
-    return new_k, new_v, new_bt
-
-
 def run_cuda(rows, *, block_size, head_dim, group, dtype, window=0, softcap=0.0, num_kv_heads=2, seed=0,
-             fp8_scales=None, unsplit=False, consecutive=False):
-    """test_ops_cuda.run_cuda for every wgmma variant, one float64 reference for all.
-    consecutive: each row's blocks consecutive in the cache (consecutive_blocks)."""
+             fp8_scales=None, unsplit=False):
+    """test_ops_cuda.run_cuda for every wgmma variant, one float64 reference for all;
+    returns each variant's output (on the host)."""
     query, kc, vc, bt, seq_lens, qsl = make_batch(
         rows, block_size=block_size, head_dim=head_dim, num_kv_heads=num_kv_heads, group=group,
         dtype=dtype, window=window, seed=seed,
     )
-    if consecutive:
-        kc, vc, bt = consecutive_blocks(kc, vc, bt, seq_lens)
     bt = bt.clamp(0, kc.shape[0] - 1)  # garbage entries in range: a stray read shows as NaN
     scale = head_dim**-0.5
     kw = {}
@@ -104,6 +77,7 @@ def run_cuda(rows, *, block_size, head_dim, group, dtype, window=0, softcap=0.0,
     # NOTE: every variant runs even after one fails, and the failure names them all:
     # one device run tells which variants are wrong where.
     failures = []
+    outputs = {}
     with pytest.MonkeyPatch.context() as mp:
         for kernel in KERNELS:
             mp.setenv("PAGEDCORE_PREFILL_KERNEL", kernel)
@@ -111,6 +85,7 @@ def run_cuda(rows, *, block_size, head_dim, group, dtype, window=0, softcap=0.0,
             ops.paged_attention(*dev, scale=scale, sliding_window=window, softcap=softcap, out=out, **kw)
             torch.cuda.synchronize()
             got = out.cpu()
+            outputs[kernel] = got
             try:
                 assert torch.isnan(got[n:]).all(), "padding tokens after query_start_loc[-1] were written"
                 assert not torch.isnan(got[:n]).any(), "a row was left unwritten or read a NaN slot"
@@ -120,6 +95,7 @@ def run_cuda(rows, *, block_size, head_dim, group, dtype, window=0, softcap=0.0,
                 failures.append(f"[{kernel}] {detail}")
     if failures:
         pytest.fail(" | ".join(failures))
+    return outputs
 
 
 HALF = [torch.bfloat16, torch.float16]
@@ -200,22 +176,6 @@ def test_wgmma_key_tiles_on_block_boundaries(block_size, window):
     run_cuda(rows, block_size=block_size, head_dim=64, group=2, dtype=torch.float16, window=window)
 
 
-@pytest.mark.parametrize("block_size", [8, 16, 32, 64])
-@pytest.mark.parametrize("window", [0, 45])
-def test_wgmma_tma_runs(block_size, window):
-    # Each row's blocks consecutive in the cache but for a gap every 11 blocks: the -runs
-    # variants copy the key tiles of consecutive blocks as one box of 128 rows per 64-dim
-    # half and the others block by block (V tiles with edge rows too: windows starting
-    # mid-block, rows ending mid-block, key splits); head dims 128 and 64.
-    rows = [(300, 2000), (129, 1000), (40, 5000), (1, 77), (70, 2500)]
-    run_cuda(rows, block_size=block_size, head_dim=128, group=4, dtype=torch.bfloat16, window=window,
-             consecutive=True)
-    run_cuda(rows, block_size=block_size, head_dim=128, group=3, dtype=torch.bfloat16, window=window,
-             consecutive=True, unsplit=True)
-    run_cuda(rows, block_size=block_size, head_dim=64, group=2, dtype=torch.float16, window=window,
-             consecutive=True)
-
-
 def test_wgmma_rows_longer_than_one_staged_block_table():
     run_cuda([(1, 9000), (40, 9000)], block_size=8, head_dim=128, group=4, dtype=torch.bfloat16, unsplit=True)
 
@@ -230,5 +190,59 @@ def test_unserved_head_dims_fall_back(head_dim):
     run_cuda(mixed_rows(16), block_size=16, head_dim=head_dim, group=2, dtype=torch.bfloat16)
 
 
+# ---- fp8 (e4m3) caches: wgmma-tma-fp8 (the other names leave them on mma.sync) ----
+FP8_SCALES = (0.5, 2.0)
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 32, 128])
+@pytest.mark.parametrize("group", [1, 3, 4, 8])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dtype", HALF, ids=["bf16", "fp16"])
+def test_wgmma_fp8_grid(dtype, head_dim, group, block_size):
+    # test_ops_cuda's fp8 grid (NaN e4m3 in every slot not to be read: a V row of a slot
+    # outside the key range that is not zeroed shows) with non-power-of-two groups.
+    run_cuda(mixed_rows(block_size), block_size=block_size, head_dim=head_dim, group=group, dtype=dtype,
+             fp8_scales=FP8_SCALES)
+
+
+@pytest.mark.parametrize("block_size", [8, 64, 128])
+@pytest.mark.parametrize("window", [0, 45])
+def test_wgmma_fp8_key_tiles_on_block_boundaries(block_size, window):
+    # Key ranges starting mid-block (windows, the plan's key splits): the staged V rows
+    # before s_lo and past s_hi become zeros; unsplit: dozens of tiles per item through
+    # the two fp16 stages and two staging slots; other scales.
+    rows = [(200, 700), (129, 1000), (40, 5000), (1, 77), (300, 300), (70, 2500)]
+    run_cuda(rows, block_size=block_size, head_dim=128, group=4, dtype=torch.bfloat16, window=window,
+             fp8_scales=(0.25, 0.75))
+    run_cuda(rows, block_size=block_size, head_dim=128, group=3, dtype=torch.bfloat16, window=window, unsplit=True,
+             fp8_scales=FP8_SCALES)
+    run_cuda(rows, block_size=block_size, head_dim=64, group=2, dtype=torch.float16, window=window,
+             fp8_scales=(1.0, 1.0))
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_wgmma_fp8_many_items_per_cta(head_dim):
+    # Persistent CTAs walking several items each: the staging slots' and fp16 stages'
+    # barrier phases carried from one item to the next (the widening runs a tile late).
+    rows = [(17 + (37 * i) % 90, 17 + (37 * i) % 90 + (53 * i) % 300) for i in range(60)]
+    run_cuda(rows, block_size=16, head_dim=head_dim, group=3, dtype=torch.bfloat16, num_kv_heads=4,
+             fp8_scales=FP8_SCALES)
+
+
+def test_wgmma_fp8_is_not_the_mma_kernel():
+    # NOTE: a wgmma-tma-fp8 that silently fell back to mma.sync (wgmma_prefill_serves
+    # saying no) would pass every reference above; the two kernels sum in different
+    # orders (128-key wgmma tiles against 64-key mma.sync ones), so their fp16 outputs
+    # differ in some element where both ran.
+    if "wgmma-tma-fp8" not in KERNELS or "mma" not in KERNELS:
+        pytest.skip("needs mma and wgmma-tma-fp8 in PAGEDCORE_TEST_PREFILL_KERNELS")
+    out = run_cuda([(300, 1000), (129, 129)], block_size=16, head_dim=128, group=4, dtype=torch.float16,
+                   fp8_scales=FP8_SCALES)
+    assert not torch.equal(out["wgmma-tma-fp8"], out["mma"])
+
+
 def test_fp8_cache_falls_back():
-    run_cuda(mixed_rows(16), block_size=16, head_dim=128, group=4, dtype=torch.bfloat16, fp8_scales=(0.5, 2.0))
+    # Softcap (the TMA kernel has none) and a block size the tensor maps cannot take.
+    run_cuda(mixed_rows(16), block_size=16, head_dim=128, group=4, dtype=torch.bfloat16, softcap=3.5,
+             fp8_scales=FP8_SCALES)
+    run_cuda(mixed_rows(48), block_size=48, head_dim=128, group=4, dtype=torch.bfloat16, fp8_scales=FP8_SCALES)
