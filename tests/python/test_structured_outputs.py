@@ -176,6 +176,24 @@ def test_json_regex_choice_grammar_in_one_batch(tiny_llms) -> None:
     assert all(c.finish_reason == "length" for c in outs[6].outputs)
 
 
+def test_a_completed_grammar_ends_on_its_own_last_token(tiny_llms) -> None:
+    """A grammar that admits nothing more after a token (a choice, a fixed-length regex)
+    finishes its sequence with "stop" on that token: no EOS sampled after it, the token
+    ids are exactly the text's (the tokenizer decodes them to it), and the engine frees
+    the sequence (generate checks every block free)."""
+    tokenizer = tiny_llms[True].llm_engine.tokenizer
+    eos = set(tiny_llms[True].llm_engine.eos_token_ids)
+    specs = [StructuredOutputsParams(regex="[0-9]{3}"), StructuredOutputsParams(choice=CHOICES)]
+    params = [SamplingParams(temperature=0.9, n=2, seed=3 + i, max_tokens=24, structured_outputs=s)
+              for i, s in enumerate(specs)]
+    outs = generate(tiny_llms, ["A number:", "A colour:"], params)
+    for out, ok in zip(outs, (lambda t: re.fullmatch("[0-9]{3}", t), lambda t: t in CHOICES)):
+        for c in out.outputs:
+            assert c.finish_reason == "stop" and c.stop_reason is None and ok(c.text), c
+            assert not eos & set(c.token_ids), c
+            assert tokenizer.decode(c.token_ids) == c.text, c
+
+
 @needs_pydantic
 def test_stop_strings_end_constrained_outputs(tiny_llms) -> None:
     # A stop string still ends a constrained output (where the user asked).
