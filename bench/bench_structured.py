@@ -63,6 +63,7 @@ import argparse
 import gc
 import os
 import statistics
+import sys
 import time
 from collections import defaultdict
 
@@ -205,6 +206,44 @@ class Timers:
             for p in ("gpu execute", "gpu sample", "gpu wait"):
                 parts[p] = t.get(p, 0.0) / n
         return parts
+
+
+def host_only(engine, seed: int = 0) -> None:
+    """Replaces the forward pass and the sampler with stand-ins that cost almost nothing,
+    so that a step's time is the engine thread's own work (scheduling, outputs, the
+    matchers, the masks' start and join, the sampling metadata): on a CPU whose model and
+    sampler take ~100 ms a step, the host-bound step of a GPU seen apart. The forward
+    pass returns zero logits; the sampler draws each row's token from a seeded numpy
+    generator: any token for rows without a mask, else the lowest allowed token of the
+    first word with one from a random word on (the grammar's states vary as in a run)."""
+    from pagedcore.sampler import SamplerOutput
+
+    vocab = engine.spec.vocab_size
+    rng = np.random.default_rng(seed)
+    logits = torch.zeros(0, vocab)
+
+    def execute(batch, previous=None):
+        nonlocal logits
+        if logits.shape[0] < batch.num_samples:
+            logits = torch.zeros(batch.num_samples, vocab)
+        return logits[:batch.num_samples]
+
+    def sample(x, md):
+        ids = rng.integers(0, vocab, x.shape[0])
+        if md.token_bitmask is not None and md.bitmask_rows is not None and md.bitmask_rows.numel():
+            # (per row: the first word with an allowed token from a random word on,
+            # cyclically, and its lowest allowed token; vectorized, to cost the host little)
+            words = md.token_bitmask.numpy().view(np.uint32).astype(np.int64)
+            n, w = words.shape
+            start = rng.integers(0, w, n)
+            distance = np.where(words != 0, (np.arange(w)[None, :] - start[:, None]) % w, w)
+            word = (start + distance.min(axis=1)) % w
+            value = words[np.arange(n), word]
+            ids[md.bitmask_rows.numpy()] = 32 * word + np.log2(value & -value).astype(np.int64)
+        return SamplerOutput(sampled_token_ids=torch.from_numpy(ids), sampled_logprobs=None)
+
+    engine.runner.execute = execute
+    engine.sampler = sample
 
 
 def run(llm: LLM, timers: Timers, prompts: list[str], params: SamplingParams, repeats: int):
@@ -480,7 +519,21 @@ def main() -> None:
                     help="instead of the engine: the masks' cost each way over STEPS steps, without a model "
                          "(see masks_alone; --requests rows, $PAGEDCORE_MASK_THREADS threads, default 2)")
     ap.add_argument("--busy-ms", type=float, default=1.5, help="--masks-alone: the Python run meanwhile")
+    ap.add_argument("--switch-interval", type=float, default=None, metavar="S",
+                    help="sys.setswitchinterval(S) first (CPython's default 0.005): how long a thread that "
+                         "wants the GIL waits before the thread running Python must hand it over (the mask "
+                         "thread needs it to take a job and to finish one)")
+    ap.add_argument("--host-only", action="store_true",
+                    help="the forward pass and the sampler replaced by stand-ins that cost almost nothing "
+                         "(see host_only): each step times the engine thread's own work")
     args = ap.parse_args()
+    if args.host_only and args.device not in ("cpu", "auto"):
+        raise SystemExit("--host-only runs on the CPU (--device cpu)")
+    if args.switch_interval is not None:
+        if not args.switch_interval > 0:
+            raise SystemExit(f"--switch-interval must be > 0, got {args.switch_interval}")
+        sys.setswitchinterval(args.switch_interval)
+    print(f"GIL switch interval {sys.getswitchinterval() * 1e3:g} ms")
     if args.masks_alone:
         masks_alone(args.model or default_model_path(), args.requests, args.masks_alone,
                     int(os.environ.get(MASK_THREADS_ENV, "2")), args.busy_ms, args.schema)
@@ -497,6 +550,8 @@ def main() -> None:
         llm = LLM(model=args.model or default_model_path(), device=args.device, load_format=args.load_format,
                   async_scheduling=mode)
         engine = llm.llm_engine
+        if args.host_only:
+            host_only(engine)
         timers = Timers(engine)
         llm.generate(prompts[:4], [free] * 4, use_tqdm=False)  # warm-up (and grammar compile)
         llm.generate(prompts[:4], [constrained] * 4, use_tqdm=False)
@@ -526,11 +581,11 @@ def main() -> None:
                   + ("" if way is None or way.trials is None else
                      f" (trials under way: {sum(map(len, way.trials.values()))} jobs done)"))
         ratios[name] = results["JSON schema"][0] / results["unconstrained"][0]
-        if mode == modes[-1] and replay_steps:
+        if mode == modes[-1] and replay_steps and not args.host_only:
             replay(engine, spec, results["JSON schema"][1], replay_steps)
         if mode == modes[-1] and engine.device.type == "cuda":
             apply_alone(engine.device, args.requests, engine.spec.vocab_size)
-        if mode == modes[-1]:
+        if mode == modes[-1] and not args.host_only:
             sampler_alone(engine.device, args.requests, engine.spec.vocab_size,
                           calls=50 if engine.device.type == "cuda" else 5)
         timers.close()
