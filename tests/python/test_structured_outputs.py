@@ -194,6 +194,29 @@ def test_a_completed_grammar_ends_on_its_own_last_token(tiny_llms) -> None:
             assert tokenizer.decode(c.token_ids) == c.text, c
 
 
+def test_a_finished_sample_leaves_no_live_matcher(tiny_llms) -> None:
+    """After every step, a matcher the engine still feeds (``_matchers``) belongs to an
+    unfinished sample: one that a stop string, max_tokens or its grammar ended gives its
+    matcher up at once, while its siblings (n = 4) go on (the engine feeds a live
+    matcher every token of its sequence without looking at the sample again)."""
+    params = SamplingParams(temperature=1.0, n=4, seed=21, max_tokens=7, stop=["1"],
+                            structured_outputs=StructuredOutputsParams(regex="[0-9]{3}-[a-z]{2,9}"))
+    for llm in tiny_llms.values():
+        engine = llm.llm_engine
+        engine.add_request("mixed", "An order code:", None, params)
+        mixed = False
+        while engine.has_unfinished_requests():
+            engine.step()
+            live = [engine._seq_owner[seq_id] for seq_id in engine._matchers]
+            assert all(request.completions[i].finish_reason is None for request, i in live), live
+            request = engine._requests.get("mixed")
+            if request is not None:
+                reasons = [c.finish_reason for c in request.completions]
+                mixed |= None in reasons and any(r is not None for r in reasons)
+        assert mixed  # (some sample ended while others went on)
+        assert not engine._matchers
+
+
 @needs_pydantic
 def test_stop_strings_end_constrained_outputs(tiny_llms) -> None:
     # A stop string still ends a constrained output (where the user asked).
