@@ -1282,7 +1282,8 @@ class LLMEngine:
                 reason, c.stop_reason = "stop", stop_str
             elif reason is not None and stop_tokens[k] >= 0:
                 c.stop_reason = stop_tokens[k]
-            if c.matcher is not None:
+            if c.matcher is not None and (reason is not None or seq_ids[k] in verdicts):
+                # (a grammar that goes on, in a sequence that goes on, changes nothing)
                 reason = self._grammar_verdict(seq_ids[k], request, c, token, reason, verdicts.get(seq_ids[k]))
             if reason is not None:
                 c.finish_reason = reason
