@@ -54,6 +54,7 @@ two ways without a model (see masks_alone).
 Usage: python bench/bench_structured.py [--requests 64] [--max-tokens 256] [--device cuda]
        [--load-format dummy --model DIR] [--async-scheduling both|on|off]
        [--mask-way auto|background|inline] [--masks-alone STEPS [--busy-ms 1.5]]
+       [--host-only (CPU: stand-ins for the forward pass and the sampler)] [--switch-interval S] [--gil-probe]
        (PAGEDCORE_MASK_THREADS=N: the mask pool's threads; PAGEDCORE_MASK_DEVICE_WAIT=0: no device wait)
 """
 
@@ -244,6 +245,37 @@ def host_only(engine, seed: int = 0) -> None:
 
     engine.runner.execute = execute
     engine.sampler = sample
+
+
+class GilProbe:
+    """A thread that sleeps ``period_s`` at a time and records how late it gets the GIL
+    back each time (the OS's wake-up and the wait for the GIL): what any thread of the
+    engine's process that leaves the GIL (the mask thread, for llguidance's call) waits
+    to take it again while the engine's thread runs Python. CPython hands a waiting
+    thread the GIL when the holder blocks, or else after the switch interval."""
+
+    def __init__(self, period_s: float = 0.001) -> None:
+        import threading
+
+        self.period_s = period_s
+        self.late: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="gil-probe", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            t0 = time.perf_counter()
+            time.sleep(self.period_s)
+            self.late.append(time.perf_counter() - t0 - self.period_s)
+
+    def take(self) -> list[float]:
+        late, self.late = self.late, []
+        return late
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 def run(llm: LLM, timers: Timers, prompts: list[str], params: SamplingParams, repeats: int):
@@ -526,6 +558,9 @@ def main() -> None:
     ap.add_argument("--host-only", action="store_true",
                     help="the forward pass and the sampler replaced by stand-ins that cost almost nothing "
                          "(see host_only): each step times the engine thread's own work")
+    ap.add_argument("--gil-probe", action="store_true",
+                    help="a thread that sleeps 1 ms at a time during the runs; prints how late it gets the "
+                         "GIL back (see GilProbe)")
     args = ap.parse_args()
     if args.host_only and args.device not in ("cpu", "auto"):
         raise SystemExit("--host-only runs on the CPU (--device cpu)")
@@ -565,12 +600,20 @@ def main() -> None:
               f"device wait {'on' if engine._bitmask_staging and engine._bitmask_staging.device_wait else 'off'} "
               f"(${MASK_THREADS_ENV}, ${DEVICE_WAIT_ENV})")
         results = {}
+        probe = GilProbe() if args.gil_probe else None
         for label, params in (("unconstrained", free), ("JSON schema", constrained)):
+            if probe is not None:
+                probe.take()
             wall, tokens, parts, outs = run(llm, timers, prompts, params, args.repeats)
             results[label] = (tokens / wall, outs)
             gpu = tuple(p for p in ("gpu execute", "gpu sample", "gpu wait") if p in parts)
             print(f"{label:14s} {tokens / wall:10.1f} output tokens/s ({wall:.3f} s); per step (ms): "
                   + " ".join(f"{p} {parts[p]:.3f}" for p in ("step",) + PARTS + ("compute",) + gpu))
+            if probe is not None:
+                late = np.array(probe.take()) * 1e3
+                print(f"{'':14s} GIL probe ({len(late)} wake-ups of a thread sleeping {probe.period_s * 1e3:g} ms): "
+                      f"late by median {np.median(late):.3f} ms, p90 {np.percentile(late, 90):.3f}, "
+                      f"max {late.max():.3f}")
         if manager.background:
             rows = args.requests.bit_length()
             way = manager.mask_ways.get(rows)
@@ -589,6 +632,8 @@ def main() -> None:
             sampler_alone(engine.device, args.requests, engine.spec.vocab_size,
                           calls=50 if engine.device.type == "cuda" else 5)
         timers.close()
+        if probe is not None:
+            probe.close()
         del llm, engine, timers, results
         gc.collect()
         if torch.cuda.is_available():
