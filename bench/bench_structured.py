@@ -234,12 +234,12 @@ def host_only(engine, seed: int = 0) -> None:
         if md.token_bitmask is not None and md.bitmask_rows is not None and md.bitmask_rows.numel():
             # (per row: the first word with an allowed token from a random word on,
             # cyclically, and its lowest allowed token; vectorized, to cost the host little)
-            words = md.token_bitmask.numpy().view(np.uint32).astype(np.int64)
+            words = md.token_bitmask.numpy().view(np.uint32)
             n, w = words.shape
-            start = rng.integers(0, w, n)
-            distance = np.where(words != 0, (np.arange(w)[None, :] - start[:, None]) % w, w)
-            word = (start + distance.min(axis=1)) % w
-            value = words[np.arange(n), word]
+            allowed = words != 0
+            after = allowed & (np.arange(w)[None, :] >= rng.integers(0, w, n)[:, None])
+            word = np.where(after.any(axis=1), after.argmax(axis=1), allowed.argmax(axis=1))
+            value = words[np.arange(n), word].astype(np.int64)
             ids[md.bitmask_rows.numpy()] = 32 * word + np.log2(value & -value).astype(np.int64)
         return SamplerOutput(sampled_token_ids=torch.from_numpy(ids), sampled_logprobs=None)
 
