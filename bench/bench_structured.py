@@ -54,6 +54,7 @@ two ways without a model (see masks_alone).
 Usage: python bench/bench_structured.py [--requests 64] [--max-tokens 256] [--device cuda]
        [--load-format dummy --model DIR] [--async-scheduling both|on|off]
        [--mask-way auto|background|inline] [--masks-alone STEPS [--busy-ms 1.5]]
+       [--host-only (CPU: stand-ins for the forward pass and the sampler)] [--switch-interval S] [--gil-probe]
        (PAGEDCORE_MASK_THREADS=N: the mask pool's threads; PAGEDCORE_MASK_DEVICE_WAIT=0: no device wait)
 """
 
@@ -63,6 +64,7 @@ import argparse
 import gc
 import os
 import statistics
+import sys
 import time
 from collections import defaultdict
 
@@ -205,6 +207,75 @@ class Timers:
             for p in ("gpu execute", "gpu sample", "gpu wait"):
                 parts[p] = t.get(p, 0.0) / n
         return parts
+
+
+def host_only(engine, seed: int = 0) -> None:
+    """Replaces the forward pass and the sampler with stand-ins that cost almost nothing,
+    so that a step's time is the engine thread's own work (scheduling, outputs, the
+    matchers, the masks' start and join, the sampling metadata): on a CPU whose model and
+    sampler take ~100 ms a step, the host-bound step of a GPU seen apart. The forward
+    pass returns zero logits; the sampler draws each row's token from a seeded numpy
+    generator: any token for rows without a mask, else the lowest allowed token of the
+    first word with one from a random word on (the grammar's states vary as in a run)."""
+    from pagedcore.sampler import SamplerOutput
+
+    vocab = engine.spec.vocab_size
+    rng = np.random.default_rng(seed)
+    logits = torch.zeros(0, vocab)
+
+    def execute(batch, previous=None):
+        nonlocal logits
+        if logits.shape[0] < batch.num_samples:
+            logits = torch.zeros(batch.num_samples, vocab)
+        return logits[:batch.num_samples]
+
+    def sample(x, md):
+        ids = rng.integers(0, vocab, x.shape[0])
+        if md.token_bitmask is not None and md.bitmask_rows is not None and md.bitmask_rows.numel():
+            # (per row: the first word with an allowed token from a random word on,
+            # cyclically, and its lowest allowed token; vectorized, to cost the host little)
+            words = md.token_bitmask.numpy().view(np.uint32)
+            n, w = words.shape
+            allowed = words != 0
+            after = allowed & (np.arange(w)[None, :] >= rng.integers(0, w, n)[:, None])
+            word = np.where(after.any(axis=1), after.argmax(axis=1), allowed.argmax(axis=1))
+            value = words[np.arange(n), word].astype(np.int64)
+            ids[md.bitmask_rows.numpy()] = 32 * word + np.log2(value & -value).astype(np.int64)
+        return SamplerOutput(sampled_token_ids=torch.from_numpy(ids), sampled_logprobs=None)
+
+    engine.runner.execute = execute
+    engine.sampler = sample
+
+
+class GilProbe:
+    """A thread that sleeps ``period_s`` at a time and records how late it gets the GIL
+    back each time (the OS's wake-up and the wait for the GIL): what any thread of the
+    engine's process that leaves the GIL (the mask thread, for llguidance's call) waits
+    to take it again while the engine's thread runs Python. CPython hands a waiting
+    thread the GIL when the holder blocks, or else after the switch interval."""
+
+    def __init__(self, period_s: float = 0.001) -> None:
+        import threading
+
+        self.period_s = period_s
+        self.late: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="gil-probe", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            t0 = time.perf_counter()
+            time.sleep(self.period_s)
+            self.late.append(time.perf_counter() - t0 - self.period_s)
+
+    def take(self) -> list[float]:
+        late, self.late = self.late, []
+        return late
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 def run(llm: LLM, timers: Timers, prompts: list[str], params: SamplingParams, repeats: int):
@@ -419,6 +490,7 @@ def masks_alone(model: str, rows: int, steps: int, threads: int, busy_ms: float,
     out = torch.empty((rows, manager.num_words), dtype=torch.int32)
     rng = np.random.default_rng(0)
     cost: dict[str, list[float]] = {way: [] for way in ways}
+    computed: dict[str, list[float]] = {way: [] for way in ways}
     fed: list[float] = []
 
     def python_work() -> None:
@@ -436,6 +508,7 @@ def masks_alone(model: str, rows: int, steps: int, threads: int, busy_ms: float,
             t2 = time.perf_counter()
             job.wait()
             cost[way].append(1e3 * ((t1 - t0) + (time.perf_counter() - t2)))
+            computed[way].append(1e3 * job.compute_seconds)
         bits = np.unpackbits(out.numpy().view(np.uint8), axis=1, bitorder="little")[:, :vocab]
         tokens = [int(rng.choice(np.nonzero(row)[0])) for row in bits]
         for way in ways:
@@ -450,6 +523,11 @@ def masks_alone(model: str, rows: int, steps: int, threads: int, busy_ms: float,
     for way, xs in cost.items():
         print(f"  {way:10s}: median {statistics.median(xs):7.3f}, p90 {np.percentile(xs, 90):7.3f}, "
               f"mean {statistics.mean(xs):7.3f}")
+    # NOTE: the job's compute time runs until llguidance's call has returned, which needs
+    # the GIL: in the background, while the engine's thread runs Python, that waits for
+    # the switch interval (the busy Python here never blocks); in line nothing competes.
+    print("  llguidance's call until its thread had the GIL back, ms per step: "
+          + ", ".join(f"{way} median {statistics.median(xs):.3f}" for way, xs in computed.items()))
     print(f"  tokens fed one by one: median {statistics.median(fed):7.3f}")
 
 
@@ -480,7 +558,24 @@ def main() -> None:
                     help="instead of the engine: the masks' cost each way over STEPS steps, without a model "
                          "(see masks_alone; --requests rows, $PAGEDCORE_MASK_THREADS threads, default 2)")
     ap.add_argument("--busy-ms", type=float, default=1.5, help="--masks-alone: the Python run meanwhile")
+    ap.add_argument("--switch-interval", type=float, default=None, metavar="S",
+                    help="sys.setswitchinterval(S) first (CPython's default 0.005): how long a thread that "
+                         "wants the GIL waits before the thread running Python must hand it over (the mask "
+                         "thread needs it to take a job and to finish one)")
+    ap.add_argument("--host-only", action="store_true",
+                    help="the forward pass and the sampler replaced by stand-ins that cost almost nothing "
+                         "(see host_only): each step times the engine thread's own work")
+    ap.add_argument("--gil-probe", action="store_true",
+                    help="a thread that sleeps 1 ms at a time during the runs; prints how late it gets the "
+                         "GIL back (see GilProbe)")
     args = ap.parse_args()
+    if args.host_only and args.device not in ("cpu", "auto"):
+        raise SystemExit("--host-only runs on the CPU (--device cpu)")
+    if args.switch_interval is not None:
+        if not args.switch_interval > 0:
+            raise SystemExit(f"--switch-interval must be > 0, got {args.switch_interval}")
+        sys.setswitchinterval(args.switch_interval)
+    print(f"GIL switch interval {sys.getswitchinterval() * 1e3:g} ms")
     if args.masks_alone:
         masks_alone(args.model or default_model_path(), args.requests, args.masks_alone,
                     int(os.environ.get(MASK_THREADS_ENV, "2")), args.busy_ms, args.schema)
@@ -497,6 +592,8 @@ def main() -> None:
         llm = LLM(model=args.model or default_model_path(), device=args.device, load_format=args.load_format,
                   async_scheduling=mode)
         engine = llm.llm_engine
+        if args.host_only:
+            host_only(engine)
         timers = Timers(engine)
         llm.generate(prompts[:4], [free] * 4, use_tqdm=False)  # warm-up (and grammar compile)
         llm.generate(prompts[:4], [constrained] * 4, use_tqdm=False)
@@ -510,12 +607,20 @@ def main() -> None:
               f"device wait {'on' if engine._bitmask_staging and engine._bitmask_staging.device_wait else 'off'} "
               f"(${MASK_THREADS_ENV}, ${DEVICE_WAIT_ENV})")
         results = {}
+        probe = GilProbe() if args.gil_probe else None
         for label, params in (("unconstrained", free), ("JSON schema", constrained)):
+            if probe is not None:
+                probe.take()
             wall, tokens, parts, outs = run(llm, timers, prompts, params, args.repeats)
             results[label] = (tokens / wall, outs)
             gpu = tuple(p for p in ("gpu execute", "gpu sample", "gpu wait") if p in parts)
             print(f"{label:14s} {tokens / wall:10.1f} output tokens/s ({wall:.3f} s); per step (ms): "
                   + " ".join(f"{p} {parts[p]:.3f}" for p in ("step",) + PARTS + ("compute",) + gpu))
+            if probe is not None:
+                late = np.array(probe.take()) * 1e3
+                print(f"{'':14s} GIL probe ({len(late)} wake-ups of a thread sleeping {probe.period_s * 1e3:g} ms): "
+                      f"late by median {np.median(late):.3f} ms, p90 {np.percentile(late, 90):.3f}, "
+                      f"max {late.max():.3f}")
         if manager.background:
             rows = args.requests.bit_length()
             way = manager.mask_ways.get(rows)
@@ -526,14 +631,16 @@ def main() -> None:
                   + ("" if way is None or way.trials is None else
                      f" (trials under way: {sum(map(len, way.trials.values()))} jobs done)"))
         ratios[name] = results["JSON schema"][0] / results["unconstrained"][0]
-        if mode == modes[-1] and replay_steps:
+        if mode == modes[-1] and replay_steps and not args.host_only:
             replay(engine, spec, results["JSON schema"][1], replay_steps)
         if mode == modes[-1] and engine.device.type == "cuda":
             apply_alone(engine.device, args.requests, engine.spec.vocab_size)
-        if mode == modes[-1]:
+        if mode == modes[-1] and not args.host_only:
             sampler_alone(engine.device, args.requests, engine.spec.vocab_size,
                           calls=50 if engine.device.type == "cuda" else 5)
         timers.close()
+        if probe is not None:
+            probe.close()
         del llm, engine, timers, results
         gc.collect()
         if torch.cuda.is_available():

@@ -1282,7 +1282,8 @@ class LLMEngine:
                 reason, c.stop_reason = "stop", stop_str
             elif reason is not None and stop_tokens[k] >= 0:
                 c.stop_reason = stop_tokens[k]
-            if c.matcher is not None:
+            if c.matcher is not None and (reason is not None or seq_ids[k] in verdicts):
+                # (a grammar that goes on, in a sequence that goes on, changes nothing)
                 reason = self._grammar_verdict(seq_ids[k], request, c, token, reason, verdicts.get(seq_ids[k]))
             if reason is not None:
                 c.finish_reason = reason
@@ -1327,27 +1328,37 @@ class LLMEngine:
         request.num_finished = 1
         self._forget(request)
 
-    def _advance_matchers(self, out: _StepOutputs) -> dict[int, str | None]:
+    def _advance_matchers(self, out: _StepOutputs) -> dict[int, str]:
         """Feeds each constrained sequence's token of the step to its matcher (those
-        that _process appends: the same conditions). Returns, per sequence, None if
-        the grammar goes on, "stopped" if it is complete and admits nothing more, or
-        llguidance's error if the token was refused: what _grammar_verdict needs, read
-        now, since a mask job may hold the matchers by then."""
-        fed: list[tuple[int, Any, int]] = []
+        that _process appends: the same conditions). Returns the sequences whose
+        grammar does not simply go on: "stopped" if it is complete and admits nothing
+        more, or llguidance's error if the token was refused (the others are absent):
+        what _grammar_verdict needs, read now, since a mask job may hold the matchers
+        by then.
+
+        NOTE: a sequence with a live matcher is one _process appends to: a matcher
+        leaves ``_matchers`` whenever its sequence finishes or its request goes (see
+        _grammar_verdict, _forget), so no owner lookup per row is needed here.
+        """
+        matchers = self._matchers
+        fed_seq_ids, fed, tokens = [], [], []
         for seq_id, token in zip(out.seq_ids, out.token_ids):
-            matcher = self._matchers.get(seq_id)
-            if matcher is None or token < 0:
-                continue
-            owner = self._seq_owner.get(seq_id)
-            if owner is None or owner[0].completions[owner[1]].finish_reason is not None:
-                continue
-            fed.append((seq_id, matcher, token))
+            if token >= 0:
+                matcher = matchers.get(seq_id)
+                if matcher is not None:
+                    fed_seq_ids.append(seq_id)
+                    fed.append(matcher)
+                    tokens.append(token)
         if not fed:
             return {}
-        accepted = self._structured.consume([m for _, m, _ in fed], [t for _, _, t in fed])
-        return {seq_id: (("stopped" if matcher.ll.is_stopped() else None) if ok
-                         else f"error: {matcher.ll.get_error()}")
-                for (seq_id, matcher, _), ok in zip(fed, accepted)}
+        accepted = self._structured.consume(fed, tokens)
+        verdicts: dict[int, str] = {}
+        for seq_id, matcher, ok in zip(fed_seq_ids, fed, accepted):
+            if not ok:
+                verdicts[seq_id] = f"error: {matcher.ll.get_error()}"
+            elif matcher.ll.is_stopped():
+                verdicts[seq_id] = "stopped"
+        return verdicts
 
     def _grammar_verdict(self, seq_id: int, request: _Request, c: _Completion, token: int,
                          reason: str | None, verdict: str | None) -> str | None:

@@ -176,6 +176,47 @@ def test_json_regex_choice_grammar_in_one_batch(tiny_llms) -> None:
     assert all(c.finish_reason == "length" for c in outs[6].outputs)
 
 
+def test_a_completed_grammar_ends_on_its_own_last_token(tiny_llms) -> None:
+    """A grammar that admits nothing more after a token (a choice, a fixed-length regex)
+    finishes its sequence with "stop" on that token: no EOS sampled after it, the token
+    ids are exactly the text's (the tokenizer decodes them to it), and the engine frees
+    the sequence (generate checks every block free)."""
+    tokenizer = tiny_llms[True].llm_engine.tokenizer
+    eos = set(tiny_llms[True].llm_engine.eos_token_ids)
+    specs = [StructuredOutputsParams(regex="[0-9]{3}"), StructuredOutputsParams(choice=CHOICES)]
+    params = [SamplingParams(temperature=0.9, n=2, seed=3 + i, max_tokens=24, structured_outputs=s)
+              for i, s in enumerate(specs)]
+    outs = generate(tiny_llms, ["A number:", "A colour:"], params)
+    for out, ok in zip(outs, (lambda t: re.fullmatch("[0-9]{3}", t), lambda t: t in CHOICES)):
+        for c in out.outputs:
+            assert c.finish_reason == "stop" and c.stop_reason is None and ok(c.text), c
+            assert not eos & set(c.token_ids), c
+            assert tokenizer.decode(c.token_ids) == c.text, c
+
+
+def test_a_finished_sample_leaves_no_live_matcher(tiny_llms) -> None:
+    """After every step, a matcher the engine still feeds (``_matchers``) belongs to an
+    unfinished sample: one that a stop string, max_tokens or its grammar ended gives its
+    matcher up at once, while its siblings (n = 4) go on (the engine feeds a live
+    matcher every token of its sequence without looking at the sample again)."""
+    params = SamplingParams(temperature=1.0, n=4, seed=21, max_tokens=7, stop=["1"],
+                            structured_outputs=StructuredOutputsParams(regex="[0-9]{3}-[a-z]{2,9}"))
+    for llm in tiny_llms.values():
+        engine = llm.llm_engine
+        engine.add_request("mixed", "An order code:", None, params)
+        mixed = False
+        while engine.has_unfinished_requests():
+            engine.step()
+            live = [engine._seq_owner[seq_id] for seq_id in engine._matchers]
+            assert all(request.completions[i].finish_reason is None for request, i in live), live
+            request = engine._requests.get("mixed")
+            if request is not None:
+                reasons = [c.finish_reason for c in request.completions]
+                mixed |= None in reasons and any(r is not None for r in reasons)
+        assert mixed  # (some sample ended while others went on)
+        assert not engine._matchers
+
+
 @needs_pydantic
 def test_stop_strings_end_constrained_outputs(tiny_llms) -> None:
     # A stop string still ends a constrained output (where the user asked).
