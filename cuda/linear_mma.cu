@@ -33,6 +33,13 @@
 // wholly past the row: past it, A and B are zeros. Weight rows past out_features
 // re-read the last row (never written); token rows past num_tokens are zeros.
 //
+// SILU_IN (LinearParams::silu_in): the input rows hold [gate | up], each
+// in_features wide, and a lane turns its two 16-byte loads (gate and up, same k)
+// into the B fragment x = silu(gate) * up with silu_and_mul()'s arithmetic, so
+// that the product equals silu_and_mul() followed by the plain product bit for bit
+// (the same plan, hence the same order of the sums). The silu is recomputed by
+// every group that reads the same k: out_features / 16 times.
+//
 // Launched with PDL (pdl.cuh): each warp's first weight loads are in flight
 // before the kernel that writes the input has finished.
 #include "linear_mma.h"
@@ -77,13 +84,56 @@ __device__ __forceinline__ uint32_t word(const uint4& v, int i) {
 // g + 8 the matching up rows (features j and I + j, I = out_features / 2), so that
 // a lane holds both sums of an output and writes silu(gate) * up, with
 // silu_and_mul()'s arithmetic over the product rounded to the dtype.
+//
+// SILU_IN: see the top of the file; not with GATED.
 template <bool GATED>
 __host__ __device__ inline int num_groups(const LinearParams& p) {
   return GATED ? (p.out_features / 2 + 7) / 8 : (p.out_features + 15) / 16;
 }
 
-template <typename T, int NT, bool GATED>
+template <typename T>
+__device__ __forceinline__ T from_bits(uint32_t bits) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    return __ushort_as_bfloat16(static_cast<unsigned short>(bits));
+  } else {
+    return __ushort_as_half(static_cast<unsigned short>(bits));
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ uint32_t to_bits(T v) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    return __bfloat16_as_ushort(v);
+  } else {
+    return __half_as_ushort(v);
+  }
+}
+
+// silu(gate) * up of one element (the low 16 bits of each argument), as
+// layer_kernels.cu's silu_and_mul computes it: silu rounded to the dtype, times
+// up, rounded once.
+template <typename T>
+__device__ __forceinline__ uint32_t silu_mul_bits(uint32_t gate, uint32_t up) {
+  const float g = to_float(from_bits<T>(gate & 0xffffu));
+  const float silu = to_float(from_float<T>(__fdiv_rn(g, __fadd_rn(1.f, expf(-g)))));
+  return to_bits(from_float<T>(__fmul_rn(silu, to_float(from_bits<T>(up & 0xffffu)))));
+}
+
+// Eight elements of gate and up (16 bytes each) into eight of silu(gate) * up.
+template <typename T>
+__device__ __forceinline__ uint4 silu_mul8(const uint4& gate, const uint4& up) {
+  uint32_t w[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const uint32_t gw = word(gate, i), uw = word(up, i);
+    w[i] = silu_mul_bits<T>(gw, uw) | silu_mul_bits<T>(gw >> 16, uw >> 16) << 16;
+  }
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+template <typename T, int NT, bool GATED, bool SILU_IN>
 __global__ void __launch_bounds__(32 * kWarps, 2) linear_mma_kernel(LinearParams p, int splits, int cluster) {
+  static_assert(!(GATED && SILU_IN), "one fusion at a time");
   // [warp][accumulator register][lane]: a lane's partial sums, then (in the first
   // warp of each group) the CTA's sums.
   __shared__ float partial[kWarps][NT * 4][32];
@@ -148,9 +198,15 @@ __global__ void __launch_bounds__(32 * kWarps, 2) linear_mma_kernel(LinearParams
 #pragma unroll
       for (int i = 0; i < NT; ++i) {
         const int token = g + 8 * i;
-        b[u][i] = in_k && token < rows
-                      ? __ldg(reinterpret_cast<const uint4*>(input + token * p.input_stride + c * kChunk + 8 * t))
-                      : make_uint4(0, 0, 0, 0);
+        const T* x = input + token * p.input_stride + c * kChunk + 8 * t;
+        if constexpr (SILU_IN) {
+          // (gate at x, up in_features further; past the row zeros, as silu(0) * 0)
+          b[u][i] = in_k && token < rows ? silu_mul8<T>(__ldg(reinterpret_cast<const uint4*>(x)),
+                                                        __ldg(reinterpret_cast<const uint4*>(x + p.in_features)))
+                                         : make_uint4(0, 0, 0, 0);
+        } else {
+          b[u][i] = in_k && token < rows ? __ldg(reinterpret_cast<const uint4*>(x)) : make_uint4(0, 0, 0, 0);
+        }
       }
     }
 #pragma unroll
@@ -239,11 +295,12 @@ __global__ void __launch_bounds__(32 * kWarps, 2) linear_mma_kernel(LinearParams
 }
 
 // Blocks of a kernel instance resident per SM (the occupancy calculator, once).
-template <typename T, int NT, bool GATED>
+template <typename T, int NT, bool GATED, bool SILU_IN>
 int blocks_per_sm() {
   static const int blocks = [] {
     int b = 0;
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, linear_mma_kernel<T, NT, GATED>, 32 * kWarps, 0) !=
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, linear_mma_kernel<T, NT, GATED, SILU_IN>, 32 * kWarps,
+                                                      0) !=
         cudaSuccess) {
       cudaGetLastError();  // (leave no sticky error behind for the caller)
       b = 1;
@@ -360,7 +417,7 @@ Plan plan(int groups, int chunks, int in_features, const Device& d, int capacity
   return plan_for_parts(1 << i);
 }
 
-template <typename T, int NT, bool GATED>
+template <typename T, int NT, bool GATED, bool SILU_IN>
 cudaError_t launch(const LinearParams& p, const Plan& pl, cudaStream_t stream) {
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(static_cast<unsigned>(grid_ctas(num_groups<GATED>(p), pl)));
@@ -383,27 +440,31 @@ cudaError_t launch(const LinearParams& p, const Plan& pl, cudaStream_t stream) {
   }
   config.attrs = attributes;
   config.numAttrs = count;
-  return cudaLaunchKernelEx(&config, linear_mma_kernel<T, NT, GATED>, p, pl.splits, pl.cluster);
+  return cudaLaunchKernelEx(&config, linear_mma_kernel<T, NT, GATED, SILU_IN>, p, pl.splits, pl.cluster);
 }
 
 // NOTE: a gated product plans as the plain one over the same weight (the same
-// groups when I is a multiple of 8), so that its sums are the plain product's.
-template <typename T, int NT, bool GATED>
+// groups when I is a multiple of 8), so that its sums are the plain product's. A
+// SILU_IN product takes the plain kernel's occupancy too, so that its plan (and the
+// order of its sums) is the plain product's over silu_and_mul()'s output.
+template <typename T, int NT, bool GATED, bool SILU_IN>
 cudaError_t launch_planned(const LinearParams& p, cudaStream_t stream) {
   const Device d = current_device();
-  const int capacity = blocks_per_sm<T, NT, GATED>() * d.sms;
+  const int capacity = blocks_per_sm<T, NT, GATED, false>() * d.sms;
   const Plan pl = plan(num_groups<GATED>(p), (p.in_features + kChunk - 1) / kChunk, p.in_features, d, capacity);
-  return launch<T, NT, GATED>(p, pl, stream);
+  return launch<T, NT, GATED, SILU_IN>(p, pl, stream);
 }
 
-template <typename T, bool GATED>
-cudaError_t launch_gated(const LinearParams& p, cudaStream_t stream) {
-  return p.num_tokens <= 8 ? launch_planned<T, 1, GATED>(p, stream) : launch_planned<T, 2, GATED>(p, stream);
+template <typename T, bool GATED, bool SILU_IN>
+cudaError_t launch_rows(const LinearParams& p, cudaStream_t stream) {
+  return p.num_tokens <= 8 ? launch_planned<T, 1, GATED, SILU_IN>(p, stream)
+                           : launch_planned<T, 2, GATED, SILU_IN>(p, stream);
 }
 
 template <typename T>
 cudaError_t launch_dtype(const LinearParams& p, cudaStream_t stream) {
-  return p.silu_and_mul ? launch_gated<T, true>(p, stream) : launch_gated<T, false>(p, stream);
+  if (p.silu_in) return p.silu_and_mul ? cudaErrorInvalidValue : launch_rows<T, false, true>(p, stream);
+  return p.silu_and_mul ? launch_rows<T, true, false>(p, stream) : launch_rows<T, false, false>(p, stream);
 }
 
 }  // namespace
