@@ -3,7 +3,8 @@ product (issue 11). On CUDA at 2-16 rows the tensor-core kernel reads silu(gate)
 loads its input: bit for bit the two ops it replaces (silu_and_mul, then linear on the same
 kernel and plan), and close to float64 arithmetic of silu(g) * u rounded to the dtype then
 the product; shapes of SmolLM2 (1536) and the 8B model (14336), odd multiples of 8, wider
-input rows, bias, poisoned outputs. On the CPU (and wherever the kernel cannot take the input): the
+input rows, bias, poisoned outputs. The model's opt-in routing (PAGEDCORE_FUSED_DOWN=1)
+changes no greedy token. On the CPU (and wherever the kernel cannot take the input): the
 argument checks and the fallback to the two ops, against torch arithmetic."""
 
 from __future__ import annotations
@@ -105,6 +106,54 @@ def test_fused_down_falls_back_where_the_kernel_cannot_take_the_input():
     for y, w in cases:
         assert not ops.cuda_silu_and_mul_linear_eligible(y, w)
         assert torch.equal(ops.silu_and_mul_linear(y, w), ops.linear(ops.silu_and_mul(y), w))
+
+
+@cuda
+def test_model_routes_the_down_product_through_the_fused_kernel(monkeypatch, tmp_path):
+    """PAGEDCORE_FUSED_DOWN=1 on a bfloat16 model whose gate_up product goes to cuBLAS
+    (forced here: the tiny model's gate_up is small enough for the fused gate_up kernel,
+    which the real 8B shape's is not at 2-16 rows): the down product then reads SiLU-mul
+    itself, in the same kernel and plan as the unfused path's down product, so that
+    greedy tokens equal the unfused path's token for token."""
+    transformers = pytest.importorskip("transformers")
+    from pagedcore import LLM, SamplingParams
+    from pagedcore.models import decoder
+    from test_models_hf import make_checkpoint
+
+    from test_gpu_path import add_toy_tokenizer
+
+    path = make_checkpoint("llama", tmp_path)
+    add_toy_tokenizer(path, 384)
+    assert transformers is not None
+    eligible = ops.cuda_linear_eligible
+
+    def gate_up_on_cublas(x, weight):  # (gate_up: the only weight of 2 * intermediate_size rows)
+        return False if weight.shape[0] == 2 * 256 else eligible(x, weight)
+
+    monkeypatch.setattr(decoder.ops, "cuda_linear_eligible", gate_up_on_cublas)
+    fused_calls = []
+    fused = ops.silu_and_mul_linear
+
+    def spy(*args, **kwargs):
+        fused_calls.append(args[0].shape[0])
+        return fused(*args, **kwargs)
+
+    monkeypatch.setattr(decoder.ops, "silu_and_mul_linear", spy)
+    gen = torch.Generator().manual_seed(3)
+    ps = [torch.randint(3, 384, (int(n),), generator=gen).tolist() for n in (5, 17, 9, 30, 3)]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    runs = {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv("PAGEDCORE_FUSED_DOWN", flag)
+        llm = LLM(model=str(path), device="cuda", dtype="bfloat16", num_kv_blocks=128, max_model_len=256,
+                  enforce_eager=True)
+        outs = llm.generate([{"prompt_token_ids": p} for p in ps], params, use_tqdm=False)
+        runs[flag] = [o.outputs[0].token_ids for o in outs]
+        del llm
+        if flag == "0":
+            assert fused_calls == []
+    assert fused_calls and all(2 <= r <= 16 for r in fused_calls)
+    assert runs["1"] == runs["0"]
 
 
 # ---- CPU: the wrapper's checks and its fallback to the two ops ----------------------------------
