@@ -94,7 +94,8 @@ def main() -> None:
 
 def fused_down(rows_arg: str) -> None:
     print("\ndown product with SiLU-mul, us per call")
-    print(f"{'product':<28}{'M':>3}{'fused':>10}{'ours+silu':>10}{'cuBLAS+silu':>12}{'fused/best':>11}{'MB':>8}")
+    print(f"{'product':<28}{'M':>3}{'fused':>10}{'per-warp':>10}{'ours+silu':>10}{'cuBLAS+silu':>12}"
+          f"{'fused/best':>11}{'MB':>8}")
     for name in ("8B down", "SmolLM2 down"):
         k, n = SHAPES[name]
         copies = max(1, -(-(128 << 20) // (n * k * 2)))
@@ -118,8 +119,11 @@ def fused_down(rows_arg: str) -> None:
                 F.linear(ops.silu_and_mul(y, out=act), weights[calls[0] % copies], out=out)
                 calls[0] += 1
 
-            t = [timed(f, {}, iters) for f in (fused, ours_silu, cublas_silu)]
-            print(f"{name:<28}{rows:>3}{t[0]:10.1f}{t[1]:10.1f}{t[2]:12.1f}{t[0] / min(t[1:]):11.3f}"
+            # fused: the default (CTAs that compute silu(gate) * up once for their warps where
+            # the plan allows); per-warp: every warp computing it for its own fragments
+            t = [timed(fused, {}, iters), timed(fused, {"PAGEDCORE_LINEAR_SILU_SHARED": "0"}, iters)]
+            t += [timed(f, {}, iters) for f in (ours_silu, cublas_silu)]
+            print(f"{name:<28}{rows:>3}{t[0]:10.1f}{t[1]:10.1f}{t[2]:10.1f}{t[3]:12.1f}{min(t[:2]) / min(t[2:]):11.3f}"
                   f"{n * k * 2 / 1e6:8.1f}")
         del weights
 

@@ -69,6 +69,8 @@ SHAPES = [  # (intermediate_size, out_features)
 @pytest.mark.parametrize("intermediate,out_features", SHAPES)
 @pytest.mark.parametrize("bias", [False, True], ids=["", "bias"])
 def test_fused_down_equals_the_two_ops_and_float64(dtype, rows, intermediate, out_features, bias):
+    # (the default plans: the 8B shape's 8 parts and the small shapes' <= 8 in the shared
+    # kernel, SmolLM2's 16 in the per-warp one)
     if intermediate == 14336 and (rows not in (1, 2, 8, 9, 16) or dtype == torch.float16 and bias):
         pytest.skip("(the large shape at a few row counts is enough)")
     # rows of [gate | up] inside wider rows (stride 2I + 24) for every other row count
@@ -85,12 +87,17 @@ def test_fused_down_equals_the_two_ops_and_float64(dtype, rows, intermediate, ou
 
 
 @cuda
+@pytest.mark.parametrize("shared", ["1", "0"], ids=["shared", "per-warp"])
 @pytest.mark.parametrize("parts", [1, 2, 8, 16, 64])
 @pytest.mark.parametrize("rows", [2, 9, 16])
-def test_fused_down_every_split_of_k(monkeypatch, parts, rows):
+def test_fused_down_every_split_of_k(monkeypatch, shared, parts, rows):
     # PAGEDCORE_LINEAR_PARTS (read at each launch) forces the split of k over warps and
-    # cluster CTAs: each part reads its own k range of gate and up.
+    # cluster CTAs: each part reads its own k range of gate and up. Up to 8 parts the
+    # fused kernel runs them as a cluster of CTAs that each compute silu(gate) * up once
+    # for their 8 warps (kSiluShared, summing in the plain plan's order), unless
+    # PAGEDCORE_LINEAR_SILU_SHARED=0 (read at each launch) keeps the per-warp kernel.
     monkeypatch.setenv("PAGEDCORE_LINEAR_PARTS", str(parts))
+    monkeypatch.setenv("PAGEDCORE_LINEAR_SILU_SHARED", shared)
     y, w, b = _case(rows, 2056, 40, torch.bfloat16, True, "cuda", seed=parts, row_stride=2 * 2056 + 8)
     out = ops.silu_and_mul_linear(y, w, b)
     assert torch.equal(out, ops.linear(ops.silu_and_mul(y), w, b))
