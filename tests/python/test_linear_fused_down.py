@@ -38,12 +38,13 @@ def _act64(y: torch.Tensor) -> torch.Tensor:
 
 def _check_float64(y, w, b, out):
     act = _act64(y)
-    # (the kernel's silu is float32: where its value rounds to the other neighbour of a
-    # tie-near float64 value the activation is one ulp of the dtype off; allowed below)
+    # (the kernels' silu is float32: where it rounds to the other neighbour of a tie-near
+    # float64 value, silu is one ulp of the dtype off (<= 2 eps relative), and the
+    # activation after its own rounding <= 4 eps; the product's bound below allows it)
     eps = 2.0**-8 if y.dtype == torch.bfloat16 else 2.0**-11
     two_ops_act = ops.silu_and_mul(y).double()
     ulp = (two_ops_act - act).abs()
-    assert (ulp <= 2 * eps * act.abs() + 1e-30).all(), "silu_and_mul more than one ulp from float64"
+    assert (ulp <= 4 * eps * act.abs() + 1e-30).all(), "silu_and_mul more than one silu ulp from float64"
     expected = act @ w.double().T + (b.double() if b is not None else 0.0)
     scale = act.abs() @ w.double().abs().T
     bound = eps * expected.abs() + 1e-4 * scale.clamp(min=1.0) + ulp @ w.double().abs().T + 1e-6
