@@ -123,20 +123,19 @@ def test_model_routes_the_down_product_through_the_fused_kernel(monkeypatch, tmp
     which the real 8B shape's is not at 2-16 rows): the down product then reads SiLU-mul
     itself, in the same kernel and plan as the unfused path's down product, so that
     greedy tokens equal the unfused path's token for token."""
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     from pagedcore import LLM, SamplingParams
     from pagedcore.models import decoder
-    from test_models_hf import make_checkpoint
-
     from test_gpu_path import add_toy_tokenizer
+    from test_models_hf import COMMON, make_checkpoint
 
     path = make_checkpoint("llama", tmp_path)
-    add_toy_tokenizer(path, 384)
-    assert transformers is not None
+    add_toy_tokenizer(path, COMMON["vocab_size"])
     eligible = ops.cuda_linear_eligible
+    gate_up_rows = 2 * COMMON["intermediate_size"]  # (no other weight of the tiny model has as many)
 
-    def gate_up_on_cublas(x, weight):  # (gate_up: the only weight of 2 * intermediate_size rows)
-        return False if weight.shape[0] == 2 * 256 else eligible(x, weight)
+    def gate_up_on_cublas(x, weight):
+        return False if weight.shape[0] == gate_up_rows else eligible(x, weight)
 
     monkeypatch.setattr(decoder.ops, "cuda_linear_eligible", gate_up_on_cublas)
     fused_calls = []
