@@ -5,6 +5,8 @@ default (only without the overlap)."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 pytest.importorskip("transformers")
@@ -255,6 +257,20 @@ def test_server_loop_reports_a_step_that_fails_under_an_abort(llms) -> None:
         return out
 
     engine.sampler = nan_on_the_third_step
+    step = engine.step
+
+    def first_step_once_b_is_queued():
+        # NOTE: b must run in the step that fails. The event loop sends b's add after a's
+        # verdict, while the engine steps a: a loaded host's loop can be 3 steps late.
+        # So the first step waits for b's add (30 s at most) and makes none.
+        engine.step = step
+        deadline = time.monotonic() + 30
+        server = holder["server"]
+        while not (server._pending or "b" in server._streams) and time.monotonic() < deadline:
+            time.sleep(0.001)
+        return []
+
+    engine.step = first_step_once_b_is_queued
 
     async def main() -> None:
         server = holder["server"] = AsyncEngine(engine)
@@ -275,6 +291,7 @@ def test_server_loop_reports_a_step_that_fails_under_an_abort(llms) -> None:
         asyncio.run(main())
     finally:
         engine.sampler = sampler
+        vars(engine).pop("step", None)
     assert_idle(llm)
 
 

@@ -54,6 +54,15 @@ async def steps_done(engine: GatedEngine, n: int) -> None:
     await asyncio.sleep(0.05)
 
 
+async def held(stream: ae.RequestStream, n: int) -> None:
+    """Waits until n items wait unread in the stream: the engine thread has handed
+    them over (on a loaded host that can come well after the stub made its steps)."""
+    deadline = time.monotonic() + 30
+    while len(stream._stream.items) < n:
+        assert time.monotonic() < deadline, f"{len(stream._stream.items)} items reached the stream in 30 s, not {n}"
+        await asyncio.sleep(0.002)
+
+
 def params(max_tokens: int) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, ignore_eos=True)
 
@@ -102,12 +111,12 @@ def test_a_stream_read_late_gets_every_step_since_in_one_batch() -> None:
         stream = await server.add("r", None, [1, 2], params(8))
         for n in range(1, 6):  # five steps, nobody reading
             stub.gate.release()
-        await steps_done(stub, 5)
+        await held(stream, 5)  # (not a fixed sleep: the fan-out of the 5th step may come late)
         batches = stream.batches()
         first = [o.outputs[0].token_ids for o in await batches.__anext__()]
         for _ in range(3):
             stub.gate.release()
-        await steps_done(stub, 8)
+        await held(stream, 3)
         rest = [[o.outputs[0].token_ids for o in batch] async for batch in batches]
         return [first, *rest]
 

@@ -527,8 +527,10 @@ def test_non_streamed_request_of_a_client_that_gives_up_is_aborted(server, http)
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": MAX_MODEL_LEN - 16, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{server.url}{C}", json=body, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=1.5)
-    # The whole request would take ~500 steps (15 s or more here); aborted, it is gone at once.
-    after = wait_idle(http, timeout=5.0)
+    # The whole request would take ~500 steps (15 s or more here); aborted, it is gone soon.
+    # (The bound below tells; the wait is generous for a loaded host: a request left
+    # running would finish, or outlast it, and fail either way.)
+    after = wait_idle(http)
     generated = after["pagedcore_generation_tokens_total"] - before["pagedcore_generation_tokens_total"]
     assert 1 <= generated < MAX_MODEL_LEN - 16
 
@@ -556,9 +558,11 @@ def test_sigterm_drains_an_in_flight_stream(tmp_path) -> None:
             deadline = time.monotonic() + 10
             while True:
                 try:
-                    httpx.get(f"{srv.url}/health", timeout=1.0)
+                    httpx.get(f"{srv.url}/health", timeout=5.0)
                 except httpx.ConnectError:
                     break
+                except (httpx.TimeoutException, httpx.ReadError, httpx.RemoteProtocolError):
+                    pass  # (a slow answer on a loaded host, or a connection dropped as the socket closed)
                 assert time.monotonic() < deadline, "still accepting connections 10 s after SIGTERM"
                 time.sleep(0.05)
             payloads += list(lines)

@@ -47,7 +47,10 @@ SEED = 5
 NUM_KV_BLOCKS = 600
 MAX_MODEL_LEN = 4096
 SHUTDOWN_TIMEOUT_S = 5.0
-SHORT = 32  # tokens of the streams that SIGTERM lets finish (0.1-3 s here, by the load)
+# Tokens of the streams that SIGTERM lets finish: they must still be streaming at the signal,
+# and end within the shutdown timeout after it. (32 took up to 4.7 s of the 5 with 8 busy
+# loops on this 2-core machine; all 8 were still streaming at the signal in every run.)
+SHORT = 24
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 
@@ -242,21 +245,21 @@ def test_sigterm_drains_short_streams_and_cuts_the_rest_with_503(server) -> None
         server.proc.send_signal(signal.SIGTERM)
         signalled = time.perf_counter()
         done = await asyncio.gather(*short)
-        drained_after = time.perf_counter() - signalled
         in_flight = sum(r.end > signalled for r in done)
         await cut
         await client.close()
-        return [done, events, drained_after, time.perf_counter() - signalled, in_flight]
+        return [done, events, time.perf_counter() - signalled, in_flight]
 
     thread = threading.Thread(target=post_non_streamed)
     thread.start()
-    done, events, drained_after, cut_after, in_flight = asyncio.run(streams())
+    done, events, cut_after, in_flight = asyncio.run(streams())
     thread.join(60)
-    # The short streams drained: whole, finished by length, within the timeout.
+    # The short streams drained: whole, finished by length, so within the timeout (a stream
+    # still running then is cut, as the long one below). (Not timed here: this client's own
+    # loop, loaded, can read their ends after the cut: 5.17 s after the signal, once.)
     for r in done:
         assert r.ok and r.finish_reason == "length" and r.output_tokens == SHORT, r
     assert in_flight >= 1  # (some were still streaming at the signal: drained, not done before)
-    assert drained_after < SHUTDOWN_TIMEOUT_S
     # The long stream ran on until the timeout, then: a 503 error event, then [DONE].
     assert events[0] == 200 and events[-1] == "[DONE]"
     assert json.loads(events[-2]) == {"error": {

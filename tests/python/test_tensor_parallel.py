@@ -275,7 +275,9 @@ def test_a_killed_worker_ends_generate_with_an_error_and_leaves_no_process(token
         start = time.monotonic()
         with pytest.raises(TensorParallelError, match=rf"worker 1 \(pid {pid}\) exited with code -9"):
             run(llm, prompts(), greedy(n=64))
-        assert time.monotonic() - start < 10
+        # (not the process group's timeout, 30 days with gloo: the bound leaves a loaded host
+        # its 3 forward passes)
+        assert time.monotonic() - start < 60
         server = AsyncEngine(engine)  # (the server's engine loop, idle: nothing left to run)
         # What /health answers 503 with (and the loop ends: new requests get it at once).
         died = f"engine died: tensor-parallel worker 1 (pid {pid}) exited with code -9"
@@ -287,7 +289,7 @@ def test_a_killed_worker_ends_generate_with_an_error_and_leaves_no_process(token
         start = time.monotonic()
         with pytest.raises(TensorParallelError, match="exited with code -9"):
             run(llm, prompts()[:1], greedy(n=2))
-        assert time.monotonic() - start < 1
+        assert time.monotonic() - start < 10  # (no forward pass: milliseconds, unless the host is loaded)
         server.shutdown()
     # (tp_llm checked that the worker was reaped)
 
@@ -330,7 +332,9 @@ def test_a_worker_that_fails_to_start_ends_the_llm_with_its_error(tokenizer_dir,
     assert lines.get("error", "").startswith("tensor-parallel worker 1 (pid "), (out.stdout, out.stderr[-2000:])
     assert lines["error"].endswith("exited during the rendezvous with code 3: "
                                    "RuntimeError: injected failure before the rendezvous")
-    assert float(lines["seconds"]) < 30  # (the worker's import of torch is most of it)
+    # Not the rendezvous's timeout (30 days): the worker's import of torch is most of it,
+    # which a loaded host can stretch to tens of seconds (the run's own limit is 120 s).
+    assert float(lines["seconds"]) < 90
     assert lines["children"] == "[]"
     assert "failed at the rendezvous (a worker died); torch.distributed cannot be set up again" in lines["again"]
 
