@@ -1,0 +1,156 @@
+// A step's grammar work for a batch of llguidance matchers, in C++ with no Python:
+// feed each row's sampled token, record its verdict, compute its token bitmask, on a
+// few threads, then raise the "masks ready" flag that the CUDA sampler polls.
+//
+// NOTE (why, issue 15): through llguidance's PyO3 binding a mask thread must take the
+// GIL back after every call, which the engine's thread, running Python, hands over only
+// every 5 ms; the device then waits for masks that are long computed. Here one call
+// (step) does a whole step's work outside the GIL.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "llg_library.h"
+
+namespace pagedcore::grammar {
+
+// Verdict of one row of LlgWorker::step.
+enum RowStatus : uint8_t {
+  kRowOk = 0,
+  // The row's token was refused: the matcher is in error (error() says why) and its
+  // mask allows the end-of-sequence tokens only, as the PyO3 matcher's.
+  kRowRefused = 1,
+  // The mask's computation failed (error() says why); the mask allows the
+  // end-of-sequence tokens only.
+  kRowMaskError = 2,
+};
+
+// Owns an llguidance tokenizer, the matchers made from it (by handle) and a pool of
+// threads. Thread-safe: step() and the matcher calls take one lock, so that a
+// matcher is never freed or cloned while a step uses it.
+class LlgWorker {
+ public:
+  // `tokenizer_json`: a Hugging Face tokenizer.json (what a fast tokenizer's
+  // backend_tokenizer.to_str() returns); `vocab_size`: the model's vocabulary (logits
+  // columns, may exceed the tokenizer's); `eos_token_ids`: at least one, the tokens
+  // the grammar allows once complete; `num_threads` >= 1 (the caller's included).
+  // Throws std::invalid_argument naming the field for a bad value, or with
+  // llguidance's message when it refuses the tokenizer.
+  //
+  //
+  // `tokenize`: the model tokenizer's encoding of a byte string (no special tokens
+  // added); empty: llguidance tokenizes greedily over the vocabulary.
+  // NOTE: it decides the masks, not only fast-forward tokens: with a tokenizer that it
+  // may call canonical, llguidance allows, where the grammar forces bytes (" not" of a
+  // choice "maybe not"), only the tokens of their canonical tokenization, so a greedy
+  // worker's masks differ from the PyO3 matchers' (measured: " no" allowed after
+  // "maybe"). llguidance calls it from the step's threads, for forced byte strings,
+  // which repeat: answers are cached (tokenize_calls() counts the misses), so that a
+  // callback that needs a lock (Python's) is rarely called once the grammars warmed up.
+  // It must be thread-safe and must not throw (a throw reads as no tokens).
+  using TokenizeFn = std::function<std::vector<uint32_t>(const std::string& bytes)>;
+  LlgWorker(std::shared_ptr<const LlgLibrary> lib, const std::string& tokenizer_json,
+            int32_t vocab_size, const std::vector<int64_t>& eos_token_ids, int32_t num_threads,
+            TokenizeFn tokenize = {});
+  ~LlgWorker();
+  LlgWorker(const LlgWorker&) = delete;
+  LlgWorker& operator=(const LlgWorker&) = delete;
+
+  // Words (int32) of one row's bitmask: ceil(vocab_size / 32).
+  int32_t num_words() const { return num_words_; }
+  int32_t num_threads() const { return static_cast<int32_t>(threads_.size()) + 1; }
+
+  // Compiles a grammar: `constraint_type` as llg_new_matcher takes it ("llguidance"
+  // for the grammar text StructuredOutputManager compiles, "regex", "lark", "json").
+  // `lane`: matchers cloned from one compiled grammar share its lexer behind a lock,
+  // so step() gives rows of one lane to one thread where it can (clones inherit the
+  // lane). Returns the matcher's handle; throws std::invalid_argument with
+  // llguidance's error for a grammar it refuses (nothing is kept then).
+  int64_t new_matcher(const std::string& constraint_type, const std::string& grammar, int32_t lane);
+  // A copy of `handle`'s matcher in its current state; a new handle.
+  int64_t clone_matcher(int64_t handle);
+  // Frees the matcher; its handle may be handed out again.
+  void free_matcher(int64_t handle);
+  // llguidance's error for the matcher, "" when none.
+  std::string error(int64_t handle);
+  bool is_stopped(int64_t handle);
+  bool is_accepting(int64_t handle);
+  // Live matchers (for leak checks).
+  int64_t num_matchers();
+  // Calls of `tokenize` so far (the cache's misses).
+  int64_t tokenize_calls();
+
+  // One step for `rows` matchers, all outside any Python lock:
+  //   handles   [rows]             distinct live handles
+  //   tokens    [rows]             the token each row sampled last step; < 0: none (a
+  //                                row's first step)
+  //   masks     [rows, num_words]  out: row i's bitmask (bit t % 32 of word t / 32 set
+  //                                iff token t is allowed next)
+  //   status    [rows]             out: RowStatus
+  //   stopped   [rows]             out: 1 when the matcher admits nothing more (the
+  //                                sequence ends), else 0
+  //   ready_flag                   null, or a word that receives ready_value (a store
+  //                                with release semantics) once every row is written,
+  //                                whatever the verdicts
+  // Throws std::invalid_argument (before touching any matcher or output) for a handle
+  // that is not live or appears twice.
+  void step(const int64_t* handles, const int32_t* tokens, int64_t rows, int32_t* masks,
+            uint8_t* status, uint8_t* stopped, uint32_t* ready_flag, uint32_t ready_value);
+
+ private:
+  struct Matcher {
+    LlgMatcher* ptr = nullptr;
+    int32_t lane = 0;
+  };
+  LlgMatcher* live(int64_t handle) const;  // throws for a handle not live
+  int64_t add(LlgMatcher* ptr, int32_t lane);
+  void run_row(int64_t row);
+  void parallel_for_chunks(int64_t chunks);
+  void pool_thread(int32_t index);
+  static size_t tokenize_trampoline(const void* user_data, const uint8_t* bytes, size_t bytes_len,
+                                    uint32_t* output_tokens, size_t output_tokens_len);
+
+  TokenizeFn tokenize_;
+  std::mutex tokenize_mutex_;  // the cache and the count
+  std::unordered_map<std::string, std::vector<uint32_t>> tokenize_cache_;
+  int64_t tokenize_calls_ = 0;
+
+  std::shared_ptr<const LlgLibrary> lib_;
+  LlgTokenizer* tokenizer_ = nullptr;
+  int32_t vocab_size_ = 0;
+  int32_t num_words_ = 0;
+  std::vector<uint32_t> eos_token_ids_;
+
+  std::mutex mutex_;  // matchers_, free_handles_, and one step at a time
+  std::vector<Matcher> matchers_;
+  std::vector<int64_t> free_handles_;
+
+  // The step in progress (valid while a step runs; written under mutex_).
+  const int32_t* step_tokens_ = nullptr;
+  int32_t* step_masks_ = nullptr;
+  uint8_t* step_status_ = nullptr;
+  uint8_t* step_stopped_ = nullptr;
+  std::vector<int64_t> step_order_;       // rows grouped by lane
+  std::vector<LlgMatcher*> step_matcher_;  // per row
+  std::vector<int64_t> step_bounds_;      // chunk c: step_order_[bounds[c], bounds[c + 1])
+
+  // The pool: threads_[i] runs chunk i + 1 of a step (the caller runs chunk 0).
+  std::vector<std::thread> threads_;
+  std::mutex pool_mutex_;
+  std::condition_variable pool_start_;
+  std::condition_variable pool_done_;
+  uint64_t generation_ = 0;  // bumped per step
+  int64_t active_chunks_ = 0;
+  int64_t pending_ = 0;  // chunks not finished
+  bool stopping_ = false;
+};
+
+}  // namespace pagedcore::grammar
