@@ -50,6 +50,7 @@ LlgWorker::LlgWorker(std::shared_ptr<const LlgLibrary> lib, const std::string& t
   if (tokenizer_ == nullptr) {
     throw std::invalid_argument(std::string("LlgWorker: llguidance refused the tokenizer: ") + error);
   }
+  step_next_.reset(new std::atomic<int64_t>[num_threads]);
   threads_.reserve(num_threads - 1);
   for (int32_t i = 0; i + 1 < num_threads; ++i) threads_.emplace_back(&LlgWorker::pool_thread, this, i);
 }
@@ -227,47 +228,65 @@ void LlgWorker::step(const int64_t* handles, const int32_t* tokens, int64_t rows
   std::stable_sort(step_order_.begin(), step_order_.end(), [&](int64_t a, int64_t b) {
     return matchers_[handles[a]].lane < matchers_[handles[b]].lane;
   });
-  int64_t chunks = std::min<int64_t>(num_threads(), rows);
-  step_bounds_.assign(chunks + 1, 0);
-  for (int64_t c = 0; c <= chunks; ++c) step_bounds_[c] = chunks ? rows * c / chunks : 0;
-  parallel_for_chunks(chunks);
+  // NOTE: one region per thread, in units of a few rows that any thread may claim: a
+  // thread takes its own region's units first, then the others'. The caller never
+  // waits for a pool thread that has not woken yet (on a loaded host that takes
+  // milliseconds): it claims that thread's units itself.
+  int64_t regions = std::min<int64_t>(num_threads(), rows);
+  step_bounds_.assign(regions + 1, 0);
+  for (int64_t r = 0; r <= regions; ++r) step_bounds_[r] = regions ? rows * r / regions : 0;
+  for (int64_t r = 0; r < regions; ++r) step_next_[r].store(step_bounds_[r], std::memory_order_relaxed);
+  step_regions_ = regions;
+  run_step(regions);
   if (ready_flag != nullptr) __atomic_store_n(ready_flag, ready_value, __ATOMIC_RELEASE);
 }
 
-void LlgWorker::parallel_for_chunks(int64_t chunks) {
-  if (chunks > 1) {
+void LlgWorker::claim_rows(int64_t first_region) {
+  for (int64_t k = 0; k < step_regions_; ++k) {
+    int64_t r = (first_region + k) % step_regions_;
+    for (;;) {
+      int64_t begin = step_next_[r].fetch_add(kRowsPerClaim, std::memory_order_relaxed);
+      if (begin >= step_bounds_[r + 1]) break;
+      int64_t end = std::min(begin + kRowsPerClaim, step_bounds_[r + 1]);
+      for (int64_t i = begin; i < end; ++i) run_row(step_order_[i]);
+    }
+  }
+}
+
+void LlgWorker::run_step(int64_t regions) {
+  if (regions > 1) {
     {
       std::lock_guard<std::mutex> lock(pool_mutex_);
-      active_chunks_ = chunks;
-      pending_ = chunks - 1;
+      accepting_ = true;
       ++generation_;
     }
     pool_start_.notify_all();
   }
-  if (chunks > 0) {
-    for (int64_t i = step_bounds_[0]; i < step_bounds_[1]; ++i) run_row(step_order_[i]);
-  }
-  if (chunks > 1) {
+  if (regions > 0) claim_rows(0);
+  if (regions > 1) {
+    // Every unit is claimed now; wait for those still running on pool threads. A
+    // thread that wakes after this sees accepting_ false and claims nothing.
     std::unique_lock<std::mutex> lock(pool_mutex_);
-    pool_done_.wait(lock, [&] { return pending_ == 0; });
+    accepting_ = false;
+    pool_done_.wait(lock, [&] { return active_ == 0; });
   }
 }
 
 void LlgWorker::pool_thread(int32_t index) {
   uint64_t seen = 0;
-  const int64_t chunk = index + 1;
   for (;;) {
     {
       std::unique_lock<std::mutex> lock(pool_mutex_);
-      pool_start_.wait(lock, [&] { return stopping_ || generation_ != seen; });
+      pool_start_.wait(lock, [&] { return stopping_ || (accepting_ && generation_ != seen); });
       if (stopping_) return;
       seen = generation_;
-      if (chunk >= active_chunks_) continue;  // (fewer rows than threads this step)
+      ++active_;
     }
-    for (int64_t i = step_bounds_[chunk]; i < step_bounds_[chunk + 1]; ++i) run_row(step_order_[i]);
+    // (the step's fields were written before accepting_ was set, under the same lock)
+    if (index + 1 < step_regions_) claim_rows(index + 1);
     {
       std::lock_guard<std::mutex> lock(pool_mutex_);
-      if (--pending_ == 0) pool_done_.notify_one();
+      if (--active_ == 0) pool_done_.notify_one();
     }
   }
 }

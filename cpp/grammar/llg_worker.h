@@ -8,6 +8,7 @@
 // (step) does a whole step's work outside the GIL.
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
@@ -113,7 +114,9 @@ class LlgWorker {
   LlgMatcher* live(int64_t handle) const;  // throws for a handle not live
   int64_t add(LlgMatcher* ptr, int32_t lane);
   void run_row(int64_t row);
-  void parallel_for_chunks(int64_t chunks);
+  void run_step(int64_t regions);
+  void claim_rows(int64_t first_region);
+  static constexpr int64_t kRowsPerClaim = 4;
   void pool_thread(int32_t index);
   static size_t tokenize_trampoline(const void* user_data, const uint8_t* bytes, size_t bytes_len,
                                     uint32_t* output_tokens, size_t output_tokens_len);
@@ -140,16 +143,18 @@ class LlgWorker {
   uint8_t* step_stopped_ = nullptr;
   std::vector<int64_t> step_order_;       // rows grouped by lane
   std::vector<LlgMatcher*> step_matcher_;  // per row
-  std::vector<int64_t> step_bounds_;      // chunk c: step_order_[bounds[c], bounds[c + 1])
+  std::vector<int64_t> step_bounds_;      // region r: step_order_[bounds[r], bounds[r + 1])
+  std::unique_ptr<std::atomic<int64_t>[]> step_next_;  // per region: its next unclaimed row
+  int64_t step_regions_ = 0;
 
-  // The pool: threads_[i] runs chunk i + 1 of a step (the caller runs chunk 0).
+  // The pool: threads_[i] starts on region i + 1 of a step (the caller on region 0).
   std::vector<std::thread> threads_;
   std::mutex pool_mutex_;
   std::condition_variable pool_start_;
   std::condition_variable pool_done_;
   uint64_t generation_ = 0;  // bumped per step
-  int64_t active_chunks_ = 0;
-  int64_t pending_ = 0;  // chunks not finished
+  bool accepting_ = false;   // whether pool threads may join the step in progress
+  int64_t active_ = 0;       // pool threads that joined it and have not left
   bool stopping_ = false;
 };
 
