@@ -51,6 +51,48 @@ T* checked(const py::handle& object, const char* field, std::initializer_list<py
   return static_cast<T*>(const_cast<void*>(array.data()));
 }
 
+struct StepArgs {
+  const int64_t* handles;
+  const int32_t* tokens;
+  py::ssize_t rows;
+  int32_t* masks;
+  uint8_t* status;
+  uint8_t* stopped;
+  uint32_t* flag;
+};
+
+StepArgs step_args(const LlgWorker& w, const py::object& handles, const py::object& tokens,
+                   const py::object& masks, const py::object& status, const py::object& stopped,
+                   const py::object& ready_flag) {
+  py::ssize_t rows = py::isinstance<py::array>(handles) ? py::reinterpret_borrow<py::array>(handles).size() : 0;
+  StepArgs a{};
+  a.rows = rows;
+  a.handles = checked<int64_t>(handles, "handles", {rows}, false);
+  a.tokens = checked<int32_t>(tokens, "tokens", {rows}, false);
+  a.masks = checked<int32_t>(masks, "masks", {rows, w.num_words()}, true);
+  a.status = checked<uint8_t>(status, "status", {rows}, true);
+  a.stopped = checked<uint8_t>(stopped, "stopped", {rows}, true);
+  if (!ready_flag.is_none()) {
+    if (py::isinstance<py::array>(ready_flag) &&
+        py::reinterpret_borrow<py::array>(ready_flag).dtype().is(py::dtype::of<int32_t>())) {
+      a.flag = reinterpret_cast<uint32_t*>(checked<int32_t>(ready_flag, "ready_flag", {1}, true));
+    } else {
+      a.flag = checked<uint32_t>(ready_flag, "ready_flag", {1}, true);
+    }
+  }
+  return a;
+}
+
+// NOTE: the worker's destructor waits for a step in flight, which may need the GIL
+// (its tokenize callback): it runs with the GIL released.
+struct ReleasingDelete {
+  void operator()(LlgWorker* w) const {
+    py::gil_scoped_release release;
+    delete w;
+  }
+};
+using WorkerHolder = std::unique_ptr<LlgWorker, ReleasingDelete>;
+
 }  // namespace
 
 void register_grammar(py::module_& m) {
@@ -61,7 +103,8 @@ void register_grammar(py::module_& m) {
           [](const std::string& path) { return std::const_pointer_cast<LlgLibrary>(LlgLibrary::open(path)); },
           "path"_a, py::call_guard<py::gil_scoped_release>());
 
-  py::class_<LlgWorker>(m, "LlgWorker", "A step's grammar work for a batch of llguidance matchers, without the GIL.")
+  py::class_<LlgWorker, WorkerHolder>(m, "LlgWorker", py::dynamic_attr(),
+                                      "A step's grammar work for a batch of llguidance matchers, without the GIL.")
       .def(py::init([](const std::shared_ptr<LlgLibrary>& lib, const std::string& tokenizer_json,
                        int32_t vocab_size, const std::vector<int64_t>& eos_token_ids, int32_t num_threads,
                        const py::object& tokenize) {
@@ -84,8 +127,8 @@ void register_grammar(py::module_& m) {
                };
              }
              py::gil_scoped_release release;
-             return std::make_unique<LlgWorker>(lib, tokenizer_json, vocab_size, eos_token_ids, num_threads,
-                                                std::move(fn));
+             return WorkerHolder(new LlgWorker(lib, tokenizer_json, vocab_size, eos_token_ids, num_threads,
+                                               std::move(fn)));
            }),
            "lib"_a, "tokenizer_json"_a, "vocab_size"_a, "eos_token_ids"_a, "num_threads"_a,
            "tokenize"_a = py::none(), py::keep_alive<1, 7>())
@@ -107,31 +150,37 @@ void register_grammar(py::module_& m) {
           [](LlgWorker& w, const py::object& handles, const py::object& tokens, const py::object& masks,
              const py::object& status, const py::object& stopped, const py::object& ready_flag,
              uint32_t ready_value) {
-            py::ssize_t rows = py::isinstance<py::array>(handles) ? py::reinterpret_borrow<py::array>(handles).size()
-                                                                  : 0;
-            const int64_t* h = checked<int64_t>(handles, "handles", {rows}, false);
-            const int32_t* t = checked<int32_t>(tokens, "tokens", {rows}, false);
-            int32_t* mk = checked<int32_t>(masks, "masks", {rows, w.num_words()}, true);
-            uint8_t* st = checked<uint8_t>(status, "status", {rows}, true);
-            uint8_t* sp = checked<uint8_t>(stopped, "stopped", {rows}, true);
-            uint32_t* flag = nullptr;
-            if (!ready_flag.is_none()) {
-              if (py::isinstance<py::array>(ready_flag) &&
-                  py::reinterpret_borrow<py::array>(ready_flag).dtype().is(py::dtype::of<int32_t>())) {
-                flag = reinterpret_cast<uint32_t*>(checked<int32_t>(ready_flag, "ready_flag", {1}, true));
-              } else {
-                flag = checked<uint32_t>(ready_flag, "ready_flag", {1}, true);
-              }
-            }
+            StepArgs a = step_args(w, handles, tokens, masks, status, stopped, ready_flag);
             py::gil_scoped_release release;
-            w.step(h, t, rows, mk, st, sp, flag, ready_value);
+            w.step(a.handles, a.tokens, a.rows, a.masks, a.status, a.stopped, a.flag, ready_value);
           },
           "handles"_a, "tokens"_a, "masks"_a, "status"_a, "stopped"_a, "ready_flag"_a = py::none(),
           "ready_value"_a = 0,
-          "One step (see llg_worker.h): feeds tokens[i] (< 0: none) to matcher handles[i], writes its\n"
-          "bitmask into masks[i] ([rows, num_words] int32), its verdict into status[i] (0 ok, 1 token\n"
-          "refused, 2 mask error) and stopped[i]; then stores ready_value into ready_flag (a 1-element\n"
-          "int32/uint32 array), if given. Releases the GIL throughout.");
+          "One step (see llg_worker.h): feeds tokens[i] (int32, < 0: none) to matcher handles[i] (int64),\n"
+          "writes its bitmask into masks[i] ([rows, num_words] int32), its verdict into status[i] (uint8:\n"
+          "0 ok, 1 token refused, 2 mask error) and stopped[i] (uint8); then stores ready_value into\n"
+          "ready_flag (a 1-element int32/uint32 array), if given. Releases the GIL throughout.")
+      .def(
+          "start_step",
+          [](py::object self, const py::object& handles, const py::object& tokens, const py::object& masks,
+             const py::object& status, const py::object& stopped, const py::object& ready_flag,
+             uint32_t ready_value) {
+            LlgWorker& w = self.cast<LlgWorker&>();
+            StepArgs a = step_args(w, handles, tokens, masks, status, stopped, ready_flag);
+            {
+              py::gil_scoped_release release;
+              w.start_step(a.handles, a.tokens, a.rows, a.masks, a.status, a.stopped, a.flag, ready_value);
+            }
+            // NOTE: the outputs stay referenced until the next start (which waits for
+            // this step first), so that the worker's threads never write freed memory.
+            self.attr("_step_outputs") = py::make_tuple(masks, status, stopped, ready_flag);
+          },
+          "handles"_a, "tokens"_a, "masks"_a, "status"_a, "stopped"_a, "ready_flag"_a = py::none(),
+          "ready_value"_a = 0,
+          "step() on the worker's own thread: returns once the arguments are checked; the outputs are\n"
+          "written (and ready_flag stored) later: wait_step() or step_done() say when.")
+      .def("wait_step", &LlgWorker::wait_step, py::call_guard<py::gil_scoped_release>())
+      .def("step_done", &LlgWorker::step_done, py::call_guard<py::gil_scoped_release>());
 }
 
 }  // namespace pagedcore::bindings

@@ -57,6 +57,12 @@ LlgWorker::LlgWorker(std::shared_ptr<const LlgLibrary> lib, const std::string& t
 
 LlgWorker::~LlgWorker() {
   {
+    std::lock_guard<std::mutex> lock(dispatch_mutex_);
+    dispatch_stopping_ = true;  // (a step started is still run first)
+  }
+  dispatch_cv_.notify_one();
+  if (dispatcher_.joinable()) dispatcher_.join();
+  {
     std::lock_guard<std::mutex> lock(pool_mutex_);
     stopping_ = true;
   }
@@ -106,18 +112,18 @@ int64_t LlgWorker::new_matcher(const std::string& constraint_type, const std::st
     throw std::runtime_error("LlgWorker: internal error: llguidance's mask has " + std::to_string(bytes) +
                              " bytes, expected " + std::to_string(num_words_ * 4));
   }
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::unique_lock<std::mutex> lock = lock_idle();
   return add(ptr, lane);
 }
 
 int64_t LlgWorker::clone_matcher(int64_t handle) {
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::unique_lock<std::mutex> lock = lock_idle();
   LlgMatcher* source = live(handle);
   return add(lib_->clone_matcher(source), matchers_[handle].lane);
 }
 
 void LlgWorker::free_matcher(int64_t handle) {
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::unique_lock<std::mutex> lock = lock_idle();
   LlgMatcher* ptr = live(handle);
   lib_->free_matcher(ptr);
   matchers_[handle] = {};
@@ -125,23 +131,23 @@ void LlgWorker::free_matcher(int64_t handle) {
 }
 
 std::string LlgWorker::error(int64_t handle) {
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::unique_lock<std::mutex> lock = lock_idle();
   const char* error = lib_->matcher_get_error(live(handle));
   return error ? error : "";
 }
 
 bool LlgWorker::is_stopped(int64_t handle) {
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::unique_lock<std::mutex> lock = lock_idle();
   return lib_->matcher_is_stopped(live(handle));
 }
 
 bool LlgWorker::is_accepting(int64_t handle) {
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::unique_lock<std::mutex> lock = lock_idle();
   return lib_->matcher_is_accepting(live(handle));
 }
 
 int64_t LlgWorker::num_matchers() {
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::unique_lock<std::mutex> lock = lock_idle();
   return static_cast<int64_t>(matchers_.size() - free_handles_.size());
 }
 
@@ -187,7 +193,7 @@ size_t LlgWorker::tokenize_trampoline(const void* user_data, const uint8_t* byte
 void LlgWorker::run_row(int64_t row) {
   LlgMatcher* m = step_matcher_[row];
   uint8_t verdict = kRowOk;
-  int32_t token = step_tokens_[row];
+  int32_t token = step_tokens_[row];  // (< 0: none)
   if (token >= 0 && lib_->matcher_consume_token(m, static_cast<uint32_t>(token)) != 0) verdict = kRowRefused;
   uint32_t* mask = reinterpret_cast<uint32_t*>(step_masks_ + row * static_cast<int64_t>(num_words_));
   if (lib_->matcher_compute_mask_into(m, mask, static_cast<size_t>(num_words_) * 4) != 0) {
@@ -202,32 +208,50 @@ void LlgWorker::run_row(int64_t row) {
   step_stopped_[row] = lib_->matcher_is_stopped(m) ? 1 : 0;
 }
 
-void LlgWorker::step(const int64_t* handles, const int32_t* tokens, int64_t rows, int32_t* masks,
-                     uint8_t* status, uint8_t* stopped, uint32_t* ready_flag, uint32_t ready_value) {
+std::unique_lock<std::mutex> LlgWorker::lock_idle() {
+  std::unique_lock<std::mutex> lock(mutex_);
+  idle_.wait(lock, [&] { return !in_flight_; });
+  return lock;
+}
+
+void LlgWorker::prepare(const int64_t* handles, const int32_t* tokens, int64_t rows, int32_t* masks,
+                        uint8_t* status, uint8_t* stopped, uint32_t* ready_flag, uint32_t ready_value) {
   if (rows < 0) throw std::invalid_argument("LlgWorker.step: rows must be >= 0, got " + std::to_string(rows));
-  std::lock_guard<std::mutex> lock(mutex_);
-  step_matcher_.assign(rows, nullptr);
+  // (called with lock_idle() held: no step in flight)
   // NOTE: a handle twice would have two threads drive one matcher at once: refused,
   // with every handle, before any matcher moves.
   std::vector<uint8_t> seen(matchers_.size(), 0);
   for (int64_t row = 0; row < rows; ++row) {
-    step_matcher_[row] = live(handles[row]);
+    live(handles[row]);
     if (seen[handles[row]]++) {
       throw std::invalid_argument("LlgWorker.step: handle " + std::to_string(handles[row]) +
                                   " appears twice in one step");
     }
   }
-  step_tokens_ = tokens;
+  step_matcher_.resize(rows);
+  step_tokens_.assign(tokens, tokens + rows);  // (copied: the caller may reuse its array)
+  step_order_.resize(rows);
+  std::vector<int32_t> lanes(rows);
+  for (int64_t row = 0; row < rows; ++row) {
+    step_matcher_[row] = matchers_[handles[row]].ptr;
+    lanes[row] = matchers_[handles[row]].lane;
+    step_order_[row] = row;
+  }
+  // Rows grouped by lane, cut into one region per thread: a thread mostly holds its
+  // own lanes' locks.
+  std::stable_sort(step_order_.begin(), step_order_.end(), [&](int64_t a, int64_t b) { return lanes[a] < lanes[b]; });
   step_masks_ = masks;
   step_status_ = status;
   step_stopped_ = stopped;
-  // Rows grouped by lane, cut into one contiguous run per thread: a thread mostly
-  // holds its own lanes' locks.
-  step_order_.resize(rows);
-  for (int64_t row = 0; row < rows; ++row) step_order_[row] = row;
-  std::stable_sort(step_order_.begin(), step_order_.end(), [&](int64_t a, int64_t b) {
-    return matchers_[handles[a]].lane < matchers_[handles[b]].lane;
-  });
+  step_flag_ = ready_flag;
+  step_flag_value_ = ready_value;
+  in_flight_ = true;
+}
+
+void LlgWorker::execute() {
+  // NOTE: runs without mutex_: the matcher calls wait (lock_idle) until in_flight_ is
+  // false again, so nothing frees or clones a matcher of the step meanwhile.
+  int64_t rows = static_cast<int64_t>(step_matcher_.size());
   // NOTE: one region per thread, in units of a few rows that any thread may claim: a
   // thread takes its own region's units first, then the others'. The caller never
   // waits for a pool thread that has not woken yet (on a loaded host that takes
@@ -238,7 +262,54 @@ void LlgWorker::step(const int64_t* handles, const int32_t* tokens, int64_t rows
   for (int64_t r = 0; r < regions; ++r) step_next_[r].store(step_bounds_[r], std::memory_order_relaxed);
   step_regions_ = regions;
   run_step(regions);
-  if (ready_flag != nullptr) __atomic_store_n(ready_flag, ready_value, __ATOMIC_RELEASE);
+  if (step_flag_ != nullptr) __atomic_store_n(step_flag_, step_flag_value_, __ATOMIC_RELEASE);
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    in_flight_ = false;
+  }
+  idle_.notify_all();
+}
+
+void LlgWorker::step(const int64_t* handles, const int32_t* tokens, int64_t rows, int32_t* masks,
+                     uint8_t* status, uint8_t* stopped, uint32_t* ready_flag, uint32_t ready_value) {
+  {
+    std::unique_lock<std::mutex> lock = lock_idle();
+    prepare(handles, tokens, rows, masks, status, stopped, ready_flag, ready_value);
+  }
+  execute();
+}
+
+void LlgWorker::start_step(const int64_t* handles, const int32_t* tokens, int64_t rows, int32_t* masks,
+                           uint8_t* status, uint8_t* stopped, uint32_t* ready_flag, uint32_t ready_value) {
+  {
+    std::unique_lock<std::mutex> lock = lock_idle();
+    prepare(handles, tokens, rows, masks, status, stopped, ready_flag, ready_value);
+  }
+  {
+    std::lock_guard<std::mutex> lock(dispatch_mutex_);
+    dispatch_pending_ = true;
+    if (!dispatcher_.joinable()) dispatcher_ = std::thread(&LlgWorker::dispatch_loop, this);
+  }
+  dispatch_cv_.notify_one();
+}
+
+void LlgWorker::wait_step() { lock_idle(); }
+
+bool LlgWorker::step_done() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return !in_flight_;
+}
+
+void LlgWorker::dispatch_loop() {
+  for (;;) {
+    {
+      std::unique_lock<std::mutex> lock(dispatch_mutex_);
+      dispatch_cv_.wait(lock, [&] { return dispatch_pending_ || dispatch_stopping_; });
+      if (!dispatch_pending_) return;  // (stopping, and no step left to run)
+      dispatch_pending_ = false;
+    }
+    execute();
+  }
 }
 
 void LlgWorker::claim_rows(int64_t first_region) {

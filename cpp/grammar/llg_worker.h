@@ -35,8 +35,8 @@ enum RowStatus : uint8_t {
 };
 
 // Owns an llguidance tokenizer, the matchers made from it (by handle) and a pool of
-// threads. Thread-safe: step() and the matcher calls take one lock, so that a
-// matcher is never freed or cloned while a step uses it.
+// threads. Thread-safe: the matcher calls and a step's start wait until no step is in
+// flight, so that a matcher is never freed or cloned while a step uses it.
 class LlgWorker {
  public:
   // `tokenizer_json`: a Hugging Face tokenizer.json (what a fast tokenizer's
@@ -105,6 +105,15 @@ class LlgWorker {
   // that is not live or appears twice.
   void step(const int64_t* handles, const int32_t* tokens, int64_t rows, int32_t* masks,
             uint8_t* status, uint8_t* stopped, uint32_t* ready_flag, uint32_t ready_value);
+  // step() on the worker's own thread: checks the arguments and copies handles and
+  // tokens, then returns at once; masks, status, stopped and ready_flag must stay
+  // valid until wait_step() returns (or step_done() is true). The other calls (the
+  // matchers', step's) wait for it to finish first.
+  void start_step(const int64_t* handles, const int32_t* tokens, int64_t rows, int32_t* masks,
+                  uint8_t* status, uint8_t* stopped, uint32_t* ready_flag, uint32_t ready_value);
+  // Returns once no step is in flight.
+  void wait_step();
+  bool step_done();
 
  private:
   struct Matcher {
@@ -112,6 +121,11 @@ class LlgWorker {
     int32_t lane = 0;
   };
   LlgMatcher* live(int64_t handle) const;  // throws for a handle not live
+  std::unique_lock<std::mutex> lock_idle();  // mutex_, once no step is in flight
+  void prepare(const int64_t* handles, const int32_t* tokens, int64_t rows, int32_t* masks,
+               uint8_t* status, uint8_t* stopped, uint32_t* ready_flag, uint32_t ready_value);
+  void execute();
+  void dispatch_loop();
   int64_t add(LlgMatcher* ptr, int32_t lane);
   void run_row(int64_t row);
   void run_step(int64_t regions);
@@ -132,15 +146,19 @@ class LlgWorker {
   int32_t num_words_ = 0;
   std::vector<uint32_t> eos_token_ids_;
 
-  std::mutex mutex_;  // matchers_, free_handles_, and one step at a time
+  std::mutex mutex_;  // matchers_, free_handles_, in_flight_
+  std::condition_variable idle_;
+  bool in_flight_ = false;  // a step prepared and not finished: its matchers are in use
   std::vector<Matcher> matchers_;
   std::vector<int64_t> free_handles_;
 
-  // The step in progress (valid while a step runs; written under mutex_).
-  const int32_t* step_tokens_ = nullptr;
+  // The step in flight (written by prepare, under mutex_, with no step in flight).
+  std::vector<int32_t> step_tokens_;
   int32_t* step_masks_ = nullptr;
   uint8_t* step_status_ = nullptr;
   uint8_t* step_stopped_ = nullptr;
+  uint32_t* step_flag_ = nullptr;
+  uint32_t step_flag_value_ = 0;
   std::vector<int64_t> step_order_;       // rows grouped by lane
   std::vector<LlgMatcher*> step_matcher_;  // per row
   std::vector<int64_t> step_bounds_;      // region r: step_order_[bounds[r], bounds[r + 1])
@@ -156,6 +174,13 @@ class LlgWorker {
   bool accepting_ = false;   // whether pool threads may join the step in progress
   int64_t active_ = 0;       // pool threads that joined it and have not left
   bool stopping_ = false;
+
+  // start_step's thread (started on first use).
+  std::thread dispatcher_;
+  std::mutex dispatch_mutex_;
+  std::condition_variable dispatch_cv_;
+  bool dispatch_pending_ = false;
+  bool dispatch_stopping_ = false;
 };
 
 }  // namespace pagedcore::grammar

@@ -67,22 +67,29 @@ def allowed(mask: np.ndarray) -> np.ndarray:
     return np.flatnonzero(bits.reshape(-1))
 
 
-def step(worker, handles, tokens):
+def step(worker, handles, tokens, start: bool = False):
+    """worker.step, or (start) worker.start_step then wait_step."""
     n = len(handles)
     masks = np.full((n, worker.num_words), -1, dtype=np.int32)
     status = np.full(n, 9, dtype=np.uint8)
     stopped = np.full(n, 9, dtype=np.uint8)
     flag = np.zeros(1, dtype=np.uint32)
-    worker.step(np.asarray(handles, dtype=np.int64), np.asarray(tokens, dtype=np.int32), masks, status,
-                stopped, flag, 77)
+    args = (np.asarray(handles, dtype=np.int64), np.asarray(tokens, dtype=np.int32), masks, status, stopped, flag, 77)
+    if start:
+        worker.start_step(*args)
+        worker.wait_step()
+        assert worker.step_done()
+    else:
+        worker.step(*args)
     assert flag[0] == 77
     return masks, status, stopped
 
 
 @pytest.mark.parametrize("kind", sorted(SPECS))
 def test_walks_match_pyo3_matchers(worker, manager, kind) -> None:
-    """64 rows (clones over 4 lanes) walk seeded random tokens: each step the worker's
-    masks, verdicts and stops equal the PyO3 matchers' fed the same tokens. Every 5th row
+    """64 rows (clones over 4 lanes) walk seeded random tokens: each step (step, and
+    start_step + wait_step in turn) the worker's masks, verdicts and stops equal the
+    PyO3 matchers' fed the same tokens. Every 5th row
     is fed a token its mask refuses at step 1 (verdict 1, then the EOS-only mask)."""
     spec = SPECS[kind]
     grammar = _grammar_text(spec.key)
@@ -95,7 +102,7 @@ def test_walks_match_pyo3_matchers(worker, manager, kind) -> None:
     compared = refused = stops = fed_refused = 0
     try:
         for t in range(STEPS):
-            masks, status, stopped = step(worker, [handles[r] for r in live], [tokens[r] for r in live])
+            masks, status, stopped = step(worker, [handles[r] for r in live], [tokens[r] for r in live], t % 2 == 1)
             next_live = []
             for i, r in enumerate(live):
                 ok = True if tokens[r] < 0 else refs[r].consume_token(tokens[r])
@@ -191,3 +198,22 @@ def test_library_lacking_a_symbol_is_refused_by_name() -> None:
         _C.LlgLibrary.open("libm.so.6")
     with pytest.raises(ValueError, match="cannot load the llguidance library /nonexistent/x.so"):
         _C.LlgLibrary.open("/nonexistent/x.so")
+
+
+def test_matcher_calls_wait_for_the_step_in_flight(worker, manager) -> None:
+    """Freeing a step's matchers right after start_step waits for the step: the masks
+    are complete and equal the PyO3 matchers' (no matcher freed under the threads)."""
+    spec = SPECS["json"]
+    lane = worker.new_matcher("llguidance", _grammar_text(spec.key))
+    handles = np.array([worker.clone_matcher(lane) for _ in range(ROWS)], dtype=np.int64)
+    masks = np.full((ROWS, worker.num_words), -1, dtype=np.int32)
+    status, stopped = np.full(ROWS, 9, np.uint8), np.full(ROWS, 9, np.uint8)
+    flag = np.zeros(1, dtype=np.int32)
+    worker.start_step(handles, np.full(ROWS, -1, np.int32), masks, status, stopped, flag, 5)
+    for h in handles:
+        worker.free_matcher(int(h))
+    worker.free_matcher(lane)
+    assert flag[0] == 5 and worker.step_done()
+    expected = reference_mask(manager.new_matcher(spec).ll)
+    np.testing.assert_array_equal(masks, np.broadcast_to(expected, masks.shape))
+    assert not status.any() and not stopped.any()
