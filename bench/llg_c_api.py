@@ -23,8 +23,9 @@ thread and runs ``--busy-ms`` of pure Python meanwhile, watching the pinned "mas
 ready" word as the device would (no GIL needed to read it). Current way: the tokens fed
 to the PyO3 matchers on the engine's thread, the masks on StructuredOutputManager's
 background pool (``--threads``), the word written by the job's release (Python). Worker:
-one ``LlgWorker.step`` on a Python thread (consume, masks over ``--threads`` C++ threads,
-the word stored from C++), the GIL released throughout. Both replay the same seeded
+``LlgWorker.start_step`` (the step on the worker's own C++ thread: consume, masks over
+``--threads`` C++ threads, the word stored from C++; no GIL), later ``wait_step``; with
+``--python-thread``, ``LlgWorker.step`` on a Python thread instead. Both replay the same seeded
 walk of allowed tokens (the masks are checked equal). Reported, ms per step (median,
 p90): when the word was seen set after the hand-over, and the engine thread's time
 besides the Python.
@@ -72,7 +73,7 @@ def load() -> ctypes.CDLL:
     return lib
 
 
-def worker_vs_pyo3(model: str, rows: int, steps: int, threads: int, busy_ms: float) -> None:
+def worker_vs_pyo3(model: str, rows: int, steps: int, threads: int, busy_ms: float, thread_way: bool) -> None:
     """See the module's docstring (--worker)."""
     import queue
     import sys
@@ -120,7 +121,8 @@ def worker_vs_pyo3(model: str, rows: int, steps: int, threads: int, busy_ms: flo
             worker.step(handles, tokens, c_masks, status, stopped, flag, job)
             finished.set()
 
-    threading.Thread(target=worker_thread, daemon=True).start()
+    if thread_way:
+        threading.Thread(target=worker_thread, daemon=True).start()
 
     def python_while_waiting(ticket: int, t0: float) -> float | None:
         seen, end = None, time.perf_counter() + busy_ms / 1e3
@@ -140,18 +142,22 @@ def worker_vs_pyo3(model: str, rows: int, steps: int, threads: int, busy_ms: flo
                     raise SystemExit(f"step {t}: a token refused by the PyO3 matchers")
                 job = manager.start_masks(matchers, py_masks, release=lambda k=ticket: flag.__setitem__(0, k))
                 manager._choose_mask_way = lambda n: True  # (always the background)
-            else:
+            elif thread_way:
                 started.clear()
                 finished.clear()
                 jobs.put(ticket)
                 started.wait()  # (as start_masks: the thread needs the GIL to start)
+            else:
+                worker.start_step(handles, tokens, c_masks, status, stopped, flag, ticket)
             t1 = time.perf_counter()
             seen = python_while_waiting(ticket, t0)
             t2 = time.perf_counter()
             if way == "current":
                 job.wait()
-            else:
+            elif thread_way:
                 finished.wait()
+            else:
+                worker.wait_step()
             while flag[0] != ticket:
                 pass
             if seen is None:
@@ -163,7 +169,8 @@ def worker_vs_pyo3(model: str, rows: int, steps: int, threads: int, busy_ms: flo
         bits = np.unpackbits(c_masks.view(np.uint8), axis=1, bitorder="little")[:, :vocab]
         tokens[:] = [int(rng.choice(np.flatnonzero(row))) for row in bits]
     print(f"{rows} rows x {steps} steps, bounded schema, {threads} threads, {os.cpu_count()} CPUs, "
-          f"{busy_ms} ms of Python on the engine's thread meanwhile (masks equal each step); ms per step:")
+          f"{busy_ms} ms of Python on the engine's thread meanwhile (masks equal each step), worker "
+          f"{'step on a Python thread' if thread_way else 'start_step/wait_step'}; ms per step:")
     for way in ready:
         print(f"  {way:8s}: masks ready seen after median {statistics.median(ready[way]):7.3f} "
               f"(p90 {np.percentile(ready[way], 90):7.3f}); engine thread besides the Python "
@@ -171,6 +178,7 @@ def worker_vs_pyo3(model: str, rows: int, steps: int, threads: int, busy_ms: flo
     print(f"  worker tokenize callbacks (cache misses): {worker.tokenize_calls()}")
     print(f"  ratio current/worker, ready: {statistics.median(ready['current']) / statistics.median(ready['worker']):.2f}")
     jobs.put(None)
+    worker.wait_step()
 
 
 def main() -> None:
@@ -191,10 +199,12 @@ def main() -> None:
     ap.add_argument("--worker", action="store_true", help="the C++ worker against the current way (see above)")
     ap.add_argument("--threads", type=int, default=2, help="--worker: threads of each way")
     ap.add_argument("--busy-ms", type=float, default=1.5, help="--worker: the Python run meanwhile")
+    ap.add_argument("--python-thread", action="store_true",
+                    help="--worker: LlgWorker.step on a Python thread instead of start_step/wait_step")
     args = ap.parse_args()
     model = args.model or default_model_path()
     if args.worker:
-        worker_vs_pyo3(model, args.rows, args.steps, args.threads, args.busy_ms)
+        worker_vs_pyo3(model, args.rows, args.steps, args.threads, args.busy_ms, args.python_thread)
         return
     with open(os.path.join(model, "config.json"), encoding="utf-8") as f:
         vocab = json.load(f)["vocab_size"]
