@@ -29,7 +29,7 @@ T* checked(const py::handle& object, const char* field, std::initializer_list<py
                          std::string(py::str(py::type::of(object))));
   }
   auto array = py::reinterpret_borrow<py::array>(object);
-  if (!array.dtype().is(py::dtype::of<T>())) {
+  if (!py::isinstance<py::array_t<T>>(array)) {  // (numpy's equivalence of dtypes, not identity)
     throw py::type_error(std::string("LlgWorker.step: ") + field + " must be of dtype " +
                          std::string(py::str(py::dtype::of<T>())) + ", got " + std::string(py::str(array.dtype())));
   }
@@ -73,8 +73,7 @@ StepArgs step_args(const LlgWorker& w, const py::object& handles, const py::obje
   a.status = checked<uint8_t>(status, "status", {rows}, true);
   a.stopped = checked<uint8_t>(stopped, "stopped", {rows}, true);
   if (!ready_flag.is_none()) {
-    if (py::isinstance<py::array>(ready_flag) &&
-        py::reinterpret_borrow<py::array>(ready_flag).dtype().is(py::dtype::of<int32_t>())) {
+    if (py::isinstance<py::array_t<int32_t>>(ready_flag)) {
       a.flag = reinterpret_cast<uint32_t*>(checked<int32_t>(ready_flag, "ready_flag", {1}, true));
     } else {
       a.flag = checked<uint32_t>(ready_flag, "ready_flag", {1}, true);
