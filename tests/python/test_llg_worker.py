@@ -217,3 +217,22 @@ def test_matcher_calls_wait_for_the_step_in_flight(worker, manager) -> None:
     expected = reference_mask(manager.new_matcher(spec).ll)
     np.testing.assert_array_equal(masks, np.broadcast_to(expected, masks.shape))
     assert not status.any() and not stopped.any()
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"vocab_size": 0}, "vocab_size must be positive, got 0"),
+    ({"eos_token_ids": [VOCAB]}, f"eos_token_ids holds {VOCAB}, outside the vocabulary"),
+    ({"eos_token_ids": []}, "eos_token_ids must not be empty"),
+    ({"num_threads": 0}, r"num_threads must be in \[1, 256\], got 0"),
+    ({"tokenizer_json": "{"}, "llguidance refused the tokenizer"),
+])
+def test_worker_arguments_are_checked_by_name(change, message) -> None:
+    kwargs = {"lib": _C.LlgLibrary.open(LIB_PATH), "tokenizer_json": "{}", "vocab_size": VOCAB,
+              "eos_token_ids": EOS, "num_threads": 1, **change}
+    with pytest.raises(ValueError, match=message):
+        _C.LlgWorker(**kwargs)
+
+
+def test_tokenize_must_be_callable() -> None:
+    with pytest.raises(TypeError, match="tokenize must be callable"):
+        _C.LlgWorker(_C.LlgLibrary.open(LIB_PATH), "{}", VOCAB, EOS, 1, 42)
