@@ -12,6 +12,12 @@ ctypes (which leaves the GIL during each call), builds the tokenizer from the mo
 ``--steps`` steps of seeded random allowed tokens: the masks, and the tokens fed one by
 one (ctypes' call overhead included, ~1 us a call).
 
+NOTE: this probe builds the tokenizer without a tokenize function (greedy): llguidance
+then does not call it canonical, and where a grammar forces bytes its masks allow more
+than the engine's PyO3 matchers (a choice "maybe not": " no" after "maybe"); the three
+prefixes checked here do not show it. pagedcore._C.LlgWorker (cpp/grammar) passes the
+engine's tokenizer and matches the PyO3 masks (tests/python/test_llg_worker.py).
+
 NOTE: the structures below follow llguidance's ``parser/llguidance.h`` (``LlgTokenizerInit``);
 they must match the installed version's (1.9.1 here). ``LlgConstraintInit`` is filled by
 ``llg_constraint_init_set_defaults`` into a buffer larger than it.
