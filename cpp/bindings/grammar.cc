@@ -160,6 +160,21 @@ void register_grammar(py::module_& m) {
           "0 ok, 1 token refused, 2 mask error) and stopped[i] (uint8); then stores ready_value into\n"
           "ready_flag (a 1-element int32/uint32 array), if given. Releases the GIL throughout.")
       .def(
+          "consume",
+          [](LlgWorker& w, const py::object& handles, const py::object& tokens, const py::object& status,
+             const py::object& stopped) {
+            py::ssize_t rows =
+                py::isinstance<py::array>(handles) ? py::reinterpret_borrow<py::array>(handles).size() : 0;
+            const int64_t* h = checked<int64_t>(handles, "handles", {rows}, false);
+            const int32_t* t = checked<int32_t>(tokens, "tokens", {rows}, false);
+            uint8_t* st = checked<uint8_t>(status, "status", {rows}, true);
+            uint8_t* sp = checked<uint8_t>(stopped, "stopped", {rows}, true);
+            py::gil_scoped_release release;
+            w.consume(h, t, rows, st, sp);
+          },
+          "handles"_a, "tokens"_a, "status"_a, "stopped"_a,
+          "step() without masks: feeds tokens[i] to matcher handles[i], writes status[i] and stopped[i].")
+      .def(
           "start_step",
           [](py::object self, const py::object& handles, const py::object& tokens, const py::object& masks,
              const py::object& status, const py::object& stopped, const py::object& ready_flag,

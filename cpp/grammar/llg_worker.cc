@@ -195,8 +195,9 @@ void LlgWorker::run_row(int64_t row) {
   uint8_t verdict = kRowOk;
   int32_t token = step_tokens_[row];  // (< 0: none)
   if (token >= 0 && lib_->matcher_consume_token(m, static_cast<uint32_t>(token)) != 0) verdict = kRowRefused;
-  uint32_t* mask = reinterpret_cast<uint32_t*>(step_masks_ + row * static_cast<int64_t>(num_words_));
-  if (lib_->matcher_compute_mask_into(m, mask, static_cast<size_t>(num_words_) * 4) != 0) {
+  uint32_t* mask = step_masks_ == nullptr ? nullptr  // (consume(): tokens only)
+                                           : reinterpret_cast<uint32_t*>(step_masks_ + row * static_cast<int64_t>(num_words_));
+  if (mask != nullptr && lib_->matcher_compute_mask_into(m, mask, static_cast<size_t>(num_words_) * 4) != 0) {
     // NOTE: the C API leaves the mask of a matcher in error unwritten; the PyO3 one
     // allows the end-of-sequence tokens only, which the sampler needs (a row with no
     // token allowed has nothing to sample): the same here.
@@ -275,6 +276,15 @@ void LlgWorker::step(const int64_t* handles, const int32_t* tokens, int64_t rows
   {
     std::unique_lock<std::mutex> lock = lock_idle();
     prepare(handles, tokens, rows, masks, status, stopped, ready_flag, ready_value);
+  }
+  execute();
+}
+
+void LlgWorker::consume(const int64_t* handles, const int32_t* tokens, int64_t rows, uint8_t* status,
+                        uint8_t* stopped) {
+  {
+    std::unique_lock<std::mutex> lock = lock_idle();
+    prepare(handles, tokens, rows, nullptr, status, stopped, nullptr, 0);
   }
   execute();
 }

@@ -105,6 +105,10 @@ class LlgWorker {
   // that is not live or appears twice.
   void step(const int64_t* handles, const int32_t* tokens, int64_t rows, int32_t* masks,
             uint8_t* status, uint8_t* stopped, uint32_t* ready_flag, uint32_t ready_value);
+  // step() without the masks: feeds the tokens, writes status and stopped (for a
+  // step's verdicts before the next step's rows, whose masks start_step computes with
+  // no tokens, are known).
+  void consume(const int64_t* handles, const int32_t* tokens, int64_t rows, uint8_t* status, uint8_t* stopped);
   // step() on the worker's own thread: checks the arguments and copies handles and
   // tokens, then returns at once; masks, status, stopped and ready_flag must stay
   // valid until wait_step() returns (or step_done() is true). The other calls (the

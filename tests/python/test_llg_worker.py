@@ -134,6 +134,28 @@ def test_walks_match_pyo3_matchers(worker, manager, kind) -> None:
     assert worker.num_matchers() == 0
 
 
+def test_consume_then_masks_equal_one_step(worker, manager, tokenizer) -> None:
+    """consume (tokens, verdicts, no masks) then a step with no tokens: the PyO3 matcher's
+    verdicts and mask after the same tokens; a refused token reads 1."""
+    spec = SPECS["regex"]
+    a = worker.new_matcher("llguidance", _grammar_text(spec.key))
+    b = worker.clone_matcher(a)
+    ids = tokenizer.encode("ab-12", add_special_tokens=False)
+    ref = manager.new_matcher(spec).ll
+    status, stopped = np.full(2, 9, np.uint8), np.full(2, 9, np.uint8)
+    for token in ids:
+        worker.consume(np.array([a, b]), np.array([token, ids[0]], dtype=np.int32), status, stopped)
+        assert ref.consume_token(token)
+        assert status[0] == 0 and stopped[0] == ref.is_stopped()
+        b_refused = status[1]
+    assert b_refused == 1  # (b was fed "a"-tokens after "ab": refused by then)
+    masks, status, stopped = step(worker, [a], [-1])
+    np.testing.assert_array_equal(masks[0], reference_mask(ref))
+    assert status[0] == 0
+    worker.free_matcher(a)
+    worker.free_matcher(b)
+
+
 def test_grammar_error_is_reported_by_name(worker) -> None:
     before = worker.num_matchers()
     grammar = llg.LLMatcher.grammar_from_lark("start: item_undefined_rule")
