@@ -12,11 +12,32 @@ ctypes (which leaves the GIL during each call), builds the tokenizer from the mo
 ``--steps`` steps of seeded random allowed tokens: the masks, and the tokens fed one by
 one (ctypes' call overhead included, ~1 us a call).
 
+NOTE: this probe builds the tokenizer without a tokenize function (greedy): llguidance
+then does not call it canonical, and where a grammar forces bytes its masks allow more
+than the engine's PyO3 matchers (a choice "maybe not": " no" after "maybe"); the three
+prefixes checked here do not show it. pagedcore._C.LlgWorker (cpp/grammar) passes the
+engine's tokenizer and matches the PyO3 masks (tests/python/test_llg_worker.py).
+
 NOTE: the structures below follow llguidance's ``parser/llguidance.h`` (``LlgTokenizerInit``);
 they must match the installed version's (1.9.1 here). ``LlgConstraintInit`` is filled by
 ``llg_constraint_init_set_defaults`` into a buffer larger than it.
 
+With ``--worker``: instead, pagedcore's C++ grammar worker (``pagedcore._C.LlgWorker``,
+which drives this C API from C++) against the engine's current way, with the GIL
+contended as in the engine: per step the engine's thread hands the step's work to a
+thread and runs ``--busy-ms`` of pure Python meanwhile, watching the pinned "masks
+ready" word as the device would (no GIL needed to read it). Current way: the tokens fed
+to the PyO3 matchers on the engine's thread, the masks on StructuredOutputManager's
+background pool (``--threads``), the word written by the job's release (Python). Worker:
+``LlgWorker.start_step`` (the step on the worker's own C++ thread: consume, masks over
+``--threads`` C++ threads, the word stored from C++; no GIL), later ``wait_step``; with
+``--python-thread``, ``LlgWorker.step`` on a Python thread instead. Both replay the same seeded
+walk of allowed tokens (the masks are checked equal). Reported, ms per step (median,
+p90): when the word was seen set after the hand-over, and the engine thread's time
+besides the Python.
+
 Usage: python bench/llg_c_api.py [--model DIR] [--rows 64] [--steps 40]
+       python bench/llg_c_api.py --worker [--rows 64] [--steps 40] [--threads 2] [--busy-ms 1.5]
 """
 
 from __future__ import annotations
@@ -58,6 +79,114 @@ def load() -> ctypes.CDLL:
     return lib
 
 
+def worker_vs_pyo3(model: str, rows: int, steps: int, threads: int, busy_ms: float, thread_way: bool) -> None:
+    """See the module's docstring (--worker)."""
+    import queue
+    import sys
+    import threading
+
+    import torch
+    import transformers
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from bench_structured import SCHEMAS
+
+    import llguidance
+
+    from pagedcore import _C
+    from pagedcore.structured_outputs import MASK_THREADS_ENV, StructuredOutputManager, StructuredOutputsParams, \
+        _grammar_text
+
+    os.environ[MASK_THREADS_ENV] = str(threads)
+    with open(os.path.join(model, "config.json"), encoding="utf-8") as f:
+        vocab = json.load(f)["vocab_size"]
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model)
+    eos = [tokenizer.eos_token_id]
+    manager = StructuredOutputManager(tokenizer, vocab, eos)
+    spec = StructuredOutputsParams(json=SCHEMAS["bounded"])
+    lib = _C.LlgLibrary.open(os.path.join(os.path.dirname(llguidance.__file__), "_lib.abi3.so"))
+    worker = _C.LlgWorker(lib, tokenizer.backend_tokenizer.to_str(), vocab, eos, threads,
+                          manager._tokenizer.tokenize_bytes)
+    grammar = _grammar_text(spec.key)
+    lanes = [worker.new_matcher("llguidance", grammar, lane) for lane in range(threads)]
+    handles = np.array([worker.clone_matcher(lanes[r % threads]) for r in range(rows)], dtype=np.int64)
+    matchers = [manager.new_matcher(spec) for _ in range(rows)]
+    words = manager.num_words
+    py_masks = torch.zeros((rows, words), dtype=torch.int32)
+    c_masks = np.zeros((rows, words), dtype=np.int32)
+    status, stopped = np.zeros(rows, np.uint8), np.zeros(rows, np.uint8)
+    flag = np.zeros(1, dtype=np.uint32)
+    tokens = np.full(rows, -1, dtype=np.int32)
+    rng = np.random.default_rng(0)
+    jobs: queue.SimpleQueue = queue.SimpleQueue()
+    started, finished = threading.Event(), threading.Event()
+
+    def worker_thread() -> None:
+        while (job := jobs.get()) is not None:
+            started.set()
+            worker.step(handles, tokens, c_masks, status, stopped, flag, job)
+            finished.set()
+
+    if thread_way:
+        threading.Thread(target=worker_thread, daemon=True).start()
+
+    def python_while_waiting(ticket: int, t0: float) -> float | None:
+        seen, end = None, time.perf_counter() + busy_ms / 1e3
+        while (now := time.perf_counter()) < end:
+            if seen is None and flag[0] == ticket:
+                seen = now - t0
+        return seen
+
+    ready: dict[str, list[float]] = {"current": [], "worker": []}
+    engine: dict[str, list[float]] = {"current": [], "worker": []}
+    for t in range(1, steps + 1):
+        for way in (("current", "worker") if t % 2 else ("worker", "current")):
+            ticket = 2 * t + (way == "worker")
+            t0 = time.perf_counter()
+            if way == "current":
+                if t > 1 and not all(m.ll.consume_token(int(k)) for m, k in zip(matchers, tokens)):
+                    raise SystemExit(f"step {t}: a token refused by the PyO3 matchers")
+                job = manager.start_masks(matchers, py_masks, release=lambda k=ticket: flag.__setitem__(0, k))
+                manager._choose_mask_way = lambda n: True  # (always the background)
+            elif thread_way:
+                started.clear()
+                finished.clear()
+                jobs.put(ticket)
+                started.wait()  # (as start_masks: the thread needs the GIL to start)
+            else:
+                worker.start_step(handles, tokens, c_masks, status, stopped, flag, ticket)
+            t1 = time.perf_counter()
+            seen = python_while_waiting(ticket, t0)
+            t2 = time.perf_counter()
+            if way == "current":
+                job.wait()
+            elif thread_way:
+                finished.wait()
+            else:
+                worker.wait_step()
+            while flag[0] != ticket:
+                pass
+            if seen is None:
+                seen = time.perf_counter() - t0
+            ready[way].append(1e3 * seen)
+            engine[way].append(1e3 * ((t1 - t0) + (time.perf_counter() - t2)))
+        if not (np.array_equal(py_masks.numpy(), c_masks) and not status.any()):
+            raise SystemExit(f"step {t}: the worker's masks differ from the PyO3 matchers'")
+        bits = np.unpackbits(c_masks.view(np.uint8), axis=1, bitorder="little")[:, :vocab]
+        tokens[:] = [int(rng.choice(np.flatnonzero(row))) for row in bits]
+    print(f"{rows} rows x {steps} steps, bounded schema, {threads} threads, {os.cpu_count()} CPUs, "
+          f"{busy_ms} ms of Python on the engine's thread meanwhile (masks equal each step), worker "
+          f"{'step on a Python thread' if thread_way else 'start_step/wait_step'}; ms per step:")
+    for way in ready:
+        print(f"  {way:8s}: masks ready seen after median {statistics.median(ready[way]):7.3f} "
+              f"(p90 {np.percentile(ready[way], 90):7.3f}); engine thread besides the Python "
+              f"median {statistics.median(engine[way]):7.3f} (p90 {np.percentile(engine[way], 90):7.3f})")
+    print(f"  worker tokenize callbacks (cache misses): {worker.tokenize_calls()}")
+    print(f"  ratio current/worker, ready: {statistics.median(ready['current']) / statistics.median(ready['worker']):.2f}")
+    jobs.put(None)
+    worker.wait_step()
+
+
 def main() -> None:
     import sys
 
@@ -73,8 +202,16 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="a directory with tokenizer.json and config.json")
     ap.add_argument("--rows", type=int, default=64)
     ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--worker", action="store_true", help="the C++ worker against the current way (see above)")
+    ap.add_argument("--threads", type=int, default=2, help="--worker: threads of each way")
+    ap.add_argument("--busy-ms", type=float, default=1.5, help="--worker: the Python run meanwhile")
+    ap.add_argument("--python-thread", action="store_true",
+                    help="--worker: LlgWorker.step on a Python thread instead of start_step/wait_step")
     args = ap.parse_args()
     model = args.model or default_model_path()
+    if args.worker:
+        worker_vs_pyo3(model, args.rows, args.steps, args.threads, args.busy_ms, args.python_thread)
+        return
     with open(os.path.join(model, "config.json"), encoding="utf-8") as f:
         vocab = json.load(f)["vocab_size"]
     tokenizer = transformers.AutoTokenizer.from_pretrained(model)

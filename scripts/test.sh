@@ -23,6 +23,16 @@ cmake --build build/test -j "$jobs"
 ctest --test-dir build/test -j "$jobs" --output-on-failure | tail -n 3
 
 echo "== C++ tests under ASan + UBSan"
+# The grammar worker's test (tests/cpp/test_llg_worker.cpp) loads llguidance's library,
+# which needs libpython, and reads the default model's tokenizer.json; it skips where
+# any is missing.
+eval "$(.venv/bin/python - 2>/dev/null <<'PY' || true
+import os, sysconfig, llguidance, pagedcore
+print("export PAGEDCORE_LLG_LIB=" + os.path.join(os.path.dirname(llguidance.__file__), "_lib.abi3.so"))
+print("export PAGEDCORE_LLG_TOKENIZER_JSON=" + os.path.join(pagedcore.default_model_path(), "tokenizer.json"))
+print("export PAGEDCORE_LLG_PYTHON_LIB=" + os.path.join(sysconfig.get_config_var("LIBDIR"), sysconfig.get_config_var("LDLIBRARY")))
+PY
+)"
 cmake -S . -B build/asan "${generator[@]}" -DCMAKE_BUILD_TYPE=Debug -DPAGEDCORE_CUDA=OFF \
   -DPAGEDCORE_BUILD_TESTS=ON -DPAGEDCORE_DEBUG_CHECKS=ON -DPAGEDCORE_SANITIZE=ON >/dev/null
 cmake --build build/asan -j "$jobs"

@@ -6,6 +6,7 @@
 
 #include <optional>
 
+#include "grammar.h"
 #include "numpy_views.h"
 #include "ops.h"
 #include "pagedcore/engine.h"
@@ -347,6 +348,7 @@ PYBIND11_MODULE(_C, m) {
       .def("check_invariants", &Engine::check_invariants);
 
   pagedcore::bindings::register_ops(m);
+  pagedcore::bindings::register_grammar(m);
 
   m.def("cuda_info", &cuda_info,
         "Whether the CUDA kernels were compiled in, and the devices the driver reports.");
