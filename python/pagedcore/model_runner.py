@@ -121,8 +121,9 @@ class _PrefillGraphs:
 
 def mixed_graph_tokens() -> int:
     """PAGEDCORE_MIXED_GRAPHS=N (opt-in, read when a runner is made): steps of up to
-    N tokens that are not pure decode replay one whole CUDA graph each, attention
-    included (the sizes of PREFILL_GRAPH_TOKENS up to N). 0 or unset: off."""
+    N tokens that no decode graph takes (prefill chunks, mixed steps) replay one
+    whole CUDA graph each, attention included (the sizes of PREFILL_GRAPH_TOKENS up
+    to N). 0 or unset: off."""
     value = os.environ.get("PAGEDCORE_MIXED_GRAPHS", "0") or "0"
     try:
         tokens = int(value)
@@ -423,16 +424,18 @@ class ModelRunner:
     def _replay_mixed(self, batch: _C.StepBatch, seq_lens: np.ndarray, width: int,
                       deferred: tuple[torch.Tensor, torch.Tensor] | None,
                       previous: torch.Tensor | None) -> torch.Tensor | None:
-        """The step's final hidden states from the whole graph of the next size up;
-        None (nothing done) when no graph fits it."""
+        """The final hidden states of the step's sampled rows, from the whole graph
+        of the smallest size whose plan holds the step; None (nothing done) when
+        none does."""
         n, r = batch.num_tokens, batch.num_seqs
-        t = next((size for size in self.mixed_graphs if size >= n), None)
+        # (a larger size has more tile items: the next one up may hold what this one cannot)
+        t = next((size for size, entry in self.mixed_graphs.items() if size >= n and r <= entry.max_rows
+                  and entry.plan.fill(batch.query_start_loc, seq_lens, pad_row=r)), None)
         if t is None:
             return None
         entry = self.mixed_graphs[t]
-        if r > entry.max_rows or not entry.plan.fill(batch.query_start_loc, seq_lens, pad_row=r):
-            return None
         s = self.staging
+        sample_indices = self._to_device(_put(s.sample_indices, batch.sample_indices))
         ids, pos, slots = s.input_ids.numpy(), s.positions.numpy(), s.slot_mapping.numpy()
         ids[:n], pos[:n], slots[:n] = batch.input_ids, batch.positions, batch.slot_mapping
         ids[n:t], pos[n:t], slots[n:t] = 0, 0, -1
@@ -452,7 +455,7 @@ class ModelRunner:
         self._take_deferred(self._p_input_ids, deferred, previous)
         entry.graph.replay()
         self.mixed_graph_replays += 1
-        return entry.hidden[:n]
+        return entry.hidden[sample_indices.long()]
 
     def _replay_prefill(self, batch: _C.StepBatch, md: AttentionMetadata,
                         deferred: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -628,11 +631,11 @@ class ModelRunner:
         if (self.graphs and batch.num_tokens == num_seqs == batch.num_samples
                 and batch.num_prompt_logprob_tokens == 0 and num_seqs <= max(self.graphs)):
             return self._replay_decode(batch, width, deferred, previous)
-        if self.mixed_graphs and batch.num_prompt_logprob_tokens == 0:
-            sample_indices = self._to_device(_put(s.sample_indices, batch.sample_indices))
+        if (self.mixed_graphs and batch.num_prompt_logprob_tokens == 0
+                and batch.num_tokens <= next(reversed(self.mixed_graphs))):
             hidden = self._replay_mixed(batch, seq_lens_np, width, deferred, previous)
             if hidden is not None:
-                return self.model.compute_logits(hidden[sample_indices.long()])
+                return self.model.compute_logits(hidden)
         md = AttentionMetadata(
             slot_mapping=self._to_device(_put(s.slot_mapping, batch.slot_mapping)),
             block_tables=self._to_device(s.block_tables[:num_seqs, :width]),

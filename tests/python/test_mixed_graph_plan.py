@@ -49,9 +49,10 @@ def covered(p: planning.PaddedPlan, q_lens: list[int]) -> dict[tuple[int, int], 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_a_mixed_step_is_covered_once_and_the_rest_is_padding(dtype) -> None:
     # 40 decode rows, a 2-token row (a decode item in bf16: 2 x 3 heads <= 16 vectors),
-    # a 200-token prefill chunk and a 37-token one; the padding row is 43, token 280.
+    # a 200-token prefill chunk and a 37-token one over 400 cached; the padding row is
+    # 43, token 280.
     q_lens = [1] * 40 + [2, 200, 37]
-    seq_lens = [300 + i for i in range(40)] + [90, 200, 1037]
+    seq_lens = [300 + i for i in range(40)] + [90, 200, 437]  # (short: the eager plan would not split)
     qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     p = padded(512, 256, dtype)
     work_before = (p.plan.num_work, p.plan.num_decode)
@@ -109,3 +110,23 @@ def test_a_bad_switch_is_refused_by_name(monkeypatch, value, message) -> None:
     with pytest.raises(ValueError) as e:
         mixed_graph_tokens()
     assert str(e.value) == message
+
+
+@pytest.mark.parametrize("case", ["decode rows", "a chunk"])
+def test_a_step_the_eager_plan_would_split_takes_the_pieces(case) -> None:
+    # Long contexts: plan_attention splits their keys over more CTAs than the graph's
+    # plan (tiles unsplit; decode splits sized for its 257 rows), so the step is refused.
+    p = padded(512, 256)
+    if case == "decode rows":  # 8 rows of 3,000 keys: the eager plan splits each in 11
+        q_lens, seq_lens = [1] * 8 + [20], [3000] * 8 + [20]
+    else:  # 100 new tokens over 4,000 cached: 16 splits
+        q_lens, seq_lens = [1, 100], [300, 4100]
+    qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    lens = np.array(seq_lens, dtype=np.int32)
+    eager = planning.plan_attention(qsl, lens, 9, 3, torch.device("cpu"), 64, torch.bfloat16)
+    assert (eager.decode_splits if case == "decode rows" else eager.num_splits) > 1
+    before = p.host.clone()
+    assert not p.fill(qsl, lens, pad_row=len(q_lens))
+    assert torch.equal(p.host, before)
+    # The same step over short contexts fits.
+    assert p.fill(qsl, np.minimum(lens, np.array(q_lens) + 300).astype(np.int32), pad_row=len(q_lens))

@@ -105,6 +105,8 @@ class DecoderLayer(nn.Module):
         # PAGEDCORE_FUSED_DOWN=1 (read here, at build; opt-in until measured on the GPU):
         # where the gate_up product of a CUDA decode step runs on cuBLAS, the down product
         # reads silu(gate) * up itself (ops.silu_and_mul_linear), one launch fewer a layer.
+        # NOTE: that moves a down product above the kernels' 40 MiB routing limit (the 8B
+        # shape's) from cuBLAS to our kernel: its sums (and time) change with the flag.
         self.fused_down = os.environ.get("PAGEDCORE_FUSED_DOWN", "0") == "1"
         for p in self.parameters():
             p.requires_grad_(False)

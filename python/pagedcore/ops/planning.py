@@ -153,6 +153,9 @@ def plan_attention(
     )
 
 
+_PADDED_SPLIT_ROWS = 32
+
+
 class PaddedPlan:
     """A plan of fixed size for a CUDA graph of mixed steps (prefill chunks with
     decode rows) that runs attention inside the graph: ``plan.num_work`` tile
@@ -166,9 +169,10 @@ class PaddedPlan:
     query token (a padding token of the graph), one cached key and a block table
     pointing at the null block: CTAs that read one key each, whose output lands in
     the padding token's row. Tiles never split their keys (``num_splits`` 1: any
-    split count computes the same attention); decode rows keep the splits chosen
-    for ``max_seq_len``, each row running only the splits its length needs (as
-    :func:`plan_decode`).
+    split count computes the same attention); decode rows may split as a step of
+    32 of them over ``max_seq_len`` keys would, each row running only the splits
+    its length needs (as :func:`plan_decode`). Steps whose eager plan would split
+    more (long contexts) are refused by :meth:`fill`.
     """
 
     def __init__(self, max_tokens: int, max_rows: int, max_tile_rows: int, num_heads: int, num_kv_heads: int,
@@ -182,7 +186,12 @@ class PaddedPlan:
             num_decode, tile_rows = 0, max_rows
         # A row of q tokens makes ceil(q / tile) tiles: at most tokens / tile + rows in all.
         num_work = -(-max_tokens // tile) + tile_rows + 1
-        splits = _splits(max(1, num_decode * num_kv_heads), max_seq_len, _sm_count(device), _DECODE_SPLIT_KEYS)
+        self.sms = _sm_count(device)
+        # Decode splits sized for a step of up to 32 decode rows (the padding items are
+        # no work to spread), each row running the splits its length needs; a step the
+        # eager plan would split more takes the pieces (fill).
+        splits = _splits(max(1, min(num_decode, _PADDED_SPLIT_ROWS) * num_kv_heads), max_seq_len, self.sms,
+                         _DECODE_SPLIT_KEYS)
         zeros = np.zeros(num_work, dtype=np.int32)
         self.plan = AttentionPlan(zeros, zeros, tile, 1, np.zeros(num_decode, dtype=np.int32), splits, device)
         # The plan's three lists as views of one buffer: one copy a step.
@@ -195,11 +204,19 @@ class PaddedPlan:
     def fill(self, query_start_loc, seq_lens, pad_row: int) -> bool:
         """Stages the step's lists, padded (the copy to the device is queued by
         :meth:`upload`); False, with nothing staged, when the step has more tile
-        or decode items than the plan holds."""
+        or decode items than the plan holds, or when :func:`plan_attention` would
+        split its keys more than this plan does (long contexts: there the split
+        launch is worth more than the graph)."""
         plan = self.plan
-        work_seq, work_q_start, tile, decode_seq, _, _ = _plan_lists(
+        work_seq, work_q_start, tile, decode_seq, is_decode, lens = _plan_lists(
             query_start_loc, seq_lens, self.num_heads, self.num_kv_heads, self.head_dim, self.dtype)
         if tile != plan.tile_tokens or work_seq.shape[0] > plan.num_work or decode_seq.shape[0] > plan.num_decode:
+            return False
+        total, decodes = work_seq.shape[0], decode_seq.shape[0]
+        if total and _splits(total * self.num_kv_heads, int(lens[~is_decode].max()), self.sms) > plan.num_splits:
+            return False
+        if decodes and _splits(decodes * self.num_kv_heads, int(lens[is_decode].max()), self.sms,
+                               _DECODE_SPLIT_KEYS) > plan.decode_splits:
             return False
         w = plan.num_work
         host = self.host.numpy()
