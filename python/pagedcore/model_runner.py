@@ -439,7 +439,8 @@ class ModelRunner:
         ids, pos, slots = s.input_ids.numpy(), s.positions.numpy(), s.slot_mapping.numpy()
         ids[:n], pos[:n], slots[:n] = batch.input_ids, batch.positions, batch.slot_mapping
         ids[n:t], pos[n:t], slots[n:t] = 0, 0, -1
-        # The padding row r: query token n (a padding token), one key, the null block.
+        # The padding row r: query token n (a padding token, or the buffers' extra row t
+        # when the step fills the graph), one key, the null block.
         lens, starts = s.seq_lens.numpy(), s.query_start_loc.numpy()
         lens[:r], lens[r] = seq_lens, 1
         starts[:r + 1], starts[r + 1] = batch.query_start_loc, n + 1
