@@ -246,6 +246,35 @@ def test_a_finished_sample_leaves_no_live_matcher(tiny_llms) -> None:
         assert not engine._matchers
 
 
+class _RefusingEngine:
+    """The C++ engine, except that it refuses every request (admission failing after
+    the matchers were made)."""
+
+    def __init__(self, engine) -> None:
+        self._engine = engine
+
+    def add_request(self, *args):
+        raise RuntimeError("refused")
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+
+def test_a_request_refused_by_the_engine_leaves_no_matcher(tiny_llms, monkeypatch) -> None:
+    llm = tiny_llms[True]
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0.9, seed=2, n=3, max_tokens=4,
+                            structured_outputs=StructuredOutputsParams(choice=CHOICES))
+    with monkeypatch.context() as mp:
+        mp.setattr(engine, "engine", _RefusingEngine(engine.engine))
+        with pytest.raises(RuntimeError, match="refused"):
+            engine.add_request("refused", "A colour:", None, params)
+    assert not engine.has_request("refused") and not engine._matchers
+    assert live_worker_matchers(llm) in (None, 0)
+    [out] = llm.generate(["A colour:"], params, use_tqdm=False)  # (the engine goes on)
+    assert all(c.text in CHOICES for c in out.outputs)
+
+
 @needs_pydantic
 def test_stop_strings_end_constrained_outputs(tiny_llms) -> None:
     # A stop string still ends a constrained output (where the user asked).
