@@ -55,7 +55,9 @@ Usage: python bench/bench_structured.py [--requests 64] [--max-tokens 256] [--de
        [--load-format dummy --model DIR] [--async-scheduling both|on|off]
        [--mask-way auto|background|inline] [--masks-alone STEPS [--busy-ms 1.5]]
        [--host-only (CPU: stand-ins for the forward pass and the sampler)] [--switch-interval S] [--gil-probe]
-       (PAGEDCORE_MASK_THREADS=N: the mask pool's threads; PAGEDCORE_MASK_DEVICE_WAIT=0: no device wait)
+       (PAGEDCORE_MASK_THREADS=N: the mask pool's threads; PAGEDCORE_MASK_DEVICE_WAIT=0: no device wait;
+        PAGEDCORE_GRAMMAR_WORKER=cpp: the C++ grammar worker, whose masks' "compute" reads 0 and which
+        has no replay or mask-way trials)
 """
 
 from __future__ import annotations
@@ -73,7 +75,8 @@ import torch
 
 from pagedcore import LLM, SamplingParams, default_model_path
 from pagedcore import llm_engine, structured_outputs
-from pagedcore.structured_outputs import DEVICE_WAIT_ENV, MASK_THREADS_ENV, StructuredOutputsParams
+from pagedcore.structured_outputs import (DEVICE_WAIT_ENV, GRAMMAR_WORKER_ENV, MASK_THREADS_ENV,
+                                         StructuredOutputsParams)
 
 def schema(max_length: int | None) -> dict:
     """An array of at least 10,000 strings (of at most ``max_length`` characters)."""
@@ -200,7 +203,7 @@ class Timers:
                                                                         "handover", "join", "sample"))
         parts["step"] = t.get("step", 0.0) / n
         for job in self.jobs:
-            _JOB_WAIT(job)
+            _JOB_WAIT(job) if isinstance(job, structured_outputs.MaskJob) else job.wait()  # (WorkerMaskJob)
         parts["compute"] = 1e3 * sum(job.compute_seconds for job in self.jobs) / n
         if self._cuda:
             # (the device is idle for the rest of a step: waiting for the host to launch)
@@ -604,8 +607,9 @@ def main() -> None:
             manager._choose_mask_way = lambda rows: args.mask_way == "background"
         print(f"== {name}: {args.requests} requests x {args.max_tokens} tokens on {engine.device}, "
               f"{args.schema} schema; masks: {manager.mask_threads} pool threads, {manager.num_lanes} lanes, "
-              f"device wait {'on' if engine._bitmask_staging and engine._bitmask_staging.device_wait else 'off'} "
-              f"(${MASK_THREADS_ENV}, ${DEVICE_WAIT_ENV})")
+              f"device wait {'on' if engine._bitmask_staging and engine._bitmask_staging.device_wait else 'off'}, "
+              f"grammar worker {'cpp' if manager.worker is not None else 'pyo3'} "
+              f"(${MASK_THREADS_ENV}, ${DEVICE_WAIT_ENV}, ${GRAMMAR_WORKER_ENV})")
         results = {}
         probe = GilProbe() if args.gil_probe else None
         for label, params in (("unconstrained", free), ("JSON schema", constrained)):
@@ -621,7 +625,7 @@ def main() -> None:
                 print(f"{'':14s} GIL probe ({len(late)} wake-ups of a thread sleeping {probe.period_s * 1e3:g} ms): "
                       f"late by median {np.median(late):.3f} ms, p90 {np.percentile(late, 90):.3f}, "
                       f"max {late.max():.3f}")
-        if manager.background:
+        if manager.background and manager.worker is None:
             rows = args.requests.bit_length()
             way = manager.mask_ways.get(rows)
             print(f"masks with the pool ({args.mask_way}; the engine's trials for {2 ** (rows - 1)}-"
@@ -631,7 +635,7 @@ def main() -> None:
                   + ("" if way is None or way.trials is None else
                      f" (trials under way: {sum(map(len, way.trials.values()))} jobs done)"))
         ratios[name] = results["JSON schema"][0] / results["unconstrained"][0]
-        if mode == modes[-1] and replay_steps and not args.host_only:
+        if mode == modes[-1] and replay_steps and not args.host_only and manager.worker is None:  # (PyO3 only)
             replay(engine, spec, results["JSON schema"][1], replay_steps)
         if mode == modes[-1] and engine.device.type == "cuda":
             apply_alone(engine.device, args.requests, engine.spec.vocab_size)

@@ -723,15 +723,24 @@ class LLMEngine:
             if self._structured is None:
                 self._structured = StructuredOutputManager(self.tokenizer, self.spec.vocab_size,
                                                            self.eos_token_ids)
-            for c in completions:  # each sample its own matcher
-                c.matcher = self._structured.new_matcher(params.structured_outputs)
-        first = self.engine.add_request(request_id, ids, engine_params)
+            try:
+                for c in completions:  # each sample its own matcher
+                    c.matcher = self._structured.new_matcher(params.structured_outputs)
+            except BaseException:
+                self._free_matchers(completions)
+                raise
+        try:
+            first = self.engine.add_request(request_id, ids, engine_params)
+        except BaseException:
+            self._free_matchers(completions)
+            raise
         try:
             slot = self.engine.request_slot(request_id)
             self._slots.set(slot, params)
             if compact_key is not None:
                 self._slots.compact_key[slot] = compact_key
         except BaseException:
+            self._free_matchers(completions)
             self._complete_inflight()  # the engine takes no abort while a step is pending
             self.engine.abort(request_id)
             raise
@@ -749,6 +758,13 @@ class LLMEngine:
                 self._matchers[first + i] = completions[i].matcher
         if mask is not None:
             self._prompt_masks[request_id] = mask
+
+    def _free_matchers(self, completions: list[_Completion]) -> None:
+        """Lets the matchers of a request that was not admitted go (the C++ grammar
+        worker's are freed explicitly)."""
+        for c in completions:
+            if c.matcher is not None:
+                self._structured.free(c.matcher)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Drops a request; returns its output (finish_reason 'abort') if it was live."""
@@ -886,11 +902,12 @@ class LLMEngine:
                                      self._compact_rows(batch))
             if not waited:  # (masks started by the metadata: joined before the resolution below)
                 self._join_masks()
-            elif self._mask_job is not None and self._bitmask_staging.device_wait:
+            elif self._mask_job is not None and self._bitmask_staging.device_wait and self._structured.worker is None:
                 # NOTE: the mask thread, done, may wait for the GIL to write the device's
                 # flag (up to the 5 ms switch interval while this thread runs Python);
                 # a short wait hands it over. Masks that are not done by then are joined
-                # once the next forward pass is queued.
+                # once the next forward pass is queued. (The C++ worker stores the flag
+                # without the GIL: no hand-over.)
                 self._mask_job.wait(MASK_HANDOVER_S)
             if batch.num_prompt_logprob_tokens:
                 self._score_prompts(batch)
@@ -1133,7 +1150,7 @@ class LLMEngine:
             self._bitmask_staging = BitmaskStaging(self._structured.num_words, self.device,
                                                    device_wait=self._structured.background and device_wait_enabled())
         masks, release = self._bitmask_staging.begin(rows)
-        self._mask_job = self._structured.start_masks(matchers, masks, release)
+        self._mask_job = self._structured.start_masks(matchers, masks, release, ready=self._bitmask_staging.ready)
 
     def _join_masks(self, failed: bool = False) -> None:
         """Waits for the step's masks (computed in the background), whose matchers
@@ -1353,6 +1370,13 @@ class LLMEngine:
             return {}
         accepted = self._structured.consume(fed, tokens)
         verdicts: dict[int, str] = {}
+        if self._structured.worker is not None:  # (the verdicts came back with the tokens)
+            for seq_id, matcher, ok in zip(fed_seq_ids, fed, accepted):
+                if not ok:
+                    verdicts[seq_id] = f"error: {matcher.error}"
+                elif matcher.stopped:
+                    verdicts[seq_id] = "stopped"
+            return verdicts
         for seq_id, matcher, ok in zip(fed_seq_ids, fed, accepted):
             if not ok:
                 verdicts[seq_id] = f"error: {matcher.ll.get_error()}"
@@ -1378,7 +1402,9 @@ class LLMEngine:
                 self._late_stops.append((seq_id, request.request_id))
             reason, c.grammar_ended = "stop", True
         if reason is not None:
-            self._matchers.pop(seq_id, None)
+            matcher = self._matchers.pop(seq_id, None)
+            if matcher is not None:
+                self._structured.free(matcher)
         return reason
 
     def _delta(self, request: _Request, c: _Completion) -> CompletionOutput | None:
@@ -1425,7 +1451,9 @@ class LLMEngine:
         for seq_id in request.seq_ids:
             self._seq_owner.pop(seq_id, None)
             self._generators.pop(seq_id, None)
-            self._matchers.pop(seq_id, None)
+            matcher = self._matchers.pop(seq_id, None)
+            if matcher is not None:
+                self._structured.free(matcher)
         if request.compact:
             self._slots.compact_key[request.slot] = -1
             self._num_compact -= 1

@@ -69,6 +69,11 @@ MASK_TRIAL_PERIOD = 1024
 #: "0": on CUDA, the host waits for a step's masks before it queues the sampler,
 #: instead of queuing it behind a device-side wait for them (see BitmaskStaging).
 DEVICE_WAIT_ENV = "PAGEDCORE_MASK_DEVICE_WAIT"
+#: "cpp": the grammar work goes through the C++ worker (pagedcore._C.LlgWorker over
+#: llguidance's C API: a step's masks computed without the GIL, the ready flag stored
+#: from C++); unset or "pyo3": llguidance's PyO3 matchers (the default). Read when a
+#: StructuredOutputManager is made.
+GRAMMAR_WORKER_ENV = "PAGEDCORE_GRAMMAR_WORKER"
 
 _KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
@@ -229,6 +234,14 @@ def _mask_threads() -> int:
     return threads
 
 
+def grammar_worker_way() -> str:
+    """``$PAGEDCORE_GRAMMAR_WORKER`` (see GRAMMAR_WORKER_ENV): "cpp" or "pyo3"."""
+    raw = os.environ.get(GRAMMAR_WORKER_ENV, "pyo3")
+    if raw not in ("cpp", "pyo3"):
+        raise ValueError(f"${GRAMMAR_WORKER_ENV} must be cpp or pyo3, got {raw!r}")
+    return raw
+
+
 def device_wait_enabled() -> bool:
     """Whether ``$PAGEDCORE_MASK_DEVICE_WAIT`` leaves the device-side wait on (the default)."""
     raw = os.environ.get(DEVICE_WAIT_ENV, "1")
@@ -244,6 +257,17 @@ class GrammarMatcher:
 
     ll: Any
     lane: int
+
+
+@dataclass(slots=True, eq=False)
+class WorkerMatcher:
+    """One sequence's matcher in the C++ worker (``PAGEDCORE_GRAMMAR_WORKER=cpp``): its
+    handle, its lane, and the verdict of the last token fed to it (consume)."""
+
+    handle: int
+    lane: int
+    stopped: bool = False
+    error: str | None = None
 
 
 class _Lanes:
@@ -310,6 +334,44 @@ class MaskJob:
                 self._error = self._error or e
             finally:
                 self._done.set()
+
+
+class WorkerMaskJob:
+    """A step's masks being computed by the C++ worker (LlgWorker.start_step): done()
+    and wait() as MaskJob's, over step_done() / wait_step(). The worker stores the
+    ready flag itself (no release to run).
+
+    NOTE: a row whose mask fails (a matcher in error: its sequence's token was refused,
+    and the sequence is being aborted) gets a mask of the end-of-sequence tokens only,
+    as the PyO3 matcher's; the job does not fail for it.
+    """
+
+    __slots__ = ("_worker", "compute_seconds", "background", "host_seconds", "__weakref__")
+
+    def __init__(self, worker: Any) -> None:
+        self._worker = worker
+        #: (not measured apart: the worker's step runs on its own thread)
+        self.compute_seconds = 0.0
+        self.background = True
+        self.host_seconds = 0.0
+
+    def done(self) -> bool:
+        return self._worker.step_done()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """As MaskJob.wait."""
+        t0 = time.perf_counter()
+        if timeout is None:
+            self._worker.wait_step()
+        else:
+            deadline = t0 + timeout
+            while not self._worker.step_done():
+                if time.perf_counter() >= deadline:
+                    self.host_seconds += time.perf_counter() - t0
+                    return False
+                time.sleep(0)  # (a yield of the GIL; the worker's thread needs it only to tokenize)
+        self.host_seconds += time.perf_counter() - t0
+        return True
 
 
 def _mask_worker(jobs: queue.SimpleQueue) -> None:
@@ -383,6 +445,7 @@ class StructuredOutputManager:
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: list[int]) -> None:
         llg = _llguidance()
+        worker_way = grammar_worker_way()  # (a bad value refused before anything is built)
         backend = getattr(tokenizer, "backend_tokenizer", None)
         if backend is None:
             raise ValueError("structured_outputs needs a fast (Rust) Hugging Face tokenizer")
@@ -406,12 +469,29 @@ class StructuredOutputManager:
         # was waited for: at the next call)
         self._last_job: tuple[MaskJob, int] | None = None
         self.num_words = (vocab_size + 31) // 32
+        #: The C++ grammar worker ($PAGEDCORE_GRAMMAR_WORKER=cpp; see GRAMMAR_WORKER_ENV),
+        #: else None: llguidance's PyO3 matchers. With it, the lanes' templates and the
+        #: matchers are the worker's handles.
+        self.worker: Any = None
+        # Handles whose sequences are done, freed at the next consume / start_masks:
+        # the worker frees a matcher only once no step is in flight, which this thread
+        # would otherwise wait for in the middle of a step's processing.
+        self._to_free: list[int] = []
+        if worker_way == "cpp":
+            from . import _C
+
+            lib_path = os.path.join(os.path.dirname(llg.__file__), "_lib.abi3.so")
+            if not os.path.exists(lib_path):
+                raise ValueError(f"${GRAMMAR_WORKER_ENV}=cpp needs llguidance's shared library, "
+                                 f"not found at {lib_path}")
+            self.worker = _C.LlgWorker(_C.LlgLibrary.open(lib_path), backend.to_str(), vocab_size,
+                                       list(eos_token_ids), self.num_lanes, self._tokenizer.tokenize_bytes)
 
     @property
     def background(self) -> bool:
         """Whether start_masks may return before the masks are computed (with a pool:
-        see _choose_mask_way)."""
-        return self.mask_threads > 0
+        see _choose_mask_way; with the C++ worker, always)."""
+        return self.mask_threads > 0 or self.worker is not None
 
     def _choose_mask_way(self, rows: int) -> bool:
         """Whether the next job (of ``rows`` masks) runs in the background. Per bucket of
@@ -446,16 +526,45 @@ class StructuredOutputManager:
             lanes = _Lanes(grammar, self._compile(grammar, spec))
             self._compiled[key] = lanes
             if len(self._compiled) > GRAMMAR_CACHE_SIZE:
-                self._compiled.popitem(last=False)
+                _, evicted = self._compiled.popitem(last=False)
+                if self.worker is not None:
+                    self._to_free += evicted.templates
         else:
             self._compiled.move_to_end(key)
         lane = lanes.handed_out % self.num_lanes
         lanes.handed_out += 1
         if lane == len(lanes.templates):
-            lanes.templates.append(self._compile(lanes.grammar, spec))
+            lanes.templates.append(self._compile(lanes.grammar, spec, lane))
+        if self.worker is not None:
+            return WorkerMatcher(self.worker.clone_matcher(lanes.templates[lane]), lane)
         return GrammarMatcher(lanes.templates[lane].deep_copy(), lane)
 
-    def _compile(self, grammar: str, spec: StructuredOutputsParams) -> Any:
+    def free(self, matcher: GrammarMatcher | WorkerMatcher) -> None:
+        """Lets a done sequence's matcher go (its handle with the C++ worker: freed at the
+        next consume or start_masks; a PyO3 matcher goes with its last reference)."""
+        if self.worker is not None and matcher.handle >= 0:
+            self._to_free.append(matcher.handle)
+            matcher.handle = -1
+
+    def _free_pending(self) -> None:
+        to_free, self._to_free = self._to_free, []
+        for handle in to_free:
+            self.worker.free_matcher(handle)
+
+    def live_matchers(self) -> int:
+        """With the C++ worker: its matchers not yet freed, templates aside (for leak
+        checks; frees the pending ones first, waiting for a step in flight)."""
+        if self.worker is None:
+            raise RuntimeError("live_matchers needs the C++ grammar worker")
+        self._free_pending()
+        return self.worker.num_matchers() - sum(len(lanes.templates) for lanes in self._compiled.values())
+
+    def _compile(self, grammar: str, spec: StructuredOutputsParams, lane: int = 0) -> Any:
+        if self.worker is not None:
+            try:
+                return self.worker.new_matcher("llguidance", grammar, lane)
+            except ValueError as e:
+                raise ValueError(f"structured_outputs.{spec.kind} is invalid: {str(e).strip()}") from None
         template = self._llg.LLMatcher(self._tokenizer, grammar, log_level=0)
         if template.is_error():
             raise ValueError(f"structured_outputs.{spec.kind} is invalid: {template.get_error().strip()}")
@@ -470,7 +579,11 @@ class StructuredOutputManager:
         A token costs ~3 us on one thread outside strings; waking the pool's threads
         costs tens of us on an idle host and milliseconds on a loaded one (measured on 2
         loaded cores: 64 tokens 0.39 ms one by one, 0.48-3.7 ms on a pool of 2).
+        With the C++ worker the tokens go to it in one call (on its threads), which also
+        records each matcher's verdict in it (``stopped``, ``error``).
         """
+        if self.worker is not None:
+            return self._consume_worker(matchers, tokens)
         if self.mask_threads == 0 or len(matchers) < CONSUME_POOL_MIN_ROWS:
             return [m.ll.consume_token(t) for m, t in zip(matchers, tokens)]
         trials = self._consume_trials
@@ -491,8 +604,24 @@ class StructuredOutputManager:
                 self._consume_trials = None
         return out
 
+    def _consume_worker(self, matchers: list[WorkerMatcher], tokens: list[int]) -> list[bool]:
+        import numpy as np
+
+        self._free_pending()
+        n = len(matchers)
+        status = np.zeros(n, dtype=np.uint8)
+        stopped = np.zeros(n, dtype=np.uint8)
+        self.worker.consume(np.fromiter((m.handle for m in matchers), dtype=np.int64, count=n),
+                            np.asarray(tokens, dtype=np.int32), status, stopped)
+        out = (status == 0).tolist()
+        for m, ok, done in zip(matchers, out, stopped.tolist()):
+            m.stopped = bool(done)
+            m.error = None if ok else self.worker.error(m.handle)
+        return out
+
     def start_masks(self, matchers: list[GrammarMatcher], out: torch.Tensor,
-                    release: Callable[[], None] | None = None) -> MaskJob:
+                    release: Callable[[], None] | None = None,
+                    ready: tuple[Any, int] | None = None) -> MaskJob | WorkerMaskJob:
         """Starts computing the matchers' masks into ``out``: ``[len(matchers),
         ceil(V / 32)]`` int32, contiguous, on the host. Bit ``t % 32`` of word ``t // 32``
         of row ``i`` is set iff ``matchers[i]`` allows token ``t`` next.
@@ -504,6 +633,10 @@ class StructuredOutputManager:
         matcher in use elsewhere). ``release`` runs once every mask is written (or the
         computation failed), before ``wait()`` returns. Without a pool the masks are
         computed on the caller's thread before this returns.
+
+        With the C++ worker the masks are computed on its threads (LlgWorker.start_step),
+        which store ``ready`` (a 1-word uint32 numpy array and the value to store in it,
+        BitmaskStaging.ready) once every mask is written, in place of ``release``.
         """
         import torch
 
@@ -513,6 +646,8 @@ class StructuredOutputManager:
                                f"[{len(matchers)}, {self.num_words}] on the host, got {out.dtype} "
                                f"{tuple(out.shape)} on {out.device}")
         t0 = time.perf_counter()
+        if self.worker is not None and matchers:
+            return self._start_worker_masks(matchers, out, release, ready, t0)
         nbytes, base = self.num_words * 4, out.data_ptr()
         if not matchers:
             job = MaskJob(release)
@@ -543,6 +678,26 @@ class StructuredOutputManager:
             # for up to sys.getswitchinterval() (5 ms) at a time.
             job._started.wait()
             job.host_seconds += time.perf_counter() - t0
+        return job
+
+    def _start_worker_masks(self, matchers: list[WorkerMatcher], out: torch.Tensor,
+                            release: Callable[[], None] | None, ready: tuple[Any, int] | None,
+                            t0: float) -> WorkerMaskJob:
+        import numpy as np
+
+        self._free_pending()
+        n = len(matchers)
+        handles = np.fromiter((m.handle for m in matchers), dtype=np.int64, count=n)
+        status = np.zeros(n, dtype=np.uint8)
+        flag, value = ready if ready is not None else (None, 0)
+        # (tokens -1: consume fed this step's tokens already)
+        self.worker.start_step(handles, np.full(n, -1, dtype=np.int32), out.numpy(), status,
+                               np.zeros(n, dtype=np.uint8), flag, value)
+        job = WorkerMaskJob(self.worker)
+        job.host_seconds += time.perf_counter() - t0
+        if release is not None and ready is None:  # (a release in Python: once the masks are in)
+            job.wait()
+            release()
         return job
 
     def fill_bitmask(self, matchers: list[GrammarMatcher], out: torch.Tensor) -> None:
@@ -601,6 +756,9 @@ class BitmaskStaging:
         self._next = 0
         self._staged: tuple[torch.Tensor, int, int] | None = None  # (host buffer, rows, ticket)
         self._ticket = 0
+        #: With ``device_wait``, after begin: (the pinned flag's word, the step's ticket),
+        #: for a mask job that stores the ticket itself (the C++ worker); else None.
+        self.ready: tuple[Any, int] | None = None
         if self.device_wait:
             self._flag = torch.zeros(1, dtype=torch.int32, pin_memory=True)
             self._flag_word = self._flag.numpy().view(np.uint32)
@@ -632,6 +790,7 @@ class BitmaskStaging:
             self._ticket = (self._ticket + 1) % 2**32
             ticket, word = self._ticket, self._flag_word
             release = lambda: word.__setitem__(0, ticket)  # noqa: E731 - (a plain 4-byte store)
+            self.ready = (word, ticket)
         self._staged = (host, i, self._ticket)
         return host[n:].view(n, words), release
 

@@ -15,7 +15,11 @@ whitespace, so a constrained output ends well within max_tokens.
 The masks' machinery (the pool's lanes, the computation in the background, the
 device's wait for it) runs on an even smaller model with a byte-level tokenizer of
 its own (no default model, no pydantic: the GPU machine has neither), checked
-against the regex module's partial matches."""
+against the regex module's partial matches.
+
+The tiny model's tests run twice: with llguidance's PyO3 matchers (the default) and
+with the C++ grammar worker (``PAGEDCORE_GRAMMAR_WORKER=cpp``), which must also free
+every matcher it made once its sequence is done (generate checks none is left)."""
 
 from __future__ import annotations
 
@@ -38,7 +42,8 @@ import torch  # noqa: E402
 
 import pagedcore  # noqa: E402
 from pagedcore import LLM, SamplingParams  # noqa: E402
-from pagedcore.structured_outputs import StructuredOutputManager, StructuredOutputsParams  # noqa: E402
+from pagedcore.structured_outputs import (  # noqa: E402
+    GRAMMAR_WORKER_ENV, StructuredOutputManager, StructuredOutputsParams)
 
 needs_pydantic = pytest.mark.skipif(pydantic is None, reason="needs pydantic")
 
@@ -104,9 +109,31 @@ def tiny_pair(path: str, **kw) -> dict[bool, LLM]:
                       async_scheduling=mode, **kw) for mode in (False, True)}
 
 
+@pytest.fixture(scope="module", params=["pyo3", "cpp"])
+def grammar_way(request):
+    """The grammar worker's way ($PAGEDCORE_GRAMMAR_WORKER) while the module's tests of
+    that way run (engines read it when their first constrained request comes)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(GRAMMAR_WORKER_ENV, request.param)
+        yield request.param
+
+
 @pytest.fixture(scope="module")
-def tiny_llms(tiny_dir) -> dict[bool, LLM]:
+def tiny_llms(tiny_dir, grammar_way) -> dict[bool, LLM]:
     return tiny_pair(tiny_dir, num_kv_blocks=128, max_model_len=256, max_num_seqs=16)
+
+
+@pytest.fixture(autouse=True)
+def _default_grammar_way(request, monkeypatch):
+    """Tests outside the two ways' runs use the default way, whichever run is live."""
+    if "grammar_way" not in request.fixturenames:
+        monkeypatch.delenv(GRAMMAR_WORKER_ENV, raising=False)
+
+
+def live_worker_matchers(llm: LLM) -> int | None:
+    """The C++ worker's matchers not yet freed (templates aside); None without it."""
+    manager = llm.llm_engine._structured
+    return None if manager is None or manager.worker is None else manager.live_matchers()
 
 
 def summary(outs) -> list:
@@ -121,6 +148,7 @@ def generate(tiny_llms: dict[bool, LLM], prompts, params) -> list:
         stats = llm.stats()
         assert not llm.llm_engine.has_unfinished_requests()
         assert stats["num_requests"] == 0 and stats["num_free_blocks"] == stats["num_blocks"], stats
+        assert live_worker_matchers(llm) in (None, 0)
     assert summary(runs[True]) == summary(runs[False])
     return runs[True]
 
@@ -209,12 +237,42 @@ def test_a_finished_sample_leaves_no_live_matcher(tiny_llms) -> None:
             engine.step()
             live = [engine._seq_owner[seq_id] for seq_id in engine._matchers]
             assert all(request.completions[i].finish_reason is None for request, i in live), live
+            assert live_worker_matchers(llm) in (None, len(engine._matchers))  # (the worker's freed)
             request = engine._requests.get("mixed")
             if request is not None:
                 reasons = [c.finish_reason for c in request.completions]
                 mixed |= None in reasons and any(r is not None for r in reasons)
         assert mixed  # (some sample ended while others went on)
         assert not engine._matchers
+
+
+class _RefusingEngine:
+    """The C++ engine, except that it refuses every request (admission failing after
+    the matchers were made)."""
+
+    def __init__(self, engine) -> None:
+        self._engine = engine
+
+    def add_request(self, *args):
+        raise RuntimeError("refused")
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+
+def test_a_request_refused_by_the_engine_leaves_no_matcher(tiny_llms, monkeypatch) -> None:
+    llm = tiny_llms[True]
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0.9, seed=2, n=3, max_tokens=4,
+                            structured_outputs=StructuredOutputsParams(choice=CHOICES))
+    with monkeypatch.context() as mp:
+        mp.setattr(engine, "engine", _RefusingEngine(engine.engine))
+        with pytest.raises(RuntimeError, match="refused"):
+            engine.add_request("refused", "A colour:", None, params)
+    assert not engine.has_request("refused") and not engine._matchers
+    assert live_worker_matchers(llm) in (None, 0)
+    [out] = llm.generate(["A colour:"], params, use_tqdm=False)  # (the engine goes on)
+    assert all(c.text in CHOICES for c in out.outputs)
 
 
 @needs_pydantic
@@ -263,12 +321,13 @@ def test_streaming_deltas_concatenate_to_valid_json(tiny_llms) -> None:
         BoundedPerson.model_validate_json(text)
         stats = llm.stats()
         assert stats["num_requests"] == 0 and stats["num_free_blocks"] == stats["num_blocks"], stats
+        assert live_worker_matchers(llm) in (None, 0)  # (the aborted request's matcher too)
         texts[mode] = text
     assert texts[True] == texts[False]
 
 
 @needs_pydantic
-def test_constrained_sequences_waiting_and_preempted(tiny_dir) -> None:
+def test_constrained_sequences_waiting_and_preempted(tiny_dir, grammar_way) -> None:
     # Two running at a time: two unconstrained requests first, while the constrained
     # ones wait (their matchers live, outside the batch: those steps do not wait for
     # the previous step's tokens before sampling), then a constrained one beside the
@@ -286,6 +345,73 @@ def test_constrained_sequences_waiting_and_preempted(tiny_dir) -> None:
         c = out.outputs[0]
         assert c.finish_reason == "stop", c
         BoundedPerson.model_validate_json(c.text)
+
+
+@needs_pydantic
+def test_the_cpp_worker_gives_the_pyo3_ways_outputs(tiny_dir, monkeypatch) -> None:
+    """Greedy (and seeded) constrained requests of every kind, n > 1, on an engine with
+    the C++ grammar worker and on one with the PyO3 matchers: the same tokens, texts and
+    finish reasons (the masks are llguidance's either way), each output valid."""
+    specs = [bounded_json(), StructuredOutputsParams(regex=REGEX), StructuredOutputsParams(choice=CHOICES),
+             StructuredOutputsParams(grammar='start: "yes" | "no" | "maybe"'),
+             StructuredOutputsParams(regex="[a-z]{2,40}")]  # (cut by max_tokens: length)
+    prompts = ["Describe a person as JSON.", "An order code:", "A colour:", "Answer:", "A word:"]
+    params = [SamplingParams(temperature=0, max_tokens=24 if i < 4 else 5, structured_outputs=s)
+              for i, s in enumerate(specs)]
+    params += [SamplingParams(temperature=0.9, seed=5, n=2, max_tokens=24, structured_outputs=specs[0])]
+    runs = {}
+    for way in ("pyo3", "cpp"):
+        monkeypatch.setenv(GRAMMAR_WORKER_ENV, way)
+        llm = LLM(model=tiny_dir, tokenizer=pagedcore.default_model_path(), num_kv_blocks=64, max_model_len=256,
+                  max_num_seqs=8, async_output_proc=True, async_scheduling=True)
+        runs[way] = llm.generate(prompts + prompts[:1], params, use_tqdm=False)
+        assert (llm.llm_engine._structured.worker is not None) == (way == "cpp")
+        assert live_worker_matchers(llm) in (None, 0)
+    assert summary(runs["cpp"]) == summary(runs["pyo3"])
+    outs = runs["cpp"]
+    for out in (outs[0], outs[5]):
+        for c in out.outputs:
+            assert c.finish_reason == "stop", c
+            BoundedPerson.model_validate_json(c.text)
+    assert len(outs[5].outputs) == 2
+    [c] = outs[1].outputs
+    assert c.finish_reason == "stop" and re.fullmatch(REGEX, c.text), c
+    [c] = outs[2].outputs
+    assert c.finish_reason == "stop" and c.text in CHOICES, c
+    [c] = outs[3].outputs
+    assert c.finish_reason == "stop" and c.text in ("yes", "no", "maybe"), c
+    [c] = outs[4].outputs
+    assert c.finish_reason == "length" and len(c.token_ids) == 5 and re.fullmatch("[a-z]+", c.text), c
+
+
+def test_grammar_worker_switch_is_checked(monkeypatch) -> None:
+    monkeypatch.setenv(GRAMMAR_WORKER_ENV, "rust")
+    with pytest.raises(ValueError, match=GRAMMAR_WORKER_ENV):  # (before the tokenizer is read)
+        StructuredOutputManager(object(), 49152, [2])
+
+
+def test_the_cpp_workers_masks_store_the_ready_flag(monkeypatch) -> None:
+    """With the C++ worker, start_masks hands BitmaskStaging's ready flag (the word the
+    CUDA sampler polls) to the worker, which stores the step's ticket once the masks are
+    in; the masks are those of the regex "[0-9]{3}" (digit tokens, no EOS yet), checked
+    against the tokenizer's vocabulary."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(pagedcore.default_model_path())
+    monkeypatch.setenv(GRAMMAR_WORKER_ENV, "cpp")
+    manager = StructuredOutputManager(tokenizer, 49152, [2])
+    matchers = [manager.new_matcher(StructuredOutputsParams(regex="[0-9]{3}")) for _ in range(2)]
+    out = torch.zeros(2, manager.num_words, dtype=torch.int32)
+    flag = np.zeros(1, dtype=np.uint32)
+    job = manager.start_masks(matchers, out, ready=(flag, 7))
+    assert job.wait() and job.done() and flag[0] == 7
+    bits = (out.numpy().view(np.uint32)[:, :, None] >> np.arange(32, dtype=np.uint32)) & 1
+    allowed = np.flatnonzero(bits[0].reshape(-1))
+    expected = [t for t in range(len(tokenizer)) if re.fullmatch("[0-9]{1,3}", tokenizer.decode([t]))]
+    assert allowed.tolist() == expected and (bits[1] == bits[0]).all()
+    for m in matchers:
+        manager.free(m)
+    assert manager.live_matchers() == 0
 
 
 @pytest.mark.parametrize("kwargs, field", [
