@@ -468,6 +468,9 @@ def decode_profile(path: Path, fields: dict, args) -> None:
               max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
               max_num_seqs=args.max_num_seqs, enforce_eager=args.enforce_eager, enable_prefix_caching=False)
     rng = np.random.default_rng(args.seed)
+    if args.profile_prefill:
+        _prefill_profile(llm, fields, args, rng)
+        return
     for batch in (1, 16):
         prompts = [{"prompt_token_ids": rng.integers(3, fields["vocab_size"], 128).tolist()} for _ in range(batch)]
 
@@ -499,6 +502,45 @@ def decode_profile(path: Path, fields: dict, args) -> None:
             print(f"{us / steps:9.1f}{n / steps:11.1f}  {name[:100]}")
 
 
+def _prefill_profile(llm, fields: dict, args, rng) -> None:
+    """Kernel time by name of one prompt of ``--profile-prefill`` tokens (max_tokens 1:
+    the time to first token), median wall of 3 unprofiled runs beside it."""
+    from collections import defaultdict
+
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    from pagedcore import SamplingParams
+
+    prompt = [{"prompt_token_ids": rng.integers(3, fields["vocab_size"], args.profile_prefill).tolist()}]
+
+    def run() -> float:
+        t = time.perf_counter()
+        llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True), use_tqdm=False)
+        if args.device == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - t
+
+    run()
+    wall = statistics.median(run() for _ in range(3))
+    runs = 3
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(runs):
+            run()
+    totals: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for e in prof.events():
+        if e.device_type == DeviceType.CUDA:
+            totals[e.name][0] += 1
+            totals[e.name][1] += e.device_time_total
+    kernel_us = sum(v[1] for v in totals.values()) / runs
+    print(f"\n{args.shape}, one prompt of {args.profile_prefill} tokens: {wall * 1e3:.2f} ms to the first token "
+          f"(wall, median of 3, unprofiled), {kernel_us / 1e3:.2f} ms of kernels, "
+          f"{sum(v[0] for v in totals.values()) / runs:.0f} kernels")
+    print(f"{'us':>9}{'calls':>7}  kernel")
+    for name, (n, us) in sorted(totals.items(), key=lambda kv: -kv[1][1])[:30]:
+        print(f"{us / runs:9.1f}{n / runs:7.1f}  {name[:110]}")
+
+
 def mixed_steps(path: Path, fields: dict, args) -> None:
     """Steps with prompt tokens against decode-only steps, ``--mixed-rows`` rows
     decoding, once per value of ``--mixed-graphs`` (PAGEDCORE_MIXED_GRAPHS)."""
@@ -507,6 +549,7 @@ def mixed_steps(path: Path, fields: dict, args) -> None:
     for tokens in args.mixed_graphs.split(","):
         os.environ["PAGEDCORE_MIXED_GRAPHS"] = tokens
         _mixed_steps(path, fields, args, tokens)
+        _free()  # (after the call: its closures hold the engine until it returns)
 
 
 def _mixed_steps(path: Path, fields: dict, args, mixed_graphs: str) -> None:
@@ -521,7 +564,8 @@ def _mixed_steps(path: Path, fields: dict, args, mixed_graphs: str) -> None:
               max_num_seqs=args.max_num_seqs, enforce_eager=args.enforce_eager, enable_prefix_caching=False)
     engine, rng = llm.llm_engine, np.random.default_rng(args.seed)
     vocab, rows = fields["vocab_size"], args.mixed_rows
-    execute, sample = engine.runner.execute, engine.sampler.__call__
+    execute, sampler = engine.runner.execute, engine.sampler
+    sample = sampler.__call__
     # per execute() call: host seconds inside it, its prompt tokens, [start, end] events
     calls: list[list] = []
 
@@ -601,8 +645,9 @@ def _mixed_steps(path: Path, fields: dict, args, mixed_graphs: str) -> None:
           "step before. kernels: a mixed step's = its round's less three decode-only steps')")
     print(f"steps replayed: {runner.mixed_graph_replays} whole mixed graphs, {runner.prefill_graph_replays} "
           f"piecewise, {runner.graph_replays} decode graphs")
-    del llm, engine, runner
-    _free()
+    del engine.runner.execute  # (the wrappers' cycle through the engine)
+    engine.sampler = sampler
+    del llm, engine, runner, calls
 
 
 def _peak(device: str) -> float:
@@ -636,6 +681,8 @@ def main() -> None:
     parser.add_argument("--shared-prefix", action="store_true", help="prefix caching on against off")
     parser.add_argument("--kernels", action="store_true", help="CUDA kernels per layer of a decode and a prefill step")
     parser.add_argument("--profile", action="store_true", help="kernel time per decode step by name, batch 1 and 16")
+    parser.add_argument("--profile-prefill", type=int, default=0, metavar="TOKENS",
+                        help="--profile: kernel time by name of one prompt of TOKENS tokens instead")
     parser.add_argument("--mixed", action="store_true", help="steps with prompt tokens against decode-only steps")
     parser.add_argument("--mixed-rows", type=int, default=40, help="--mixed: the rows decoding meanwhile")
     parser.add_argument("--mixed-graphs", default="0", help="--mixed: PAGEDCORE_MIXED_GRAPHS values to run, comma list")
