@@ -4,10 +4,7 @@ product of the decode step at 2, 8 and 16 rows, timed as CUDA-graph replays (med
 copies of the weight that together exceed the L2 cache, so that every call reads the weight
 from DRAM as a model's layers do; the gate_up product with SiLU-mul fused against cuBLAS +
 ``silu_and_mul``. VARIANTS holds environment settings read at each launch (i.e. at capture)
-for kernel variants to compare; the last column is the weight's size. Then the down product
-with SiLU-mul fused on its input (``ops.silu_and_mul_linear``, PAGEDCORE_FUSED_DOWN=1) against
-``silu_and_mul`` followed by our product and by cuBLAS's, its input the gate_up output
-``[rows, 2 * I]`` (L2-resident, as in a decode step).
+for kernel variants to compare; the last column is the weight's size.
 
 Usage: python3 bench/linear_variants.py [--rows 2,8,16]
 """
@@ -88,43 +85,6 @@ def main() -> None:
                 mine = [timed(ours_gated, env, iters) for _, env in VARIANTS]
                 print(f"{name + ' + SiLU-mul':<28}{rows:>3}" + "".join(f"{t:10.1f}" for t in mine)
                       + f"{timed(cublas_gated, {}, iters):10.1f}{mb:8.1f}")
-        del weights
-    fused_down(args.rows)
-
-
-def fused_down(rows_arg: str) -> None:
-    print("\ndown product with SiLU-mul, us per call")
-    print(f"{'product':<28}{'M':>3}{'fused':>10}{'per-warp':>10}{'ours+silu':>10}{'cuBLAS+silu':>12}"
-          f"{'fused/best':>11}{'MB':>8}")
-    for name in ("8B down", "SmolLM2 down"):
-        k, n = SHAPES[name]
-        copies = max(1, -(-(128 << 20) // (n * k * 2)))
-        weights = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * k**-0.5 for _ in range(copies)]
-        iters = max(20, copies)
-        for rows in (int(r) for r in rows_arg.split(",")):
-            y = 3 * torch.randn(rows, 2 * k, dtype=torch.bfloat16, device="cuda")
-            out = torch.empty(rows, n, dtype=torch.bfloat16, device="cuda")
-            act = torch.empty(rows, k, dtype=torch.bfloat16, device="cuda")
-            calls = [0]
-
-            def fused():
-                ops.silu_and_mul_linear(y, weights[calls[0] % copies], out=out)
-                calls[0] += 1
-
-            def ours_silu():
-                ops.linear(ops.silu_and_mul(y, out=act), weights[calls[0] % copies], out=out)
-                calls[0] += 1
-
-            def cublas_silu():
-                F.linear(ops.silu_and_mul(y, out=act), weights[calls[0] % copies], out=out)
-                calls[0] += 1
-
-            # fused: the default (CTAs that compute silu(gate) * up once for their warps where
-            # the plan allows); per-warp: every warp computing it for its own fragments
-            t = [timed(fused, {}, iters), timed(fused, {"PAGEDCORE_LINEAR_SILU_SHARED": "0"}, iters)]
-            t += [timed(f, {}, iters) for f in (ours_silu, cublas_silu)]
-            print(f"{name:<28}{rows:>3}{t[0]:10.1f}{t[1]:10.1f}{t[2]:10.1f}{t[3]:12.1f}{min(t[:2]) / min(t[2:]):11.3f}"
-                  f"{n * k * 2 / 1e6:8.1f}")
         del weights
 
 

@@ -158,10 +158,10 @@ void silu_and_mul_at(std::uintptr_t out, std::uintptr_t input, DType dtype, int3
 
 void linear_at(std::uintptr_t out, std::uintptr_t input, std::uintptr_t weight, std::uintptr_t bias, DType dtype,
                int32_t num_tokens, int32_t in_features, int32_t out_features, int64_t input_stride,
-               int64_t out_stride, std::uintptr_t stream, bool silu_and_mul, bool silu_in) {
+               int64_t out_stride, std::uintptr_t stream, bool silu_and_mul) {
   LinearParams p{ptr<void>(out),  ptr<const void>(input), ptr<const void>(weight), ptr<const void>(bias),
                  num_tokens,      in_features,            out_features,           input_stride,
-                 out_stride,      dtype,                  silu_and_mul,           silu_in};
+                 out_stride,      dtype,                  silu_and_mul};
   check(linear(p, ptr<void>(stream)), "linear");
 }
 

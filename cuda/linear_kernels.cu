@@ -211,8 +211,7 @@ int linear(const LinearParams& p, void* stream) {
       p.out_features < 0 || p.input_stride % 8 != 0 ||
       p.out_stride < (p.silu_and_mul ? p.out_features / 2 : p.out_features) || !aligned16(p.input) ||
       !aligned16(p.weight) || (p.num_tokens > 1 && p.input_stride < p.in_features) ||
-      (p.silu_and_mul && p.out_features % 2 != 0) ||
-      (p.silu_in && (p.silu_and_mul || p.num_tokens < 2 || p.input_stride < 2 * static_cast<int64_t>(p.in_features)))) {
+      (p.silu_and_mul && p.out_features % 2 != 0)) {
     return cudaErrorInvalidValue;
   }
   const auto s = static_cast<cudaStream_t>(stream);

@@ -33,19 +33,6 @@
 // wholly past the row: past it, A and B are zeros. Weight rows past out_features
 // re-read the last row (never written); token rows past num_tokens are zeros.
 //
-// SILU_IN (LinearParams::silu_in): the input rows hold [gate | up], each
-// in_features wide, and the kernel reads x = silu(gate) * up, with silu_and_mul()'s
-// arithmetic, so that the product equals silu_and_mul() followed by the plain
-// product bit for bit (the plain product's plan, or one that sums in its order).
-// kSiluPerWarp: a lane turns its two 16-byte loads (gate and up, same k) into its B
-// fragment, so every group recomputes the silu of the k it reads (out_features / 16
-// times in all). NOTE: by instruction count, not yet measured: at 16 rows that is ~30
-// instructions and 2 MUFU ops (ex2, rcp) per element, one element per 2 bytes of
-// weight; on the 8B shape's down product (256 groups, 58.7M elements) ~50 us of issue
-// and ~28 us of MUFU on the H200 against ~25-33 us of weight reads. kSiluShared
-// (splits == 1: the CTA's 8 warps read the same k): the CTA computes each element
-// once into shared memory for its 8 groups, 8 times fewer (launch_planned).
-//
 // Launched with PDL (pdl.cuh): each warp's first weight loads are in flight
 // before the kernel that writes the input has finished.
 #include "linear_mma.h"
@@ -91,66 +78,26 @@ __device__ __forceinline__ uint32_t word(const uint4& v, int i) {
 // a lane holds both sums of an output and writes silu(gate) * up, with
 // silu_and_mul()'s arithmetic over the product rounded to the dtype.
 //
-// SILU_IN: see the top of the file; not with GATED.
+// NOTE (issue 11): the other fusion, silu(gate) * up computed while loading the down
+// product's input from [gate | up] rows (SILU_IN, merged in 62a1d4d), was measured on
+// the H200 on 2026-12-02 (bench/linear_variants.py, us per call, against the best of
+// silu_and_mul + cuBLAS and silu_and_mul + this kernel) and lost everywhere: 8B down
+// M=2 39.5 vs 33.6 (1.18x), M=8 39.4 vs 34.5 (1.14x), M=16 69.7 vs 34.8 (2.0x), with
+// silu computed once per CTA in shared memory over a cluster of CTAs; per warp
+// 65.9-114.8; SmolLM2 down 1.05x / 1.07x / 1.44x at M=2 / 8 / 16. The silu of every
+// input element (ex2 and rcp on the MUFU, ~30 instructions) costs more than the weight
+// reads it hides behind, and the separate activation kernel is small. It was deleted;
+// do not retry it without a new idea for that cost.
 template <bool GATED>
 __host__ __device__ inline int num_groups(const LinearParams& p) {
   return GATED ? (p.out_features / 2 + 7) / 8 : (p.out_features + 15) / 16;
 }
 
-template <typename T>
-__device__ __forceinline__ T from_bits(uint32_t bits) {
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    return __ushort_as_bfloat16(static_cast<unsigned short>(bits));
-  } else {
-    return __ushort_as_half(static_cast<unsigned short>(bits));
-  }
-}
-
-template <typename T>
-__device__ __forceinline__ uint32_t to_bits(T v) {
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    return __bfloat16_as_ushort(v);
-  } else {
-    return __half_as_ushort(v);
-  }
-}
-
-// silu(gate) * up of one element (the low 16 bits of each argument), as
-// layer_kernels.cu's silu_and_mul computes it: silu rounded to the dtype, times
-// up, rounded once.
-template <typename T>
-__device__ __forceinline__ uint32_t silu_mul_bits(uint32_t gate, uint32_t up) {
-  const float g = to_float(from_bits<T>(gate & 0xffffu));
-  const float silu = to_float(from_float<T>(__fdiv_rn(g, __fadd_rn(1.f, expf(-g)))));
-  return to_bits(from_float<T>(__fmul_rn(silu, to_float(from_bits<T>(up & 0xffffu)))));
-}
-
-// Eight elements of gate and up (16 bytes each) into eight of silu(gate) * up.
-template <typename T>
-__device__ __forceinline__ uint4 silu_mul8(const uint4& gate, const uint4& up) {
-  uint32_t w[4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const uint32_t gw = word(gate, i), uw = word(up, i);
-    w[i] = silu_mul_bits<T>(gw, uw) | silu_mul_bits<T>(gw >> 16, uw >> 16) << 16;
-  }
-  return make_uint4(w[0], w[1], w[2], w[3]);
-}
-
-constexpr int kSiluNone = 0;     // the input is x
-constexpr int kSiluPerWarp = 1;  // x = silu(gate) * up, computed by each lane for its fragments
-constexpr int kSiluShared = 2;   // ... computed once per CTA (splits == 1) into shared memory
-
-template <typename T, int NT, bool GATED, int SILU_IN>
+template <typename T, int NT, bool GATED>
 __global__ void __launch_bounds__(32 * kWarps, 2) linear_mma_kernel(LinearParams p, int splits, int cluster) {
-  static_assert(!(GATED && SILU_IN != kSiluNone), "one fusion at a time");
-  constexpr bool kShared = SILU_IN == kSiluShared;
   // [warp][accumulator register][lane]: a lane's partial sums, then (in the first
   // warp of each group) the CTA's sums.
   __shared__ float partial[kWarps][NT * 4][32];
-  // kShared: two rounds of x, [round % 2][chunk of the round][token][16-byte piece of the chunk]
-  constexpr int kRoundSlots = kUnroll * 8 * NT * 4;
-  __shared__ uint4 shared_x[kShared ? 2 * kRoundSlots : 1];
   const int lane = threadIdx.x % 32;
   const int warp = threadIdx.x / 32;
   const int g = lane / 4;
@@ -163,11 +110,8 @@ __global__ void __launch_bounds__(32 * kWarps, 2) linear_mma_kernel(LinearParams
   const int chunks = (p.in_features + kChunk - 1) / kChunk;
   const int parts = splits * cluster;
   const int part = rank * splits + split;
-  // (kShared: every warp of the CTA runs the k range of its part, which it shares with
-  // the others, active or not: they all compute x and meet at the barriers)
-  const bool in_range = active || kShared;
-  const int chunk_begin = in_range ? static_cast<int>(static_cast<int64_t>(chunks) * part / parts) : 0;
-  const int chunk_end = in_range ? static_cast<int>(static_cast<int64_t>(chunks) * (part + 1) / parts) : 0;
+  const int chunk_begin = active ? static_cast<int>(static_cast<int64_t>(chunks) * part / parts) : 0;
+  const int chunk_end = active ? static_cast<int>(static_cast<int64_t>(chunks) * (part + 1) / parts) : 0;
   const int rows = p.num_tokens;
 
   const T* weight = static_cast<const T*>(p.weight);
@@ -184,7 +128,7 @@ __global__ void __launch_bounds__(32 * kWarps, 2) linear_mma_kernel(LinearParams
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int c = c0 + u;
-      if ((active || !kShared) && c < chunk_end && c * kChunk + 8 * t < p.in_features) {
+      if (c < chunk_end && c * kChunk + 8 * t < p.in_features) {
         a[u][0] = load_streaming(w_lo + c * kChunk);
         a[u][1] = load_streaming(w_hi + c * kChunk);
       } else {
@@ -208,47 +152,16 @@ __global__ void __launch_bounds__(32 * kWarps, 2) linear_mma_kernel(LinearParams
   for (int c0 = chunk_begin; c0 < chunk_end; c0 += kUnroll) {
     if (c0 != chunk_begin) load_weights(c0);
     uint4 b[kUnroll][NT];
-    if constexpr (kShared) {
-      // x of the round's chunks, 16 bytes a thread (NT = 1: half the threads), then
-      // every warp takes its fragments. Two buffers: a warp writes round r + 2's only
-      // after the barrier of round r + 1, which every warp reaches done with round r.
-      uint4* xs = shared_x + (c0 - chunk_begin) / kUnroll % 2 * kRoundSlots;
-      for (int slot = static_cast<int>(threadIdx.x); slot < kRoundSlots; slot += 32 * kWarps) {
-        const int c = c0 + slot / (8 * NT * 4);
-        const int token = slot / 4 % (8 * NT);
-        const int piece = slot % 4;
-        uint4 v = make_uint4(0, 0, 0, 0);
-        if (c < chunk_end && c * kChunk + 8 * piece < p.in_features && token < rows) {
-          const T* x = input + token * p.input_stride + c * kChunk + 8 * piece;
-          v = silu_mul8<T>(__ldg(reinterpret_cast<const uint4*>(x)),
-                           __ldg(reinterpret_cast<const uint4*>(x + p.in_features)));
-        }
-        xs[slot] = v;
-      }
-      __syncthreads();
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
+    for (int u = 0; u < kUnroll; ++u) {
+      const int c = c0 + u;
+      const bool in_k = c < chunk_end && c * kChunk + 8 * t < p.in_features;
 #pragma unroll
-        for (int i = 0; i < NT; ++i) b[u][i] = xs[(u * 8 * NT + g + 8 * i) * 4 + t];
-      }
-    } else {
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int c = c0 + u;
-        const bool in_k = c < chunk_end && c * kChunk + 8 * t < p.in_features;
-#pragma unroll
-        for (int i = 0; i < NT; ++i) {
-          const int token = g + 8 * i;
-          const T* x = input + token * p.input_stride + c * kChunk + 8 * t;
-          if constexpr (SILU_IN == kSiluPerWarp) {
-            // (gate at x, up in_features further; past the row zeros, as silu(0) * 0)
-            b[u][i] = in_k && token < rows ? silu_mul8<T>(__ldg(reinterpret_cast<const uint4*>(x)),
-                                                          __ldg(reinterpret_cast<const uint4*>(x + p.in_features)))
-                                           : make_uint4(0, 0, 0, 0);
-          } else {
-            b[u][i] = in_k && token < rows ? __ldg(reinterpret_cast<const uint4*>(x)) : make_uint4(0, 0, 0, 0);
-          }
-        }
+      for (int i = 0; i < NT; ++i) {
+        const int token = g + 8 * i;
+        b[u][i] = in_k && token < rows
+                      ? __ldg(reinterpret_cast<const uint4*>(input + token * p.input_stride + c * kChunk + 8 * t))
+                      : make_uint4(0, 0, 0, 0);
       }
     }
 #pragma unroll
@@ -337,12 +250,11 @@ __global__ void __launch_bounds__(32 * kWarps, 2) linear_mma_kernel(LinearParams
 }
 
 // Blocks of a kernel instance resident per SM (the occupancy calculator, once).
-template <typename T, int NT, bool GATED, int SILU_IN>
+template <typename T, int NT, bool GATED>
 int blocks_per_sm() {
   static const int blocks = [] {
     int b = 0;
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, linear_mma_kernel<T, NT, GATED, SILU_IN>, 32 * kWarps,
-                                                      0) !=
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, linear_mma_kernel<T, NT, GATED>, 32 * kWarps, 0) !=
         cudaSuccess) {
       cudaGetLastError();  // (leave no sticky error behind for the caller)
       b = 1;
@@ -459,7 +371,7 @@ Plan plan(int groups, int chunks, int in_features, const Device& d, int capacity
   return plan_for_parts(1 << i);
 }
 
-template <typename T, int NT, bool GATED, int SILU_IN>
+template <typename T, int NT, bool GATED>
 cudaError_t launch(const LinearParams& p, const Plan& pl, cudaStream_t stream) {
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(static_cast<unsigned>(grid_ctas(num_groups<GATED>(p), pl)));
@@ -482,45 +394,27 @@ cudaError_t launch(const LinearParams& p, const Plan& pl, cudaStream_t stream) {
   }
   config.attrs = attributes;
   config.numAttrs = count;
-  return cudaLaunchKernelEx(&config, linear_mma_kernel<T, NT, GATED, SILU_IN>, p, pl.splits, pl.cluster);
+  return cudaLaunchKernelEx(&config, linear_mma_kernel<T, NT, GATED>, p, pl.splits, pl.cluster);
 }
 
 // NOTE: a gated product plans as the plain one over the same weight (the same
-// groups when I is a multiple of 8), so that its sums are the plain product's. A
-// SILU_IN product takes the plain kernel's occupancy too, so that its plan (and the
-// order of its sums) is the plain product's over silu_and_mul()'s output.
+// groups when I is a multiple of 8), so that its sums are the plain product's.
 template <typename T, int NT, bool GATED>
 cudaError_t launch_planned(const LinearParams& p, cudaStream_t stream) {
   const Device d = current_device();
-  const int capacity = blocks_per_sm<T, NT, GATED, kSiluNone>() * d.sms;
+  const int capacity = blocks_per_sm<T, NT, GATED>() * d.sms;
   const Plan pl = plan(num_groups<GATED>(p), (p.in_features + kChunk - 1) / kChunk, p.in_features, d, capacity);
-  if (!p.silu_in) return launch<T, NT, GATED, kSiluNone>(p, pl, stream);
-  // NOTE: a plan {parts, 1} sums a group's parts in order of part within a CTA;
-  // {1, parts} (a cluster of `parts` CTAs, rank r holding part r of 8 groups) sums
-  // them in the same order across the cluster (rank 0 adds ranks 1.. in turn), over
-  // the same k ranges: the same bits. Its CTAs' warps share their k range, so that
-  // each CTA computes silu(gate) * up once (kSiluShared): out_features / 128 times
-  // in all instead of out_features / 16. Plans with clusters of their own (parts > 8)
-  // sum in another order as {1, parts}: those keep kSiluPerWarp, as do devices
-  // without clusters. PAGEDCORE_LINEAR_SILU_SHARED=0 (read at each launch) keeps
-  // kSiluPerWarp everywhere, for comparisons.
-  const char* env = std::getenv("PAGEDCORE_LINEAR_SILU_SHARED");
-  const bool shared = env == nullptr || std::strcmp(env, "0") != 0;
-  if (shared && pl.cluster == 1 && (pl.splits == 1 || (d.clusters && pl.splits <= kMaxCluster))) {
-    return launch<T, NT, false, kSiluShared>(p, Plan{1, pl.splits}, stream);
-  }
-  return launch<T, NT, false, kSiluPerWarp>(p, pl, stream);
+  return launch<T, NT, GATED>(p, pl, stream);
 }
 
 template <typename T, bool GATED>
-cudaError_t launch_rows(const LinearParams& p, cudaStream_t stream) {
+cudaError_t launch_gated(const LinearParams& p, cudaStream_t stream) {
   return p.num_tokens <= 8 ? launch_planned<T, 1, GATED>(p, stream) : launch_planned<T, 2, GATED>(p, stream);
 }
 
 template <typename T>
 cudaError_t launch_dtype(const LinearParams& p, cudaStream_t stream) {
-  if (p.silu_in && p.silu_and_mul) return cudaErrorInvalidValue;
-  return p.silu_and_mul ? launch_rows<T, true>(p, stream) : launch_rows<T, false>(p, stream);
+  return p.silu_and_mul ? launch_gated<T, true>(p, stream) : launch_gated<T, false>(p, stream);
 }
 
 }  // namespace

@@ -10,8 +10,7 @@ namespace pagedcore::cuda {
 
 // out = input @ weight^T (+ bias) for 2 <= p.num_tokens <= kLinearMaxRows, on
 // checked parameters (linear() checks them): bf16/fp16, in_features a multiple of
-// 8, 16-byte aligned input and weight, input_stride a multiple of 8 (p.silu_in:
-// >= 2 * in_features; p.silu_in and p.silu_and_mul not both).
+// 8, 16-byte aligned input and weight, input_stride a multiple of 8.
 cudaError_t linear_mma(const LinearParams& p, cudaStream_t stream);
 
 }  // namespace pagedcore::cuda

@@ -103,8 +103,7 @@ void register_ops(pybind11::module_& m) {
   m.def("cuda_silu_and_mul", &cuda::silu_and_mul_at, "out"_a, "input"_a, "dtype"_a, "num_tokens"_a,
         "intermediate_size"_a, "input_stride"_a, "out_stride"_a, "stream"_a);
   m.def("cuda_linear", &cuda::linear_at, "out"_a, "input"_a, "weight"_a, "bias"_a, "dtype"_a, "num_tokens"_a,
-        "in_features"_a, "out_features"_a, "input_stride"_a, "out_stride"_a, "stream"_a, "silu_and_mul"_a = false,
-        "silu_in"_a = false);
+        "in_features"_a, "out_features"_a, "input_stride"_a, "out_stride"_a, "stream"_a, "silu_and_mul"_a = false);
   m.attr("CUDA_LINEAR_MAX_ROWS") = cuda::kLinearMaxRows;
   m.def("cuda_apply_token_bitmask", &cuda::apply_token_bitmask_at, "logits"_a, "bitmask"_a, "rows"_a,
         "rows_int64"_a, "status"_a, "num_masks"_a, "num_rows"_a, "vocab"_a, "num_words"_a,

@@ -18,7 +18,6 @@ as vLLM does (each layer returns ``(hidden, residual)`` and the next norm adds t
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -102,12 +101,6 @@ class DecoderLayer(nn.Module):
         # Caches of the model's dtype ignore them.
         self.k_scale = 1.0
         self.v_scale = 1.0
-        # PAGEDCORE_FUSED_DOWN=1 (read here, at build; opt-in until measured on the GPU):
-        # where the gate_up product of a CUDA decode step runs on cuBLAS, the down product
-        # reads silu(gate) * up itself (ops.silu_and_mul_linear), one launch fewer a layer.
-        # NOTE: that moves a down product above the kernels' 40 MiB routing limit (the 8B
-        # shape's) from cuBLAS to our kernel: its sums (and time) change with the flag.
-        self.fused_down = os.environ.get("PAGEDCORE_FUSED_DOWN", "0") == "1"
         for p in self.parameters():
             p.requires_grad_(False)
 
@@ -182,18 +175,13 @@ class DecoderLayer(nn.Module):
         add+norm, gate_up GEMM, SiLU-mul, down GEMM. Returns ``(hidden, residual)``."""
         hidden = self.reduce(_linear(self.o_proj, attn.reshape(attn.shape[0], self.spec.q_size)))
         x = self.post_attention_layernorm.add_forward(hidden, residual)
-        gate_up, down = self.gate_up_proj, self.down_proj
+        gate_up = self.gate_up_proj
         if x.device.type == "cuda" and _ops_linear(x, gate_up.weight):
             # (a decode step of 1-16 rows: the product and SiLU-mul in one kernel)
             act = ops.linear_silu_and_mul(x, gate_up.weight, gate_up.bias)
         else:
-            y = _linear(gate_up, x)
-            if self.fused_down and ops.cuda_silu_and_mul_linear_eligible(y, down.weight):
-                # (gate_up on cuBLAS: SiLU-mul in the down product's kernel instead; per
-                # rank under tensor parallelism, whose all-reduce follows unchanged)
-                return self.reduce(ops.silu_and_mul_linear(y, down.weight, down.bias)), residual
-            act = ops.silu_and_mul(y)
-        return self.reduce(_linear(down, act)), residual
+            act = ops.silu_and_mul(_linear(gate_up, x))
+        return self.reduce(_linear(self.down_proj, act)), residual
 
     def reduce(self, partial: torch.Tensor) -> torch.Tensor:
         """The sum over tensor-parallel ranks of a row-parallel projection's output

@@ -37,13 +37,8 @@ from .attention import SUPPORTED_HEAD_DIMS, paged_attention
 from .cache import copy_blocks, reshape_and_cache, swap_blocks, swap_in, swap_out
 from .cpu import cpu_isa, get_num_threads, set_cpu_isa, set_num_threads
 from .layer import cos_sin_cache, fused_add_rms_norm, rms_norm, rotary_embedding, silu_and_mul
-from .linear_cuda import (
-    CUDA_LINEAR_MAX_ROWS,
-    CUDA_LINEAR_MODEL_ROWS,
-    cuda_linear_eligible,
-    cuda_silu_and_mul_linear_eligible,
-)
-from .matmul import LINEAR_MAX_ROWS, linear, linear_silu_and_mul, silu_and_mul_linear
+from .linear_cuda import CUDA_LINEAR_MAX_ROWS, CUDA_LINEAR_MODEL_ROWS, cuda_linear_eligible
+from .matmul import LINEAR_MAX_ROWS, linear, linear_silu_and_mul
 from .planning import AttentionPlan, plan_attention, plan_decode
 
 __all__ = [
@@ -56,7 +51,6 @@ __all__ = [
     "cos_sin_cache",
     "cpu_isa",
     "cuda_linear_eligible",
-    "cuda_silu_and_mul_linear_eligible",
     "fused_add_rms_norm",
     "get_num_threads",
     "linear",
@@ -68,7 +62,6 @@ __all__ = [
     "rms_norm",
     "rotary_embedding",
     "silu_and_mul",
-    "silu_and_mul_linear",
     "unchecked_indices",
     "swap_in",
     "swap_out",

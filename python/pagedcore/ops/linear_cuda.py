@@ -18,8 +18,7 @@ import torch
 from .. import _C
 from ._checks import _CUDA_DTYPES, _overlap, _stream, _tensor
 
-__all__ = ["CUDA_LINEAR_MAX_ROWS", "CUDA_LINEAR_MODEL_ROWS", "cuda_linear_eligible",
-           "cuda_silu_and_mul_linear_eligible"]
+__all__ = ["CUDA_LINEAR_MAX_ROWS", "CUDA_LINEAR_MODEL_ROWS", "cuda_linear_eligible"]
 
 #: Token rows the kernel takes at most.
 CUDA_LINEAR_MAX_ROWS = int(getattr(_C, "CUDA_LINEAR_MAX_ROWS", 0))
@@ -61,42 +60,11 @@ def cuda_linear_eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return not large if x.shape[0] > 1 else not (large and x.shape[1] < 1024)
 
 
-def silu_in_kernel_fits(gate_up_out: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether the 2-16-row kernel can read ``silu_and_mul(gate_up_out)`` itself in
-    :func:`~pagedcore.ops.silu_and_mul_linear`: CUDA, 2..:data:`CUDA_LINEAR_MAX_ROWS` rows,
-    bfloat16/float16 like the weight, ``gate_up_out`` ``[rows, 2 * I]`` with I a multiple
-    of 8 and the weight's ``in_features``, 16-byte aligned dense rows, a contiguous
-    16-byte aligned weight."""
-    return (
-        gate_up_out.device.type == "cuda" and gate_up_out.dim() == 2 and weight.dim() == 2
-        and 2 <= gate_up_out.shape[0] <= CUDA_LINEAR_MAX_ROWS
-        and gate_up_out.dtype in (torch.bfloat16, torch.float16) and weight.dtype == gate_up_out.dtype
-        and weight.device == gate_up_out.device
-        and gate_up_out.shape[1] == 2 * weight.shape[1] and weight.shape[1] % 8 == 0 and weight.shape[1] > 0
-        and _aligned_rows(gate_up_out) and weight.is_contiguous() and weight.data_ptr() % 16 == 0
-    )
-
-
-def cuda_silu_and_mul_linear_eligible(gate_up_out: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether the model may send the MLP's activation and down product to
-    :func:`~pagedcore.ops.silu_and_mul_linear`'s kernel (one launch instead of
-    ``silu_and_mul`` and the product): the kernel fits (see :func:`silu_in_kernel_fits`)
-    and the rows are at most :data:`CUDA_LINEAR_MODEL_ROWS`. Whatever the weight's size:
-    at 16 rows the 8B shape's down product (117 MB) took 33.1 us in this kernel and 33.0
-    in cuBLAS on the H200, so the fused activation is a saving there too (to be measured:
-    bench/linear_variants.py)."""
-    return _ENABLED and gate_up_out.dim() == 2 and gate_up_out.shape[0] <= CUDA_LINEAR_MODEL_ROWS and (
-        silu_in_kernel_fits(gate_up_out, weight))
-
-
 def linear_cuda(op: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                out: torch.Tensor | None, silu_and_mul: bool = False, silu_in: bool = False) -> torch.Tensor:
+                out: torch.Tensor | None, silu_and_mul: bool = False) -> torch.Tensor:
     """Checks and launches the kernel (x, weight on CUDA); see :func:`~pagedcore.ops.linear`
     (``silu_and_mul``: :func:`~pagedcore.ops.linear_silu_and_mul`'s kernels, ``out``
-    then has half the weight's rows as columns; ``silu_in``:
-    :func:`~pagedcore.ops.silu_and_mul_linear`'s kernel, ``x`` is then the gate half
-    ``[rows, I]`` of a ``[rows, 2 * I]`` tensor whose up half the kernel reads at ``I``
-    past each row's start, 2-16 rows)."""
+    then has half the weight's rows as columns)."""
     if x.dtype not in (torch.bfloat16, torch.float16):
         raise TypeError(f"{op}: x on CUDA must be bfloat16 or float16 (float32 products run on the CPU), "
                         f"got {x.dtype}")
@@ -120,9 +88,6 @@ def linear_cuda(op: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
                          f"shape {tuple(weight.shape)}")
     if tokens > CUDA_LINEAR_MAX_ROWS:
         raise ValueError(f"{op}: x has {tokens} rows on CUDA; at most {CUDA_LINEAR_MAX_ROWS} (use F.linear)")
-    if silu_in and (silu_and_mul or tokens < 2 or x.stride(0) < 2 * in_features):
-        raise ValueError(f"{op}: the kernel that reads silu(gate) * up takes 2-{CUDA_LINEAR_MAX_ROWS} rows of "
-                         f"[gate | up] (row stride >= {2 * in_features}), got {tokens} rows of stride {x.stride(0)}")
     if in_features % 8:
         raise ValueError(f"{op}: in_features must be a multiple of 8 on CUDA, got {in_features}")
     if not _aligned_rows(x):
@@ -143,13 +108,12 @@ def linear_cuda(op: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     if tokens and out_features and any(_overlap(out, t) for t in (x, weight) + (() if bias is None else (bias,))):
         raise ValueError(f"{op}: out must not overlap x, weight or bias")
     if tokens and out_features:
-        # (silu_in passed only when set: an extension built before it still takes the other calls)
         _C.cuda_linear(
             out=out.data_ptr(), input=x.data_ptr(), weight=weight.data_ptr(),
             bias=bias.data_ptr() if bias is not None else 0, dtype=_CUDA_DTYPES[x.dtype], num_tokens=tokens,
             in_features=in_features, out_features=out_features, input_stride=x.stride(0) if tokens > 1 else in_features,
             out_stride=out.stride(0) if tokens > 1 else columns, stream=_stream(x.device),
-            silu_and_mul=silu_and_mul, **({"silu_in": True} if silu_in else {}),
+            silu_and_mul=silu_and_mul,
         )
     return out
 

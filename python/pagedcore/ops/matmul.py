@@ -15,9 +15,9 @@ import torch
 from .. import _C
 from ._checks import _overlap, _tensor
 from .layer import silu_and_mul
-from .linear_cuda import CUDA_LINEAR_MAX_ROWS, linear_cuda, silu_in_kernel_fits
+from .linear_cuda import CUDA_LINEAR_MAX_ROWS, linear_cuda
 
-__all__ = ["LINEAR_MAX_ROWS", "linear", "linear_silu_and_mul", "silu_and_mul_linear"]
+__all__ = ["LINEAR_MAX_ROWS", "linear", "linear_silu_and_mul"]
 
 #: Token rows up to which the model sends a CPU float32 product to :func:`linear`.
 #: NOTE: a row's result changes when a product crosses this size (torch's GEMM sums in
@@ -180,63 +180,3 @@ def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
         raise ValueError(f"{op}: weight must be [2 * intermediate_size, in_features], got shape "
                          f"{tuple(getattr(weight, 'shape', ()))}")
     return silu_and_mul(linear(x, weight, bias), out=out)
-
-
-def silu_and_mul_linear(gate_up_out: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                        out: torch.Tensor | None = None) -> torch.Tensor:
-    """``linear(silu_and_mul(gate_up_out), weight, bias)``: the MLP's activation and its
-    down projection. On CUDA, for 2-16 rows (a decode step), in one kernel: the
-    tensor-core product reads ``x = silu(gate) * up`` from ``gate_up_out`` as it loads
-    its input, with :func:`~pagedcore.ops.silu_and_mul`'s arithmetic, and sums in
-    :func:`linear`'s order (the same plan), so the result equals the two ops' bit for
-    bit, without the activation's kernel. Elsewhere (the CPU, one row, an
-    ``intermediate_size`` that is not a multiple of 8, rows not 16-byte aligned) the two
-    ops, under :func:`linear`'s conditions.
-
-    Parameters
-    ----------
-    gate_up_out : torch.Tensor
-        ``[num_tokens, 2 * intermediate_size]``: the gate_up projection's output
-        ``[gate | up]``, dense rows (row stride free).
-    weight : torch.Tensor
-        ``[out_features, intermediate_size]``, ``gate_up_out``'s dtype and device.
-    bias : torch.Tensor, optional
-        ``[out_features]``.
-    out : torch.Tensor, optional
-        ``[num_tokens, out_features]``, dense rows, overlapping no input.
-
-    Returns
-    -------
-    torch.Tensor
-        ``out``.
-
-    Examples
-    --------
-    >>> import torch
-    >>> from pagedcore import ops
-    >>> y, w = torch.randn(2, 2 * 32), torch.randn(16, 32)
-    >>> ref = (torch.nn.functional.silu(y[:, :32]) * y[:, 32:]) @ w.T
-    >>> bool(torch.allclose(ops.silu_and_mul_linear(y, w), ref, rtol=1e-4, atol=1e-4))
-    True
-    """
-    op = "silu_and_mul_linear"
-    _tensor(op, "gate_up_out", gate_up_out)
-    _tensor(op, "weight", weight)
-    if gate_up_out.dim() != 2 or gate_up_out.shape[1] % 2:
-        raise ValueError(f"{op}: gate_up_out must be [num_tokens, 2 * intermediate_size], got shape "
-                         f"{tuple(gate_up_out.shape)}")
-    size = gate_up_out.shape[1] // 2
-    if weight.dim() != 2 or weight.shape[1] != size:
-        raise ValueError(f"{op}: weight must be [out_features, intermediate_size = {size}], got shape "
-                         f"{tuple(weight.shape)}")
-    if weight.dtype != gate_up_out.dtype:
-        raise TypeError(f"{op}: weight must be {gate_up_out.dtype} like gate_up_out, got {weight.dtype}")
-    if weight.device != gate_up_out.device:
-        raise ValueError(f"{op}: weight must be on {gate_up_out.device} like gate_up_out, got {weight.device}")
-    if out is not None:
-        _tensor(op, "out", out)
-        if gate_up_out.shape[0] and out.device == gate_up_out.device and _overlap(out, gate_up_out):
-            raise ValueError(f"{op}: out must not overlap gate_up_out")
-    if silu_in_kernel_fits(gate_up_out, weight):
-        return linear_cuda(op, gate_up_out[:, :size], weight, bias, out, silu_in=True)
-    return linear(silu_and_mul(gate_up_out), weight, bias, out=out)

@@ -111,13 +111,6 @@ struct LinearParams {
   // product (+ bias) rounded to the dtype: Hugging Face's act_fn(gate) * up over a fused
   // gate_up weight, with silu_and_mul()'s arithmetic. out has I columns.
   bool silu_and_mul = false;
-  // out = silu_and_mul(input) @ weight^T (+ bias): each input row holds [gate | up],
-  // gate at columns [0, in_features), up at [in_features, 2 * in_features)
-  // (input_stride >= 2 * in_features), and the product reads x = silu(gate) * up with
-  // silu_and_mul()'s arithmetic, so that out equals silu_and_mul() then the plain
-  // product bit for bit: the MLP's activation fused into its down projection.
-  // 2..kLinearMaxRows rows; not with silu_and_mul.
-  bool silu_in = false;
 };
 int linear(const LinearParams& p, void* stream);
 
@@ -142,6 +135,6 @@ void silu_and_mul_at(std::uintptr_t out, std::uintptr_t input, DType dtype, int3
 
 void linear_at(std::uintptr_t out, std::uintptr_t input, std::uintptr_t weight, std::uintptr_t bias, DType dtype,
                int32_t num_tokens, int32_t in_features, int32_t out_features, int64_t input_stride,
-               int64_t out_stride, std::uintptr_t stream, bool silu_and_mul = false, bool silu_in = false);
+               int64_t out_stride, std::uintptr_t stream, bool silu_and_mul = false);
 
 }  // namespace pagedcore::cuda
