@@ -199,14 +199,41 @@ __device__ __forceinline__ C to_cache(float v, float inv_scale) {
   }
 }
 
-// grid (tokens, chunks): thread j of the token's threads (blockIdx.y * blockDim.x +
-// threadIdx.x, striding over the chunks) rotates pair (i, i + head_dim / 2) of one head,
-// consecutive threads on consecutive i (coalesced). Several CTAs per token so that a
-// decode step's few tokens still spread over SMs. C: the cache's element type (void: no
-// cache write); a thread writes the key elements it rotated, so no barrier is needed.
-template <typename T, typename Index, typename C>
+// N values of C stored as one access (N * sizeof(C) of 4, 8 or 16 bytes; dst aligned to it).
+template <typename C, int N>
+__device__ __forceinline__ void store_n(C* dst, const C (&vals)[N]) {
+  constexpr int kBytes = N * static_cast<int>(sizeof(C));
+  static_assert(kBytes == 16 || kBytes == 8 || kBytes == 4, "one 4-, 8- or 16-byte store");
+  if constexpr (kBytes == 16) {
+    *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(vals);
+  } else if constexpr (kBytes == 8) {
+    *reinterpret_cast<uint2*>(dst) = *reinterpret_cast<const uint2*>(vals);
+  } else {
+    *reinterpret_cast<uint32_t*>(dst) = *reinterpret_cast<const uint32_t*>(vals);
+  }
+}
+
+// HF's rotation of one pair: x * cos + rotate_half(x) * sin, each product and the sum in
+// the dtype; x1 at i, x2 at i + head_dim / 2.
+template <typename T>
+__device__ __forceinline__ void rotate_pair(float x1, float x2, float c, float sn, T& o1, T& o2) {
+  o1 = Num<T>::store(__fsub_rn(rnd<T>(__fmul_rn(x1, c)), rnd<T>(__fmul_rn(x2, sn))));
+  o2 = Num<T>::store(__fadd_rn(rnd<T>(__fmul_rn(x2, c)), rnd<T>(__fmul_rn(x1, sn))));
+}
+
+// grid (tokens, chunks): unit j of the token's units (blockIdx.y * blockDim.x +
+// threadIdx.x, striding over the chunks) rotates pair (i, i + head_dim / 2) of one head
+// (kVec: V consecutive pairs, as 16-byte loads and stores), consecutive threads on
+// consecutive i (coalesced). Several CTAs per token so that a decode step's few tokens
+// still spread over SMs. C: the cache's element type (void: no cache write); a thread
+// writes the key elements it rotated, so no barrier is needed.
+// NOTE: the kernel took 101 us a layer on the 8B shape's 4096-token prefill with one pair
+// (2-byte accesses) a thread, 4x its bytes' time at the H200's bandwidth (profile at 73b39de):
+// hence kVec wherever the rows and the cache allow 16-byte accesses.
+template <typename T, typename Index, typename C, bool kVec>
 __global__ void rotary_kernel(RotaryEmbeddingParams p) {
   constexpr bool kCache = !std::is_void_v<C>;
+  constexpr int V = kVec ? Vec<T>::kSize : 1;
   pdl_wait();
   pdl_launch_dependents();
   const int64_t t = blockIdx.x;
@@ -225,24 +252,57 @@ __global__ void rotary_kernel(RotaryEmbeddingParams p) {
   const float* cos_sin = p.cos_sin_cache + (rotate ? pos : 0) * p.head_dim;
   T* q = static_cast<T*>(p.query) + t * p.query_stride;
   T* k = static_cast<T*>(p.key) + t * p.key_stride;
-  const int pairs = (p.num_heads + p.num_kv_heads) * half;
-  for (int j = first; j < pairs; j += stride) {
-    const int head = j / half, i = j % half;
+  const int per_head = half / V;
+  const int units = (p.num_heads + p.num_kv_heads) * per_head;
+  for (int j = first; j < units; j += stride) {
+    const int head = j / per_head, i = j % per_head * V;
     const bool is_key = head >= p.num_heads;
     T* x = is_key ? k + (head - p.num_heads) * p.head_dim : q + head * p.head_dim;
-    if (rotate) {
-      const float c = rnd<T>(cos_sin[i]), sn = rnd<T>(cos_sin[half + i]);
-      const float x1 = Num<T>::load(x[i]), x2 = Num<T>::load(x[half + i]);
-      // HF: x * cos + rotate_half(x) * sin, each product and the sum in the dtype.
-      x[i] = Num<T>::store(__fsub_rn(rnd<T>(__fmul_rn(x1, c)), rnd<T>(__fmul_rn(x2, sn))));
-      x[half + i] = Num<T>::store(__fadd_rn(rnd<T>(__fmul_rn(x2, c)), rnd<T>(__fmul_rn(x1, sn))));
-    }
-    if constexpr (kCache) {
-      if (is_key && slot >= 0) {
-        const float inv = 1.f / p.k_scale;
-        C* kc = static_cast<C*>(p.key_cache) + slot * kv_row + (head - p.num_heads) * p.head_dim;
-        kc[i] = to_cache<T, C>(Num<T>::load(x[i]), inv);
-        kc[half + i] = to_cache<T, C>(Num<T>::load(x[half + i]), inv);
+    if constexpr (kVec) {
+      Vec<T> a = load_vec(x + i), b = load_vec(x + half + i);
+      if (rotate) {
+        float c[V], sn[V];
+#pragma unroll
+        for (int e = 0; e < V; e += 4) {
+          const float4 cv = *reinterpret_cast<const float4*>(cos_sin + i + e);
+          const float4 sv = *reinterpret_cast<const float4*>(cos_sin + half + i + e);
+          c[e] = cv.x, c[e + 1] = cv.y, c[e + 2] = cv.z, c[e + 3] = cv.w;
+          sn[e] = sv.x, sn[e + 1] = sv.y, sn[e + 2] = sv.z, sn[e + 3] = sv.w;
+        }
+#pragma unroll
+        for (int e = 0; e < V; ++e) {
+          rotate_pair<T>(Num<T>::load(a.v[e]), Num<T>::load(b.v[e]), rnd<T>(c[e]), rnd<T>(sn[e]), a.v[e], b.v[e]);
+        }
+        store_vec(x + i, a);
+        store_vec(x + half + i, b);
+      }
+      if constexpr (kCache) {
+        if (is_key && slot >= 0) {
+          const float inv = 1.f / p.k_scale;
+          C* kc = static_cast<C*>(p.key_cache) + slot * kv_row + (head - p.num_heads) * p.head_dim;
+          alignas(16) C ca[V];
+          alignas(16) C cb[V];
+#pragma unroll
+          for (int e = 0; e < V; ++e) {
+            ca[e] = to_cache<T, C>(Num<T>::load(a.v[e]), inv);
+            cb[e] = to_cache<T, C>(Num<T>::load(b.v[e]), inv);
+          }
+          store_n(kc + i, ca);
+          store_n(kc + half + i, cb);
+        }
+      }
+    } else {
+      if (rotate) {
+        rotate_pair<T>(Num<T>::load(x[i]), Num<T>::load(x[half + i]), rnd<T>(cos_sin[i]), rnd<T>(cos_sin[half + i]),
+                       x[i], x[half + i]);
+      }
+      if constexpr (kCache) {
+        if (is_key && slot >= 0) {
+          const float inv = 1.f / p.k_scale;
+          C* kc = static_cast<C*>(p.key_cache) + slot * kv_row + (head - p.num_heads) * p.head_dim;
+          kc[i] = to_cache<T, C>(Num<T>::load(x[i]), inv);
+          kc[half + i] = to_cache<T, C>(Num<T>::load(x[half + i]), inv);
+        }
       }
     }
   }
@@ -251,31 +311,56 @@ __global__ void rotary_kernel(RotaryEmbeddingParams p) {
     const T* v = static_cast<const T*>(p.value) + t * p.value_stride;
     C* vc = static_cast<C*>(p.value_cache) + slot * kv_row;
     const float inv = 1.f / p.v_scale;
-    for (int64_t e = first; e < kv_row; e += stride) vc[e] = to_cache<T, C>(Num<T>::load(v[e]), inv);
+    for (int64_t e = static_cast<int64_t>(first) * V; e < kv_row; e += static_cast<int64_t>(stride) * V) {
+      if constexpr (kVec) {
+        const Vec<T> a = load_vec(v + e);
+        alignas(16) C out[V];
+#pragma unroll
+        for (int u = 0; u < V; ++u) out[u] = to_cache<T, C>(Num<T>::load(a.v[u]), inv);
+        store_n(vc + e, out);
+      } else {
+        vc[e] = to_cache<T, C>(Num<T>::load(v[e]), inv);
+      }
+    }
   }
 }
 
+template <typename T, typename C, bool kVec>
+cudaError_t launch_rotary_cache(const RotaryEmbeddingParams& p, int threads, cudaStream_t s) {
+  // 128 threads per CTA, one unit each, up to 32 CTAs per token (a decode token of the
+  // 8B shape: 20 CTAs of single pairs; one CTA per token took 3.9 us there).
+  constexpr int V = kVec ? Vec<T>::kSize : 1;
+  const int64_t units = std::max<int64_t>((p.num_heads + p.num_kv_heads) * (p.head_dim / 2) / V,
+                                          static_cast<int64_t>(p.num_kv_heads) * p.head_dim / V);
+  const int block = units >= threads ? threads : round_up32(units);
+  const dim3 grid(p.num_tokens, static_cast<unsigned>(std::min<int64_t>(32, (units + block - 1) / block)));
+  return p.positions_int64 ? launch_pdl(rotary_kernel<T, int64_t, C, kVec>, grid, dim3(block), 0, s, p)
+                           : launch_pdl(rotary_kernel<T, int32_t, C, kVec>, grid, dim3(block), 0, s, p);
+}
+
 template <typename T, typename C>
-cudaError_t launch_rotary_cache(const RotaryEmbeddingParams& p, dim3 grid, int threads, cudaStream_t s) {
-  return p.positions_int64 ? launch_pdl(rotary_kernel<T, int64_t, C>, grid, dim3(threads), 0, s, p)
-                           : launch_pdl(rotary_kernel<T, int32_t, C>, grid, dim3(threads), 0, s, p);
+cudaError_t launch_rotary_vec_or_not(const RotaryEmbeddingParams& p, cudaStream_t s) {
+  constexpr int kThreads = 128;
+  constexpr int V = Vec<T>::kSize;
+  const int64_t eb = sizeof(T);
+  // 16-byte accesses: the rows and each half-head on 16 bytes, the table's rows too; the
+  // cache's rows on V elements of C (a key's half-head and each value vector).
+  bool vec = p.head_dim % (2 * V) == 0 && aligned16(p.query) && aligned16(p.key) && aligned16(p.cos_sin_cache) &&
+             (p.query_stride * eb) % 16 == 0 && (p.key_stride * eb) % 16 == 0;
+  if constexpr (!std::is_void_v<C>) {
+    vec = vec && aligned16(p.value) && (p.value_stride * eb) % 16 == 0 && aligned16(p.key_cache) &&
+          aligned16(p.value_cache);
+  }
+  return vec ? launch_rotary_cache<T, C, true>(p, kThreads, s) : launch_rotary_cache<T, C, false>(p, kThreads, s);
 }
 
 template <typename T>
 int launch_rotary(const RotaryEmbeddingParams& p, cudaStream_t s) {
-  // 128 threads per CTA, one pair each, up to 32 CTAs per token (a decode token of the
-  // 8B shape: 20 CTAs; one CTA per token took 3.9 us there).
-  constexpr int kThreads = 128;
-  const int pairs = (p.num_heads + p.num_kv_heads) * (p.head_dim / 2);
-  const int64_t units = std::max<int64_t>(pairs, static_cast<int64_t>(p.num_kv_heads) * p.head_dim);
-  const int threads = units >= kThreads ? kThreads : round_up32(units);
-  const int chunks = static_cast<int>(std::min<int64_t>(32, (units + threads - 1) / threads));
-  const dim3 grid(p.num_tokens, chunks);
-  if (p.key_cache == nullptr) return launch_rotary_cache<T, void>(p, grid, threads, s);
-  if (p.cache_dtype == p.dtype) return launch_rotary_cache<T, T>(p, grid, threads, s);
+  if (p.key_cache == nullptr) return launch_rotary_vec_or_not<T, void>(p, s);
+  if (p.cache_dtype == p.dtype) return launch_rotary_vec_or_not<T, T>(p, s);
   if (p.cache_dtype == DType::kFloat8E4M3 && sizeof(T) == 2) {
     if (!(p.k_scale > 0.f) || !(p.v_scale > 0.f)) return cudaErrorInvalidValue;
-    return launch_rotary_cache<T, uint8_t>(p, grid, threads, s);
+    return launch_rotary_vec_or_not<T, uint8_t>(p, s);
   }
   return cudaErrorInvalidValue;
 }

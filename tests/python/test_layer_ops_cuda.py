@@ -107,11 +107,13 @@ ROPES = {"plain": dict(), "llama3": dict(rope_scaling=LLAMA3_SCALING, theta=5000
 @pytest.mark.parametrize("rope", list(ROPES))
 @pytest.mark.parametrize("tokens", TOKENS)
 @pytest.mark.parametrize("positions_dtype", [torch.int32, torch.int64])
-def test_rotary(dtype, head_dim, rope, tokens, positions_dtype):
+@pytest.mark.parametrize("pad", [1, 8], ids=["rows-unaligned", "rows-on-16-bytes"])
+def test_rotary(dtype, head_dim, rope, tokens, positions_dtype, pad):
+    # (pad 8: every row starts on 16 bytes, the kernel's vector path; pad 1: its scalar path)
     spec, _ = llama_spec(**ROPES[rope], head_dim=head_dim)
     table = ops.cos_sin_cache(spec.inv_freq().to(DEV), 8192)
     heads, kv_heads = 8, 2
-    qkv, q, k, _ = qkv_views(tokens, heads, kv_heads, head_dim, dtype, DEV, pad=4, seed=tokens)
+    qkv, q, k, _ = qkv_views(tokens, heads, kv_heads, head_dim, dtype, DEV, pad=pad, seed=tokens)
     positions = torch.randint(0, 8192, (tokens,), generator=torch.Generator().manual_seed(tokens),
                               dtype=positions_dtype)
     before = qkv.clone()
@@ -128,12 +130,13 @@ def test_rotary(dtype, head_dim, rope, tokens, positions_dtype):
                                          (torch.bfloat16, "fp8"), (torch.float16, "fp8")])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("tokens", [1, 17, 1000])
-def test_rotary_with_the_cache_write(dtype, cache, head_dim, tokens):
+@pytest.mark.parametrize("pad", [3, 8], ids=["rows-unaligned", "rows-on-16-bytes"])
+def test_rotary_with_the_cache_write(dtype, cache, head_dim, tokens, pad):
     spec, _ = llama_spec(LLAMA3_SCALING, theta=500000.0, head_dim=head_dim)
     table = ops.cos_sin_cache(spec.inv_freq().to(DEV), 4096)
     heads, kv_heads, block_size = 8, 2, 16
     num_blocks = (2 * tokens) // block_size + 2
-    qkv, q, k, v = qkv_views(tokens, heads, kv_heads, head_dim, dtype, DEV, pad=8, seed=tokens)
+    qkv, q, k, v = qkv_views(tokens, heads, kv_heads, head_dim, dtype, DEV, pad=pad, seed=tokens)
     g = torch.Generator().manual_seed(head_dim)
     positions = torch.randint(0, 4096, (tokens,), generator=g).to(DEV)
     slots = torch.randperm(num_blocks * block_size, generator=g)[:tokens]
