@@ -589,11 +589,11 @@ int dispatch_head_dim(const PagedAttentionParams& p, int choice, cudaStream_t st
 
 // PAGEDCORE_PREFILL_KERNEL: "wgmma" (1: the plain kernel), "wgmma-tma" (2: the
 // TMA kernel), "wgmma-tma-pairs" (6: one copy per block for both 64-dim
-// halves), "wgmma-tma-fp8" (10, kFp8Choice: the TMA kernel over an fp8 cache,
-// opt-in until measured; over a 16-bit cache the same as auto), "mma" (0: the
-// mma.sync kernel) or anything else unknown (0); unset, empty or "auto": the
-// variant measured fastest for the head dim and block size (kAuto*), and
-// mma.sync for fp8 caches.
+// halves), "wgmma-tma-fp8" (10, kFp8Choice: the TMA kernel over an fp8 cache;
+// over a 16-bit cache the same as auto), "mma" (0: the mma.sync kernel) or
+// anything else unknown (0); unset, empty or "auto": the variant measured
+// fastest for the head dim and block size (kAuto*), over an fp8 cache
+// kFp8Choice at head dim 128 and mma.sync at 64 (not timed apart there).
 // NOTE: measured on the H200 (bench/check_wgmma.py, at 83b8cea; every variant
 // then built correct): 8k causal d128 bs16 mma 3117 us, wgmma 2190 (251
 // TFLOP/s), wgmma-tma 1167 (471), FA2 varlen 1716; bs128 wgmma-tma 1002 (549);
@@ -611,11 +611,15 @@ int dispatch_head_dim(const PagedAttentionParams& p, int choice, cudaStream_t st
 // halves) at block sizes up to 32 (32 not timed apart: it halves the copies as
 // at 16), wgmma-tma above. -ids (block ids a tile ahead), -runs (a tile of
 // consecutive blocks as one copy per half), -ids-runs, -ids-pairs were deleted.
+// An fp8 e4m3 cache at 73b39de (bench/check_wgmma.py): 8k causal d128 bs16
+// wgmma-tma-fp8 1904 us (289 TFLOP/s) against mma.sync 3384 (the bf16 cache's
+// -pairs 1032); window 200 with splits 35.0 against 53.6; racecheck and memcheck
+// clean over its test grid. So kFp8Choice at head dim 128.
 constexpr int kAutoD128 = kTmaChoice;
 constexpr int kAutoD128SmallBlocks = kTmaChoice + kPairs;
 constexpr int kAutoD64 = 0;
 int auto_choice(const PagedAttentionParams& p) {
-  if (p.kv_dtype == DType::kFloat8E4M3) return 0;
+  if (p.kv_dtype == DType::kFloat8E4M3) return p.head_dim == 128 ? kFp8Choice : 0;
   if (p.head_dim == 128) return p.block_size <= 32 ? kAutoD128SmallBlocks : kAutoD128;
   return p.head_dim == 64 ? kAutoD64 : 0;
 }

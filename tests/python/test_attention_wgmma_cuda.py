@@ -14,6 +14,7 @@ runs (an sm_90 build on a compute capability 9.0 device)."""
 from __future__ import annotations
 
 import os
+import sys
 
 import numpy as np
 import pytest
@@ -239,6 +240,18 @@ def test_wgmma_fp8_is_not_the_mma_kernel():
     out = run_cuda([(300, 1000), (129, 129)], block_size=16, head_dim=128, group=4, dtype=torch.float16,
                    fp8_scales=FP8_SCALES)
     assert not torch.equal(out["wgmma-tma-fp8"], out["mma"])
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_the_default_over_an_fp8_cache(monkeypatch, head_dim):
+    # auto (PAGEDCORE_PREFILL_KERNEL unset or "auto"): wgmma-tma-fp8 at head dim 128, where
+    # it measured 1.8x mma.sync at 8k causal; mma.sync at 64 (not timed apart). The two
+    # kernels sum in different orders, so the bits tell which one ran.
+    monkeypatch.setattr(sys.modules[__name__], "KERNELS", ["mma", "wgmma-tma-fp8", "auto"])
+    out = run_cuda([(300, 1000), (129, 129)], block_size=16, head_dim=head_dim, group=4, dtype=torch.float16,
+                   fp8_scales=FP8_SCALES)
+    assert not torch.equal(out["wgmma-tma-fp8"], out["mma"])
+    assert torch.equal(out["auto"], out["wgmma-tma-fp8" if head_dim == 128 else "mma"])
 
 
 def test_fp8_cache_falls_back():

@@ -144,11 +144,12 @@ int paged_attention(const PagedAttentionParams& p, void* stream);
 // current device (compute capability 9.0) runs it. Work items (prefill tiles)
 // of bf16/fp16 queries over a cache of the same dtype go to it by
 // PAGEDCORE_PREFILL_KERNEL: unset or "auto" = where it measured faster (head
-// dim 128: wgmma-tma-pairs up to block size 32, wgmma-tma above), "wgmma",
-// "wgmma-tma", "wgmma-tma-pairs" = that kernel for head dims 64 and
-// 128 (-pairs pairs the halves at 128 only), "wgmma-tma-fp8" = the TMA kernel
-// over an fp8 e4m3 cache too (opt-in; no softcap), "mma" = never; everything
-// else stays on the mma.sync kernel.
+// dim 128: wgmma-tma-pairs up to block size 32, wgmma-tma above; over an fp8
+// e4m3 cache the fp8 TMA kernel, no softcap), "wgmma", "wgmma-tma",
+// "wgmma-tma-pairs" = that kernel for head dims 64 and 128 (-pairs pairs the
+// halves at 128 only; fp8 caches then stay on mma.sync), "wgmma-tma-fp8" = the
+// TMA kernel over an fp8 cache at head dims 64 and 128 too, "mma" = never;
+// everything else stays on the mma.sync kernel.
 bool wgmma_prefill_available();
 // Diagnostics: the wgmma building blocks of that kernel (swizzled tiles,
 // descriptors, S = Q K^T from shared memory, O = P V with P in registers) on
