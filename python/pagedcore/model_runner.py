@@ -16,9 +16,9 @@ write no cache slot and read the null block), unless ``enforce_eager``. Other st
 (prefill chunks, mixed) replay piecewise graphs for a ladder of token counts: one
 graph per layer boundary holding everything but attention, which runs eagerly
 between them with the step's own plan (padding tokens write no cache slot).
-With ``PAGEDCORE_MIXED_GRAPHS=N`` (opt-in, off by default), steps of up to N
-tokens instead replay one whole graph with attention inside, over a plan of
-fixed size (:class:`pagedcore.ops.planning.PaddedPlan`).
+Steps of up to ``PAGEDCORE_MIXED_GRAPHS`` tokens (default 1024; 0: off) instead
+replay one whole graph with attention inside, over a plan of fixed size
+(:class:`pagedcore.ops.planning.PaddedPlan`).
 """
 
 from __future__ import annotations
@@ -119,12 +119,18 @@ class _PrefillGraphs:
     hidden: torch.Tensor  # [tokens, hidden_size], the final norm's output, written by the last graph
 
 
+# NOTE: measured on the H200 at 73b39de (bench_e2e_gpu.py --mixed, SmolLM2, 40 rows
+# decoding): steps with 16-512 prompt tokens took 5.1-6.3 ms (4.0-5.4 of host time in
+# execute) in pieces and 1.8-3.9 ms (1.2-3.6) as whole graphs; decode steps ~1.2-1.9 both.
+DEFAULT_MIXED_GRAPH_TOKENS = 1024
+
+
 def mixed_graph_tokens() -> int:
-    """PAGEDCORE_MIXED_GRAPHS=N (opt-in, read when a runner is made): steps of up to
-    N tokens that no decode graph takes (prefill chunks, mixed steps) replay one
-    whole CUDA graph each, attention included (the sizes of PREFILL_GRAPH_TOKENS up
-    to N). 0 or unset: off."""
-    value = os.environ.get("PAGEDCORE_MIXED_GRAPHS", "0") or "0"
+    """PAGEDCORE_MIXED_GRAPHS=N (read when a runner is made; default
+    :data:`DEFAULT_MIXED_GRAPH_TOKENS`): steps of up to N tokens that no decode graph
+    takes (prefill chunks, mixed steps) replay one whole CUDA graph each, attention
+    included (the sizes of PREFILL_GRAPH_TOKENS up to N). 0: off (the pieces)."""
+    value = os.environ.get("PAGEDCORE_MIXED_GRAPHS", "") or str(DEFAULT_MIXED_GRAPH_TOKENS)
     try:
         tokens = int(value)
     except ValueError:

@@ -91,11 +91,15 @@ def test_a_step_with_more_tiles_than_the_plan_holds_is_refused_untouched() -> No
     assert {k: v for k, v in count.items() if k[0] != 22} == {(r, i): 1 for r in range(22) for i in range(17)}
 
 
-@pytest.mark.parametrize("value, expected", [("", 0), ("0", 0), ("512", 512)])
+@pytest.mark.parametrize("value, expected", [(None, 1024), ("", 1024), ("0", 0), ("512", 512)])
 def test_the_switch_reads_a_token_count(monkeypatch, value, expected) -> None:
+    # unset or empty: the default (on, up to 1024 tokens); 0: off.
     from pagedcore.model_runner import mixed_graph_tokens
 
-    monkeypatch.setenv("PAGEDCORE_MIXED_GRAPHS", value)
+    if value is None:
+        monkeypatch.delenv("PAGEDCORE_MIXED_GRAPHS", raising=False)
+    else:
+        monkeypatch.setenv("PAGEDCORE_MIXED_GRAPHS", value)
     assert mixed_graph_tokens() == expected
 
 
