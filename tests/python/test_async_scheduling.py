@@ -419,12 +419,15 @@ def gpu_greedy(model) -> list[list[int]]:
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("eager", [False, True], ids=["graphs", "eager"])
+@pytest.mark.parametrize("graphs", ["whole", "pieces", "eager"])
 def test_greedy_equals_transformers_and_the_synchronous_engine_on_gpu(model, gpu_greedy, tokenizer_dir,
-                                                                      eager) -> None:
-    # 64-token steps: the 77-token prompt is chunked, so mixed steps (piecewise
-    # prefill graphs) carry deferred decode inputs too; pure decode steps replay
-    # the decode graphs with theirs.
+                                                                      graphs, monkeypatch) -> None:
+    # 64-token steps: the 77-token prompt is chunked, so mixed steps (whole graphs by
+    # default, piecewise prefill graphs with PAGEDCORE_MIXED_GRAPHS=0) carry deferred
+    # decode inputs too; pure decode steps replay the decode graphs with theirs.
+    eager = graphs == "eager"
+    if graphs == "pieces":
+        monkeypatch.setenv("PAGEDCORE_MIXED_GRAPHS", "0")
     path, ps, _, eos = model
     kw = dict(model=str(path), tokenizer=tokenizer_dir, device="cuda", dtype="float32", num_kv_blocks=256,
               max_model_len=256, max_num_seqs=16, max_num_batched_tokens=64, enforce_eager=eager)
@@ -442,8 +445,9 @@ def test_greedy_equals_transformers_and_the_synchronous_engine_on_gpu(model, gpu
         assert [c.token_ids for c in out.outputs] == want, f"request {i}"
     assert_same_outputs(outs[True], outs[False])
     if not eager:
-        assert llms[True].llm_engine.runner.graph_replays > 20
-        assert llms[True].llm_engine.runner.prefill_graph_replays > 0
+        runner = llms[True].llm_engine.runner
+        assert runner.graph_replays > 20
+        assert (runner.mixed_graph_replays if graphs == "whole" else runner.prefill_graph_replays) > 0
     # Seeded sampling, penalties (their steps wait for the previous tokens) included.
     seeded = [
         SamplingParams(temperature=0.8, n=3, seed=7, max_tokens=16, logprobs=3),
