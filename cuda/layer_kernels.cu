@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <type_traits>
 
 #include "pagedcore/cuda/layer_kernels.h"
@@ -70,7 +71,9 @@ int round_up32(int64_t n) { return static_cast<int>((n + 31) / 32 * 32); }
 
 // blockDim.x threads serve one row, blockDim.y rows per CTA. kVec: the rows start on 16
 // bytes, and the first hidden_size / V elements of a row go as vectors, the rest scalar.
-template <typename T, bool kVec>
+// K: vectors per thread held in registers between the two passes (and their weights),
+// the thread's first K of the row; any further ones are read again in the second pass.
+template <typename T, bool kVec, int K>
 __global__ void rms_norm_kernel(RmsNormParams p, int64_t num_rows) {
   constexpr int V = Vec<T>::kSize;
   __shared__ double partial[32];
@@ -85,14 +88,19 @@ __global__ void rms_norm_kernel(RmsNormParams p, int64_t num_rows) {
   T* res = p.residual != nullptr ? static_cast<T*>(p.residual) + t * p.residual_stride : nullptr;
   const T* w = static_cast<const T*>(p.weight);
   const int vec_end = kVec ? n / V * V : 0;
-  // The thread's first vector stays in registers between the two passes (one vector a
-  // thread at the hidden sizes of the models), and its weights are loaded before the
-  // kernel before this one has ended (PDL): a decode step's row then costs one memory
-  // round trip, not three.
+  // The thread's first K vectors stay in registers between the two passes (one vector a
+  // thread at the hidden sizes of the models with K = 1), and their weights are loaded
+  // before the kernel before this one has ended (PDL): a decode step's row then costs one
+  // memory round trip, not three.
   const int i0 = threadIdx.x * V;
-  const bool first = kVec && active && i0 < vec_end;
-  Vec<T> x0, g0;
-  if (first) g0 = load_vec(w + i0);
+  const int step = blockDim.x * V;
+  Vec<T> xs[K], gs[K];
+  if (kVec && active) {
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      if (i0 + k * step < vec_end) gs[k] = load_vec(w + i0 + k * step);
+    }
+  }
   pdl_wait();
   pdl_launch_dependents();
 
@@ -102,7 +110,7 @@ __global__ void rms_norm_kernel(RmsNormParams p, int64_t num_rows) {
   if (active) {
     if (res != nullptr) {
       // HF: hidden = residual + hidden, rounded to the dtype; the sum is normalised.
-      for (int i = threadIdx.x * V; i < vec_end; i += blockDim.x * V) {
+      auto add = [&](int i) {
         Vec<T> a = load_vec(in + i), b = load_vec(res + i);
 #pragma unroll
         for (int j = 0; j < V; ++j) {
@@ -111,23 +119,33 @@ __global__ void rms_norm_kernel(RmsNormParams p, int64_t num_rows) {
           acc += static_cast<double>(s) * s;
         }
         store_vec(res + i, b);
-        if (i == i0) x0 = b;
+        return b;
+      };
+#pragma unroll
+      for (int k = 0; k < K; ++k) {
+        if (i0 + k * step < vec_end) xs[k] = add(i0 + k * step);
       }
+      for (int i = i0 + K * step; i < vec_end; i += step) add(i);
       for (int i = vec_end + threadIdx.x; i < n; i += blockDim.x) {
         const float s = rnd<T>(__fadd_rn(Num<T>::load(res[i]), Num<T>::load(in[i])));
         res[i] = Num<T>::store(s);
         acc += static_cast<double>(s) * s;
       }
     } else {
-      for (int i = threadIdx.x * V; i < vec_end; i += blockDim.x * V) {
+      auto square = [&](int i) {
         const Vec<T> a = load_vec(in + i);
 #pragma unroll
         for (int j = 0; j < V; ++j) {
           const double x = Num<T>::load(a.v[j]);
           acc += x * x;
         }
-        if (i == i0) x0 = a;
+        return a;
+      };
+#pragma unroll
+      for (int k = 0; k < K; ++k) {
+        if (i0 + k * step < vec_end) xs[k] = square(i0 + k * step);
       }
+      for (int i = i0 + K * step; i < vec_end; i += step) square(i);
       for (int i = vec_end + threadIdx.x; i < n; i += blockDim.x) {
         const double x = Num<T>::load(in[i]);
         acc += x * x;
@@ -153,18 +171,43 @@ __global__ void rms_norm_kernel(RmsNormParams p, int64_t num_rows) {
   if (!active) return;
   const float inv = row_inv[threadIdx.y];
   const T* x = res != nullptr ? res : in;
-  for (int i = threadIdx.x * V; i < vec_end; i += blockDim.x * V) {
-    const Vec<T> a = i == i0 ? x0 : load_vec(x + i), g = i == i0 ? g0 : load_vec(w + i);
+  auto norm = [&](int i, const Vec<T>& a, const Vec<T>& g) {
     Vec<T> o;
 #pragma unroll
     for (int j = 0; j < V; ++j) {
       o.v[j] = Num<T>::store(__fmul_rn(Num<T>::load(g.v[j]), rnd<T>(__fmul_rn(Num<T>::load(a.v[j]), inv))));
     }
     store_vec(out + i, o);
+  };
+  if constexpr (kVec) {
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      if (i0 + k * step < vec_end) norm(i0 + k * step, xs[k], gs[k]);
+    }
   }
+  for (int i = i0 + K * step; i < vec_end; i += step) norm(i, load_vec(x + i), load_vec(w + i));
   for (int i = vec_end + threadIdx.x; i < n; i += blockDim.x) {
     out[i] = Num<T>::store(__fmul_rn(Num<T>::load(w[i]), rnd<T>(__fmul_rn(Num<T>::load(x[i]), inv))));
   }
+}
+
+// PAGEDCORE_RMSNORM_VECS: vectors per thread held in registers (1, 2 or 4; fewer threads
+// per row for more); unset: 1. Read on every launch so that one process can compare them.
+int rms_norm_vecs() {
+  const char* env = std::getenv("PAGEDCORE_RMSNORM_VECS");
+  if (env == nullptr) return 1;
+  const int k = std::atoi(env);
+  return k == 2 || k == 4 ? k : 1;
+}
+
+template <typename T, int K>
+int launch_rms_norm_vec(const RmsNormParams& p, int64_t units, cudaStream_t s) {
+  const int64_t per_thread = (units + K - 1) / K;
+  const int threads = per_thread >= 1024 ? 1024 : round_up32(per_thread);
+  const int rows_per_cta = threads >= 256 ? 1 : 256 / threads;
+  const int64_t num_rows = static_cast<int64_t>(p.num_tokens) * p.num_heads;
+  const int64_t blocks = (num_rows + rows_per_cta - 1) / rows_per_cta;
+  return launch_pdl(rms_norm_kernel<T, true, K>, dim3(blocks), dim3(threads, rows_per_cta), 0, s, p, num_rows);
 }
 
 template <typename T>
@@ -176,14 +219,20 @@ int launch_rms_norm(const RmsNormParams& p, cudaStream_t s) {
              (p.input_stride * eb) % 16 == 0 && (p.out_stride * eb) % 16 == 0 &&
              (p.num_heads == 1 || (p.hidden_size * eb) % 16 == 0);
   if (p.residual != nullptr) vec = vec && aligned16(p.residual) && (p.residual_stride * eb) % 16 == 0;
-  const int64_t units = vec ? (p.hidden_size + V - 1) / V : p.hidden_size;
+  if (vec) {
+    const int64_t units = (p.hidden_size + V - 1) / V;
+    switch (rms_norm_vecs()) {
+      case 2: return launch_rms_norm_vec<T, 2>(p, units, s);
+      case 4: return launch_rms_norm_vec<T, 4>(p, units, s);
+      default: return launch_rms_norm_vec<T, 1>(p, units, s);
+    }
+  }
+  const int64_t units = p.hidden_size;
   const int threads = units >= 1024 ? 1024 : round_up32(units);
   const int rows_per_cta = threads >= 256 ? 1 : 256 / threads;
   const int64_t num_rows = static_cast<int64_t>(p.num_tokens) * p.num_heads;
   const int64_t blocks = (num_rows + rows_per_cta - 1) / rows_per_cta;
-  const dim3 block(threads, rows_per_cta);
-  return vec ? launch_pdl(rms_norm_kernel<T, true>, dim3(blocks), block, 0, s, p, num_rows)
-             : launch_pdl(rms_norm_kernel<T, false>, dim3(blocks), block, 0, s, p, num_rows);
+  return launch_pdl(rms_norm_kernel<T, false, 1>, dim3(blocks), dim3(threads, rows_per_cta), 0, s, p, num_rows);
 }
 
 // ---- rotary ----------------------------------------------------------------------------
