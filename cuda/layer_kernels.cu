@@ -192,12 +192,19 @@ __global__ void rms_norm_kernel(RmsNormParams p, int64_t num_rows) {
 }
 
 // PAGEDCORE_RMSNORM_VECS: vectors per thread held in registers (1, 2 or 4; fewer threads
-// per row for more); unset: 1. Read on every launch so that one process can compare them.
-int rms_norm_vecs() {
-  const char* env = std::getenv("PAGEDCORE_RMSNORM_VECS");
-  if (env == nullptr) return 1;
-  const int k = std::atoi(env);
-  return k == 2 || k == 4 ? k : 1;
+// per row for more), read on every launch so that one process can compare them; unset:
+// by the row count where rows have 256+ vectors (hidden 2048+ in 16-bit types).
+// NOTE: measured on the H200 at 141c09e (bench/rmsnorm_variants.py, bf16, hidden 4096, us;
+// K = 1 / 2 / 4): add+norm 16 rows 2.1 / 2.3 / 3.4, 512 rows 5.3 / 5.3 / 4.5, 4096 rows
+// 46.5 / 44.8 / 47.6; norm alone 4096 rows 38.8 / 33.0 / 35.5; every output the same bits.
+// Hidden 576: no consistent winner (K = 1).
+int rms_norm_vecs(int64_t units, int64_t num_rows) {
+  if (const char* env = std::getenv("PAGEDCORE_RMSNORM_VECS")) {
+    const int k = std::atoi(env);
+    return k == 2 || k == 4 ? k : 1;
+  }
+  if (units < 256) return 1;
+  return num_rows >= 2048 ? 2 : num_rows >= 256 ? 4 : 1;
 }
 
 template <typename T, int K>
@@ -221,7 +228,7 @@ int launch_rms_norm(const RmsNormParams& p, cudaStream_t s) {
   if (p.residual != nullptr) vec = vec && aligned16(p.residual) && (p.residual_stride * eb) % 16 == 0;
   if (vec) {
     const int64_t units = (p.hidden_size + V - 1) / V;
-    switch (rms_norm_vecs()) {
+    switch (rms_norm_vecs(units, static_cast<int64_t>(p.num_tokens) * p.num_heads)) {
       case 2: return launch_rms_norm_vec<T, 2>(p, units, s);
       case 4: return launch_rms_norm_vec<T, 4>(p, units, s);
       default: return launch_rms_norm_vec<T, 1>(p, units, s);
