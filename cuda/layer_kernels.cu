@@ -192,14 +192,16 @@ __global__ void rms_norm_kernel(RmsNormParams p, int64_t num_rows) {
 }
 
 // PAGEDCORE_RMSNORM_VECS: vectors per thread held in registers (1, 2 or 4; fewer threads
-// per row for more), read on every launch so that one process can compare them; unset:
-// by the row count where rows have 256+ vectors (hidden 2048+ in 16-bit types).
+// per row for more), read on every launch so that one process can compare them; unset or
+// empty: by the row count where rows have 256+ vectors (hidden 2048+ in 16-bit types).
 // NOTE: measured on the H200 at 141c09e (bench/rmsnorm_variants.py, bf16, hidden 4096, us;
 // K = 1 / 2 / 4): add+norm 16 rows 2.1 / 2.3 / 3.4, 512 rows 5.3 / 5.3 / 4.5, 4096 rows
 // 46.5 / 44.8 / 47.6; norm alone 4096 rows 38.8 / 33.0 / 35.5; every output the same bits.
-// Hidden 576: no consistent winner (K = 1).
+// Hidden 576: no consistent winner (K = 1). The thresholds between those row counts (256,
+// 2048) and float32 rows (4 floats a vector) are interpolated, not measured.
 int rms_norm_vecs(int64_t units, int64_t num_rows) {
-  if (const char* env = std::getenv("PAGEDCORE_RMSNORM_VECS")) {
+  const char* env = std::getenv("PAGEDCORE_RMSNORM_VECS");
+  if (env != nullptr && env[0] != '\0') {
     const int k = std::atoi(env);
     return k == 2 || k == 4 ? k : 1;
   }
@@ -301,7 +303,9 @@ __global__ void rotary_kernel(RotaryEmbeddingParams p) {
   const int64_t kv_row = static_cast<int64_t>(p.num_kv_heads) * p.head_dim;
   int64_t slot = -1;
   if constexpr (kCache) {
-    slot = static_cast<int64_t>(static_cast<const Index*>(p.slot_mapping)[t]);
+    // (its own index type: positions and slots need not share one)
+    slot = p.slot_mapping_int64 ? static_cast<const int64_t*>(p.slot_mapping)[t]
+                                : static_cast<int64_t>(static_cast<const int32_t*>(p.slot_mapping)[t]);
     if (slot >= static_cast<int64_t>(p.num_blocks) * p.block_size) slot = -1;
   }
   if (!rotate && slot < 0) return;
@@ -384,7 +388,8 @@ __global__ void rotary_kernel(RotaryEmbeddingParams p) {
 template <typename T, typename C, bool kVec>
 cudaError_t launch_rotary_cache(const RotaryEmbeddingParams& p, int threads, cudaStream_t s) {
   // 128 threads per CTA, one unit each, up to 32 CTAs per token (a decode token of the
-  // 8B shape: 20 CTAs of single pairs; one CTA per token took 3.9 us there).
+  // 8B shape: 20 CTAs of single pairs on the scalar path, 3 of 8 pairs a thread on the
+  // vector path; one CTA of single pairs per token took 3.9 us there).
   constexpr int V = kVec ? Vec<T>::kSize : 1;
   const int64_t units = std::max<int64_t>((p.num_heads + p.num_kv_heads) * (p.head_dim / 2) / V,
                                           static_cast<int64_t>(p.num_kv_heads) * p.head_dim / V);

@@ -65,6 +65,28 @@ def test_fused_add_rms_norm(dtype, hidden, tokens):
     check(x, ref)
 
 
+@pytest.mark.parametrize("vecs", ["1", "2", "4"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_vectors_per_thread(monkeypatch, dtype, vecs):
+    # PAGEDCORE_RMSNORM_VECS forces K (vectors a thread holds between the passes; by
+    # default chosen by the row count). Rows of 4100 in a stride of 4104: 16-byte rows
+    # whose last 4 elements take the scalar tail after the K held vectors and any others.
+    monkeypatch.setenv("PAGEDCORE_RMSNORM_VECS", vecs)
+    base_x = randn(300, 4104, dtype=dtype, seed=11, scale=2.0)
+    base_r = randn(300, 4104, dtype=dtype, seed=12, scale=4.0)
+    x, residual = base_x[:, :4100], base_r[:, :4100]
+    w = randn(4100, dtype=dtype, seed=13) + 1
+    ref, ref_residual = rms_norm_ref(x.cpu(), w.cpu(), EPS, residual=residual.cpu())
+    ops.fused_add_rms_norm(x, residual, w, EPS)
+    assert_same_bits(residual, ref_residual.to(dtype))
+    check(x, ref)
+    y = randn(300, 8192, dtype=dtype, seed=14, scale=3.0)
+    w2 = randn(8192, dtype=dtype, seed=15) + 1
+    out = torch.full_like(y, NAN)
+    ops.rms_norm(y, w2, EPS, out=out)
+    check(out, rms_norm_ref(y.cpu(), w2.cpu(), EPS)[0])
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("offset", [0, 1, 3, 8])
 def test_rms_norm_strided_unaligned_rows(dtype, offset):
@@ -131,7 +153,9 @@ def test_rotary(dtype, head_dim, rope, tokens, positions_dtype, pad):
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("tokens", [1, 17, 1000])
 @pytest.mark.parametrize("pad", [3, 8], ids=["rows-unaligned", "rows-on-16-bytes"])
-def test_rotary_with_the_cache_write(dtype, cache, head_dim, tokens, pad):
+@pytest.mark.parametrize("slots_dtype", [torch.int64, torch.int32], ids=["slots-int64", "slots-int32"])
+def test_rotary_with_the_cache_write(dtype, cache, head_dim, tokens, pad, slots_dtype):
+    # (positions int64: int32 slots beside them are read as int32, not as the positions' type)
     spec, _ = llama_spec(LLAMA3_SCALING, theta=500000.0, head_dim=head_dim)
     table = ops.cos_sin_cache(spec.inv_freq().to(DEV), 4096)
     heads, kv_heads, block_size = 8, 2, 16
@@ -149,7 +173,7 @@ def test_rotary_with_the_cache_write(dtype, cache, head_dim, tokens, pad):
     k_ref = rotary_ref(k.cpu(), positions.cpu(), table.cpu())
     v_before = v.clone()
     ops.rotary_embedding(positions, q, k, table, value=v, key_cache=k_cache, value_cache=v_cache,
-                         slot_mapping=slots.to(DEV), k_scale=k_scale, v_scale=v_scale)
+                         slot_mapping=slots.to(slots_dtype).to(DEV), k_scale=k_scale, v_scale=v_scale)
     check(q, q_ref, max_off=0.0)
     check(k, k_ref, max_off=0.0)
     assert_same_bits(v, v_before)
