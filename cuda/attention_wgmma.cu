@@ -19,7 +19,8 @@
 // one copy per cache block and 64-dim half (attention_wgmma_tma.cuh), mbarriers
 // hand the buffers between it and the two computing warpgroups, and CTAs are
 // persistent; =wgmma-tma-pairs (the default at head dim 128 up to block size
-// 32), one copy per block for both halves; =wgmma-tma-fp8 (opt-in), the TMA
+// 32), one copy per block for both halves; =wgmma-tma-fp8 (the default over fp8 caches at
+// head dim 128), the TMA
 // kernel over an fp8 e4m3 cache: bytes by TMA, widened to fp16 in shared
 // memory by the copying warpgroup (attention_wgmma_fp8.cuh).
 // Scores, softmax and O are float32; P is rounded to the query type (fp8
@@ -195,7 +196,7 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_prefill_kernel(const __grid
 // layout (the halves' 8-row atoms side by side, wgmma::swizzled_paired; the
 // wgmma descriptors' strides follow): 8 copies per K or V tile at block size
 // 16, not 16.
-// MODE kFp8 (=wgmma-tma-fp8, an fp8 e4m3 cache; opt-in): warp 0 copies each
+// MODE kFp8 (=wgmma-tma-fp8, an fp8 e4m3 cache): warp 0 copies each
 // tile's blocks of both byte caches by TMA into a staging slot (two slots,
 // one mbarrier each, bytes counted), and the whole copying warpgroup widens
 // the staged tile one step later (the next tile's copies in flight meanwhile)
@@ -680,7 +681,8 @@ bool wgmma_prefill_serves(const PagedAttentionParams& p) {
   // NOTE: an fp8 cache that the tensor maps cannot describe (block sizes that
   // are not powers of two in 8..128, a driver without the encoder or refusing
   // the cache) stays on the mma.sync kernel: encoded here once more per launch
-  // (microseconds of host time, on the opt-in variant only).
+  // (microseconds of host time on each eager or piecewise fp8 prefill launch; graphs
+  // capture the launch once).
   KvTensorMaps maps{};
   return p.head_dim == 64 ? encode_fp8_kv_maps<64>(p, maps) : encode_fp8_kv_maps<128>(p, maps);
 }

@@ -121,7 +121,7 @@ class _PrefillGraphs:
 
 # NOTE: measured on the H200 at 73b39de (bench_e2e_gpu.py --mixed, SmolLM2, 40 rows
 # decoding): steps with 16-512 prompt tokens took 5.1-6.3 ms (4.0-5.4 of host time in
-# execute) in pieces and 1.8-3.9 ms (1.2-3.6) as whole graphs; decode steps ~1.2-1.9 both.
+# execute) in pieces and 1.8-3.9 ms (1.2-3.7) as whole graphs; decode steps ~1.2-1.9 both.
 DEFAULT_MIXED_GRAPH_TOKENS = 1024
 
 
@@ -366,7 +366,7 @@ class ModelRunner:
         layers[i].pre_attention(positions, hidden, residual, table, key_cache, value_cache, slots, qkv_out=qkv)
         return None
 
-    # ---- whole CUDA graphs for small mixed steps (opt-in) --------------------------
+    # ---- whole CUDA graphs for small mixed steps ------------------------------------
 
     def _capture_mixed_graphs(self, config: _C.EngineConfig, max_tokens: int) -> None:
         """Captures, for each size of the prefill ladder up to ``max_tokens``, the

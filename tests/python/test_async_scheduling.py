@@ -428,6 +428,8 @@ def test_greedy_equals_transformers_and_the_synchronous_engine_on_gpu(model, gpu
     eager = graphs == "eager"
     if graphs == "pieces":
         monkeypatch.setenv("PAGEDCORE_MIXED_GRAPHS", "0")
+    else:
+        monkeypatch.delenv("PAGEDCORE_MIXED_GRAPHS", raising=False)
     path, ps, _, eos = model
     kw = dict(model=str(path), tokenizer=tokenizer_dir, device="cuda", dtype="float32", num_kv_blocks=256,
               max_model_len=256, max_num_seqs=16, max_num_batched_tokens=64, enforce_eager=eager)

@@ -5,7 +5,7 @@ replace), each against the float64 references of test_ops_cuda.py
 outputs): block sizes, head dims 64/128, GQA ratios (1, non-powers of two), bf16 and
 fp16, mixed rows (decode rows stay on the decode kernel; cached prefixes, lengths that
 are and are not block multiples), sliding window, softcap, key splits, rows of many key
-tiles; fp8 (e4m3) caches, which only wgmma-tma-fp8 takes, against float64 attention
+tiles; fp8 (e4m3) caches, which wgmma-tma-fp8 (and auto at head dim 128) takes, against float64 attention
 over the dequantized cache. Shapes a kernel does not serve (head dims 32/80/96/256, fp8
 caches under the other names, fp8 with softcap or block sizes that are not powers of two)
 must fall back to the mma.sync kernel under the same setting. Runs only where the kernel
@@ -248,6 +248,8 @@ def test_the_default_over_an_fp8_cache(monkeypatch, head_dim):
     # auto (PAGEDCORE_PREFILL_KERNEL unset or "auto"): wgmma-tma-fp8 at head dim 128, where
     # it measured 1.8x mma.sync at 8k causal; mma.sync at 64 (not timed apart). The two
     # kernels sum in different orders, so the bits tell which one ran.
+    if "wgmma-tma-fp8" not in KERNELS:
+        pytest.skip("wgmma-tma-fp8 left out by PAGEDCORE_TEST_PREFILL_KERNELS")
     monkeypatch.setattr(sys.modules[__name__], "KERNELS", ["mma", "wgmma-tma-fp8", "auto"])
     rows = [(300, 1000), (129, 129)]
     out = run_cuda(rows, block_size=16, head_dim=head_dim, group=4, dtype=torch.float16, fp8_scales=FP8_SCALES)
