@@ -569,12 +569,20 @@ def _mixed_steps(path: Path, fields: dict, args, mixed_graphs: str) -> None:
     # per execute() call: host seconds inside it, its prompt tokens, [start, end] events
     calls: list[list] = []
 
+    # --host-profile: cProfile around execute() of the steps with prompt tokens only
+    host_prof: list = [None]
+
     def timed_execute(batch, *a):
         start = torch.cuda.Event(enable_timing=True) if cuda else None
         if cuda:
             start.record()
+        prof = host_prof[0] if batch.num_tokens > batch.num_decode_seqs else None
         t = time.perf_counter()
+        if prof is not None:
+            prof.enable()
         out = execute(batch, *a)
+        if prof is not None:
+            prof.disable()
         calls.append([time.perf_counter() - t, batch.num_tokens - batch.num_decode_seqs, start, None])
         return out
 
@@ -640,6 +648,18 @@ def _mixed_steps(path: Path, fields: dict, args, mixed_graphs: str) -> None:
             k_ms, k_n = (ms - 3 * base_ms, n - 3 * base_n) if mixed else (base_ms, base_n)
             print(f"{prompt:>5}{'mixed' if mixed else 'decode':>8}{med(walls[i] for i in sel) * 1e3:8.3f}"
                   f"{med(calls[i][0] for i in sel) * 1e3:17.3f}{span:10.3f}{k_ms:9.3f}{k_n:10.0f}")
+    if args.host_profile:
+        import cProfile
+        import io
+        import pstats
+
+        host_prof[0] = cProfile.Profile()
+        rounds(256, 8)
+        host_prof[0], prof = None, host_prof[0]
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(25)
+        print(f"\nhost time inside execute() of 8 steps with 256 prompt tokens (cProfile, by own time):")
+        print("\n".join(line for line in text.getvalue().splitlines() if line.strip())[:6000])
     runner = engine.runner
     print("(wall: the engine.step() call that launched the step; with async scheduling it also waits for the "
           "step before. kernels: a mixed step's = its round's less three decode-only steps')")
@@ -685,7 +705,9 @@ def main() -> None:
                         help="--profile: kernel time by name of one prompt of TOKENS tokens instead")
     parser.add_argument("--mixed", action="store_true", help="steps with prompt tokens against decode-only steps")
     parser.add_argument("--mixed-rows", type=int, default=40, help="--mixed: the rows decoding meanwhile")
-    parser.add_argument("--mixed-graphs", default="0", help="--mixed: PAGEDCORE_MIXED_GRAPHS values to run, comma list")
+    parser.add_argument("--host-profile", action="store_true",
+                        help="--mixed: also cProfile the host work inside execute() of steps with prompt tokens")
+    parser.add_argument("--mixed-graphs", default="0,1024", help="--mixed: PAGEDCORE_MIXED_GRAPHS values to run, comma list")
     args = parser.parse_args()
     fields, n, mean_prompt, out = SHAPES[args.shape]
     n = args.requests or n
