@@ -539,6 +539,43 @@ def _prefill_profile(llm, fields: dict, args, rng) -> None:
     print(f"{'us':>9}{'calls':>7}  kernel")
     for name, (n, us) in sorted(totals.items(), key=lambda kv: -kv[1][1])[:30]:
         print(f"{us / runs:9.1f}{n / runs:7.1f}  {name[:110]}")
+    if args.device == "cuda":
+        _prefill_timeline(run)
+
+
+def _prefill_timeline(run) -> None:
+    """Where one run's wall time goes outside the kernels: from the generate() call to
+    the first kernel, the GPU's idle gaps between kernels, from the last kernel to the
+    call's return (torch.profiler, CPU and CUDA activity, one clock)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    try:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            t0 = time.perf_counter()
+            run()
+            wall_us = (time.perf_counter() - t0) * 1e6
+        cpu = [e.time_range for e in prof.events() if e.device_type == DeviceType.CPU]
+        gpu = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                     if e.device_type == DeviceType.CUDA)
+        if not cpu or not gpu:
+            print("timeline: no events")
+            return
+        first_cpu, last_cpu = min(r.start for r in cpu), max(r.end for r in cpu)
+        idle, big, busy_until = 0.0, [], gpu[0][1]
+        for start, end in gpu[1:]:
+            if start > busy_until:
+                idle += start - busy_until
+                big.append((start - busy_until, start - gpu[0][0]))
+            busy_until = max(busy_until, end)
+        big.sort(reverse=True)
+        print(f"timeline of one run ({wall_us / 1e3:.2f} ms wall, profiled): first CPU op to first kernel "
+              f"{(gpu[0][0] - first_cpu) / 1e3:.2f} ms, kernels' span {(busy_until - gpu[0][0]) / 1e3:.2f} ms with "
+              f"{idle / 1e3:.2f} ms idle inside, last kernel to last CPU op {(last_cpu - busy_until) / 1e3:.2f} ms")
+        print("largest idle gaps (us, at ms into the kernels): "
+              + ", ".join(f"{g:.0f} @ {at / 1e3:.2f}" for g, at in big[:8]))
+    except Exception as exc:  # a diagnostic: never the call's end
+        print(f"timeline: {type(exc).__name__}: {exc}")
 
 
 def mixed_steps(path: Path, fields: dict, args) -> None:
