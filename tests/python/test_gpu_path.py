@@ -170,6 +170,29 @@ def test_fp8_kv_cache_tracks_an_e4m3_reference_over_many_steps(tiny) -> None:
     assert fp8.stats()["num_free_blocks"] == fp8.stats()["num_blocks"]
 
 
+def test_fp8_kv_cache_at_head_dim_128_tracks_an_e4m3_reference(tmp_path) -> None:
+    # Head dim 128 with an fp8 cache: prompt tiles go to the Hopper prefill kernel over
+    # fp8 (wgmma-tma-fp8, the default there on sm_90; mma.sync elsewhere), inside the
+    # whole graph of a mixed step by default; decode rows to the decode kernel. The
+    # reference: transformers reading K and V rounded to e4m3, as above.
+    config = transformers.LlamaConfig(
+        vocab_size=384, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=128, max_position_embeddings=1024, rms_norm_eps=1e-5,
+        rope_theta=10000.0, initializer_range=0.1, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )
+    torch.manual_seed(128)
+    path = tmp_path / "head-dim-128"
+    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
+    add_toy_tokenizer(path, 384)
+    gen = torch.Generator().manual_seed(128)
+    ps = [torch.randint(3, 384, (n,), generator=gen).tolist() for n in (40, 130, 257)]
+    fp8 = LLM(model=str(path), device="cuda", dtype="bfloat16", kv_cache_dtype="fp8", num_kv_blocks=128,
+              max_model_len=512)
+    assert fp8.llm_engine.runner.kv_caches[0][0].dtype == torch.float8_e4m3fn
+    assert_tracks_float32(fp8, path, ps, steps=40, device="cuda", fp8_kv=True)
+    assert fp8.stats()["num_free_blocks"] == fp8.stats()["num_blocks"]
+
+
 def test_async_output_processing_changes_no_output_on_gpu(tiny) -> None:
     # On by default on CUDA: the same greedy, seeded (with penalties) and
     # stop-string outputs as processing each step before the next, no block leaked.
