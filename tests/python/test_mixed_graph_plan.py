@@ -134,3 +134,25 @@ def test_a_step_the_eager_plan_would_split_takes_the_pieces(case) -> None:
     assert torch.equal(p.host, before)
     # The same step over short contexts fits.
     assert p.fill(qsl, np.minimum(lens, np.array(q_lens) + 300).astype(np.int32), pad_row=len(q_lens))
+
+
+@pytest.mark.parametrize("keys", [512, planning._PADDED_UNSPLIT_TILE_KEYS])
+def test_a_short_chunk_the_eager_plan_would_split_takes_the_graph(keys) -> None:
+    # SmolLM2's 512-token prompt beside 40 decode rows: 25 tiles x 3 kv heads leave most
+    # of 132 SMs idle, so plan_attention splits the chunk's keys; rows of up to
+    # _PADDED_UNSPLIT_TILE_KEYS keys take the graph's unsplit tiles all the same.
+    p = padded(1024, 256)
+    q_lens = [1] * 40 + [512]
+    seq_lens = [300] * 40 + [keys]
+    qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    lens = np.array(seq_lens, dtype=np.int32)
+    eager = planning.plan_attention(qsl, lens, 9, 3, torch.device("cpu"), 64, torch.bfloat16)
+    assert eager.num_splits == keys // 256  # (2 or 4: 256 keys a split at least)
+    assert p.fill(qsl, lens, pad_row=41)
+    count = covered(p, q_lens + [1])
+    assert {k: v for k, v in count.items() if k[0] != 41} == {(r, i): 1 for r, n in enumerate(q_lens) for i in range(n)}
+    # One key more and the split is worth more than the graph: the pieces take it.
+    longer = lens.copy()
+    longer[-1] = planning._PADDED_UNSPLIT_TILE_KEYS + 1
+    assert planning.plan_attention(qsl, longer, 9, 3, torch.device("cpu"), 64, torch.bfloat16).num_splits > 1
+    assert not p.fill(qsl, longer, pad_row=41)

@@ -154,6 +154,14 @@ def plan_attention(
 
 
 _PADDED_SPLIT_ROWS = 32
+# Prefill chunks whose rows hold at most this many keys take a whole mixed graph's
+# unsplit tiles even where plan_attention would split them (few tiles: SmolLM2's
+# 512-token prompt is 25 tiles x 3 kv heads, split in 2 eagerly). NOTE: measured on
+# the H200 at 73b39de / f862100 (bench_e2e_gpu.py --mixed, SmolLM2, 40 rows
+# decoding): such a step took 4.7-5.7 ms in pieces (3.9-5.4 ms of host time in
+# execute) against 1.9-2.6 for the whole graphs of 256-token prompts; a split of
+# <= 1024 keys saves a few us a layer.
+_PADDED_UNSPLIT_TILE_KEYS = 1024
 
 
 class PaddedPlan:
@@ -206,14 +214,17 @@ class PaddedPlan:
         :meth:`upload`); False, with nothing staged, when the step has more tile
         or decode items than the plan holds, or when :func:`plan_attention` would
         split its keys more than this plan does (long contexts: there the split
-        launch is worth more than the graph)."""
+        launch is worth more than the graph; prefill chunks of rows up to
+        _PADDED_UNSPLIT_TILE_KEYS keys are taken unsplit)."""
         plan = self.plan
         work_seq, work_q_start, tile, decode_seq, is_decode, lens = _plan_lists(
             query_start_loc, seq_lens, self.num_heads, self.num_kv_heads, self.head_dim, self.dtype)
         if tile != plan.tile_tokens or work_seq.shape[0] > plan.num_work or decode_seq.shape[0] > plan.num_decode:
             return False
         total, decodes = work_seq.shape[0], decode_seq.shape[0]
-        if total and _splits(total * self.num_kv_heads, int(lens[~is_decode].max()), self.sms) > plan.num_splits:
+        longest_tile = int(lens[~is_decode].max()) if total else 0
+        if (longest_tile > _PADDED_UNSPLIT_TILE_KEYS
+                and _splits(total * self.num_kv_heads, longest_tile, self.sms) > plan.num_splits):
             return False
         if decodes and _splits(decodes * self.num_kv_heads, int(lens[is_decode].max()), self.sms,
                                _DECODE_SPLIT_KEYS) > plan.decode_splits:
