@@ -31,7 +31,10 @@ CUDA_LINEAR_MAX_ROWS = int(getattr(_C, "CUDA_LINEAR_MAX_ROWS", 0))
 # 576-wide LM head: 19.1 against 16.6 us). So: one row always, except large weights of
 # short rows; 2-16 rows over weights up to _LARGE_WEIGHT_BYTES.
 _DEFAULT_MODEL_ROWS = 16
-_LARGE_WEIGHT_BYTES = 40 << 20
+# (PAGEDCORE_CUDA_LINEAR_LARGE_MIB overrides the 40 MiB, for A/B runs: with
+# PAGEDCORE_LINEAR_PARTS=4 the 8B shape's qkv at 16 rows took 16.8 us in isolation,
+# cuBLAS 16.1, before the PDL overlap that only the kernels have in a model's chain.)
+_LARGE_WEIGHT_BYTES = int(float(os.environ.get("PAGEDCORE_CUDA_LINEAR_LARGE_MIB", "40")) * (1 << 20))
 #: Token rows up to which the model sends a CUDA product to the kernels (where its
 #: weight is small enough, see :func:`cuda_linear_eligible`; else cuBLAS).
 #: ``PAGEDCORE_CUDA_LINEAR_ROWS`` overrides the default of 16, for benchmarks and A/B runs.

@@ -35,9 +35,18 @@ class AttentionPlan:
         self.num_splits = num_splits
         self.decode_splits = decode_splits
         self.device = device
-        self.work_seq = torch.from_numpy(work_seq).to(device, non_blocking=True)
-        self.work_q_start = torch.from_numpy(work_q_start).to(device, non_blocking=True)
-        self.decode_seq = torch.from_numpy(decode_seq).to(device, non_blocking=True)
+        # The three int32 lists in one copy. NOTE: from pinned memory (torch's caching
+        # host allocator keeps the block until the copy has run): a copy from pageable
+        # memory first waits for the stream's queued work, so a plan built while the
+        # device runs the step's first layer piece (model_runner._replay_prefill) would
+        # wait for it.
+        lists = np.concatenate([np.asarray(a, dtype=np.int32) for a in (work_seq, work_q_start, decode_seq)])
+        host = torch.from_numpy(lists)
+        if torch.device(device).type == "cuda":
+            host = host.pin_memory()
+        both = host.to(device, non_blocking=True)
+        w = self.num_work
+        self.work_seq, self.work_q_start, self.decode_seq = both[:w], both[w:2 * w], both[2 * w:]
         self._buffers: dict[str, torch.Tensor] = {}
 
     def _buffer(self, name: str, size: int, dtype: torch.dtype = torch.float32) -> int:
