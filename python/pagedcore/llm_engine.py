@@ -361,6 +361,19 @@ class _Phases:
                      ", ".join(f"{name} {t:.3f} s" for name, t in self.times))
 
 
+def _prompt_ids(token_ids: Sequence[int], vocab_size: int) -> tuple[list[int], int | None]:
+    """The prompt's ids as Python ints, and the first one outside [0, vocab_size)
+    (None if none is). A list or array of integers goes through numpy (a Python loop
+    over a 4k-token prompt costs ~0.5 ms); anything else through int()."""
+    if isinstance(token_ids, (list, tuple, np.ndarray)):
+        arr = np.asarray(token_ids)
+        if arr.ndim == 1 and arr.dtype.kind in "iu":
+            outside = np.flatnonzero((arr < 0) | (arr >= vocab_size))
+            return arr.tolist(), (int(arr[outside[0]]) if outside.size else None)
+    ids = [int(t) for t in token_ids]
+    return ids, next((t for t in ids if not 0 <= t < vocab_size), None)
+
+
 class LLMEngine:
     """Generation over a paged KV cache; see :class:`pagedcore.LLM` for the arguments."""
 
@@ -672,14 +685,13 @@ class LLMEngine:
             # A stop string ended it while a step held it: the engine lets the id go
             # once that step is updated.
             self._complete_inflight()
-        ids = [int(t) for t in prompt_token_ids]
+        ids, bad = _prompt_ids(prompt_token_ids, self.spec.vocab_size)
         if not ids:
             raise ValueError("the prompt is empty (0 tokens)")
         if len(ids) > self.max_model_len:
             raise ValueError(
                 f"the prompt has {len(ids)} tokens, more than max_model_len ({self.max_model_len})"
             )
-        bad = next((t for t in ids if not 0 <= t < self.spec.vocab_size), None)
         if bad is not None:
             raise ValueError(f"prompt_token_ids contains {bad}, outside [0, {self.spec.vocab_size})")
         room = self.max_model_len - len(ids)
