@@ -41,6 +41,11 @@ _LARGE_WEIGHT_BYTES = int(float(os.environ.get("PAGEDCORE_CUDA_LINEAR_LARGE_MIB"
 CUDA_LINEAR_MODEL_ROWS = min(int(os.environ.get("PAGEDCORE_CUDA_LINEAR_ROWS", str(_DEFAULT_MODEL_ROWS))),
                              CUDA_LINEAR_MAX_ROWS)
 _ENABLED = os.environ.get("PAGEDCORE_CUDA_LINEAR", "1") != "0"
+# A/B switch (0: off): at 2-16 rows, weights over _LARGE_WEIGHT_BYTES whose rows hold at
+# least this many elements go to the kernels too (the 8B shape's down product, 14336
+# long: 31.7-33.1 us against cuBLAS's 32.4-33.0 alone, where cuBLAS adds a split-K
+# reduction kernel and neither overlaps its start with the kernel before, as PDL does).
+_LONG_ROWS = int(os.environ.get("PAGEDCORE_CUDA_LINEAR_LONG_K", "0") or 0)
 
 
 def _aligned_rows(x: torch.Tensor) -> bool:
@@ -60,7 +65,9 @@ def cuda_linear_eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:
     ):
         return False
     large = weight.numel() * weight.element_size() > _LARGE_WEIGHT_BYTES
-    return not large if x.shape[0] > 1 else not (large and x.shape[1] < 1024)
+    if x.shape[0] > 1:
+        return not large or (_LONG_ROWS > 0 and x.shape[1] >= _LONG_ROWS)
+    return not (large and x.shape[1] < 1024)
 
 
 def linear_cuda(op: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
