@@ -366,7 +366,10 @@ def _prompt_ids(token_ids: Sequence[int], vocab_size: int) -> tuple[list[int], i
     (None if none is). A list or array of integers goes through numpy (a Python loop
     over a 4k-token prompt costs ~0.5 ms); anything else through int()."""
     if isinstance(token_ids, (list, tuple, np.ndarray)):
-        arr = np.asarray(token_ids)
+        try:
+            arr = np.asarray(token_ids)
+        except (ValueError, TypeError):  # (ragged nesting: int() below says what is wrong)
+            arr = np.zeros((0, 0))
         if arr.ndim == 1 and arr.dtype.kind in "iu":
             outside = np.flatnonzero((arr < 0) | (arr >= vocab_size))
             return arr.tolist(), (int(arr[outside[0]]) if outside.size else None)

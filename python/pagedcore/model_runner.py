@@ -464,12 +464,19 @@ class ModelRunner:
         self.mixed_graph_replays += 1
         return entry.hidden[sample_indices.long()]
 
-    def _eager_metadata(self, batch: _C.StepBatch, seq_lens: np.ndarray, width: int) -> AttentionMetadata:
-        """The step's attention metadata, queued to the device, and on CUDA its plan."""
+    def _eager_metadata(self, batch: _C.StepBatch, seq_lens: np.ndarray, width: int,
+                        slot_mapping: torch.Tensor | None = None) -> AttentionMetadata:
+        """The step's attention metadata, queued to the device, and on CUDA its plan
+        (``slot_mapping``: already on the device, else staged from the batch)."""
         s, num_seqs = self.staging, batch.num_seqs
+        # The block tables packed at the head of their staging buffer: a copy from a
+        # strided slice would go through a pageable temporary.
+        tables = s.block_tables.view(-1)[:num_seqs * width].view(num_seqs, width)
+        np.copyto(tables.numpy(), batch.block_tables[:, :width])
         md = AttentionMetadata(
-            slot_mapping=self._to_device(_put(s.slot_mapping, batch.slot_mapping)),
-            block_tables=self._to_device(s.block_tables[:num_seqs, :width]),
+            slot_mapping=(slot_mapping if slot_mapping is not None
+                          else self._to_device(_put(s.slot_mapping, batch.slot_mapping))),
+            block_tables=self._to_device(tables),
             seq_lens=self._to_device(_put(s.seq_lens, seq_lens)),
             query_start_loc=self._to_device(_put(s.query_start_loc, batch.query_start_loc)),
         )
@@ -498,13 +505,8 @@ class ModelRunner:
         ids, pos = s.input_ids.numpy(), s.positions.numpy()
         ids[:n], pos[:n] = batch.input_ids, batch.positions
         ids[n:t], pos[n:t] = 0, 0
-        # (the slots after the step's own: -1, no cache write; md's copy reads the first n)
         slots = s.slot_mapping.numpy()
-        slots[:n], slots[n:t] = batch.slot_mapping, -1
-        self._p_input_ids[:t].copy_(s.input_ids[:t], non_blocking=True)
-        self._p_positions[:t].copy_(s.positions[:t], non_blocking=True)
-        self._p_slot_mapping[:t].copy_(s.slot_mapping[:t], non_blocking=True)
-        self._take_deferred(self._p_input_ids, deferred, previous)
+        slots[:n], slots[n:t] = batch.slot_mapping, -1  # (padding: -1, no cache write)
 
         def piece(i: int) -> torch.Tensor | None:
             if entry is None:  # run_prefill_in_pieces: eagerly
@@ -512,10 +514,16 @@ class ModelRunner:
             entry.graphs[i].replay()
             return entry.hidden if i == spec.num_layers else None
 
-        piece(0)
-        md = self._eager_metadata(batch, seq_lens, width)
-        sample_indices = self._to_device(_put(s.sample_indices, batch.sample_indices))
-        self._staging_copied()
+        try:
+            self._p_input_ids[:t].copy_(s.input_ids[:t], non_blocking=True)
+            self._p_positions[:t].copy_(s.positions[:t], non_blocking=True)
+            self._p_slot_mapping[:t].copy_(s.slot_mapping[:t], non_blocking=True)
+            self._take_deferred(self._p_input_ids, deferred, previous)
+            piece(0)
+            md = self._eager_metadata(batch, seq_lens, width, slot_mapping=self._p_slot_mapping[:n])
+            sample_indices = self._to_device(_put(s.sample_indices, batch.sample_indices))
+        finally:  # (also when planning fails: the next step must not rewrite what is queued)
+            self._staging_copied()
         q = self._p_qkv[:n, :spec.q_size].view(n, spec.num_heads, spec.head_dim)
         attn = self._p_attn[:n]
         scale, window = self.model.layers[0].scale, spec.sliding_window

@@ -136,14 +136,15 @@ def test_a_step_the_eager_plan_would_split_takes_the_pieces(case) -> None:
     assert p.fill(qsl, np.minimum(lens, np.array(q_lens) + 300).astype(np.int32), pad_row=len(q_lens))
 
 
-@pytest.mark.parametrize("keys", [512, planning._PADDED_UNSPLIT_TILE_KEYS])
+@pytest.mark.parametrize("keys", [512, 1024])
 def test_a_short_chunk_the_eager_plan_would_split_takes_the_graph(keys) -> None:
     # SmolLM2's 512-token prompt beside 40 decode rows: 25 tiles x 3 kv heads leave most
-    # of 132 SMs idle, so plan_attention splits the chunk's keys; rows of up to
-    # _PADDED_UNSPLIT_TILE_KEYS keys take the graph's unsplit tiles all the same.
+    # of 132 SMs idle, so plan_attention splits the chunk's keys; rows of up to 1024 keys
+    # take the graph's unsplit tiles all the same (decode rows' lengths do not count).
+    assert planning._PADDED_UNSPLIT_TILE_KEYS == 1024
     p = padded(1024, 256)
     q_lens = [1] * 40 + [512]
-    seq_lens = [300] * 40 + [keys]
+    seq_lens = [1500] * 40 + [keys]
     qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     lens = np.array(seq_lens, dtype=np.int32)
     eager = planning.plan_attention(qsl, lens, 9, 3, torch.device("cpu"), 64, torch.bfloat16)
@@ -151,8 +152,20 @@ def test_a_short_chunk_the_eager_plan_would_split_takes_the_graph(keys) -> None:
     assert p.fill(qsl, lens, pad_row=41)
     count = covered(p, q_lens + [1])
     assert {k: v for k, v in count.items() if k[0] != 41} == {(r, i): 1 for r, n in enumerate(q_lens) for i in range(n)}
-    # One key more and the split is worth more than the graph: the pieces take it.
-    longer = lens.copy()
-    longer[-1] = planning._PADDED_UNSPLIT_TILE_KEYS + 1
-    assert planning.plan_attention(qsl, longer, 9, 3, torch.device("cpu"), 64, torch.bfloat16).num_splits > 1
-    assert not p.fill(qsl, longer, pad_row=41)
+
+
+@pytest.mark.parametrize("first", [600, 1025])
+def test_a_chunk_over_more_than_1024_keys_takes_the_pieces(first) -> None:
+    # Two prompt chunks, one of them (either) over 1,025 keys: the longest chunk decides,
+    # and the split is worth more than the graph there.
+    p = padded(1024, 256)
+    q_lens = [1] * 8 + [200, 200]
+    seq_lens = [300] * 8 + [first, 1625 - first]
+    qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    lens = np.array(seq_lens, dtype=np.int32)
+    assert planning.plan_attention(qsl, lens, 9, 3, torch.device("cpu"), 64, torch.bfloat16).num_splits > 1
+    before = p.host.clone()
+    assert not p.fill(qsl, lens, pad_row=10)
+    assert torch.equal(p.host, before)
+    # Both at 1024 keys or fewer: the graph.
+    assert p.fill(qsl, np.minimum(lens, 1024).astype(np.int32), pad_row=10)

@@ -34,7 +34,7 @@ _DEFAULT_MODEL_ROWS = 16
 # (PAGEDCORE_CUDA_LINEAR_LARGE_MIB overrides the 40 MiB, for A/B runs: with
 # PAGEDCORE_LINEAR_PARTS=4 the 8B shape's qkv at 16 rows took 16.8 us in isolation,
 # cuBLAS 16.1, before the PDL overlap that only the kernels have in a model's chain.)
-_LARGE_WEIGHT_BYTES = int(float(os.environ.get("PAGEDCORE_CUDA_LINEAR_LARGE_MIB", "40")) * (1 << 20))
+_LARGE_WEIGHT_BYTES = int(float(os.environ.get("PAGEDCORE_CUDA_LINEAR_LARGE_MIB", "") or 40) * (1 << 20))
 #: Token rows up to which the model sends a CUDA product to the kernels (where its
 #: weight is small enough, see :func:`cuda_linear_eligible`; else cuBLAS).
 #: ``PAGEDCORE_CUDA_LINEAR_ROWS`` overrides the default of 16, for benchmarks and A/B runs.
@@ -57,7 +57,9 @@ def cuda_linear_eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:
     1..:data:`CUDA_LINEAR_MODEL_ROWS` rows, bfloat16/float16 like the weight,
     ``in_features`` a multiple of 8, 16-byte aligned dense rows, a contiguous weight;
     and where the kernels measured faster than cuBLAS: at one row unless the weight is
-    large (> 40 MiB) and its rows short (< 1024), at 2-16 rows over weights up to 40 MiB."""
+    large (> 40 MiB, ``PAGEDCORE_CUDA_LINEAR_LARGE_MIB``) and its rows short (< 1024), at
+    2-16 rows over weights up to 40 MiB (and larger ones of rows of at least
+    ``PAGEDCORE_CUDA_LINEAR_LONG_K`` elements, when that is set)."""
     if not (
         _ENABLED and x.device.type == "cuda" and x.dim() == 2 and 1 <= x.shape[0] <= CUDA_LINEAR_MODEL_ROWS
         and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
