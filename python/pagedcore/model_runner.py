@@ -450,7 +450,8 @@ class ModelRunner:
         lens, starts = s.seq_lens.numpy(), s.query_start_loc.numpy()
         lens[:r], lens[r] = seq_lens, 1
         starts[:r + 1], starts[r + 1] = batch.query_start_loc, n + 1
-        s.block_tables.numpy()[r, :width] = 0
+        tables = s.block_tables.numpy()
+        tables[:r, :width], tables[r, :width] = batch.block_tables[:, :width], 0
         self._p_input_ids[:t].copy_(s.input_ids[:t], non_blocking=True)
         self._p_positions[:t].copy_(s.positions[:t], non_blocking=True)
         self._p_slot_mapping[:t].copy_(s.slot_mapping[:t], non_blocking=True)
@@ -597,7 +598,8 @@ class ModelRunner:
                                  s.seq_lens.numpy())
         ids[:n], pos[:n], slots[:n], lens[:n] = batch.input_ids, batch.positions, batch.slot_mapping, batch.seq_lens
         ids[n:b], pos[n:b], slots[n:b], lens[n:b] = 0, 0, -1, 1
-        s.block_tables.numpy()[n:b, 0] = 0
+        tables = s.block_tables.numpy()
+        tables[:n, :width], tables[n:b, 0] = batch.block_tables[:, :width], 0
         self._g_input_ids[:b].copy_(s.input_ids[:b], non_blocking=True)
         self._g_positions[:b].copy_(s.positions[:b], non_blocking=True)
         self._g_slot_mapping[:b].copy_(s.slot_mapping[:b], non_blocking=True)
@@ -668,7 +670,6 @@ class ModelRunner:
         seq_lens_np = batch.seq_lens
         width = (int(seq_lens_np.max()) + self.block_size - 1) // self.block_size
         self._staging_free()
-        np.copyto(s.block_tables.numpy()[:num_seqs, :width], batch.block_tables[:, :width])
         deferred = self._deferred_indices(batch, previous)
         # (A step with prompt-logprob rows has prompt chunks: never a graph's.)
         if (self.graphs and batch.num_tokens == num_seqs == batch.num_samples

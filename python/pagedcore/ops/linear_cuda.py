@@ -31,23 +31,18 @@ CUDA_LINEAR_MAX_ROWS = int(getattr(_C, "CUDA_LINEAR_MAX_ROWS", 0))
 # 576-wide LM head: 19.1 against 16.6 us). So: one row always, except large weights of
 # short rows; 2-16 rows over weights up to _LARGE_WEIGHT_BYTES.
 _DEFAULT_MODEL_ROWS = 16
-# (PAGEDCORE_CUDA_LINEAR_LARGE_MIB overrides the 40 MiB, for A/B runs: with
-# PAGEDCORE_LINEAR_PARTS=4 the 8B shape's qkv at 16 rows took 16.8 us in isolation,
-# cuBLAS 16.1, before the PDL overlap that only the kernels have in a model's chain.)
-_LARGE_WEIGHT_BYTES = int(float(os.environ.get("PAGEDCORE_CUDA_LINEAR_LARGE_MIB", "") or 40) * (1 << 20))
+# NOTE: also measured end to end on the H200 (8B TPOT batch 1 / 16, ms): every product
+# above one row on cuBLAS 4.37 / 5.04 (9b2e4b9); qkv and o on the kernels at 4 parts of k
+# (limit 64 MiB) 4.37 / 5.12; the down product (14336-long rows, where cuBLAS adds a
+# split-K reduction) on the kernels 4.34 / 5.03 against 4.34 / 5.02 (ebdd2cc). No routing
+# gained beyond noise; the switches were removed.
+_LARGE_WEIGHT_BYTES = 40 << 20
 #: Token rows up to which the model sends a CUDA product to the kernels (where its
 #: weight is small enough, see :func:`cuda_linear_eligible`; else cuBLAS).
 #: ``PAGEDCORE_CUDA_LINEAR_ROWS`` overrides the default of 16, for benchmarks and A/B runs.
 CUDA_LINEAR_MODEL_ROWS = min(int(os.environ.get("PAGEDCORE_CUDA_LINEAR_ROWS", str(_DEFAULT_MODEL_ROWS))),
                              CUDA_LINEAR_MAX_ROWS)
 _ENABLED = os.environ.get("PAGEDCORE_CUDA_LINEAR", "1") != "0"
-# A/B switch (0: off): at 2-16 rows, weights over _LARGE_WEIGHT_BYTES whose rows hold at
-# least this many elements go to the kernels too (the 8B shape's down product, 14336
-# long: 31.7-33.1 us against cuBLAS's 32.4-33.0 alone, where cuBLAS adds a split-K
-# reduction kernel and neither overlaps its start with the kernel before, as PDL does).
-# Measured on the H200 at ebdd2cc: 8B TPOT batch 16 5.03 ms with 8192 against 5.02
-# without; no gain, so off.
-_LONG_ROWS = int(os.environ.get("PAGEDCORE_CUDA_LINEAR_LONG_K", "0") or 0)
 
 
 def _aligned_rows(x: torch.Tensor) -> bool:
@@ -59,9 +54,7 @@ def cuda_linear_eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:
     1..:data:`CUDA_LINEAR_MODEL_ROWS` rows, bfloat16/float16 like the weight,
     ``in_features`` a multiple of 8, 16-byte aligned dense rows, a contiguous weight;
     and where the kernels measured faster than cuBLAS: at one row unless the weight is
-    large (> 40 MiB, ``PAGEDCORE_CUDA_LINEAR_LARGE_MIB``) and its rows short (< 1024), at
-    2-16 rows over weights up to 40 MiB (and larger ones of rows of at least
-    ``PAGEDCORE_CUDA_LINEAR_LONG_K`` elements, when that is set)."""
+    large (> 40 MiB) and its rows short (< 1024), at 2-16 rows over weights up to 40 MiB."""
     if not (
         _ENABLED and x.device.type == "cuda" and x.dim() == 2 and 1 <= x.shape[0] <= CUDA_LINEAR_MODEL_ROWS
         and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
@@ -69,9 +62,7 @@ def cuda_linear_eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:
     ):
         return False
     large = weight.numel() * weight.element_size() > _LARGE_WEIGHT_BYTES
-    if x.shape[0] > 1:
-        return not large or (_LONG_ROWS > 0 and x.shape[1] >= _LONG_ROWS)
-    return not (large and x.shape[1] < 1024)
+    return not large if x.shape[0] > 1 else not (large and x.shape[1] < 1024)
 
 
 def linear_cuda(op: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

@@ -168,11 +168,9 @@ _PADDED_SPLIT_ROWS = 32
 # the H200 at 73b39de / f862100 (bench_e2e_gpu.py --mixed, SmolLM2, 40 rows
 # decoding): such a step took 4.7-5.7 ms in pieces (3.9-5.4 ms of host time in
 # execute) against 1.9-2.6 for the whole graphs of 256-token prompts; a split of
-# <= 1024 keys saves a few us a layer. (PAGEDCORE_PADDED_UNSPLIT_KEYS overrides it, for
-# A/B runs: serving SmolLM2 at half load, the steps with prompt tokens still had a p99 of
-# 5.8 ms against a median of 2.1 at ebdd2cc; longer chunks over more keys take the pieces.
-# With 4096 at 2c2a9fb: 6.6 against 2.1, inter-token p99 / p50 3.18 against 2.53: no gain.)
-_PADDED_UNSPLIT_TILE_KEYS = int(os.environ.get("PAGEDCORE_PADDED_UNSPLIT_KEYS", "") or 1024)
+# <= 1024 keys saves a few us a layer. 4096 instead (2c2a9fb, serving SmolLM2 at half
+# load) gained nothing: steps with prompt tokens p99 6.6 ms against 5.8 with 1024.
+_PADDED_UNSPLIT_TILE_KEYS = 1024
 
 
 class PaddedPlan:

@@ -88,16 +88,10 @@ def freeze_startup_objects() -> None:
 
     gc.collect()
     gc.freeze()
-    # A/B switch (unset: Python's 700): the young generation's threshold. NOTE: serving
-    # SmolLM2 on the H200 at half load (ebdd2cc), the HTTP process ran 63 young
-    # collections of 0.51 ms, 6 of the middle generation of 3.3 ms and one full one of
-    # 6.3 ms in 4 s, each a stall of every stream's next chunk (event-loop lag p99 5.3
-    # ms, inter-token p99 5.1 against a median of 2.0). With 10000 (2c2a9fb) it collected
-    # once in the run (5.2 ms), yet the loop lag p99 stayed 4.9 ms and the inter-token
-    # p99 / p50 went 2.53 -> 3.18 (another run, with another switch): no gain shown.
-    threshold = os.environ.get("PAGEDCORE_GC_GEN0_THRESHOLD", "")
-    if threshold:
-        gc.set_threshold(int(threshold), *gc.get_threshold()[1:])
+    # NOTE: Python's thresholds are kept. Serving SmolLM2 on the H200 at half load
+    # (ebdd2cc) the HTTP process collected 70 times in 4 s (young 0.51 ms, middle 3.3,
+    # one full 6.3); with a young threshold of 10000 (2c2a9fb) once, yet the event
+    # loop's lag p99 stayed ~5 ms and the inter-token tail did not shrink.
 
 
 def set_serving_threads(engine) -> int | None:
