@@ -312,17 +312,19 @@ def latency(path: Path, fields: dict, args) -> None:
 
 
 def overhead(path: Path, fields: dict, args) -> None:
-    """GPU idle fraction between decode steps at batch 256 (events around each step)."""
+    """GPU idle fraction between decode steps (events around each step), at each
+    batch size of --overhead-batches: whether a step's time is the device's or the host's."""
     from pagedcore import LLM, SamplingParams
 
+    batches = [int(b) for b in args.overhead_batches.split(",")]
     llm = LLM(model=str(path), load_format="dummy", dtype="bfloat16", device=args.device,
               max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
-              max_num_seqs=256, enforce_eager=args.enforce_eager)
+              max_num_seqs=max(batches), enforce_eager=args.enforce_eager)
     engine = llm.llm_engine
     rng = np.random.default_rng(args.seed)
-    prompts = [{"prompt_token_ids": rng.integers(3, fields["vocab_size"], 128).tolist()} for _ in range(256)]
     params = SamplingParams(temperature=0.0, max_tokens=256, ignore_eos=True)
-    llm.generate(prompts[:16], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    llm.generate([{"prompt_token_ids": rng.integers(3, fields["vocab_size"], 128).tolist()} for _ in range(16)],
+                 SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     spans: list[tuple[torch.cuda.Event, torch.cuda.Event, float, bool]] = []
     execute, sample = engine.runner.execute, engine.sampler.__call__
 
@@ -343,16 +345,26 @@ def overhead(path: Path, fields: dict, args) -> None:
 
     engine.runner.execute = timed_execute
     engine.sampler = timed_sample
-    llm.generate(prompts, params, use_tqdm=False)
-    torch.cuda.synchronize()
-    decode = [i for i, sp in enumerate(spans) if sp[3] and sp[1] is not None]
-    first, last = decode[len(decode) // 10], decode[-2]  # steady state: skip the first tenth
-    busy = sum(spans[i][0].elapsed_time(spans[i][1]) / 1e3 for i in range(first, last))
-    wall = spans[last][2] - spans[first][2]
-    print(f"\n{args.shape}: 256 requests, 128-token prompts, 256 outputs; {len(spans)} steps, "
-          f"{len(decode)} decode steps, {engine.runner.graph_replays} from CUDA graphs")
-    print(f"decode steps {first}..{last}: wall {wall * 1e3:.1f} ms, GPU busy {busy * 1e3:.1f} ms, "
-          f"GPU idle {1 - busy / wall:.1%} of the wall time (target <= 5%); {wall / (last - first) * 1e3:.2f} ms per step")
+    for b in batches:
+        spans.clear()
+        prompts = [{"prompt_token_ids": rng.integers(3, fields["vocab_size"], 128).tolist()} for _ in range(b)]
+        replays = engine.runner.graph_replays
+        llm.generate(prompts, params, use_tqdm=False)
+        torch.cuda.synchronize()
+        decode = [i for i, sp in enumerate(spans) if sp[3] and sp[1] is not None]
+        first, last = decode[len(decode) // 10], decode[-2]  # steady state: skip the first tenth
+        busy = sum(spans[i][0].elapsed_time(spans[i][1]) / 1e3 for i in range(first, last))
+        # (a step's span: its forward pass and sampler; the gap to the next one is idle)
+        gpu = sorted(spans[i][0].elapsed_time(spans[i][1]) for i in range(first, last))
+        wall = spans[last][2] - spans[first][2]
+        steps = last - first
+        print(f"\n{args.shape}: {b} requests, 128-token prompts, 256 outputs; {len(spans)} steps, "
+              f"{len(decode)} decode steps, {engine.runner.graph_replays - replays} from CUDA graphs")
+        print(f"decode steps {first}..{last}: wall {wall * 1e3:.1f} ms, GPU busy {busy * 1e3:.1f} ms, "
+              f"GPU idle {1 - busy / wall:.1%} of the wall time (target <= 5% at 256); {wall / steps * 1e3:.3f} ms "
+              f"per step, of which the device's forward pass and sampler {busy / steps * 1e3:.3f} "
+              f"(median {gpu[len(gpu) // 2]:.3f})")
+    engine.runner.execute, engine.sampler = execute, sample
     del llm, engine
     _free()
 
@@ -735,6 +747,7 @@ def main() -> None:
     parser.add_argument("--json", default=None, help="also write the results here")
     parser.add_argument("--latency", action="store_true", help="the latency cases instead of throughput")
     parser.add_argument("--overhead", action="store_true", help="the GPU idle fraction between decode steps")
+    parser.add_argument("--overhead-batches", default="256", help="--overhead: batch sizes, comma list")
     parser.add_argument("--shared-prefix", action="store_true", help="prefix caching on against off")
     parser.add_argument("--kernels", action="store_true", help="CUDA kernels per layer of a decode and a prefill step")
     parser.add_argument("--profile", action="store_true", help="kernel time per decode step by name, batch 1 and 16")

@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import json
 import math
 import multiprocessing
@@ -544,8 +545,10 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str, str]:
            "--shutdown-timeout", str(args.shutdown_timeout), "--log-level", "INFO", *engine_flags(args),
            *args.server_arg]
     with os.fdopen(fd, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1", "PAGEDCORE_LOOP_STALLS": "1"})
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "PAGEDCORE_LOOP_STALLS": "1"}
+        if args.step_trace_path:
+            env["PAGEDCORE_STEP_TRACE"] = args.step_trace_path
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 600
     while True:
@@ -667,6 +670,76 @@ def server_diagnostics(before: dict[str, float], after: dict[str, float]) -> dic
     return d
 
 
+def step_trace_summary(path: str, start: float, end: float) -> dict:
+    """The engine loop's turns of one run (server/step_trace.py; the lines whose
+    turn began in [start, end]): the time between turns' starts (what a stream's
+    inter-token gap follows), what the long turns spent it on, and the forward
+    passes by how they ran (ModelRunner.last_path)."""
+    # (the loop writes its lines once idle: give it a moment after the run)
+    deadline = time.monotonic() + 2.0
+    turns: list[dict] = []
+    while time.monotonic() < deadline:
+        try:
+            with open(path, encoding="utf-8") as f:
+                turns = [t for t in map(json.loads, f) if start <= t["wall"] <= end]
+        except FileNotFoundError:
+            turns = []
+        if turns and turns[-1]["wall"] >= end - 1.0:
+            break
+        time.sleep(0.1)
+    if len(turns) < 3:
+        return {}
+    gaps = [(b["wall"] - a["wall"]) * 1e3 for a, b in zip(turns, turns[1:])]
+    median = percentile(gaps, 50)
+    # A gap is long past twice the median (the issue's bound on the p99), and
+    # it is the turn that began it whose parts add up to it (with the wait in
+    # between turns, if the loop idled).
+    long_turns = [(a, prev, g) for prev, a, g in zip([None] + turns[:-2], turns[:-1], gaps) if g > 2 * median]
+    parts = ("cmd", "step", "out", "flush")
+    d = {"turns": len(turns), "gap_p50_ms": median, "gap_p90_ms": percentile(gaps, 90),
+         "gap_p99_ms": percentile(gaps, 99), "gap_max_ms": max(gaps), "long": len(long_turns)}
+    if long_turns:
+        d["long_parts_ms"] = {k: statistics.mean(t[k] for t, _, _ in long_turns) for k in parts}
+        d["long_adds"] = statistics.mean(t["adds"] for t, _, _ in long_turns)
+        # What a long turn's step waited for: the forward passes the turn before launched.
+        waited = [sp for _, prev, _ in long_turns if prev for sp in prev["spans"]]
+        d["long_waited_for"] = dict(collections.Counter(sp[0] for sp in waited).most_common())
+        gpu = [sp[6] for sp in waited if sp[6] is not None]
+        d["long_waited_gpu_ms"] = statistics.mean(gpu) if gpu else math.nan
+    d["all_parts_ms"] = {k: statistics.mean(t[k] for t in turns) for k in parts}
+    by_path: dict[str, list[list]] = collections.defaultdict(list)
+    for t in turns:
+        for sp in t["spans"]:
+            by_path[sp[0]].append(sp)
+    paths = {}
+    for name, spans in sorted(by_path.items(), key=lambda kv: -len(kv[1])):
+        gpu = [sp[6] for sp in spans if sp[6] is not None]
+        paths[name] = {"count": len(spans), "host_p50_ms": percentile([sp[5] for sp in spans], 50),
+                       "host_p99_ms": percentile([sp[5] for sp in spans], 99),
+                       "gpu_p50_ms": percentile(gpu, 50) if gpu else math.nan,
+                       "gpu_p99_ms": percentile(gpu, 99) if gpu else math.nan,
+                       "tokens_p50": percentile([sp[1] for sp in spans], 50), "tokens_max": max(sp[1] for sp in spans),
+                       "prompt_p50": percentile([sp[3] for sp in spans], 50),
+                       "longest_row_max": max(sp[4] for sp in spans)}
+    d["paths"] = paths
+    return d
+
+
+def print_step_trace(d: dict) -> None:
+    print(f"engine loop: {d['turns']} turns, between starts p50/p90/p99/max {d['gap_p50_ms']:.2f}/"
+          f"{d['gap_p90_ms']:.2f}/{d['gap_p99_ms']:.2f}/{d['gap_max_ms']:.2f} ms; parts (mean ms) "
+          + " ".join(f"{k} {v:.2f}" for k, v in d["all_parts_ms"].items()))
+    if d.get("long"):
+        print(f"  {d['long']} turns over 2x the median: parts (mean ms) "
+              + " ".join(f"{k} {v:.2f}" for k, v in d["long_parts_ms"].items())
+              + f", adds {d['long_adds']:.1f}; waited for " + ", ".join(f"{n} {k}" for k, n in d["long_waited_for"].items())
+              + f" (device {d['long_waited_gpu_ms']:.2f} ms a pass)")
+    for name, p in d["paths"].items():
+        print(f"  {name:<7} x{p['count']:<6} device p50/p99 {p['gpu_p50_ms']:.2f}/{p['gpu_p99_ms']:.2f} ms, host "
+              f"{p['host_p50_ms']:.2f}/{p['host_p99_ms']:.2f} ms; tokens p50 {p['tokens_p50']:.0f} max "
+              f"{p['tokens_max']}, prompt tokens p50 {p['prompt_p50']:.0f}, longest row {p['longest_row_max']}")
+
+
 # ---- one run's figures --------------------------------------------------------------------------
 
 
@@ -732,6 +805,8 @@ def print_costs(s: dict, duration: float, args: argparse.Namespace) -> None:
           f"{d['loop_lag_p50_ms']:.2f}/{d['loop_lag_p99_ms']:.2f} ms")
     if d.get("loop_stalls"):
         print("HTTP loop while late (samples): " + "; ".join(f"{n:.0f} {w}" for n, w in d["loop_stalls"]))
+    if s.get("step_trace"):
+        print_step_trace(s["step_trace"])
     for side in ("engine", "http"):
         if not math.isnan(d.get(f"{side}_gc2_count", math.nan)):  # (a server that counts them)
             print(f"{side} process GC collections: " + ", ".join(
@@ -848,6 +923,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
     p.add_argument("--server-arg", action="append", default=[],
                    help="extra argument for the own `pagedcore serve` (repeatable; --server-arg=--flag)")
+    p.add_argument("--no-step-trace", dest="step_trace", action="store_false",
+                   help="no trace of the own server's engine loop (PAGEDCORE_STEP_TRACE; summarized per run)")
     p.add_argument("--json", default=None, help="write the summary here")
     p.add_argument("--offline-worker", default=None, help=argparse.SUPPRESS)
     return p
@@ -979,6 +1056,7 @@ def main(argv: list[str] | None = None) -> int:
         summary["offline"] = offline
 
     proc = server_log = None
+    args.step_trace_path = os.path.join(tmp.name, "steps.jsonl") if args.step_trace and args.base_url is None else None
     if args.base_url is None:
         proc, url, server_log = start_server(args)
     else:
@@ -999,6 +1077,7 @@ def main(argv: list[str] | None = None) -> int:
             prompts = prompts_for(run)
             before = server_metrics(url)
             cpu_before = process_cpu(proc.pid) if proc is not None else {}
+            window = time.time()
             results, duration = run_load(url, args.api_key, args.model, prompts,
                                          arrival_times(len(prompts), rate, args.seed + run), args.max_tokens,
                                          client=args.client, processes=args.client_processes)
@@ -1012,6 +1091,9 @@ def main(argv: list[str] | None = None) -> int:
             s["client_cpu_s"] = client_cpu
             s["server_cpu_s"] = {k2: cpu_after[k2] - cpu_before.get(k2, 0.0) for k2 in cpu_after}
             s["diagnostics"] = server_diagnostics(before, after)
+            if args.step_trace_path:
+                wait_idle(url)
+                s["step_trace"] = step_trace_summary(args.step_trace_path, window, time.time())
             if math.isinf(rate):
                 saturation = s["request_throughput"]
             name = "inf" if math.isinf(rate) else f"{rate:.2f} req/s" + (f" ({value:g}x)" if relative else "")

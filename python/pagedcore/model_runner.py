@@ -157,6 +157,28 @@ class _MixedGraph:
 
 
 @dataclass
+class StepSpan:
+    """One execute() call, traced (ModelRunner.step_spans): how the step ran
+    (ModelRunner.last_path), its size, the host's time in execute() and, on
+    CUDA, events around the work it queued (the forward pass and the logits)."""
+
+    path: str
+    num_tokens: int
+    num_seqs: int
+    prompt_tokens: int
+    max_seq_len: int
+    host_seconds: float
+    start: torch.cuda.Event | None
+    end: torch.cuda.Event | None
+
+    def gpu_seconds(self) -> float | None:
+        """The device's time from start to end (None off CUDA or before it got there)."""
+        if self.start is None or not self.end.query():
+            return None
+        return self.start.elapsed_time(self.end) / 1e3
+
+
+@dataclass
 class _DecodeGraph:
     graph: torch.cuda.CUDAGraph
     logits: torch.Tensor  # [batch, vocab] float32, written by each replay
@@ -236,6 +258,11 @@ class ModelRunner:
         self.prefill_graph_replays = 0  # other steps whose layer bodies replayed graphs
         self.mixed_graphs: dict[int, _MixedGraph] = {}
         self.mixed_graph_replays = 0  # steps, not pure decode, served by one whole graph
+        # How the last step ran: "decode" (a decode graph), "mixed" (one whole graph),
+        # "pieces" (graph pieces around eager attention), "eager", or "empty".
+        self.last_path = ""
+        # A list to trace the steps into (server.step_trace): one StepSpan per execute().
+        self.step_spans: list[StepSpan] | None = None
         if device.type == "cuda" and not enforce_eager:
             self._capture_decode_graphs(engine_config)
             self._capture_prefill_graphs(engine_config)
@@ -642,6 +669,11 @@ class ModelRunner:
             input ``deferred_input_indices[j]`` is
             ``previous_sampled[deferred_input_samples[j]]``.
         """
+        if self.step_spans is not None:
+            return self._traced(batch, previous_sampled)
+        return self._run(batch, previous_sampled)
+
+    def _run(self, batch: _C.StepBatch, previous_sampled: torch.Tensor | None) -> torch.Tensor:
         # NOTE: the engine's slots and block ids are valid by construction; on the
         # GPU, checking them again would synchronise every layer.
         if self.tp_driver is not None:
@@ -650,6 +682,25 @@ class ModelRunner:
                 return self._execute(batch, previous_sampled)
         with ops.unchecked_indices():
             return self._execute(batch, previous_sampled)
+
+    def _traced(self, batch: _C.StepBatch, previous_sampled: torch.Tensor | None) -> torch.Tensor:
+        """execute(), its step described in :attr:`step_spans` (events on CUDA)."""
+        cuda = self.device.type == "cuda"
+        start = end = None
+        if cuda:
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+        began = time.perf_counter()
+        logits = self._run(batch, previous_sampled)
+        host = time.perf_counter() - began
+        if cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+        seq_lens = batch.seq_lens
+        self.step_spans.append(StepSpan(
+            self.last_path, batch.num_tokens, batch.num_seqs, batch.num_tokens - batch.num_decode_seqs,
+            int(seq_lens.max()) if len(seq_lens) else 0, host, start, end))
+        return logits
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits ``[rows, vocab]`` of final hidden states (e.g. of
@@ -664,6 +715,7 @@ class ModelRunner:
         self.prompt_hidden = None
         self._move_blocks(batch)
         if batch.num_tokens == 0:
+            self.last_path = "empty"
             return torch.empty((0, self.spec.vocab_size), dtype=torch.float32, device=self.device)
         s = self.staging
         num_seqs = batch.num_seqs
@@ -674,15 +726,19 @@ class ModelRunner:
         # (A step with prompt-logprob rows has prompt chunks: never a graph's.)
         if (self.graphs and batch.num_tokens == num_seqs == batch.num_samples
                 and batch.num_prompt_logprob_tokens == 0 and num_seqs <= max(self.graphs)):
+            self.last_path = "decode"
             return self._replay_decode(batch, width, deferred, previous)
         if (self.mixed_graphs and batch.num_prompt_logprob_tokens == 0
                 and batch.num_tokens <= next(reversed(self.mixed_graphs))):
             hidden = self._replay_mixed(batch, seq_lens_np, width, deferred, previous)
             if hidden is not None:
+                self.last_path = "mixed"
                 return self.model.compute_logits(hidden)
         if self.prefill_graphs and batch.num_tokens <= max(self.prefill_graphs):
+            self.last_path = "pieces"
             hidden, sample_indices = self._replay_prefill(batch, seq_lens_np, width, deferred, previous)
         else:
+            self.last_path = "eager"
             md = self._eager_metadata(batch, seq_lens_np, width)
             sample_indices = self._to_device(_put(s.sample_indices, batch.sample_indices))
             input_ids = self._to_device(_put(s.input_ids, batch.input_ids))

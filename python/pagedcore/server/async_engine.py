@@ -38,6 +38,7 @@ from ..compact_outputs import FINISH_REASONS, compact_eligible
 from ..detokenizer import IncrementalDetokenizer
 from ..outputs import CompletionOutput, RequestOutput
 from ..sampling_params import SamplingParams
+from . import step_trace
 
 if TYPE_CHECKING:  # (torch: not for the HTTP processes of --api-server-count, which need no engine)
     from ..llm_engine import LLMEngine
@@ -381,6 +382,7 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._pending = 0  # adds enqueued but not applied yet
+        self._adds = 0  # (engine thread) requests admitted so far
         self._lock = threading.Lock()
         self._outbox: list[tuple[_Stream, Any]] = []  # (engine thread) items not handed over yet
         # (engine thread) compact key -> request id of live compact requests; their
@@ -530,6 +532,7 @@ class AsyncEngine:
                     self._fail_dropped(e)  # (or the step in flight failed while it waited)
                     continue
                 self._streams[request_id] = stream
+                self._adds += 1
                 if key is not None:
                     self._compact_ids[key] = request_id
                     self._compact_key_of[request_id] = key
@@ -605,8 +608,20 @@ class AsyncEngine:
         return False
 
     def _loop(self) -> None:
+        path = step_trace.trace_path()
+        trace = step_trace.StepTrace(path, self.engine) if path else None
+        try:
+            self._turns(trace)
+        finally:
+            if trace is not None:
+                trace.write()
+
+    def _turns(self, trace: step_trace.StepTrace | None) -> None:
         while not self._stop.is_set():
             try:
+                if trace is not None:
+                    wall, began = step_trace.now()
+                    adds = self._adds
                 # NOTE: checked while idle (a tensor-parallel worker can die then) and
                 # before the adds that woke the loop: they are refused, not admitted.
                 if not self.engine.has_unfinished_requests() and not self._healthy():
@@ -618,6 +633,8 @@ class AsyncEngine:
                 if not self.engine.has_unfinished_requests():
                     self._publish_stats()
                     self._flush()
+                    if trace is not None:
+                        trace.write()
                     self._wake.wait(0.1)
                     self._wake.clear()
                     continue
@@ -645,7 +662,12 @@ class AsyncEngine:
             # NOTE: the stats first: a client that has its last token reads them
             # already counting its request as done (/metrics right after a response).
             self._publish_stats(elapsed)
-            self._flush()
+            if trace is None:
+                self._flush()
+            else:
+                published = time.perf_counter()
+                self._flush()
+                trace.turn(wall, began, started, elapsed, published, time.perf_counter(), self._adds - adds)
 
     def _step_had_prefill(self, stats: dict[str, Any]) -> bool:
         """(engine thread, after a step() call) Whether prompt tokens ran in the
