@@ -143,6 +143,16 @@ def mixed_graph_tokens() -> int:
 # padding CTAs to every layer's attention, and a mixed step has few.
 MIXED_GRAPH_TILE_ROWS = 8
 
+# Sizes up to this many tokens also get a whole graph whose tiles split their keys
+# (ops.planning.padded_tile_splits), for the steps whose chunks hold more keys than
+# the unsplit graphs take: a capped mixed step (serve's 256 tokens) continuing a
+# long prompt. NOTE: measured on the H200 at e06df39 (bench_serving.py, SmolLM2 at
+# half load): such steps, 7% of all, ran in pieces at 4.3 ms of host time and 4.3 /
+# 5.5 ms of device time (p50 / p99) against 1.1 / 2.7 for whole graphs, and the
+# turns that launched or waited for them made most of the inter-token gaps over twice
+# the median.
+MIXED_SPLIT_GRAPH_TOKENS = 256
+
 
 @dataclass
 class _MixedGraph:
@@ -258,8 +268,13 @@ class ModelRunner:
         self.prefill_graph_replays = 0  # other steps whose layer bodies replayed graphs
         self.mixed_graphs: dict[int, _MixedGraph] = {}
         self.mixed_graph_replays = 0  # steps, not pure decode, served by one whole graph
+        # Whole graphs whose tiles split their keys (MIXED_SPLIT_GRAPH_TOKENS), tried
+        # after mixed_graphs; their replays are counted in mixed_graph_replays too.
+        self.split_mixed_graphs: dict[int, _MixedGraph] = {}
+        self.split_mixed_graph_replays = 0
         # How the last step ran: "decode" (a decode graph), "mixed" (one whole graph),
-        # "pieces" (graph pieces around eager attention), "eager", or "empty".
+        # "split" (one whole graph whose tiles split their keys), "pieces" (graph
+        # pieces around eager attention), "eager", or "empty".
         self.last_path = ""
         # A list to trace the steps into (server.step_trace): one StepSpan per execute().
         self.step_spans: list[StepSpan] | None = None
@@ -413,12 +428,20 @@ class ModelRunner:
         scale, window = layer0.scale, spec.sliding_window
         pool = torch.cuda.graph_pool_handle()
         start = time.perf_counter()
+        # (largest first: the smaller ones reuse its pool; each size's graph, then
+        # for the small ones its variant with split tiles)
+        variants = [(t, split) for t in reversed(sizes) for split in (False, True)
+                    if not split or t <= MIXED_SPLIT_GRAPH_TOKENS]
         with ops.unchecked_indices():
-            for t in reversed(sizes):  # largest first: the smaller ones reuse its pool
+            for t, split in variants:
                 rows = min(config.max_num_seqs, t)
+                tile_splits = 1
+                if split:
+                    tile_splits = ops.planning.padded_tile_splits(t, spec.num_heads, spec.num_kv_heads,
+                                                                  self.model.dtype, dev, config.max_model_len)
                 padded = ops.planning.PaddedPlan(
                     t, rows, MIXED_GRAPH_TILE_ROWS, spec.num_heads, spec.num_kv_heads, spec.head_dim,
-                    self.model.dtype, dev, config.max_model_len)
+                    self.model.dtype, dev, config.max_model_len, tile_splits=tile_splits)
                 md = AttentionMetadata(slot_mapping=self._p_slot_mapping[:t], block_tables=self._m_block_tables[:rows + 1],
                                        seq_lens=self._m_seq_lens[:rows + 1],
                                        query_start_loc=self._m_query_start_loc[:rows + 2], plan=padded.plan)
@@ -448,11 +471,12 @@ class ModelRunner:
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
                     hidden = forward()
-                self.mixed_graphs[t] = _MixedGraph(graph, hidden, padded, rows)
+                (self.split_mixed_graphs if split else self.mixed_graphs)[t] = _MixedGraph(graph, hidden, padded, rows)
         self.mixed_graphs = dict(sorted(self.mixed_graphs.items()))
+        self.split_mixed_graphs = dict(sorted(self.split_mixed_graphs.items()))
         torch.cuda.synchronize(dev)
-        logger.info("CUDA graphs captured for whole mixed steps of %s tokens in %.1f s", sizes,
-                    time.perf_counter() - start)
+        logger.info("CUDA graphs captured for whole mixed steps of %s tokens (%s also with split tiles) in %.1f s",
+                    sizes, list(self.split_mixed_graphs), time.perf_counter() - start)
 
     def _replay_mixed(self, batch: _C.StepBatch, seq_lens: np.ndarray, width: int,
                       deferred: tuple[torch.Tensor, torch.Tensor] | None,
@@ -461,12 +485,26 @@ class ModelRunner:
         of the smallest size whose plan holds the step; None (nothing done) when
         none does."""
         n, r = batch.num_tokens, batch.num_seqs
-        # (a larger size has more tile items: the next one up may hold what this one cannot)
-        t = next((size for size, entry in self.mixed_graphs.items() if size >= n and r <= entry.max_rows
-                  and entry.plan.fill(batch.query_start_loc, seq_lens, pad_row=r)), None)
-        if t is None:
+        lists = None
+        entry = None
+        # (a larger size has more tile items: the next one up may hold what this one
+        # cannot; the graphs with split tiles only where no unsplit one holds the step)
+        for graphs in (self.mixed_graphs, self.split_mixed_graphs):
+            for size, candidate in graphs.items():
+                if size < n or r > candidate.max_rows:
+                    continue
+                if lists is None:
+                    lists = candidate.plan.lists(batch.query_start_loc, seq_lens)
+                if candidate.plan.fill(batch.query_start_loc, seq_lens, pad_row=r, lists=lists):
+                    t, entry = size, candidate
+                    break
+            if entry is not None:
+                break
+        if entry is None:
             return None
-        entry = self.mixed_graphs[t]
+        split = graphs is self.split_mixed_graphs
+        self.split_mixed_graph_replays += split
+        self.last_path = "split" if split else "mixed"
         s = self.staging
         sample_indices = self._to_device(_put(s.sample_indices, batch.sample_indices))
         ids, pos, slots = s.input_ids.numpy(), s.positions.numpy(), s.slot_mapping.numpy()
@@ -732,7 +770,6 @@ class ModelRunner:
                 and batch.num_tokens <= next(reversed(self.mixed_graphs))):
             hidden = self._replay_mixed(batch, seq_lens_np, width, deferred, previous)
             if hidden is not None:
-                self.last_path = "mixed"
                 return self.model.compute_logits(hidden)
         if self.prefill_graphs and batch.num_tokens <= max(self.prefill_graphs):
             self.last_path = "pieces"

@@ -76,9 +76,15 @@ def test_tiny_llama_greedy_equals_transformers_on_gpu(tiny) -> None:
     assert generate(llm, ps, 32) == hf_greedy_gpu(tiny, ps, 32)
 
 
-def test_smollm2_shape_greedy_equals_transformers_on_gpu(tmp_path) -> None:
-    path = smollm2_shape_checkpoint(tmp_path)
+@pytest.fixture(scope="module")
+def smollm2_shape(tmp_path_factory) -> Path:
+    path = smollm2_shape_checkpoint(tmp_path_factory.mktemp("smollm2"))
     add_toy_tokenizer(path, 49152)
+    return path
+
+
+def test_smollm2_shape_greedy_equals_transformers_on_gpu(smollm2_shape) -> None:
+    path = smollm2_shape
     g = torch.Generator().manual_seed(11)
     ps = [torch.randint(3, 49152, (n,), generator=g).tolist() for n in (7, 64, 200, 333)]
     llm = LLM(model=str(path), device="cuda", dtype="float32", num_kv_blocks=512, max_model_len=1024)
@@ -251,6 +257,24 @@ def test_prefill_graphs_replay_prefill_and_mixed_steps(tiny, monkeypatch, whole)
     eager = LLM(model=str(tiny), device="cuda", dtype="float32", num_kv_blocks=256, max_model_len=256,
                 max_num_batched_tokens=48, enforce_eager=True)
     assert not eager.llm_engine.runner.prefill_graphs
+
+
+def test_chunks_over_long_contexts_replay_whole_graphs_with_split_tiles(smollm2_shape) -> None:
+    # A 1,100-token prompt in 64-token chunks beside a short one decoding: the chunks
+    # past 1,024 keys are split 4 ways by plan_attention (13 tiles x 3 kv heads), so
+    # the unsplit whole graphs refuse them and the graphs whose tiles split 7 ways
+    # (ops.planning.padded_tile_splits) take them. float32 tokens equal transformers'.
+    g = torch.Generator().manual_seed(12)
+    ps = [torch.randint(3, 49152, (n,), generator=g).tolist() for n in (1100, 40)]
+    llm = LLM(model=str(smollm2_shape), device="cuda", dtype="float32", num_kv_blocks=256, max_model_len=2048,
+              max_num_batched_tokens=64, max_num_seqs=4)
+    runner = llm.llm_engine.runner
+    assert sorted(runner.split_mixed_graphs) == [16, 32, 64]
+    assert runner.split_mixed_graphs[64].plan.plan.num_splits == 7
+    assert generate(llm, ps, 8) == hf_greedy_gpu(smollm2_shape, ps, 8)
+    # (keys 1,025 .. 1,100: the chunks ending at 1,088 and 1,100)
+    assert runner.split_mixed_graph_replays >= 2
+    assert llm.stats()["num_free_blocks"] == llm.stats()["num_blocks"]
 
 
 def test_mixed_graphs_equal_the_pieces_in_bfloat16(tiny, monkeypatch) -> None:

@@ -169,3 +169,65 @@ def test_a_chunk_over_more_than_1024_keys_takes_the_pieces(first) -> None:
     assert torch.equal(p.host, before)
     # Both at 1024 keys or fewer: the graph.
     assert p.fill(qsl, np.minimum(lens, 1024).astype(np.int32), pad_row=10)
+
+
+def test_tile_splits_of_the_split_graphs() -> None:
+    # What plan_attention gives a chunk of the graph's size over max_seq_len keys, at
+    # least 2. bf16 tiles hold 128 query vectors: SmolLM2 (9/3 heads) 42 tokens, the
+    # 8B shape (32/8) 32; float32 tiles 16 vectors: SmolLM2 5 tokens.
+    cpu = torch.device("cpu")
+    assert planning.padded_tile_splits(256, 9, 3, torch.bfloat16, cpu, 2048) == 8  # 7 x 3 blocks; 2048 / 256
+    assert planning.padded_tile_splits(256, 9, 3, torch.bfloat16, cpu, 1024) == 4  # 1024 / 256
+    assert planning.padded_tile_splits(256, 32, 8, torch.bfloat16, cpu, 8192) == 5  # 8 x 8 blocks: 264 / 64
+    assert planning.padded_tile_splits(64, 9, 3, torch.float32, cpu, 2048) == 7  # 13 x 3 blocks: 264 / 39
+    assert planning.padded_tile_splits(512, 9, 3, torch.float32, cpu, 2048) == 2  # 103 x 3 blocks fill the GPU
+
+
+def test_a_split_graph_takes_the_long_chunk_that_the_unsplit_one_refuses() -> None:
+    # serve's capped mixed step: 40 decode rows and a 216-token chunk of a prompt
+    # behind 1,324 computed tokens (1,540 keys): plan_attention splits it 6 ways, the
+    # unsplit graph refuses it, the graph whose tiles split 8 ways takes it; the same
+    # lists given once serve both tries.
+    q_lens = [1] * 40 + [216]
+    seq_lens = [900] * 40 + [1540]
+    qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    lens = np.array(seq_lens, dtype=np.int32)
+    assert planning.plan_attention(qsl, lens, 9, 3, torch.device("cpu"), 64, torch.bfloat16).num_splits == 6
+    unsplit = padded(256, 256)
+    split = planning.PaddedPlan(256, 256, 8, 9, 3, 64, torch.bfloat16, torch.device("cpu"), max_seq_len=2048,
+                                tile_splits=8)
+    assert (unsplit.plan.num_splits, split.plan.num_splits) == (1, 8)
+    assert split.plan.num_work == unsplit.plan.num_work and split.plan.num_decode == unsplit.plan.num_decode
+    step_lists = unsplit.lists(qsl, lens)
+    assert not unsplit.fill(qsl, lens, pad_row=41, lists=step_lists)
+    assert split.fill(qsl, lens, pad_row=41, lists=step_lists)
+    count = covered(split, q_lens + [1])
+    assert {k: v for k, v in count.items() if k[0] != 41} == {(r, i): 1 for r, n in enumerate(q_lens) for i in range(n)}
+    # Without the lists: the same staging.
+    again = planning.PaddedPlan(256, 256, 8, 9, 3, 64, torch.bfloat16, torch.device("cpu"), max_seq_len=2048,
+                                tile_splits=8)
+    assert again.fill(qsl, lens, pad_row=41)
+    assert torch.equal(again.host, split.host)
+
+
+def test_a_split_graph_refuses_a_chunk_that_wants_more_than_twice_its_splits() -> None:
+    # One 16-token chunk over 5,000 keys: 1 tile x 3 kv heads; plan_attention splits it
+    # 19 ways (5,000 / 256), more than twice the graph's 8: the pieces. At 4,000 keys
+    # (15 splits) the graph takes it.
+    q_lens = [1] * 8 + [16]
+    qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    split = planning.PaddedPlan(256, 256, 8, 9, 3, 64, torch.bfloat16, torch.device("cpu"), max_seq_len=8192,
+                                tile_splits=8)
+    for keys, splits, taken in ((5000, 19, False), (4000, 15, True)):
+        lens = np.array([300] * 8 + [keys], dtype=np.int32)
+        assert planning.plan_attention(qsl, lens, 9, 3, torch.device("cpu"), 64, torch.bfloat16).num_splits == splits
+        before = split.host.clone()
+        assert split.fill(qsl, lens, pad_row=9) == taken
+        if not taken:
+            assert torch.equal(split.host, before)
+
+
+def test_tile_splits_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="tile_splits must be >= 1, got 0"):
+        planning.PaddedPlan(256, 256, 8, 9, 3, 64, torch.bfloat16, torch.device("cpu"), max_seq_len=2048,
+                            tile_splits=0)

@@ -173,6 +173,18 @@ _PADDED_SPLIT_ROWS = 32
 _PADDED_UNSPLIT_TILE_KEYS = 1024
 
 
+def padded_tile_splits(max_tokens: int, num_heads: int, num_kv_heads: int, dtype: torch.dtype,
+                       device: torch.device, max_seq_len: int) -> int:
+    """Key splits for the tiles of a PaddedPlan of ``max_tokens`` tokens whose
+    steps' chunks hold more keys than _PADDED_UNSPLIT_TILE_KEYS: what
+    :func:`plan_attention` gives a chunk of ``max_tokens`` tokens over
+    ``max_seq_len`` keys, at least 2."""
+    group = num_heads // num_kv_heads
+    tile = max(1, _C.cuda_attention_tile_vectors(dtype.itemsize) // group)
+    tiles = -(-max_tokens // tile)
+    return max(2, _splits(tiles * num_kv_heads, max(max_seq_len, 2 * 256), _sm_count(device)))
+
+
 class PaddedPlan:
     """A plan of fixed size for a CUDA graph of mixed steps (prefill chunks with
     decode rows) that runs attention inside the graph: ``plan.num_work`` tile
@@ -185,15 +197,19 @@ class PaddedPlan:
     repeat a padding row, the step's last row + 1, which the caller gives one
     query token (a padding token of the graph), one cached key and a block table
     pointing at the null block: CTAs that read one key each, whose output lands in
-    the padding token's row. Tiles never split their keys (``num_splits`` 1: any
-    split count computes the same attention); decode rows may split as a step of
-    32 of them over ``max_seq_len`` keys would, each row running only the splits
-    its length needs (as :func:`plan_decode`). Steps whose eager plan would split
-    more (long contexts) are refused by :meth:`fill`.
+    the padding token's row. Tiles split their keys ``tile_splits`` ways whatever
+    the step (1: never; any split count computes the same attention, a split of
+    a short tile may be empty); decode rows may split as a step of 32 of them over
+    ``max_seq_len`` keys would, each row running only the splits its length needs
+    (as :func:`plan_decode`). Steps whose eager plan would split more (long
+    contexts) are refused by :meth:`fill`.
     """
 
     def __init__(self, max_tokens: int, max_rows: int, max_tile_rows: int, num_heads: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device, max_seq_len: int) -> None:
+                 head_dim: int, dtype: torch.dtype, device: torch.device, max_seq_len: int,
+                 tile_splits: int = 1) -> None:
+        if tile_splits < 1:
+            raise ValueError(f"PaddedPlan: tile_splits must be >= 1, got {tile_splits}")
         self.num_heads, self.num_kv_heads, self.head_dim, self.dtype = num_heads, num_kv_heads, head_dim, dtype
         group = num_heads // num_kv_heads
         tile = max(1, _C.cuda_attention_tile_vectors(dtype.itemsize) // group)
@@ -210,7 +226,8 @@ class PaddedPlan:
         splits = _splits(max(1, min(num_decode, _PADDED_SPLIT_ROWS) * num_kv_heads), max_seq_len, self.sms,
                          _DECODE_SPLIT_KEYS)
         zeros = np.zeros(num_work, dtype=np.int32)
-        self.plan = AttentionPlan(zeros, zeros, tile, 1, np.zeros(num_decode, dtype=np.int32), splits, device)
+        self.plan = AttentionPlan(zeros, zeros, tile, tile_splits, np.zeros(num_decode, dtype=np.int32), splits,
+                                  device)
         # The plan's three lists as views of one buffer: one copy a step.
         self.host = torch.zeros(num_work * 2 + num_decode, dtype=torch.int32, pin_memory=device.type == "cuda")
         self.device_lists = torch.zeros(num_work * 2 + num_decode, dtype=torch.int32, device=device)
@@ -218,22 +235,28 @@ class PaddedPlan:
         self.plan.work_q_start = self.device_lists[num_work:2 * num_work]
         self.plan.decode_seq = self.device_lists[2 * num_work:]
 
-    def fill(self, query_start_loc, seq_lens, pad_row: int) -> bool:
+    def lists(self, query_start_loc, seq_lens) -> tuple:
+        """The step's plan lists (what :meth:`fill` takes: the same for every
+        PaddedPlan of the model, so a step tried on several computes them once)."""
+        return _plan_lists(query_start_loc, seq_lens, self.num_heads, self.num_kv_heads, self.head_dim, self.dtype)
+
+    def fill(self, query_start_loc, seq_lens, pad_row: int, lists: tuple | None = None) -> bool:
         """Stages the step's lists, padded (the copy to the device is queued by
         :meth:`upload`); False, with nothing staged, when the step has more tile
         or decode items than the plan holds, or when :func:`plan_attention` would
         split its keys more than this plan does (long contexts: there the split
         launch is worth more than the graph; prefill chunks of rows up to
-        _PADDED_UNSPLIT_TILE_KEYS keys are taken unsplit)."""
+        _PADDED_UNSPLIT_TILE_KEYS keys are taken unsplit; a plan whose tiles split
+        takes up to twice its splits). ``lists``: :meth:`lists` of the step, if made."""
         plan = self.plan
-        work_seq, work_q_start, tile, decode_seq, is_decode, lens = _plan_lists(
-            query_start_loc, seq_lens, self.num_heads, self.num_kv_heads, self.head_dim, self.dtype)
+        work_seq, work_q_start, tile, decode_seq, is_decode, lens = (
+            lists if lists is not None else self.lists(query_start_loc, seq_lens))
         if tile != plan.tile_tokens or work_seq.shape[0] > plan.num_work or decode_seq.shape[0] > plan.num_decode:
             return False
         total, decodes = work_seq.shape[0], decode_seq.shape[0]
         longest_tile = int(lens[~is_decode].max()) if total else 0
-        if (longest_tile > _PADDED_UNSPLIT_TILE_KEYS
-                and _splits(total * self.num_kv_heads, longest_tile, self.sms) > plan.num_splits):
+        taken = 1 if plan.num_splits == 1 else 2 * plan.num_splits
+        if longest_tile > _PADDED_UNSPLIT_TILE_KEYS and _splits(total * self.num_kv_heads, longest_tile, self.sms) > taken:
             return False
         if decodes and _splits(decodes * self.num_kv_heads, int(lens[is_decode].max()), self.sms,
                                _DECODE_SPLIT_KEYS) > plan.decode_splits:
