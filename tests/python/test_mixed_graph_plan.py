@@ -231,3 +231,19 @@ def test_tile_splits_must_be_positive() -> None:
     with pytest.raises(ValueError, match="tile_splits must be >= 1, got 0"):
         planning.PaddedPlan(256, 256, 8, 9, 3, 64, torch.bfloat16, torch.device("cpu"), max_seq_len=2048,
                             tile_splits=0)
+
+
+@pytest.mark.parametrize("rows, taken", [(10, True), (28, True), (4, False)])
+def test_fewer_decode_rows_over_long_contexts_take_up_to_twice_the_graphs_decode_splits(rows, taken) -> None:
+    # The graph's decode splits are sized for 32 rows (3 here: 96 blocks over 132 SMs);
+    # fewer rows over 1,500 keys want more: 10 rows 5, 28 rows 4 (<= 6: the graph), 4
+    # rows over 3,000 keys 11 (the pieces).
+    p = padded(256, 256)
+    assert p.plan.decode_splits == 3
+    keys = 3000 if rows == 4 else 1500
+    q_lens = [1] * rows + [100]
+    qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    lens = np.array([keys] * rows + [300], dtype=np.int32)
+    eager = planning.plan_attention(qsl, lens, 9, 3, torch.device("cpu"), 64, torch.bfloat16)
+    assert eager.decode_splits == {10: 5, 28: 4, 4: 11}[rows]
+    assert p.fill(qsl, lens, pad_row=rows + 1) == taken
