@@ -646,27 +646,44 @@ def histogram_quantiles(before: dict[str, float], after: dict[str, float], name:
     return total, out
 
 
-def server_diagnostics(before: dict[str, float], after: dict[str, float]) -> dict:
+def http_processes(server_args: list[str]) -> int:
+    """The own server's HTTP processes (its --api-server-count)."""
+    count = 1
+    for i, arg in enumerate(server_args):
+        if arg.startswith("--api-server-count="):
+            count = int(arg.split("=", 1)[1])
+        elif arg == "--api-server-count" and i + 1 < len(server_args):
+            count = int(server_args[i + 1])
+    return count
+
+
+def server_diagnostics(before: dict[str, float], after: dict[str, float], http_processes: int = 1) -> dict:
     """Where long inter-token gaps come from: the engine's step times (steps
     in which prompt tokens ran apart) and the HTTP side's event-loop lag; the
     garbage collections (count and time per generation) of the engine's process
-    and of the scraped HTTP process."""
+    and of the scraped HTTP process (the HTTP side's figures not with several
+    HTTP processes: two scrapes may reach two of them, whose counts do not subtract)."""
     d = {}
     for key, name, labels in (("decode_step", "engine_step_seconds", 'kind="decode"'),
                               ("prefill_step", "engine_step_seconds", 'kind="prefill"'),
                               ("loop_lag", "event_loop_lag_seconds", "")):
         count, (p50, p99) = histogram_quantiles(before, after, name, labels)
+        if key == "loop_lag" and http_processes > 1:
+            count, p50, p99 = math.nan, math.nan, math.nan
         d[f"{key}_count"], d[f"{key}_p50_ms"], d[f"{key}_p99_ms"] = count, p50 * 1e3, p99 * 1e3
     for side in ("engine", "http"):
         for generation in range(3):
             for key, name in (("count", "collections"), ("ms", "seconds")):
                 metric = f'pagedcore_{side}_gc_{name}_total{{generation="{generation}"}}'
                 delta = after.get(metric, math.nan) - before.get(metric, 0.0)
+                if side == "http" and http_processes > 1:
+                    delta = math.nan
                 d[f"{side}_gc{generation}_{key}"] = delta * 1e3 if key == "ms" else delta
     # What the HTTP side's loop ran while late (server/loop_stalls.py), most samples first.
     prefix = 'pagedcore_http_loop_stall_samples_total{where="'
     stalls = {k[len(prefix):-2]: after[k] - before.get(k, 0.0) for k in after if k.startswith(prefix)}
-    d["loop_stalls"] = sorted(((n, w) for w, n in stalls.items() if n > 0), reverse=True)[:5]
+    d["loop_stalls"] = [] if http_processes > 1 else sorted(((n, w) for w, n in stalls.items() if n > 0),
+                                                            reverse=True)[:5]
     return d
 
 
@@ -1090,7 +1107,7 @@ def main(argv: list[str] | None = None) -> int:
                            if k2.endswith("_total")}
             s["client_cpu_s"] = client_cpu
             s["server_cpu_s"] = {k2: cpu_after[k2] - cpu_before.get(k2, 0.0) for k2 in cpu_after}
-            s["diagnostics"] = server_diagnostics(before, after)
+            s["diagnostics"] = server_diagnostics(before, after, http_processes(args.server_arg))
             if args.step_trace_path:
                 wait_idle(url)
                 s["step_trace"] = step_trace_summary(args.step_trace_path, window, time.time())

@@ -5,7 +5,7 @@
 # (random weights, bf16, CUDA graphs): offline LLM.generate, then the server
 # (--engine-process) at 0.5x saturation and at saturation, 512 streams with a
 # quarter hanging up, SIGTERM with 64 streams in flight; then, on the same
-# requests, the saturation run with --api-server-count N HTTP processes
+# requests, the saturation and 0.5x runs with --api-server-count N HTTP processes
 # (SERVING_API_SERVERS: "4" by default for smollm2 and 2 for llama3-8b, or a
 # count for all shapes, 0 to skip) and the 0.5x run at the same request rate
 # with --max-num-mixed-prefill-tokens 0 (the cap off, SERVING_NOCAP=0 skips
@@ -96,17 +96,20 @@ for shape in "${shapes[@]}"; do
   fi
   grep -v "^INFO\|^DEBUG" "$out/serving_$shape.log" | tail -n 70
   if [[ -f "$out/serving_$shape.json" ]]; then
-    # Saturation with several HTTP processes (the same requests: prompt set 0, the offline figures reused).
+    # Saturation with several HTTP processes (the same requests: prompt set 0, the offline figures
+    # reused), then half of that saturation: one HTTP process is the bound of the SmolLM2 shape's
+    # saturation, and at half of it that process is 80-90% busy (its loop's lag, not the engine,
+    # is the rest of the inter-token tail at 9f29c1f).
     api="${SERVING_API_SERVERS:-}"
     [[ -z "$api" ]] && { [[ "$shape" == llama3-8b ]] && api=2 || api=4; }
     if [[ "$api" != 0 ]]; then
-      echo "== $shape, --api-server-count $api, saturation ($((SECONDS - t0)) s)"
+      echo "== $shape, --api-server-count $api, saturation and 0.5x ($((SECONDS - t0)) s)"
       # (8 client processes: at SmolLM2's rate 4 of them would be the bottleneck, ~44 us of CPU a token)
-      "$py" bench/bench_serving.py "${base[@]}" --client-processes 8 --request-rate inf \
+      "$py" bench/bench_serving.py "${base[@]}" --client-processes 8 --request-rate 0.5x inf \
         --server-arg=--api-server-count="$api" \
         --offline-from "$out/serving_$shape.json" --json "$out/serving_${shape}_api$api.json" \
         >"$out/serving_${shape}_api$api.log" 2>&1 || status[${shape}_api]="FAIL (see serving_${shape}_api$api.log)"
-      grep -v "^INFO\|^DEBUG" "$out/serving_${shape}_api$api.log" | tail -n 6
+      grep -v "^INFO\|^DEBUG" "$out/serving_${shape}_api$api.log" | tail -n 12
     fi
     # The 0.5x run again at the same rate with the mixed-prefill cap off (serve's default: 256).
     if [[ "${SERVING_NOCAP:-1}" != 0 ]]; then
