@@ -312,8 +312,11 @@ def latency(path: Path, fields: dict, args) -> None:
 
 
 def overhead(path: Path, fields: dict, args) -> None:
-    """GPU idle fraction between decode steps (events around each step), at each
-    batch size of --overhead-batches: whether a step's time is the device's or the host's."""
+    """GPU idle fraction between decode steps, and the device's time of a decode
+    step against its wall time, at each batch size of --overhead-batches. Events:
+    one before each step's CUDA graph is replayed (after the host staged its
+    inputs) and one after its sampler; the device idles between a step's end and
+    the next one's replay."""
     from pagedcore import LLM, SamplingParams
 
     batches = [int(b) for b in args.overhead_batches.split(",")]
@@ -325,46 +328,51 @@ def overhead(path: Path, fields: dict, args) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=256, ignore_eos=True)
     llm.generate([{"prompt_token_ids": rng.integers(3, fields["vocab_size"], 128).tolist()} for _ in range(16)],
                  SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
-    spans: list[tuple[torch.cuda.Event, torch.cuda.Event, float, bool]] = []
-    execute, sample = engine.runner.execute, engine.sampler.__call__
+    spans: list[dict] = []  # per step: decode, wall (host time at execute()), launch and end events
+    execute, sampler = engine.runner.execute, engine.sampler
+    replay = torch.cuda.CUDAGraph.replay
 
     def timed_execute(batch, *args):  # (async scheduling passes the previous step's sampled ids)
-        start = torch.cuda.Event(enable_timing=True)
-        start.record()
-        decode = batch.num_tokens == batch.num_seqs
-        spans.append((start, None, time.perf_counter(), decode))
+        spans.append({"decode": batch.num_tokens == batch.num_seqs, "wall": time.perf_counter(),
+                      "launch": None, "end": None})
         return execute(batch, *args)
 
+    def timed_replay(graph):
+        if spans and spans[-1]["launch"] is None:
+            spans[-1]["launch"] = torch.cuda.Event(enable_timing=True)
+            spans[-1]["launch"].record()
+        return replay(graph)
+
     def timed_sample(*a, **kw):
-        out = sample(*a, **kw)
-        end = torch.cuda.Event(enable_timing=True)
-        end.record()
-        start, _, t, decode = spans[-1]
-        spans[-1] = (start, end, t, decode)
+        out = sampler(*a, **kw)
+        spans[-1]["end"] = torch.cuda.Event(enable_timing=True)
+        spans[-1]["end"].record()
         return out
 
-    engine.runner.execute = timed_execute
-    engine.sampler = timed_sample
-    for b in batches:
-        spans.clear()
-        prompts = [{"prompt_token_ids": rng.integers(3, fields["vocab_size"], 128).tolist()} for _ in range(b)]
-        replays = engine.runner.graph_replays
-        llm.generate(prompts, params, use_tqdm=False)
-        torch.cuda.synchronize()
-        decode = [i for i, sp in enumerate(spans) if sp[3] and sp[1] is not None]
-        first, last = decode[len(decode) // 10], decode[-2]  # steady state: skip the first tenth
-        busy = sum(spans[i][0].elapsed_time(spans[i][1]) / 1e3 for i in range(first, last))
-        # (a step's span: its forward pass and sampler; the gap to the next one is idle)
-        gpu = sorted(spans[i][0].elapsed_time(spans[i][1]) for i in range(first, last))
-        wall = spans[last][2] - spans[first][2]
-        steps = last - first
-        print(f"\n{args.shape}: {b} requests, 128-token prompts, 256 outputs; {len(spans)} steps, "
-              f"{len(decode)} decode steps, {engine.runner.graph_replays - replays} from CUDA graphs")
-        print(f"decode steps {first}..{last}: wall {wall * 1e3:.1f} ms, GPU busy {busy * 1e3:.1f} ms, "
-              f"GPU idle {1 - busy / wall:.1%} of the wall time (target <= 5% at 256); {wall / steps * 1e3:.3f} ms "
-              f"per step, of which the device's forward pass and sampler {busy / steps * 1e3:.3f} "
-              f"(median {gpu[len(gpu) // 2]:.3f})")
-    engine.runner.execute, engine.sampler = execute, sample
+    engine.runner.execute, engine.sampler = timed_execute, timed_sample
+    torch.cuda.CUDAGraph.replay = timed_replay
+    try:
+        for b in batches:
+            spans.clear()
+            prompts = [{"prompt_token_ids": rng.integers(3, fields["vocab_size"], 128).tolist()} for _ in range(b)]
+            replays = engine.runner.graph_replays
+            llm.generate(prompts, params, use_tqdm=False)
+            torch.cuda.synchronize()
+            decode = [i for i, sp in enumerate(spans) if sp["decode"] and sp["launch"] and sp["end"]]
+            first, last = decode[len(decode) // 10], decode[-2]  # steady state: skip the first tenth
+            steady = [spans[i] for i in decode if first <= i < last]
+            busy = [sp["launch"].elapsed_time(sp["end"]) / 1e3 for sp in steady]
+            wall = spans[last]["wall"] - spans[first]["wall"]
+            steps = last - first
+            print(f"\n{args.shape}: {b} requests, 128-token prompts, 256 outputs; {len(spans)} steps, "
+                  f"{len(decode)} decode steps, {engine.runner.graph_replays - replays} from CUDA graphs")
+            print(f"decode steps {first}..{last}: wall {wall * 1e3:.1f} ms, device busy {sum(busy) * 1e3:.1f} ms, "
+                  f"idle {1 - sum(busy) / wall:.1%} of the wall time (target <= 5% at 256); "
+                  f"{wall / steps * 1e3:.3f} ms per step, of which the device's (graph replay to sampler's end) "
+                  f"{sum(busy) / len(busy) * 1e3:.3f} (median {statistics.median(busy) * 1e3:.3f})")
+    finally:
+        engine.runner.execute, engine.sampler = execute, sampler
+        torch.cuda.CUDAGraph.replay = replay
     del llm, engine
     _free()
 

@@ -692,18 +692,17 @@ def step_trace_summary(path: str, start: float, end: float) -> dict:
     turn began in [start, end]): the time between turns' starts (what a stream's
     inter-token gap follows), what the long turns spent it on, and the forward
     passes by how they ran (ModelRunner.last_path)."""
-    # (the loop writes its lines once idle: give it a moment after the run)
+    # (call once the server is idle: the loop writes its lines as it goes idle; a
+    # moment for that, then more only while nothing of the run is there yet)
     deadline = time.monotonic() + 2.0
     turns: list[dict] = []
-    while time.monotonic() < deadline:
+    while not turns and time.monotonic() < deadline:
+        time.sleep(0.3)
         try:
             with open(path, encoding="utf-8") as f:
                 turns = [t for t in map(json.loads, f) if start <= t["wall"] <= end]
         except FileNotFoundError:
-            turns = []
-        if turns and turns[-1]["wall"] >= end - 1.0:
-            break
-        time.sleep(0.1)
+            pass
     if len(turns) < 3:
         return {}
     gaps = [(b["wall"] - a["wall"]) * 1e3 for a, b in zip(turns, turns[1:])]
@@ -1109,8 +1108,9 @@ def main(argv: list[str] | None = None) -> int:
             s["server_cpu_s"] = {k2: cpu_after[k2] - cpu_before.get(k2, 0.0) for k2 in cpu_after}
             s["diagnostics"] = server_diagnostics(before, after, http_processes(args.server_arg))
             if args.step_trace_path:
+                window_end = time.time()
                 wait_idle(url)
-                s["step_trace"] = step_trace_summary(args.step_trace_path, window, time.time())
+                s["step_trace"] = step_trace_summary(args.step_trace_path, window, window_end)
             if math.isinf(rate):
                 saturation = s["request_throughput"]
             name = "inf" if math.isinf(rate) else f"{rate:.2f} req/s" + (f" ({value:g}x)" if relative else "")

@@ -147,10 +147,12 @@ MIXED_GRAPH_TILE_ROWS = 8
 # (ops.planning.padded_tile_splits), for the steps whose chunks hold more keys than
 # the unsplit graphs take: a capped mixed step (serve's 256 tokens) continuing a
 # long prompt. NOTE: measured on the H200 at e06df39 (bench_serving.py, SmolLM2 at
-# half load): such steps, 7% of all, ran in pieces at 4.3 ms of host time and 4.3 /
-# 5.5 ms of device time (p50 / p99) against 1.1 / 2.7 for whole graphs, and the
-# turns that launched or waited for them made most of the inter-token gaps over twice
-# the median.
+# half load): such steps, 7% of all, ran in pieces at 4.3 / 5.4 ms of host time in
+# execute() (p50 / p99) and 4.3 / 5.5 of device time, against 1.1 / 1.9 and 2.7 / 3.8
+# for the whole graphs' steps, and the turns that launched or waited for them made
+# most of the inter-token gaps over twice the median. At 9f29c1f (with the decode-split
+# rule of PaddedPlan.fill) they took these graphs at 2.6-2.8 ms of device time and the
+# half-load run had no pieces left.
 MIXED_SPLIT_GRAPH_TOKENS = 256
 
 
@@ -170,7 +172,9 @@ class _MixedGraph:
 class StepSpan:
     """One execute() call, traced (ModelRunner.step_spans): how the step ran
     (ModelRunner.last_path), its size, the host's time in execute() and, on
-    CUDA, events around the work it queued (the forward pass and the logits)."""
+    CUDA, events from just before its first kernel or graph (after the host
+    staged its inputs) to after its logits: the device's time for the step, with
+    any wait for launches that the host makes within it (the pieces' loop)."""
 
     path: str
     num_tokens: int
@@ -278,6 +282,7 @@ class ModelRunner:
         self.last_path = ""
         # A list to trace the steps into (server.step_trace): one StepSpan per execute().
         self.step_spans: list[StepSpan] | None = None
+        self._launch_event: torch.cuda.Event | None = None  # (traced steps) see _mark_launch
         if device.type == "cuda" and not enforce_eager:
             self._capture_decode_graphs(engine_config)
             self._capture_prefill_graphs(engine_config)
@@ -285,6 +290,13 @@ class ModelRunner:
                 self._capture_mixed_graphs(engine_config, mixed_graph_tokens())
 
     # ---- CUDA graphs for decode steps ------------------------------------------
+
+    def _mark_launch(self) -> None:
+        """Traced steps on CUDA: an event before the step's first kernel or graph,
+        after its host staging (the device's time of a step starts there)."""
+        if self.step_spans is not None and self.device.type == "cuda" and self._launch_event is None:
+            self._launch_event = torch.cuda.Event(enable_timing=True)
+            self._launch_event.record()
 
     def _capture_decode_graphs(self, config: _C.EngineConfig) -> None:
         spec = self.spec
@@ -430,8 +442,10 @@ class ModelRunner:
         start = time.perf_counter()
         # (largest first: the smaller ones reuse its pool; each size's graph, then
         # for the small ones its variant with split tiles)
+        # (a graph with split tiles takes only what short contexts never make)
+        with_split = ops.planning.split_tiles_useful(config.max_model_len)
         variants = [(t, split) for t in reversed(sizes) for split in (False, True)
-                    if not split or t <= MIXED_SPLIT_GRAPH_TOKENS]
+                    if not split or (with_split and t <= MIXED_SPLIT_GRAPH_TOKENS)]
         with ops.unchecked_indices():
             for t, split in variants:
                 rows = min(config.max_num_seqs, t)
@@ -442,6 +456,8 @@ class ModelRunner:
                 padded = ops.planning.PaddedPlan(
                     t, rows, MIXED_GRAPH_TILE_ROWS, spec.num_heads, spec.num_kv_heads, spec.head_dim,
                     self.model.dtype, dev, config.max_model_len, tile_splits=tile_splits)
+                if split:  # (its decode scratch is the unsplit graph's of this size, captured just before)
+                    padded.plan.share_scratch(self.mixed_graphs[t].plan.plan)
                 md = AttentionMetadata(slot_mapping=self._p_slot_mapping[:t], block_tables=self._m_block_tables[:rows + 1],
                                        seq_lens=self._m_seq_lens[:rows + 1],
                                        query_start_loc=self._m_query_start_loc[:rows + 2], plan=padded.plan)
@@ -482,27 +498,26 @@ class ModelRunner:
                       deferred: tuple[torch.Tensor, torch.Tensor] | None,
                       previous: torch.Tensor | None) -> torch.Tensor | None:
         """The final hidden states of the step's sampled rows, from the whole graph
-        of the smallest size whose plan holds the step; None (nothing done) when
-        none does."""
+        of the smallest size whose plan holds the step, the unsplit graphs tried
+        before those with split tiles; None (nothing done) when none holds it."""
         n, r = batch.num_tokens, batch.num_seqs
         lists = None
-        entry = None
+        found: tuple[int, _MixedGraph, bool] | None = None  # (size, graph, whether its tiles split)
         # (a larger size has more tile items: the next one up may hold what this one
         # cannot; the graphs with split tiles only where no unsplit one holds the step)
-        for graphs in (self.mixed_graphs, self.split_mixed_graphs):
-            for size, candidate in graphs.items():
-                if size < n or r > candidate.max_rows:
-                    continue
-                if lists is None:
-                    lists = candidate.plan.lists(batch.query_start_loc, seq_lens)
-                if candidate.plan.fill(batch.query_start_loc, seq_lens, pad_row=r, lists=lists):
-                    t, entry = size, candidate
-                    break
-            if entry is not None:
+        candidates = [(size, entry, False) for size, entry in self.mixed_graphs.items()]
+        candidates += [(size, entry, True) for size, entry in self.split_mixed_graphs.items()]
+        for size, candidate, split in candidates:
+            if size < n or r > candidate.max_rows:
+                continue
+            if lists is None:
+                lists = candidate.plan.lists(batch.query_start_loc, seq_lens)
+            if candidate.plan.fill(batch.query_start_loc, seq_lens, pad_row=r, lists=lists):
+                found = size, candidate, split
                 break
-        if entry is None:
+        if found is None:
             return None
-        split = graphs is self.split_mixed_graphs
+        t, entry, split = found
         self.split_mixed_graph_replays += split
         self.last_path = "split" if split else "mixed"
         s = self.staging
@@ -525,6 +540,7 @@ class ModelRunner:
         self._m_block_tables[:r + 1, :width].copy_(s.block_tables[:r + 1, :width], non_blocking=True)
         entry.plan.upload()
         self._staging_copied()
+        self._mark_launch()
         self._take_deferred(self._p_input_ids, deferred, previous)
         entry.graph.replay()
         self.mixed_graph_replays += 1
@@ -584,6 +600,7 @@ class ModelRunner:
             self._p_input_ids[:t].copy_(s.input_ids[:t], non_blocking=True)
             self._p_positions[:t].copy_(s.positions[:t], non_blocking=True)
             self._p_slot_mapping[:t].copy_(s.slot_mapping[:t], non_blocking=True)
+            self._mark_launch()
             self._take_deferred(self._p_input_ids, deferred, previous)
             piece(0)
             md = self._eager_metadata(batch, seq_lens, width, slot_mapping=self._p_slot_mapping[:n])
@@ -671,6 +688,7 @@ class ModelRunner:
         self._g_seq_lens[:b].copy_(s.seq_lens[:b], non_blocking=True)
         self._g_block_tables[:b, :width].copy_(s.block_tables[:b, :width], non_blocking=True)
         self._staging_copied()
+        self._mark_launch()
         self._take_deferred(self._g_input_ids, deferred, previous)
         entry = self.graphs[b]
         entry.graph.replay()
@@ -722,18 +740,20 @@ class ModelRunner:
             return self._execute(batch, previous_sampled)
 
     def _traced(self, batch: _C.StepBatch, previous_sampled: torch.Tensor | None) -> torch.Tensor:
-        """execute(), its step described in :attr:`step_spans` (events on CUDA)."""
+        """execute(), its step described in :attr:`step_spans` (events on CUDA:
+        from just before its first kernel or graph, :meth:`_mark_launch`, to after
+        its last)."""
         cuda = self.device.type == "cuda"
         start = end = None
-        if cuda:
-            start = torch.cuda.Event(enable_timing=True)
-            start.record()
+        self._launch_event = None
         began = time.perf_counter()
         logits = self._run(batch, previous_sampled)
         host = time.perf_counter() - began
         if cuda:
             end = torch.cuda.Event(enable_timing=True)
             end.record()
+            start = self._launch_event or end  # (a step with no kernel: none)
+            self._launch_event = None
         seq_lens = batch.seq_lens
         self.step_spans.append(StepSpan(
             self.last_path, batch.num_tokens, batch.num_seqs, batch.num_tokens - batch.num_decode_seqs,
@@ -781,6 +801,7 @@ class ModelRunner:
             input_ids = self._to_device(_put(s.input_ids, batch.input_ids))
             positions = self._to_device(_put(s.positions, batch.positions))
             self._staging_copied()
+            self._mark_launch()
             self._take_deferred(input_ids, deferred, previous)
             hidden = self.model(input_ids, positions, md, self.kv_caches)
         if batch.num_prompt_logprob_tokens:

@@ -259,21 +259,32 @@ def test_prefill_graphs_replay_prefill_and_mixed_steps(tiny, monkeypatch, whole)
     assert not eager.llm_engine.runner.prefill_graphs
 
 
-def test_chunks_over_long_contexts_replay_whole_graphs_with_split_tiles(smollm2_shape) -> None:
-    # A 1,100-token prompt in 64-token chunks beside a short one decoding: the chunks
-    # past 1,024 keys are split 4 ways by plan_attention (13 tiles x 3 kv heads), so
-    # the unsplit whole graphs refuse them and the graphs whose tiles split 7 ways
-    # (ops.planning.padded_tile_splits) take them. float32 tokens equal transformers'.
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_chunks_over_long_contexts_replay_whole_graphs_with_split_tiles(smollm2_shape, dtype) -> None:
+    # A 40-token prompt decodes while a 1,100-token one is chunked beside it (64
+    # tokens a step: the short one's prefill and 24 of the long one, then one decode
+    # row and 63 prompt tokens a step). The chunks of rows over 1,024 keys (ending at
+    # 1,032, 1,095 and 1,100) are split 4 ways by plan_attention, so the unsplit whole
+    # graphs refuse them and the graphs whose tiles split (padded_tile_splits) take
+    # them: 3 in float32; 2 in bfloat16, whose last 5-token chunk is a decode row of
+    # 5 queries. float32 tokens equal transformers'; bfloat16 (the tensor-core kernels
+    # with their in-kernel merge of the splits, decode rows beside split tiles) stays
+    # as close to float32 as transformers in bfloat16 does.
+    from pagedcore.ops import planning
+
     g = torch.Generator().manual_seed(12)
-    ps = [torch.randint(3, 49152, (n,), generator=g).tolist() for n in (1100, 40)]
-    llm = LLM(model=str(smollm2_shape), device="cuda", dtype="float32", num_kv_blocks=256, max_model_len=2048,
+    ps = [torch.randint(3, 49152, (n,), generator=g).tolist() for n in (40, 1100)]
+    llm = LLM(model=str(smollm2_shape), device="cuda", dtype=dtype, num_kv_blocks=256, max_model_len=2048,
               max_num_batched_tokens=64, max_num_seqs=4)
     runner = llm.llm_engine.runner
     assert sorted(runner.split_mixed_graphs) == [16, 32, 64]
-    assert runner.split_mixed_graphs[64].plan.plan.num_splits == 7
-    assert generate(llm, ps, 8) == hf_greedy_gpu(smollm2_shape, ps, 8)
-    # (keys 1,025 .. 1,100: the chunks ending at 1,088 and 1,100)
-    assert runner.split_mixed_graph_replays >= 2
+    assert runner.split_mixed_graphs[64].plan.plan.num_splits == planning.padded_tile_splits(
+        64, 9, 3, runner.model.dtype, torch.device("cuda"), 2048) > 1
+    if dtype == "float32":
+        assert generate(llm, ps, 24) == hf_greedy_gpu(smollm2_shape, ps, 24)
+    else:
+        assert_tracks_float32(llm, smollm2_shape, ps, steps=24, device="cuda")
+    assert runner.split_mixed_graph_replays == (3 if dtype == "float32" else 2)
     assert llm.stats()["num_free_blocks"] == llm.stats()["num_blocks"]
 
 

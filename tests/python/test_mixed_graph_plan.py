@@ -247,3 +247,20 @@ def test_fewer_decode_rows_over_long_contexts_take_up_to_twice_the_graphs_decode
     eager = planning.plan_attention(qsl, lens, 9, 3, torch.device("cpu"), 64, torch.bfloat16)
     assert eager.decode_splits == {10: 5, 28: 4, 4: 11}[rows]
     assert p.fill(qsl, lens, pad_row=rows + 1) == taken
+
+
+def test_the_split_graph_shares_the_unsplit_graphs_decode_scratch() -> None:
+    # The two graphs of one size run one at a time: one set of decode partials and
+    # counters serves both, and the split plan adds only its tiles'. A shared buffer
+    # is never replaced (a captured graph holds its address): too small is an error.
+    cpu = torch.device("cpu")
+    unsplit = padded(256, 256)
+    split = planning.PaddedPlan(256, 256, 8, 9, 3, 64, torch.bfloat16, cpu, max_seq_len=4096, tile_splits=8)
+    split.plan.share_scratch(unsplit.plan)
+    a, b = unsplit.plan.partial_ptrs(3, 64), split.plan.partial_ptrs(3, 64)
+    for name in ("decode_partial_out", "decode_partial_lse", "decode_split_counters"):
+        assert a[name] == b[name] != 0
+    assert a["partial_out"] == 0 and b["partial_out"] != 0  # (tiles split only in the split plan)
+    assert unsplit.plan.partial_ptrs(3, 64) == a  # (nothing replaced)
+    with pytest.raises(RuntimeError, match="shared scratch 'decode_partial_out' holds"):
+        unsplit.plan.partial_ptrs(3, 128)  # a larger head: would need a larger buffer

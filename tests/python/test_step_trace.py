@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 import pagedcore
+
+pytest.importorskip("fastapi")  # (the server's dependencies: `pip install pagedcore[serve]`)
 
 
 def test_the_trace_accounts_for_every_prompt_and_output_token(tmp_path, monkeypatch) -> None:
@@ -44,3 +48,26 @@ def test_the_trace_accounts_for_every_prompt_and_output_token(tmp_path, monkeypa
     assert sum(sp[1] - sp[3] for sp in spans) == len(prompts) * (max_tokens - 1)
     assert all(sp[2] == 1 for sp in spans)
     assert sorted(sp[4] for sp in spans if sp[3]) == sorted(len(p) for p in prompts)
+
+
+def test_a_trace_that_cannot_be_written_turns_itself_off(tmp_path, caplog) -> None:
+    # A diagnostic never stops the engine: the first failed write is logged, the
+    # rows are dropped and the runner stops recording spans.
+    from types import SimpleNamespace
+
+    from pagedcore.server.step_trace import StepTrace
+
+    runner = SimpleNamespace(step_spans=None)
+    trace = StepTrace(str(tmp_path / "missing" / "steps.jsonl"), SimpleNamespace(runner=runner))
+    assert runner.step_spans == []
+    trace.turn(1.0, 0.0, 0.001, 0.002, 0.004, 0.005, adds=1)
+    with caplog.at_level("WARNING", logger="pagedcore.server"):
+        trace.write()
+    assert "step trace to" in caplog.text and "turned off" in caplog.text
+    assert trace.rows == [] and runner.step_spans is None
+    caplog.clear()
+    trace.turn(2.0, 0.0, 0.001, 0.002, 0.004, 0.005, adds=0)
+    with caplog.at_level("WARNING", logger="pagedcore.server"):
+        trace.write()
+    assert trace.off and trace.rows == [] and caplog.text == ""  # (off: nothing recorded, no second message)
+    assert not (tmp_path / "missing").exists()

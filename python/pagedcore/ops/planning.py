@@ -47,9 +47,23 @@ class AttentionPlan:
         w = self.num_work
         self.work_seq, self.work_q_start, self.decode_seq = both[:w], both[w:2 * w], both[2 * w:]
         self._buffers: dict[str, torch.Tensor] = {}
+        self._shared = False  # _buffers also another plan's (share_scratch)
+
+    def share_scratch(self, other: AttentionPlan) -> None:
+        """Uses ``other``'s split scratch (partial outputs, counters) for this plan's:
+        for plans whose launches never overlap (the whole graphs of one size, with
+        and without split tiles, replayed one at a time). A buffer one of them has
+        made is never replaced (a captured graph holds its address): the plans'
+        buffers of one name must have the same size, else :meth:`partial_ptrs`
+        raises."""
+        self._buffers = other._buffers
+        self._shared = other._shared = True
 
     def _buffer(self, name: str, size: int, dtype: torch.dtype = torch.float32) -> int:
         buf = self._buffers.get(name)
+        if buf is not None and buf.numel() < size and self._shared:
+            raise RuntimeError(f"AttentionPlan: shared scratch {name!r} holds {buf.numel()} elements, "
+                               f"{size} needed")
         if buf is None or buf.numel() < size:
             # NOTE: counters must start at zero; the kernels leave them at zero.
             buf = self._buffers[name] = torch.zeros(size, dtype=dtype, device=self.device)
@@ -173,6 +187,13 @@ _PADDED_SPLIT_ROWS = 32
 _PADDED_UNSPLIT_TILE_KEYS = 1024
 
 
+def split_tiles_useful(max_seq_len: int) -> bool:
+    """Whether a PaddedPlan with split tiles can take a step that the unsplit one
+    refuses (chunks of rows over _PADDED_UNSPLIT_TILE_KEYS keys: only with longer
+    sequences)."""
+    return max_seq_len > _PADDED_UNSPLIT_TILE_KEYS
+
+
 def padded_tile_splits(max_tokens: int, num_heads: int, num_kv_heads: int, dtype: torch.dtype,
                        device: torch.device, max_seq_len: int) -> int:
     """Key splits for the tiles of a PaddedPlan of ``max_tokens`` tokens whose
@@ -201,8 +222,10 @@ class PaddedPlan:
     the step (1: never; any split count computes the same attention, a split of
     a short tile may be empty); decode rows may split as a step of 32 of them over
     ``max_seq_len`` keys would, each row running only the splits its length needs
-    (as :func:`plan_decode`). Steps whose eager plan would split more (long
-    contexts) are refused by :meth:`fill`.
+    (as :func:`plan_decode`). :meth:`fill` refuses the steps whose eager plan would
+    split much more (long contexts): tiles of rows over _PADDED_UNSPLIT_TILE_KEYS keys
+    split more than the plan's tiles (more than twice, when they split), decode
+    rows more than twice its decode splits.
     """
 
     def __init__(self, max_tokens: int, max_rows: int, max_tile_rows: int, num_heads: int, num_kv_heads: int,
@@ -222,7 +245,7 @@ class PaddedPlan:
         self.sms = _sm_count(device)
         # Decode splits sized for a step of up to 32 decode rows (the padding items are
         # no work to spread), each row running the splits its length needs; a step the
-        # eager plan would split more takes the pieces (fill).
+        # eager plan would split more than twice as much takes the pieces (fill).
         splits = _splits(max(1, min(num_decode, _PADDED_SPLIT_ROWS) * num_kv_heads), max_seq_len, self.sms,
                          _DECODE_SPLIT_KEYS)
         zeros = np.zeros(num_work, dtype=np.int32)

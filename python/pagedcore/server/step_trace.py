@@ -11,8 +11,13 @@ Each turn of :meth:`AsyncEngine._loop` that steps the engine appends one JSON li
   (``_flush``); ``adds``: requests admitted in ``cmd``;
 - ``spans``: the forward passes that the step launched (ModelRunner.step_spans):
   ``[path, tokens, rows, prompt tokens, longest row, host ms in execute, device ms]``,
-  the device's time from the events around the work that execute() queued (null
-  off CUDA).
+  the device's time from an event queued just before the step's first kernel or
+  graph (after its host staging) to one after its last (null off CUDA): the
+  device's work, and any wait of the device for the host's later launches within
+  the step (the pieces' eager loop).
+
+A step() that fails adds no line; the forward passes it launched count in the next
+turn's.
 
 With a pipelined engine (``LLMEngine.pipelined``) a turn's ``step`` mostly waits for
 the forward pass that the turn before launched: compare it with the previous
@@ -24,10 +29,13 @@ The lines are written while the loop is idle (and as it ends), never between ste
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 
 ENV = "PAGEDCORE_STEP_TRACE"
+
+logger = logging.getLogger("pagedcore.server")
 
 
 def trace_path() -> str | None:
@@ -41,17 +49,20 @@ class StepTrace:
     def __init__(self, path: str, engine) -> None:
         self.path = path
         self.rows: list[tuple] = []
-        runner = getattr(engine, "runner", None)
+        runner = self._runner = getattr(engine, "runner", None)
         self.spans = None
         if runner is not None and hasattr(runner, "step_spans"):
             runner.step_spans = self.spans = []
         self._taken = 0  # spans already given to a turn
+        self.off = False  # (a write failed: nothing more is recorded)
 
     def turn(self, wall: float, began: float, stepped: float, step_seconds: float, published: float,
              ended: float, adds: int) -> None:
         """One turn: ``wall`` (time.time()) and ``began`` (perf_counter) at its start,
         ``stepped`` as step() began, ``published`` after the outputs and stats,
         ``ended`` after the flush."""
+        if self.off:
+            return
         spans = ()
         if self.spans is not None:
             spans = self.spans[self._taken:]
@@ -61,9 +72,21 @@ class StepTrace:
 
     def write(self) -> None:
         """Appends the turns so far to the file (the device's times are read now:
-        call when the engine is idle, its work done)."""
+        call when the engine is idle, its work done). A trace that cannot be
+        written (the file, the device) is logged once and turned off: a
+        diagnostic never stops the engine."""
         if not self.rows:
             return
+        try:
+            self._write()
+        except (OSError, RuntimeError) as e:
+            logger.warning("step trace to %s turned off: %s", self.path, e)
+            self.off = True
+            self.rows.clear()
+            if self.spans is not None:
+                self._runner.step_spans = self.spans = None
+
+    def _write(self) -> None:
         lines = []
         for wall, cmd, step, out, flush, adds, spans in self.rows:
             lines.append(json.dumps({
