@@ -203,7 +203,7 @@ def padded_tile_splits(max_tokens: int, num_heads: int, num_kv_heads: int, dtype
     group = num_heads // num_kv_heads
     tile = max(1, _C.cuda_attention_tile_vectors(dtype.itemsize) // group)
     tiles = -(-max_tokens // tile)
-    return max(2, _splits(tiles * num_kv_heads, max(max_seq_len, 2 * 256), _sm_count(device)))
+    return max(2, _splits(tiles * num_kv_heads, max_seq_len, _sm_count(device)))
 
 
 class PaddedPlan:

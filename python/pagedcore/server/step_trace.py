@@ -23,7 +23,8 @@ With a pipelined engine (``LLMEngine.pipelined``) a turn's ``step`` mostly waits
 the forward pass that the turn before launched: compare it with the previous
 turn's spans.
 
-The lines are written while the loop is idle (and as it ends), never between steps.
+The lines are written while the loop is idle (and as it ends), never between steps
+but every MAX_ROWS turns of a loop that never idles (a pause there).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import os
 import time
 
 ENV = "PAGEDCORE_STEP_TRACE"
+MAX_ROWS = 20_000  # turns held (with their CUDA events) before a write, idle or not
 
 logger = logging.getLogger("pagedcore.server")
 
@@ -69,6 +71,8 @@ class StepTrace:
             self._taken = len(self.spans)
         self.rows.append((wall, stepped - began, step_seconds, published - stepped - step_seconds,
                           ended - published, adds, spans))
+        if len(self.rows) >= MAX_ROWS:
+            self.write()
 
     def write(self) -> None:
         """Appends the turns so far to the file (the device's times are read now:
