@@ -187,6 +187,11 @@ _PADDED_SPLIT_ROWS = 32
 _PADDED_UNSPLIT_TILE_KEYS = 1024
 
 
+def _tile_tokens(num_heads: int, num_kv_heads: int, dtype: torch.dtype) -> int:
+    """Query tokens of a tile (as _plan_lists cuts them) for queries of ``dtype``."""
+    return max(1, _C.cuda_attention_tile_vectors(dtype.itemsize) // (num_heads // num_kv_heads))
+
+
 def split_tiles_useful(max_seq_len: int) -> bool:
     """Whether a PaddedPlan with split tiles can take a step that the unsplit one
     refuses (chunks of rows over _PADDED_UNSPLIT_TILE_KEYS keys: only with longer
@@ -200,9 +205,7 @@ def padded_tile_splits(max_tokens: int, num_heads: int, num_kv_heads: int, dtype
     steps' chunks hold more keys than _PADDED_UNSPLIT_TILE_KEYS: what
     :func:`plan_attention` gives a chunk of ``max_tokens`` tokens over
     ``max_seq_len`` keys, at least 2."""
-    group = num_heads // num_kv_heads
-    tile = max(1, _C.cuda_attention_tile_vectors(dtype.itemsize) // group)
-    tiles = -(-max_tokens // tile)
+    tiles = -(-max_tokens // _tile_tokens(num_heads, num_kv_heads, dtype))
     return max(2, _splits(tiles * num_kv_heads, max_seq_len, _sm_count(device)))
 
 
@@ -235,7 +238,7 @@ class PaddedPlan:
             raise ValueError(f"PaddedPlan: tile_splits must be >= 1, got {tile_splits}")
         self.num_heads, self.num_kv_heads, self.head_dim, self.dtype = num_heads, num_kv_heads, head_dim, dtype
         group = num_heads // num_kv_heads
-        tile = max(1, _C.cuda_attention_tile_vectors(dtype.itemsize) // group)
+        tile = _tile_tokens(num_heads, num_kv_heads, dtype)
         if _C.cuda_decode_supported(group, head_dim, dtype.itemsize):
             num_decode, tile_rows = max_rows + 1, min(max_tile_rows, max_rows)
         else:  # every row is cut into tiles
