@@ -109,7 +109,7 @@ def test_a_bad_value_is_refused_before_anything_loads(field, value) -> None:
 def test_serve_passes_its_flags_to_the_engine_and_refuses_a_bad_api_server_count(monkeypatch, capsys,
                                                                                  tmp_path) -> None:
     # `pagedcore serve` builds EngineArgs with --max-num-mixed-prefill-tokens (default
-    # 256); the engine is a stub that keeps them and stops the command.
+    # 256) and --mixed-prefill-max-waiting (8); the engine is a stub that keeps them and stops the command.
     import pagedcore.llm_engine as llm_engine
     from pagedcore import cli
 
@@ -123,10 +123,10 @@ def test_serve_passes_its_flags_to_the_engine_and_refuses_a_bad_api_server_count
         raise Stop("stub engine")
 
     monkeypatch.setattr(llm_engine, "LLMEngine", stub)
-    for flags, want in (([], 256), (["--max-num-mixed-prefill-tokens", "64"], 64),
-                        (["--max-num-mixed-prefill-tokens", "0"], 0)):
+    for flags, want, waiting in (([], 256, 8), (["--max-num-mixed-prefill-tokens", "64"], 64, 8),
+                                 (["--max-num-mixed-prefill-tokens", "0", "--mixed-prefill-max-waiting", "32"], 0, 32)):
         assert cli.main(["serve", "--model", str(tmp_path), "--port", "0", *flags]) == 2
-        assert seen[-1].max_num_mixed_prefill_tokens == want
+        assert (seen[-1].max_num_mixed_prefill_tokens, seen[-1].mixed_prefill_max_waiting) == (want, waiting)
     assert cli.main(["serve", "--model", str(tmp_path), "--port", "0", "--api-server-count", "0"]) == 2
     assert "--api-server-count must be >= 1, got 0" in capsys.readouterr().err
     assert len(seen) == 3  # (refused before anything loads)
