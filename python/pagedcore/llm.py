@@ -49,9 +49,13 @@ class LLM:
     max_num_mixed_prefill_tokens : int, optional
         A step that runs decode rows computes at most this many tokens, its
         decode rows included (at least 1/16 of it in prompt tokens; longer
-        prompts are chunked over more steps), while at most 8 requests wait;
-        None (default): no cap but ``max_num_batched_tokens``. For the
+        prompts are chunked over more steps), plus as many prompt tokens again
+        for every ``mixed_prefill_waiting_per_cap`` requests waiting (a queue
+        raises the step's share in proportion; 0: anything waiting lifts the
+        cap); None (default): no cap but ``max_num_batched_tokens``. For the
         inter-token latency of streams (``pagedcore serve`` sets 256).
+    mixed_prefill_waiting_per_cap : int
+        See ``max_num_mixed_prefill_tokens`` (default 8).
     enable_prefix_caching : bool
         Reuse the KV of common prompt prefixes.
     preemption_mode : {"recompute", "swap"}
@@ -129,6 +133,7 @@ class LLM:
         tensor_parallel_size: int = 1,
         calculate_kv_scales: bool = False,
         max_num_mixed_prefill_tokens: int | None = None,
+        mixed_prefill_waiting_per_cap: int = 8,
     ) -> None:
         configure_default_logging()
         if model is None:
@@ -146,6 +151,7 @@ class LLM:
                 enforce_eager=enforce_eager, load_format=load_format, async_output_proc=async_output_proc,
                 async_scheduling=async_scheduling, tensor_parallel_size=tensor_parallel_size,
                 calculate_kv_scales=calculate_kv_scales, max_num_mixed_prefill_tokens=max_num_mixed_prefill_tokens,
+                mixed_prefill_waiting_per_cap=mixed_prefill_waiting_per_cap,
             )
         )
 

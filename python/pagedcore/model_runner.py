@@ -152,8 +152,10 @@ MIXED_GRAPH_TILE_ROWS = 8
 # for the whole graphs' steps, and the turns that launched or waited for them made
 # most of the inter-token gaps over twice the median. At 9f29c1f (with the decode-split
 # rule of PaddedPlan.fill) they took these graphs at 2.6-2.8 ms of device time and the
-# half-load run had no pieces left.
-MIXED_SPLIT_GRAPH_TOKENS = 256
+# half-load run had no pieces left. Up to the whole graphs' 1024 since the mixed-prefill
+# cap grows with the waiting queue (cpp/src/scheduler.cpp): steps of 257-1024 tokens
+# continuing long prompts are what a queue of a few requests makes.
+MIXED_SPLIT_GRAPH_TOKENS = DEFAULT_MIXED_GRAPH_TOKENS
 
 
 @dataclass

@@ -138,11 +138,11 @@ TEST(Scheduler, LongPromptIsChunkedAcrossSteps) {
   update_with(e, {501});
 }
 
-TEST(Scheduler, MixedPrefillCapHoldsStepTokensWhileDecodesRunAndFewWait) {
+TEST(Scheduler, MixedPrefillCapHoldsStepTokensWhileDecodesRunAndGrowsWithTheQueue) {
   EngineConfig c = small_config();
   c.max_num_batched_tokens = 64;
   c.max_num_mixed_prefill_tokens = 10;
-  c.mixed_prefill_max_waiting = 1;
+  c.mixed_prefill_waiting_per_cap = 2;  // each waiting sequence adds 10 / 2 prompt tokens
   Engine e(c);
   e.add_request("r0", iota_tokens(12, 1), params_max_tokens(4));
   const StepBatch& b1 = e.schedule();  // no decode row: the cap does not apply
@@ -150,25 +150,24 @@ TEST(Scheduler, MixedPrefillCapHoldsStepTokensWhileDecodesRunAndFewWait) {
   update_with(e, {100});
 
   e.add_request("r1", iota_tokens(25, 101), params_max_tokens(2));
-  // r0 decodes: the step holds 10 tokens, r0's row and 9 of r1's admission
+  // r0 decodes, r1 waits: r0's row, 10 - 1 prompt tokens and 5 for the queue
   const StepBatch& b2 = e.schedule();
-  EXPECT_EQ(b2.num_tokens, 10);
+  EXPECT_EQ(b2.num_tokens, 15);
   EXPECT_EQ(b2.num_decode_seqs, 1);
-  EXPECT_EQ(vec(b2.seq_lens, 2), (std::vector<int32_t>{13, 9}));
+  EXPECT_EQ(vec(b2.seq_lens, 2), (std::vector<int32_t>{13, 14}));
   EXPECT_EQ(b2.num_samples, 1);
   update_with(e, {101});
-  const StepBatch& b3 = e.schedule();  // r1's running prefill: 9 more
+  const StepBatch& b3 = e.schedule();  // r1's running prefill, nothing waits: 9 more
   EXPECT_EQ(b3.num_tokens, 10);
-  EXPECT_EQ(vec(b3.seq_lens, 2), (std::vector<int32_t>{14, 18}));
-  EXPECT_EQ(vec(b3.num_computed_tokens, 2), (std::vector<int32_t>{13, 9}));
+  EXPECT_EQ(vec(b3.seq_lens, 2), (std::vector<int32_t>{14, 23}));
+  EXPECT_EQ(vec(b3.num_computed_tokens, 2), (std::vector<int32_t>{13, 14}));
   update_with(e, {102});
 
-  // Two waiting (more than mixed_prefill_max_waiting): the whole budget, r1's
-  // last 7 prompt tokens and both prompts at once.
+  // Two waiting: 9 + 10 prompt tokens, r1's last 2 and both prompts at once.
   e.add_request("r2", iota_tokens(6, 201), params_max_tokens(2));
   e.add_request("r3", iota_tokens(6, 301), params_max_tokens(2));
   const StepBatch& b4 = e.schedule();
-  EXPECT_EQ(b4.num_tokens, 1 + 7 + 6 + 6);
+  EXPECT_EQ(b4.num_tokens, 1 + 2 + 6 + 6);
   EXPECT_EQ(vec(b4.seq_lens, 4), (std::vector<int32_t>{15, 25, 6, 6}));
   EXPECT_EQ(b4.num_samples, 4);
   update_with(e, {103, 400, 500, 600});
@@ -182,7 +181,7 @@ TEST(Scheduler, MixedPrefillCapLeavesAFloorOfPromptTokensWhileRowsFillIt) {
   c.max_num_seqs = 64;
   c.max_num_batched_tokens = 256;
   c.max_num_mixed_prefill_tokens = 32;
-  c.mixed_prefill_max_waiting = 1;
+  c.mixed_prefill_waiting_per_cap = 1000;  // (the one waiting adds 32 / 1000 = 0)
   Engine e(c);
   std::vector<TokenId> sampled;
   for (int i = 0; i < 31; ++i) {

@@ -1,8 +1,8 @@
 """max_num_mixed_prefill_tokens (EngineConfig, LLM, `pagedcore serve`): while
 decode rows run, a step computes at most that many tokens, its decode rows
 included (a long prompt is chunked over more steps, so the running streams'
-next token is not held up by it), unless more than mixed_prefill_max_waiting
-requests wait; the outputs are the same greedy tokens as transformers' on the
+next token is not held up by it), plus another cap's worth of prompt tokens for
+every mixed_prefill_waiting_per_cap requests waiting; the outputs are the same greedy tokens as transformers' on the
 same weights."""
 
 from __future__ import annotations
@@ -72,13 +72,16 @@ def test_a_prompt_that_arrives_while_another_decodes_is_chunked_at_the_cap(check
     assert stats["num_free_blocks"] == stats["num_blocks"]
 
 
-def test_the_cap_is_lifted_while_more_requests_wait_than_mixed_prefill_max_waiting(checkpoint) -> None:
-    # 10 prompts arrive while one decodes: more than 8 wait, so the step admits
-    # with the whole budget (2048 tokens on the CPU): every prompt at once.
+@pytest.mark.parametrize("per_cap, first_step", [(8, 35), (4, 55), (0, 120)])
+def test_the_cap_grows_with_the_waiting_queue(checkpoint, per_cap, first_step) -> None:
+    # 10 prompts of 12 tokens arrive while one decodes: the step takes the cap's
+    # 16 - 1 prompt tokens plus 16 * 10 / per_cap for the queue (8: 15 + 20, 4:
+    # 15 + 40); per_cap 0 lifts the cap while anything waits: the whole budget
+    # (2048 tokens on the CPU), every prompt at once.
     from pagedcore import default_model_path
 
     llm = LLM(model=str(checkpoint), tokenizer=default_model_path(), num_kv_blocks=128, max_model_len=256,
-              max_num_mixed_prefill_tokens=CAP)
+              max_num_mixed_prefill_tokens=CAP, mixed_prefill_waiting_per_cap=per_cap)
     engine = llm.llm_engine
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     engine.add_request("first", None, [5, 6, 7], params)
@@ -90,7 +93,8 @@ def test_the_cap_is_lifted_while_more_requests_wait_than_mixed_prefill_max_waiti
     outs = []
     while engine.has_unfinished_requests():
         outs += engine.step()
-    assert steps[0] == (1, 120)
+    assert steps[0] == (1, first_step)
+    assert sum(prompt for _, prompt in steps) == 120
     got = {o.request_id: o.outputs[0].token_ids for o in outs}
     for i in (0, 9):
         assert got[f"r{i}"] == hf_greedy(checkpoint, ps[i], 4)[0]
@@ -98,7 +102,8 @@ def test_the_cap_is_lifted_while_more_requests_wait_than_mixed_prefill_max_waiti
 
 @pytest.mark.parametrize("field, value", [("max_num_mixed_prefill_tokens", -1),
                                           ("max_num_mixed_prefill_tokens", True),
-                                          ("mixed_prefill_max_waiting", None)])
+                                          ("mixed_prefill_waiting_per_cap", None),
+                                          ("mixed_prefill_waiting_per_cap", -1)])
 def test_a_bad_value_is_refused_before_anything_loads(field, value) -> None:
     from pagedcore.llm_engine import EngineArgs, LLMEngine
 
@@ -109,7 +114,7 @@ def test_a_bad_value_is_refused_before_anything_loads(field, value) -> None:
 def test_serve_passes_its_flags_to_the_engine_and_refuses_a_bad_api_server_count(monkeypatch, capsys,
                                                                                  tmp_path) -> None:
     # `pagedcore serve` builds EngineArgs with --max-num-mixed-prefill-tokens (default
-    # 256) and --mixed-prefill-max-waiting (8); the engine is a stub that keeps them and stops the command.
+    # 256) and --mixed-prefill-waiting-per-cap (8); the engine is a stub that keeps them and stops the command.
     import pagedcore.llm_engine as llm_engine
     from pagedcore import cli
 
@@ -124,9 +129,9 @@ def test_serve_passes_its_flags_to_the_engine_and_refuses_a_bad_api_server_count
 
     monkeypatch.setattr(llm_engine, "LLMEngine", stub)
     for flags, want, waiting in (([], 256, 8), (["--max-num-mixed-prefill-tokens", "64"], 64, 8),
-                                 (["--max-num-mixed-prefill-tokens", "0", "--mixed-prefill-max-waiting", "32"], 0, 32)):
+                                 (["--max-num-mixed-prefill-tokens", "0", "--mixed-prefill-waiting-per-cap", "32"], 0, 32)):
         assert cli.main(["serve", "--model", str(tmp_path), "--port", "0", *flags]) == 2
-        assert (seen[-1].max_num_mixed_prefill_tokens, seen[-1].mixed_prefill_max_waiting) == (want, waiting)
+        assert (seen[-1].max_num_mixed_prefill_tokens, seen[-1].mixed_prefill_waiting_per_cap) == (want, waiting)
     assert cli.main(["serve", "--model", str(tmp_path), "--port", "0", "--api-server-count", "0"]) == 2
     assert "--api-server-count must be >= 1, got 0" in capsys.readouterr().err
     assert len(seen) == 3  # (refused before anything loads)
