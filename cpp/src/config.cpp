@@ -76,7 +76,9 @@ void EngineConfig::validate() const {
   require(max_num_mixed_prefill_tokens >= 0, "max_num_mixed_prefill_tokens",
           max_num_mixed_prefill_tokens, ">= 0 (0 disables the cap)");
   require(mixed_prefill_waiting_per_cap >= 0, "mixed_prefill_waiting_per_cap",
-          mixed_prefill_waiting_per_cap, ">= 0");
+          mixed_prefill_waiting_per_cap, ">= 0 (0: no share for the queue)");
+  require(mixed_prefill_max_waiting >= 0, "mixed_prefill_max_waiting", mixed_prefill_max_waiting,
+          ">= 0");
   require(max_model_len >= 1, "max_model_len", max_model_len, ">= 1");
   require(num_cpu_blocks >= 0, "num_cpu_blocks", num_cpu_blocks, ">= 0");
   if (preemption_mode == PreemptionMode::kSwap && num_cpu_blocks == 0) {

@@ -173,7 +173,7 @@ void Scheduler::schedule(int64_t step) {
   int32_t prefill_budget = budget;
   const int32_t cap = config_.max_num_mixed_prefill_tokens;
   const int32_t per_cap = config_.mixed_prefill_waiting_per_cap;
-  if (cap > 0 && (per_cap > 0 || waiting_.empty())) {
+  if (cap > 0 && waiting_.size() <= static_cast<size_t>(config_.mixed_prefill_max_waiting)) {
     const auto decode_rows = static_cast<int32_t>(
         std::count_if(running_.begin(), running_.end(), [](const Sequence* s) {
           return !s->finish_pending && s->num_uncomputed() == 1;
@@ -181,19 +181,22 @@ void Scheduler::schedule(int64_t step) {
     // NOTE: the cap counts the decode rows too: a mixed step of at most `cap`
     // tokens runs the runner's graph of that many tokens, where a cap on the
     // prompt tokens alone (rows + cap) would pad up to the next size, twice
-    // the cost. The floor keeps prompts moving while rows fill the cap.
-    // NOTE: the queue's share grows with its length. Measured on the H200 (SmolLM2,
-    // 4 HTTP processes, 2724914) with the rule before, the cap lifted whole above 8
-    // waiting: at half of saturation (393 req/s, more prompt tokens than capped steps
-    // take) 29 steps of ~2,500 prompt tokens ran in pieces (5.1 ms of device and
-    // 4.0 of host time against 2.7 / 1.2 for a capped step): inter-token p99 / p50
-    // 2.46. Lifted only above 32 waiting, rows filled the cap and the floor left the
-    // burst's last admissions 16 tokens a step: saturation 0.66 of offline (0.93).
+    // the cost. The floor (half the rows) keeps prompts moving while rows fill
+    // the cap: a step of many rows costs several decode steps of few, and half
+    // as many prompt tokens again keeps it within ~1.5x of itself. It was cap / 16
+    // until 897a652: 16 tokens a step beside 500 rows left a burst's last
+    // admissions trickling in for tens of steps (SmolLM2 on the H200, 4 HTTP
+    // processes: saturation 0.75-0.87 of offline with the queue's share below).
+    // NOTE: the queue's share. Measured on the H200 (SmolLM2, 4 HTTP processes, at
+    // 2724914) without it: at half of saturation (393 req/s: more prompt tokens than
+    // capped steps take) the queue passed 8 again and again, and each time a lifted
+    // step of ~2,500 tokens ran in pieces (5.1 ms of device and 4.0 of host time
+    // against 2.7 / 1.2 for a capped step): inter-token p99 / p50 2.46.
     if (decode_rows > 0) {
-      const int64_t extra = static_cast<int64_t>(cap) * static_cast<int64_t>(waiting_.size()) /
-                            std::max<int32_t>(per_cap, 1);
+      const int64_t extra =
+          per_cap > 0 ? static_cast<int64_t>(cap) * static_cast<int64_t>(waiting_.size()) / per_cap : 0;
       const int64_t share =
-          std::max<int64_t>(cap - decode_rows, std::max(1, cap / 16)) + extra;
+          std::max<int64_t>(std::max(cap - decode_rows, decode_rows / 2), 1) + extra;
       prefill_budget = static_cast<int32_t>(std::min<int64_t>(budget, share));
     }
   }

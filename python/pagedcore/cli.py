@@ -129,6 +129,7 @@ def _serve_on(sock, args: argparse.Namespace) -> int:
         calculate_kv_scales=args.calculate_kv_scales,
         max_num_mixed_prefill_tokens=args.max_num_mixed_prefill_tokens,
         mixed_prefill_waiting_per_cap=args.mixed_prefill_waiting_per_cap,
+        mixed_prefill_max_waiting=args.mixed_prefill_max_waiting,
     )
     engine_args.validate()
     if args.dtype.strip().lower() != "auto":
@@ -315,13 +316,14 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-num-mixed-prefill-tokens", type=int, default=256,
                      help="a step that gives running streams their next token computes at most this many "
                           "tokens, their rows included (longer prompts are chunked over more steps: the "
-                          "streams' inter-token latency), plus as many prompt tokens again for every "
-                          "--mixed-prefill-waiting-per-cap requests waiting; 0: no cap but "
-                          "--max-num-batched-tokens")
-    srv.add_argument("--mixed-prefill-waiting-per-cap", type=int, default=8,
-                     help="waiting requests that add another --max-num-mixed-prefill-tokens of prompt tokens to "
-                          "a step with decode rows (a queue drains in proportion to its length; 0: anything "
-                          "waiting lifts the cap)")
+                          "streams' inter-token latency), while at most --mixed-prefill-max-waiting requests "
+                          "wait; 0: no cap but --max-num-batched-tokens")
+    srv.add_argument("--mixed-prefill-waiting-per-cap", type=int, default=0,
+                     help="waiting requests that add another --max-num-mixed-prefill-tokens of prompt tokens "
+                          "to a capped step (a queue raises the step's share in proportion); 0: no share")
+    srv.add_argument("--mixed-prefill-max-waiting", type=int, default=8,
+                     help="a longer queue lifts the cap of --max-num-mixed-prefill-tokens: the step admits with "
+                          "the whole --max-num-batched-tokens (a burst: throughput)")
     srv.add_argument("--shutdown-timeout", type=float, default=30.0,
                      help="seconds SIGTERM or Ctrl-C lets in-flight requests finish before ending them")
     return parser

@@ -50,12 +50,13 @@ class LLM:
         A step that runs decode rows computes at most this many tokens, its
         decode rows included (at least 1/16 of it in prompt tokens; longer
         prompts are chunked over more steps), plus as many prompt tokens again
-        for every ``mixed_prefill_waiting_per_cap`` requests waiting (a queue
-        raises the step's share in proportion; 0: anything waiting lifts the
-        cap); None (default): no cap but ``max_num_batched_tokens``. For the
-        inter-token latency of streams (``pagedcore serve`` sets 256).
-    mixed_prefill_waiting_per_cap : int
-        See ``max_num_mixed_prefill_tokens`` (default 8).
+        for every ``mixed_prefill_waiting_per_cap`` requests waiting (0, the
+        default: no share for the queue), while at most
+        ``mixed_prefill_max_waiting`` (8) requests wait; None (default): no cap
+        but ``max_num_batched_tokens``. For the inter-token latency of streams
+        (``pagedcore serve`` sets 256).
+    mixed_prefill_waiting_per_cap, mixed_prefill_max_waiting : int
+        See ``max_num_mixed_prefill_tokens``.
     enable_prefix_caching : bool
         Reuse the KV of common prompt prefixes.
     preemption_mode : {"recompute", "swap"}
@@ -133,7 +134,8 @@ class LLM:
         tensor_parallel_size: int = 1,
         calculate_kv_scales: bool = False,
         max_num_mixed_prefill_tokens: int | None = None,
-        mixed_prefill_waiting_per_cap: int = 8,
+        mixed_prefill_waiting_per_cap: int = 0,
+        mixed_prefill_max_waiting: int = 8,
     ) -> None:
         configure_default_logging()
         if model is None:
@@ -152,6 +154,7 @@ class LLM:
                 async_scheduling=async_scheduling, tensor_parallel_size=tensor_parallel_size,
                 calculate_kv_scales=calculate_kv_scales, max_num_mixed_prefill_tokens=max_num_mixed_prefill_tokens,
                 mixed_prefill_waiting_per_cap=mixed_prefill_waiting_per_cap,
+                mixed_prefill_max_waiting=mixed_prefill_max_waiting,
             )
         )
 

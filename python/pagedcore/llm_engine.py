@@ -85,12 +85,14 @@ class EngineArgs:
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
     # A step that runs decode rows computes at most this many tokens (its decode
-    # rows included), plus as many prompt tokens again for every
-    # mixed_prefill_waiting_per_cap requests waiting (None / 0: no cap); see
+    # rows included; None / 0: no cap), plus as many prompt tokens again for every
+    # mixed_prefill_waiting_per_cap requests waiting (0: none), while at most
+    # mixed_prefill_max_waiting requests wait; see
     # EngineConfig in cpp/include/pagedcore/config.h. `pagedcore serve` sets it
     # (its --max-num-mixed-prefill-tokens): the streams' inter-token latency.
     max_num_mixed_prefill_tokens: int | None = None
-    mixed_prefill_waiting_per_cap: int = 8
+    mixed_prefill_waiting_per_cap: int = 0
+    mixed_prefill_max_waiting: int = 8
     enable_prefix_caching: bool = True
     preemption_mode: str = "recompute"
     swap_space: float = 4
@@ -141,7 +143,7 @@ class EngineArgs:
         positive("max_num_seqs", self.max_num_seqs)
         positive("tensor_parallel_size", self.tensor_parallel_size)
         positive("max_num_batched_tokens", self.max_num_batched_tokens, allow_none=True)
-        for name in ("max_num_mixed_prefill_tokens", "mixed_prefill_waiting_per_cap"):
+        for name in ("max_num_mixed_prefill_tokens", "mixed_prefill_waiting_per_cap", "mixed_prefill_max_waiting"):
             value = getattr(self, name)
             if value is None and name == "max_num_mixed_prefill_tokens":
                 continue
@@ -623,6 +625,7 @@ class LLMEngine:
             vocab_size=spec.vocab_size,
             max_num_mixed_prefill_tokens=a.max_num_mixed_prefill_tokens or 0,
             mixed_prefill_waiting_per_cap=a.mixed_prefill_waiting_per_cap,
+            mixed_prefill_max_waiting=a.mixed_prefill_max_waiting,
         )
         if self.tp is not None:
             self.tp.group.broadcast_object(fields)

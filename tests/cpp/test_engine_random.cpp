@@ -30,8 +30,9 @@ struct RandomCase {
   // Async scheduling: each step is scheduled (and run) before the previous
   // one's values arrive (append_placeholders, then resolve of the one before).
   bool async_steps = false;
-  // EngineConfig::max_num_mixed_prefill_tokens (with mixed_prefill_waiting_per_cap 2:
-  // the queue's share varies from step to step).
+  // EngineConfig::max_num_mixed_prefill_tokens (with mixed_prefill_waiting_per_cap 2
+  // and mixed_prefill_max_waiting 4: the queue's share varies, and steps with and
+  // without the cap both occur).
   int32_t mixed_prefill_cap = 0;
 };
 
@@ -64,6 +65,7 @@ TEST_P(RandomOperations, InvariantsHoldAfterEveryOperation) {
   c.prefix_hash_bits = rc.hash_bits;
   c.max_num_mixed_prefill_tokens = rc.mixed_prefill_cap;
   c.mixed_prefill_waiting_per_cap = 2;
+  c.mixed_prefill_max_waiting = 4;
   int64_t preemption_warnings = 0;
   set_log_sink([&](LogLevel level, const std::string& msg) {
     if (level == LogLevel::kWarning && msg.find("preempted") != std::string::npos) {

@@ -176,12 +176,12 @@ TEST(Scheduler, MixedPrefillCapHoldsStepTokensWhileDecodesRunAndGrowsWithTheQueu
 }
 
 TEST(Scheduler, MixedPrefillCapLeavesAFloorOfPromptTokensWhileRowsFillIt) {
-  // cap 32: at least 32 / 16 = 2 prompt tokens a step, however many rows decode.
+  // cap 32: at least half as many prompt tokens as decode rows (and at least 1).
   EngineConfig c = small_config();
   c.max_num_seqs = 64;
   c.max_num_batched_tokens = 256;
   c.max_num_mixed_prefill_tokens = 32;
-  c.mixed_prefill_waiting_per_cap = 1000;  // (the one waiting adds 32 / 1000 = 0)
+  c.mixed_prefill_max_waiting = 1;
   Engine e(c);
   std::vector<TokenId> sampled;
   for (int i = 0; i < 31; ++i) {
@@ -192,11 +192,11 @@ TEST(Scheduler, MixedPrefillCapLeavesAFloorOfPromptTokensWhileRowsFillIt) {
   EXPECT_EQ(b1.num_tokens, 62);
   update_with(e, sampled);
 
-  e.add_request("long", iota_tokens(9, 500), params_max_tokens(2));
-  const StepBatch& b2 = e.schedule();  // 31 rows: 32 - 31 = 1, the floor 2 wins
+  e.add_request("long", iota_tokens(40, 500), params_max_tokens(2));
+  const StepBatch& b2 = e.schedule();  // 31 rows: 32 - 31 = 1, the floor 31 / 2 = 15 wins
   EXPECT_EQ(b2.num_decode_seqs, 31);
-  EXPECT_EQ(b2.num_tokens, 31 + 2);
-  EXPECT_EQ(b2.seq_lens[31], 2);
+  EXPECT_EQ(b2.num_tokens, 31 + 15);
+  EXPECT_EQ(b2.seq_lens[31], 15);
   e.check_invariants();
 }
 

@@ -2,7 +2,8 @@
 decode rows run, a step computes at most that many tokens, its decode rows
 included (a long prompt is chunked over more steps, so the running streams'
 next token is not held up by it), plus another cap's worth of prompt tokens for
-every mixed_prefill_waiting_per_cap requests waiting; the outputs are the same greedy tokens as transformers' on the
+every mixed_prefill_waiting_per_cap requests waiting, unless more than
+mixed_prefill_max_waiting requests wait; the outputs are the same greedy tokens as transformers' on the
 same weights."""
 
 from __future__ import annotations
@@ -72,16 +73,18 @@ def test_a_prompt_that_arrives_while_another_decodes_is_chunked_at_the_cap(check
     assert stats["num_free_blocks"] == stats["num_blocks"]
 
 
-@pytest.mark.parametrize("per_cap, first_step", [(8, 35), (4, 55), (0, 120)])
-def test_the_cap_grows_with_the_waiting_queue(checkpoint, per_cap, first_step) -> None:
+@pytest.mark.parametrize("per_cap, max_waiting, first_step", [(8, 16, 35), (4, 16, 55), (0, 16, 15), (0, 8, 120)])
+def test_the_cap_grows_with_the_waiting_queue_and_a_long_queue_lifts_it(checkpoint, per_cap, max_waiting,
+                                                                        first_step) -> None:
     # 10 prompts of 12 tokens arrive while one decodes: the step takes the cap's
     # 16 - 1 prompt tokens plus 16 * 10 / per_cap for the queue (8: 15 + 20, 4:
-    # 15 + 40); per_cap 0 lifts the cap while anything waits: the whole budget
-    # (2048 tokens on the CPU), every prompt at once.
+    # 15 + 40, 0: none); more than max_waiting waiting lift the cap: the whole
+    # budget (2048 tokens on the CPU), every prompt at once.
     from pagedcore import default_model_path
 
     llm = LLM(model=str(checkpoint), tokenizer=default_model_path(), num_kv_blocks=128, max_model_len=256,
-              max_num_mixed_prefill_tokens=CAP, mixed_prefill_waiting_per_cap=per_cap)
+              max_num_mixed_prefill_tokens=CAP, mixed_prefill_waiting_per_cap=per_cap,
+              mixed_prefill_max_waiting=max_waiting)
     engine = llm.llm_engine
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     engine.add_request("first", None, [5, 6, 7], params)
@@ -103,7 +106,8 @@ def test_the_cap_grows_with_the_waiting_queue(checkpoint, per_cap, first_step) -
 @pytest.mark.parametrize("field, value", [("max_num_mixed_prefill_tokens", -1),
                                           ("max_num_mixed_prefill_tokens", True),
                                           ("mixed_prefill_waiting_per_cap", None),
-                                          ("mixed_prefill_waiting_per_cap", -1)])
+                                          ("mixed_prefill_waiting_per_cap", -1),
+                                          ("mixed_prefill_max_waiting", None)])
 def test_a_bad_value_is_refused_before_anything_loads(field, value) -> None:
     from pagedcore.llm_engine import EngineArgs, LLMEngine
 
@@ -114,7 +118,7 @@ def test_a_bad_value_is_refused_before_anything_loads(field, value) -> None:
 def test_serve_passes_its_flags_to_the_engine_and_refuses_a_bad_api_server_count(monkeypatch, capsys,
                                                                                  tmp_path) -> None:
     # `pagedcore serve` builds EngineArgs with --max-num-mixed-prefill-tokens (default
-    # 256) and --mixed-prefill-waiting-per-cap (8); the engine is a stub that keeps them and stops the command.
+    # 256), --mixed-prefill-waiting-per-cap (0) and --mixed-prefill-max-waiting (8); the engine is a stub that keeps them and stops the command.
     import pagedcore.llm_engine as llm_engine
     from pagedcore import cli
 
@@ -128,10 +132,12 @@ def test_serve_passes_its_flags_to_the_engine_and_refuses_a_bad_api_server_count
         raise Stop("stub engine")
 
     monkeypatch.setattr(llm_engine, "LLMEngine", stub)
-    for flags, want, waiting in (([], 256, 8), (["--max-num-mixed-prefill-tokens", "64"], 64, 8),
-                                 (["--max-num-mixed-prefill-tokens", "0", "--mixed-prefill-waiting-per-cap", "32"], 0, 32)):
+    for flags, want in (([], (256, 0, 8)), (["--max-num-mixed-prefill-tokens", "64"], (64, 0, 8)),
+                        (["--max-num-mixed-prefill-tokens", "0", "--mixed-prefill-waiting-per-cap", "4",
+                          "--mixed-prefill-max-waiting", "32"], (0, 4, 32))):
         assert cli.main(["serve", "--model", str(tmp_path), "--port", "0", *flags]) == 2
-        assert (seen[-1].max_num_mixed_prefill_tokens, seen[-1].mixed_prefill_waiting_per_cap) == (want, waiting)
+        a = seen[-1]
+        assert (a.max_num_mixed_prefill_tokens, a.mixed_prefill_waiting_per_cap, a.mixed_prefill_max_waiting) == want
     assert cli.main(["serve", "--model", str(tmp_path), "--port", "0", "--api-server-count", "0"]) == 2
     assert "--api-server-count must be >= 1, got 0" in capsys.readouterr().err
     assert len(seen) == 3  # (refused before anything loads)

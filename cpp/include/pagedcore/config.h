@@ -24,17 +24,18 @@ struct EngineConfig {
   // 0: no cap but max_num_batched_tokens. N > 0: a step that runs decode rows
   // (running sequences with one token to compute) computes at most N tokens in
   // all: its R decode rows and up to N - R prompt tokens (chunks of running
-  // prefills and admissions together; at least max(1, N / 16) however many
-  // rows run), so that a step that gives the running streams their next token
-  // costs about a decode step (their inter-token latency; on CUDA it fits the
-  // whole graph of N tokens), while longer prompts are chunked over more
-  // steps. A queue raises it: W waiting sequences add N * W /
-  // mixed_prefill_waiting_per_cap prompt tokens (another N for every that
-  // many waiting; 0: any waiting sequence lifts the cap), so that a step
-  // grows with the load in proportion instead of all at once (a burst still
-  // gets the whole budget), and the queue drains.
+  // prefills and admissions together; at least max(1, R / 2) however many
+  // rows run), so that a step that gives the running streams their next
+  // token costs about a decode step (their inter-token latency; on CUDA it
+  // fits the whole graph of N tokens), while longer prompts are chunked over
+  // more steps. With mixed_prefill_waiting_per_cap U > 0, W waiting sequences
+  // add N * W / U prompt tokens (another N for every U waiting: a step grows
+  // with the queue in proportion). The cap holds only while at most
+  // mixed_prefill_max_waiting sequences wait: a longer queue (a burst,
+  // saturation) is admitted with the whole budget.
   int32_t max_num_mixed_prefill_tokens = 0;
-  int32_t mixed_prefill_waiting_per_cap = 8;
+  int32_t mixed_prefill_waiting_per_cap = 0;
+  int32_t mixed_prefill_max_waiting = 8;
   // Longest sequence (prompt + output) in tokens.
   int32_t max_model_len = 2048;
   // Reuse full blocks whose content (the whole prefix up to them) was computed before.
