@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """What a cap on the tokens of steps with decode rows
-(``max_num_mixed_prefill_tokens``, with ``mixed_prefill_waiting_per_cap``) does to
+(``max_num_mixed_prefill_tokens``, with ``mixed_prefill_max_waiting``) does to
 the serving benchmark's figures, by simulation: bench_serving.py's workload
 (lognormal prompts, half behind 4 system prompts of 512 that the prefix cache
 holds after their first use, Poisson arrivals) through the scheduler's rule
@@ -23,14 +23,13 @@ Two rules for the cap (--mode):
   ~14 ms against 6.4 (SmolLM2: ~3.6 against ~1.3), which is where the measured
   p99s (8B 17.2 ms, SmolLM2 5.3 ms) come from.
 - ``total``: the step's tokens (decode rows + prompt tokens) at most ``cap``,
-  so that a mixed step fits the graph of ``cap`` tokens (and at least
-  ``cap // 16`` prompt tokens while rows fill the cap, so that prompts move on):
-  the scheduler's rule since issue 14's fifth part.
+  so that a mixed step fits the graph of ``cap`` tokens (and at least half as
+  many prompt tokens as rows while rows fill the cap, so that prompts move on;
+  ``cap // 16`` before 897a652): the scheduler's rule since issue 14's fifth part.
+  (The queue's share, ``mixed_prefill_waiting_per_cap``, is not simulated.)
 
-W waiting requests add ``cap * W // per_cap`` prompt tokens to a capped step
-(``per_cap`` 0: anything waiting lifts the cap: the whole budget). Before
-``mixed_prefill_waiting_per_cap``, the cap held while at most 8 requests waited
-and lifted whole above that.
+The cap holds while at most ``max_waiting`` requests wait; a longer queue is
+admitted with the whole budget (saturation throughput).
 
 Usage: python bench/sim_mixed_prefill.py [--seeds 3] [--mode total prompt]
 """
@@ -72,7 +71,7 @@ def workload(n: int, median: float, seed: int) -> list[tuple[int, int, int]]:
     return out
 
 
-def simulate(shape: str, rate: float, cap: int, per_cap: int, seed: int,
+def simulate(shape: str, rate: float, cap: int, max_waiting: int, seed: int,
              mode: str = "total") -> tuple[float, list, list, int]:
     """Returns (duration ms, inter-token gaps ms, TTFTs ms, steps with prompt tokens)."""
     (a, b, c), n, median, out_tokens, max_seqs = SHAPES[shape]
@@ -99,9 +98,8 @@ def simulate(shape: str, rate: float, cap: int, per_cap: int, seed: int,
         decodes = [r for r in running if r[1] == 0]
         budget = BUDGET
         prefill = budget
-        if cap and decodes and (per_cap or not waiting):
-            prefill = min(cap, budget) if mode == "prompt" else max(cap - len(decodes), cap // 16, 1)
-            prefill += cap * len(waiting) // max(per_cap, 1)
+        if cap and decodes and len(waiting) <= max_waiting:
+            prefill = min(cap, budget) if mode == "prompt" else max(cap - len(decodes), len(decodes) // 2, 1)
         budget -= len(decodes)
         tokens, first = 0, []
         for r in running:
@@ -147,28 +145,28 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--caps", type=int, nargs="+", default=[0, 256, 512])
-    p.add_argument("--waiting-per-cap", type=int, nargs="+", default=[8, 0])
+    p.add_argument("--max-waiting", type=int, nargs="+", default=[8, 1 << 30])
     p.add_argument("--mode", nargs="+", default=["prompt", "total"], choices=["prompt", "total"])
     p.add_argument("--saturation", choices=["measured", "simulated"], default="measured",
                    help="0.5x of the H200 run's saturation rate, or of the simulated one (no cap)")
     args = p.parse_args()
-    print(f"{'shape':<10}{'mode':>7}{'cap':>5}{'per cap':>9}{'inf tok/s':>11}{'ITL p50/p99 @0.5x':>20}"
+    print(f"{'shape':<10}{'mode':>7}{'cap':>5}{'lifted >':>9}{'inf tok/s':>11}{'ITL p50/p99 @0.5x':>20}"
           f"{'p99/p50':>9}{'TTFT p99':>10}{'mixed':>7}")
     for shape, (_, n, _, out_tokens, _) in SHAPES.items():
         sat = (MEASURED_SATURATION[shape] if args.saturation == "measured"
                else n / (simulate(shape, math.inf, 0, 0, 0)[0] / 1e3))  # requests/s
         for mode in args.mode:
             for cap in args.caps:
-                for per_cap in (args.waiting_per_cap if cap else [0]):
+                for max_waiting in (args.max_waiting if cap else [0]):
                     if not cap and mode != args.mode[0]:
                         continue
-                    duration = simulate(shape, math.inf, cap, per_cap, 0, mode)[0]
+                    duration = simulate(shape, math.inf, cap, max_waiting, 0, mode)[0]
                     gaps, ttfts, mixed, steps = [], [], 0, 0
                     for seed in range(args.seeds):
-                        _, g, t, m = simulate(shape, 0.5 * sat, cap, per_cap, seed, mode)
+                        _, g, t, m = simulate(shape, 0.5 * sat, cap, max_waiting, seed, mode)
                         gaps, ttfts, mixed = gaps + g, ttfts + t, mixed + m
                     p50, p99 = percentile(gaps, 50), percentile(gaps, 99)
-                    lifted = "-" if not cap else (str(per_cap) if per_cap else "lifted")
+                    lifted = "-" if not cap else ("never" if max_waiting >= 1 << 30 else str(max_waiting))
                     print(f"{shape:<10}{mode if cap else '-':>7}{cap:>5}{lifted:>9}"
                           f"{n * out_tokens / (duration / 1e3):>11.0f}{p50:>13.2f}/{p99:<6.2f}{p99 / p50:>9.2f}"
                           f"{percentile(ttfts, 99):>10.1f}{mixed / args.seeds:>7.0f}")

@@ -185,13 +185,17 @@ void Scheduler::schedule(int64_t step) {
     // the cap: a step of many rows costs several decode steps of few, and half
     // as many prompt tokens again keeps it within ~1.5x of itself. It was cap / 16
     // until 897a652: 16 tokens a step beside 500 rows left a burst's last
-    // admissions trickling in for tens of steps (SmolLM2 on the H200, 4 HTTP
-    // processes: saturation 0.75-0.87 of offline with the queue's share below).
-    // NOTE: the queue's share. Measured on the H200 (SmolLM2, 4 HTTP processes, at
-    // 2724914) without it: at half of saturation (393 req/s: more prompt tokens than
-    // capped steps take) the queue passed 8 again and again, and each time a lifted
-    // step of ~2,500 tokens ran in pieces (5.1 ms of device and 4.0 of host time
-    // against 2.7 / 1.2 for a capped step): inter-token p99 / p50 2.46.
+    // admissions trickling in for tens of steps.
+    // NOTE: the queue's share (mixed_prefill_waiting_per_cap), measured on the H200
+    // (SmolLM2, 4 HTTP processes, saturation against offline / ITL p99 over p50 at
+    // half of that saturation): off (the lift above 8 waiting alone) 0.85-0.93 /
+    // 2.27-2.54: at ~390 req/s capped steps take fewer prompt tokens than arrive,
+    // the queue passes 8 again and again, and each lifted step (~2,500 tokens) runs
+    // in pieces, 5 ms of device and 4 of host time. Never lifted, share 8: 0.75 /
+    // 1.72 with the floor cap / 16, 0.80 / 2.01 with half the rows (each at half
+    // of its own, lower saturation); share 4, floor cap / 16: 0.87 / 2.40; share 8
+    // with the lift: 0.93 / 2.42. No setting met both (>= 0.9, <= 2): the share is
+    // off by default.
     if (decode_rows > 0) {
       const int64_t extra =
           per_cap > 0 ? static_cast<int64_t>(cap) * static_cast<int64_t>(waiting_.size()) / per_cap : 0;

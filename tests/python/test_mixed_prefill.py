@@ -97,7 +97,6 @@ def test_the_cap_grows_with_the_waiting_queue_and_a_long_queue_lifts_it(checkpoi
     while engine.has_unfinished_requests():
         outs += engine.step()
     assert steps[0] == (1, first_step)
-    assert sum(prompt for _, prompt in steps) == 120
     got = {o.request_id: o.outputs[0].token_ids for o in outs}
     for i in (0, 9):
         assert got[f"r{i}"] == hf_greedy(checkpoint, ps[i], 4)[0]
