@@ -861,6 +861,10 @@ def offline_run(args: argparse.Namespace, prompts: list[list[int]], warmup: list
             kw["enable_prefix_caching"] = False
         elif flag.startswith("--max-num-mixed-prefill-tokens="):
             kw["max_num_mixed_prefill_tokens"] = int(flag.split("=", 1)[1])
+        elif flag.startswith("--mixed-prefill-waiting-per-cap="):
+            kw["mixed_prefill_waiting_per_cap"] = int(flag.split("=", 1)[1])
+        elif flag.startswith("--mixed-prefill-max-waiting="):
+            kw["mixed_prefill_max_waiting"] = int(flag.split("=", 1)[1])
     llm = LLM(**kw)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     if warmup:

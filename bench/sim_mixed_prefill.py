@@ -25,7 +25,7 @@ Two rules for the cap (--mode):
 - ``total``: the step's tokens (decode rows + prompt tokens) at most ``cap``,
   so that a mixed step fits the graph of ``cap`` tokens (and at least half as
   many prompt tokens as rows while rows fill the cap, so that prompts move on;
-  ``cap // 16`` before 897a652): the scheduler's rule since issue 14's fifth part.
+  ``cap // 16`` before 43899e5): the scheduler's rule since issue 14's fifth part.
   (The queue's share, ``mixed_prefill_waiting_per_cap``, is not simulated.)
 
 The cap holds while at most ``max_waiting`` requests wait; a longer queue is

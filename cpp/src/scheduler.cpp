@@ -179,12 +179,13 @@ void Scheduler::schedule(int64_t step) {
           return !s->finish_pending && s->num_uncomputed() == 1;
         }));
     // NOTE: the cap counts the decode rows too: a mixed step of at most `cap`
-    // tokens runs the runner's graph of that many tokens, where a cap on the
+    // tokens runs the runner's graph of that many tokens (while rows are fewer
+    // than 2 / 3 of it: beyond, the floor below makes it rows * 1.5), where a cap on the
     // prompt tokens alone (rows + cap) would pad up to the next size, twice
     // the cost. The floor (half the rows) keeps prompts moving while rows fill
     // the cap: a step of many rows costs several decode steps of few, and half
     // as many prompt tokens again keeps it within ~1.5x of itself. It was cap / 16
-    // until 897a652: 16 tokens a step beside 500 rows left a burst's last
+    // until 43899e5: 16 tokens a step beside 500 rows left a burst's last
     // admissions trickling in for tens of steps.
     // NOTE: the queue's share (mixed_prefill_waiting_per_cap), measured on the H200
     // (SmolLM2, 4 HTTP processes, saturation against offline / ITL p99 over p50 at

@@ -320,7 +320,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "wait; 0: no cap but --max-num-batched-tokens")
     srv.add_argument("--mixed-prefill-waiting-per-cap", type=int, default=0,
                      help="waiting requests that add another --max-num-mixed-prefill-tokens of prompt tokens "
-                          "to a capped step (a queue raises the step's share in proportion); 0: no share")
+                          "to a capped step (a queue raises the step's share in proportion); 0: no share "
+                          "(and none without the cap)")
     srv.add_argument("--mixed-prefill-max-waiting", type=int, default=8,
                      help="a longer queue lifts the cap of --max-num-mixed-prefill-tokens: the step admits with "
                           "the whole --max-num-batched-tokens (a burst: throughput)")

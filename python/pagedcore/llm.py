@@ -48,8 +48,8 @@ class LLM:
         Sequences per step, tokens per step (default ``max(2048, max_num_seqs)``).
     max_num_mixed_prefill_tokens : int, optional
         A step that runs decode rows computes at most this many tokens, its
-        decode rows included (at least 1/16 of it in prompt tokens; longer
-        prompts are chunked over more steps), plus as many prompt tokens again
+        decode rows included (at least half as many prompt tokens as decode
+        rows; longer prompts are chunked over more steps), plus as many prompt tokens again
         for every ``mixed_prefill_waiting_per_cap`` requests waiting (0, the
         default: no share for the queue), while at most
         ``mixed_prefill_max_waiting`` (8) requests wait; None (default): no cap

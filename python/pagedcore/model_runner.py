@@ -152,10 +152,12 @@ MIXED_GRAPH_TILE_ROWS = 8
 # for the whole graphs' steps, and the turns that launched or waited for them made
 # most of the inter-token gaps over twice the median. At 9f29c1f (with the decode-split
 # rule of PaddedPlan.fill) they took these graphs at 2.6-2.8 ms of device time and the
-# half-load run had no pieces left. Up to the whole graphs' 1024 since the mixed-prefill
-# cap grows with the waiting queue (cpp/src/scheduler.cpp): steps of 257-1024 tokens
-# continuing long prompts are what a queue of a few requests makes.
-MIXED_SPLIT_GRAPH_TOKENS = DEFAULT_MIXED_GRAPH_TOKENS
+# half-load run had no pieces left. With the mixed-prefill cap's share for the waiting
+# queue on (EngineConfig.mixed_prefill_waiting_per_cap, opt-in), capped steps grow to
+# 400-1000 tokens: then up to the whole graphs' size (at 897a652-43899e5, SmolLM2 with
+# 4 HTTP processes at half load: 13-25 such steps a run took them, 3.6-3.8 ms of device
+# time, none ran in pieces).
+MIXED_SPLIT_GRAPH_TOKENS = 256
 
 
 @dataclass
@@ -446,8 +448,9 @@ class ModelRunner:
         # for the small ones its variant with split tiles)
         # (a graph with split tiles takes only what short contexts never make)
         with_split = ops.planning.split_tiles_useful(config.max_model_len)
+        split_top = max_tokens if config.mixed_prefill_waiting_per_cap > 0 else MIXED_SPLIT_GRAPH_TOKENS
         variants = [(t, split) for t in reversed(sizes) for split in (False, True)
-                    if not split or (with_split and t <= MIXED_SPLIT_GRAPH_TOKENS)]
+                    if not split or (with_split and t <= split_top)]
         with ops.unchecked_indices():
             for t, split in variants:
                 rows = min(config.max_num_seqs, t)

@@ -175,6 +175,29 @@ TEST(Scheduler, MixedPrefillCapHoldsStepTokensWhileDecodesRunAndGrowsWithTheQueu
   e.check_invariants();
 }
 
+TEST(Scheduler, MixedPrefillCapIsLiftedWhileMoreThanMaxWaitingWait) {
+  EngineConfig c = small_config();
+  c.max_num_batched_tokens = 64;
+  c.max_num_mixed_prefill_tokens = 10;
+  c.mixed_prefill_max_waiting = 1;
+  Engine e(c);
+  e.add_request("r0", iota_tokens(12, 1), params_max_tokens(4));
+  e.schedule();
+  update_with(e, {100});
+  e.add_request("r1", iota_tokens(6, 101), params_max_tokens(2));
+  const StepBatch& b2 = e.schedule();  // one waiting: capped, r0's row and 10 - 1
+  EXPECT_EQ(b2.num_tokens, 1 + 6);
+  update_with(e, {101, 200});
+  e.add_request("r2", iota_tokens(20, 201), params_max_tokens(2));
+  e.add_request("r3", iota_tokens(20, 301), params_max_tokens(2));
+  // Two waiting (more than 1): the whole budget, both prompts beside two rows.
+  const StepBatch& b3 = e.schedule();
+  EXPECT_EQ(b3.num_decode_seqs, 2);
+  EXPECT_EQ(b3.num_tokens, 2 + 20 + 20);
+  update_with(e, {102, 103, 104, 105});
+  e.check_invariants();
+}
+
 TEST(Scheduler, MixedPrefillCapLeavesAFloorOfPromptTokensWhileRowsFillIt) {
   // cap 32: at least half as many prompt tokens as decode rows (and at least 1).
   EngineConfig c = small_config();

@@ -27,7 +27,7 @@ struct EngineConfig {
   // prefills and admissions together; at least max(1, R / 2) however many
   // rows run), so that a step that gives the running streams their next
   // token costs about a decode step (their inter-token latency; on CUDA it
-  // fits the whole graph of N tokens), while longer prompts are chunked over
+  // fits the whole graph of N tokens while R <= 2N / 3), while longer prompts are chunked over
   // more steps. With mixed_prefill_waiting_per_cap U > 0, W waiting sequences
   // add N * W / U prompt tokens (another N for every U waiting: a step grows
   // with the queue in proportion). The cap holds only while at most

@@ -10,9 +10,9 @@
 // order only in steps without preemption, and the first that does not fit
 // stops admission (head-of-line order, as FCFS promises). With
 // max_num_mixed_prefill_tokens, a step that runs decode rows takes at most
-// that many tokens, its decode rows included, plus a share that grows with the
-// waiting queue (the running streams' next token is not held up by a long
-// prefill, and a queue still drains).
+// that many tokens, its decode rows included (plus, if configured, a share
+// that grows with the waiting queue), while the waiting queue is short (the
+// running streams' next token is not held up by a long prefill).
 //
 // The scheduler reads only the head of the waiting queue: a step's cost does
 // not depend on how many sequences wait.
