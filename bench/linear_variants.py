@@ -27,10 +27,7 @@ SHAPES = {  # name: (in_features, out_features)
 }
 # NOTE: a variant with two rounds of weight loads in flight per warp lost to the default at
 # every shape on the H200 (8B gate_up at 16 rows 84.1 against 64.3 us), and was removed.
-VARIANTS = (("default", {}),
-            ("mma", {"PAGEDCORE_LINEAR_ROWS_MAX_WEIGHT": "0"}),
-            ("rows", {"PAGEDCORE_LINEAR_ROWS_MAX_WEIGHT": str(1 << 40)}),
-            ("rows-k16", {"PAGEDCORE_LINEAR_ROWS_MAX_WEIGHT": str(1 << 40), "PAGEDCORE_LINEAR_ROWS_MIN_VECTORS": "16"}))
+VARIANTS = (("default", {}),)
 
 
 def timed(fn, env: dict, iters: int) -> float:

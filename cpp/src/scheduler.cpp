@@ -1,7 +1,6 @@
 #include "pagedcore/scheduler.h"
 
 #include <algorithm>
-#include <cstdlib>
 
 #include "check.h"
 #include "pagedcore/log.h"
@@ -174,19 +173,7 @@ void Scheduler::schedule(int64_t step) {
   int32_t prefill_budget = budget;
   const int32_t cap = config_.max_num_mixed_prefill_tokens;
   const int32_t per_cap = config_.mixed_prefill_waiting_per_cap;
-  // EXPERIMENT (issue 14): above max_waiting, lift the cap to lift_tokens only (the
-  // runner's whole graphs) until the queue passes lift_full_waiting.
-  static const int32_t lift_tokens = [] {
-    const char* env = std::getenv("PAGEDCORE_MIXED_LIFT_TOKENS");
-    return env != nullptr ? std::atoi(env) : 0;
-  }();
-  static const size_t lift_full_waiting = [] {
-    const char* env = std::getenv("PAGEDCORE_MIXED_LIFT_FULL_WAITING");
-    return static_cast<size_t>(env != nullptr ? std::atoi(env) : 64);
-  }();
-  const bool lifted = waiting_.size() > static_cast<size_t>(config_.mixed_prefill_max_waiting);
-  const int32_t step_cap = lifted ? lift_tokens : cap;
-  if (cap > 0 && step_cap > 0 && (!lifted || waiting_.size() <= lift_full_waiting)) {
+  if (cap > 0 && waiting_.size() <= static_cast<size_t>(config_.mixed_prefill_max_waiting)) {
     const auto decode_rows = static_cast<int32_t>(
         std::count_if(running_.begin(), running_.end(), [](const Sequence* s) {
           return !s->finish_pending && s->num_uncomputed() == 1;
@@ -212,9 +199,9 @@ void Scheduler::schedule(int64_t step) {
     // off by default.
     if (decode_rows > 0) {
       const int64_t extra =
-          per_cap > 0 ? static_cast<int64_t>(step_cap) * static_cast<int64_t>(waiting_.size()) / per_cap : 0;
+          per_cap > 0 ? static_cast<int64_t>(cap) * static_cast<int64_t>(waiting_.size()) / per_cap : 0;
       const int64_t share =
-          std::max<int64_t>(std::max(step_cap - decode_rows, decode_rows / 2), 1) + extra;
+          std::max<int64_t>(std::max(cap - decode_rows, decode_rows / 2), 1) + extra;
       prefill_budget = static_cast<int32_t>(std::min<int64_t>(budget, share));
     }
   }

@@ -448,9 +448,7 @@ class ModelRunner:
         # for the small ones its variant with split tiles)
         # (a graph with split tiles takes only what short contexts never make)
         with_split = ops.planning.split_tiles_useful(config.max_model_len)
-        # EXPERIMENT (issue 14): the scheduler's lift to PAGEDCORE_MIXED_LIFT_TOKENS.
-        lift = int(os.environ.get("PAGEDCORE_MIXED_LIFT_TOKENS", "0") or 0)
-        split_top = max_tokens if config.mixed_prefill_waiting_per_cap > 0 or lift > 0 else MIXED_SPLIT_GRAPH_TOKENS
+        split_top = max_tokens if config.mixed_prefill_waiting_per_cap > 0 else MIXED_SPLIT_GRAPH_TOKENS
         variants = [(t, split) for t in reversed(sizes) for split in (False, True)
                     if not split or (with_split and t <= split_top)]
         with ops.unchecked_indices():

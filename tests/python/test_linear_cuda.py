@@ -1,6 +1,5 @@
 """pagedcore.ops.linear on CUDA (the decode steps' kernels, bf16/fp16, 1-16 rows: a
-matrix-vector kernel at one row and at 2-16 over small weights, tensor cores at 2-16
-over larger ones) against a float64 product of the
+matrix-vector kernel at one row, tensor cores at 2-16) against a float64 product of the
 same rounded inputs: shapes of the model families (in_features 64..14336, out_features
 1..~50k incl. non-multiples of the 16 features of an mma tile and in_features that are
 not multiples of its 32-element chunks), every split of k over the warps of a CTA and
@@ -73,7 +72,6 @@ def test_linear_every_split_of_k(monkeypatch, parts, rows, in_features, out_feat
     # 32-element chunks: 72 has 3, the last one with one lane's worth of k). The
     # partial sums meet in a fixed order; bias and strided rows ride along.
     monkeypatch.setenv("PAGEDCORE_LINEAR_PARTS", str(parts))
-    monkeypatch.setenv("PAGEDCORE_LINEAR_ROWS_MAX_WEIGHT", "0")  # (these small weights: the tensor cores)
     x, w, b = _case(rows, in_features, out_features, torch.bfloat16, bias=True, seed=parts, row_stride=in_features + 8)
     full = torch.full((rows, out_features + 8), float("nan"), dtype=torch.bfloat16, device="cuda")
     out = full[:, :out_features]
@@ -83,46 +81,6 @@ def test_linear_every_split_of_k(monkeypatch, parts, rows, in_features, out_feat
     again = torch.full_like(out, float("nan"))
     ops.linear(x, w, b, out=again)
     assert torch.equal(again, out), "the same product twice gave different bits"
-
-
-@pytest.mark.parametrize("min_vectors", [None, 16, 1])
-@pytest.mark.parametrize("in_features,out_features", [(576, 960), (1536, 576), (2056, 20), (72, 40), (8200, 7)])
-def test_linear_rows_kernel_against_one_row_calls(monkeypatch, min_vectors, in_features, out_features):
-    # 2-16 rows over small weights on the CUDA cores (PAGEDCORE_LINEAR_ROWS_MAX_WEIGHT, read
-    # at each launch, sends all to it here): against float64 and, with the one-row kernel's
-    # split of k (min_vectors None), each row the same bits as a one-row call on it; with
-    # k cut finer (PAGEDCORE_LINEAR_ROWS_MIN_VECTORS 16, 1: 1-8 warps a feature, the last
-    # part short or empty) still within the bound, and the same bits twice.
-    monkeypatch.setenv("PAGEDCORE_LINEAR_ROWS_MAX_WEIGHT", str(1 << 40))
-    if min_vectors is not None:
-        monkeypatch.setenv("PAGEDCORE_LINEAR_ROWS_MIN_VECTORS", str(min_vectors))
-    x, w, b = _case(16, in_features, out_features, torch.bfloat16, bias=True, seed=11, row_stride=in_features + 24)
-    for rows in (2, 5, 16):
-        full = torch.full((rows, out_features + 8), float("nan"), dtype=torch.bfloat16, device="cuda")
-        out = full[:, :out_features]
-        ops.linear(x[:rows], w, b, out=out)
-        _check(x[:rows], w, b, out)
-        assert torch.isnan(full[:, out_features:]).all(), "wrote past out_features"
-        assert torch.equal(ops.linear(x[:rows], w, b), out), "the same product twice gave different bits"
-        if min_vectors is None:
-            for r in range(rows):
-                assert torch.equal(ops.linear(x[r:r + 1], w, b)[0], out[r]), f"row {r} of {rows} differs from one row"
-    y = ops.linear_silu_and_mul(x, w[:out_features // 2 * 2], b[:out_features // 2 * 2])
-    assert torch.equal(y, ops.silu_and_mul(ops.linear(x, w[:out_features // 2 * 2], b[:out_features // 2 * 2])))
-
-
-def test_linear_large_weights_take_the_tensor_cores_by_default(monkeypatch):
-    # The default limit of the CUDA-core kernel at 2-16 rows (4 Mi weight elements): the
-    # 8B shape's o (4096 x 4096, 16 Mi) goes to the tensor cores, whose bits differ from
-    # the one-row kernel's; forced onto the CUDA cores, its rows equal one-row calls.
-    x, w, b = _case(4, 4096, 4096, torch.bfloat16, bias=False, seed=2)
-    one = torch.cat([ops.linear(x[r:r + 1], w) for r in range(4)])
-    default = ops.linear(x, w)
-    _check(x, w, None, default)
-    monkeypatch.setenv("PAGEDCORE_LINEAR_ROWS_MAX_WEIGHT", str(4096 * 4096))
-    forced = ops.linear(x, w)
-    assert torch.equal(forced, one)
-    assert not torch.equal(default, one), "the tensor cores' sums gave the one-row kernel's bits at every feature"
 
 
 @pytest.mark.parametrize("in_features,out_features", [(576, 960), (1536, 576), (4096, 6144)])
