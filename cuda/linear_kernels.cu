@@ -153,6 +153,7 @@ __global__ void __launch_bounds__(32 * kWarps) linear_row_kernel(LinearParams p)
 // tensor-core kernel at every size, 2 rows included (SmolLM2 qkv 3.1 / 6.6 / 11.2 us
 // at 2 / 8 / 16 rows against 2.1 / 2.2 / 2.9): its time grows with the rows. Do not
 // retry it without a new idea for the per-row instruction cost.
+
 // Warps per output feature for one row: the fewest that make >= 15 CTAs per SM,
 // keeping >= 64 weight vectors (1 KB) per warp. PAGEDCORE_LINEAR_ROW_SPLIT caps it
 // (1: one warp per feature, for comparisons; read once).
