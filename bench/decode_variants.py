@@ -52,6 +52,8 @@ CASES = (
     ("SmolLM2 B=1 L=160 graph plan", 1, 160, 9, 3, 64, False, 8192),
     ("SmolLM2 B=16 L=160 graph plan", 16, 160, 9, 3, 64, False, 8192),
     ("8B B=16 L=160 graph plan", 16, 160, 32, 8, 128, False, 8192),
+    ("8B B=16 L=256 graph plan", 16, 256, 32, 8, 128, False, 8192),
+    ("8B B=16 L=384 graph plan", 16, 384, 32, 8, 128, False, 8192),
 )
 
 
@@ -96,8 +98,16 @@ def case(batch, ctx, heads, kv_heads, hd, fp8, plan_len, bs=16):
     return lambda: ops.paged_attention(q, kc, vc, tables, lens, qsl, scale=hd**-0.5, out=out, plan=plan), out, ref
 
 
+def picked(rows, env: str):
+    """`rows` whose names hold one of the comma-separated pieces of $`env` (all without it)."""
+    want = [w for w in os.environ.get(env, "").split(",") if w]
+    return [r for r in rows if not want or any(w in r[0] for w in want)]
+
+
 def main() -> None:
     torch.manual_seed(0)
+    global VARIANTS, CASES
+    VARIANTS, CASES = picked(VARIANTS, "DECODE_VARIANTS"), picked(CASES, "DECODE_CASES")
     print(f"{'case':<32}" + "".join(f"{name:>16}" for name, _ in VARIANTS) + "   (us; max rel err)")
     with ops.unchecked_indices():
         for name, *shape in CASES:

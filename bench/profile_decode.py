@@ -14,7 +14,7 @@ import torch
 
 from pagedcore import ops
 
-from decode_variants import build
+from decode_variants import build, picked
 
 # (name, batch, keys, heads, kv heads, head dim, fp8, graph plan length or 0)
 CASES = (
@@ -25,6 +25,7 @@ CASES = (
     ("SmolLM2 B=64 L=1k", 64, 1024, 9, 3, 64, False, 0),
     ("SmolLM2 B=16 L=160 graph plan", 16, 160, 9, 3, 64, False, 8192),
     ("8B B=1 L=160 graph plan", 1, 160, 32, 8, 128, False, 8192),
+    ("8B B=16 L=256 graph plan", 16, 256, 32, 8, 128, False, 8192),
 )
 
 
@@ -49,7 +50,7 @@ def linear16() -> None:
 def main() -> None:
     torch.manual_seed(0)
     with ops.unchecked_indices():
-        for case in CASES:
+        for case in picked(CASES, "DECODE_CASES"):
             decode(*case)
         if "--linear" in sys.argv[1:]:
             linear16()
