@@ -10,11 +10,14 @@ with its error against SDPA on the same keys gathered contiguously.
                               default over 16-bit caches; 0 off), and the first tiles' K/V rows
                               prefetched into L2 there too (2)
   PAGEDCORE_FP8_WIDE_TILES    fp8 launches that are not deep: 128-key tiles (1, default; 0: 64)
+  PAGEDCORE_DECODE_WIDE       eight-warp CTAs of two 128-key tiles, head dims up to 128: where
+                              the launch would be deep (1), every launch (2), never (0, default)
 
 After the table, FlashInfer's tensor-core decode on B=64 L=4k with the cache in its NHD
 layout (ours) and in HND (head-major blocks), when flashinfer is installed.
 
-Usage: python3 bench/decode_variants.py
+Usage: [DECODE_CASES=name,...] [DECODE_VARIANTS=name,...] python3 bench/decode_variants.py
+(each a comma-separated list of pieces of the names to run; all without it)
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ VARIANTS = (
     ("early off", {"PAGEDCORE_DECODE_EARLY_META": "0"}),
     ("early + L2", {"PAGEDCORE_DECODE_EARLY_META": "2"}),
     ("fp8 narrow", {"PAGEDCORE_FP8_WIDE_TILES": "0"}),
+    ("wide deep", {"PAGEDCORE_DECODE_WIDE": "1"}),
+    ("wide", {"PAGEDCORE_DECODE_WIDE": "2"}),
 )
 # (name, batch, keys, heads, kv heads, head dim, fp8, graph plan length or 0)
 CASES = (

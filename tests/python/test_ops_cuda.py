@@ -150,7 +150,10 @@ def test_decode_rows_shorter_than_the_graph_plan(dtype, window, fp8):
     {"PAGEDCORE_DECODE_EARLY_META": "0", "PAGEDCORE_FP8_WIDE_TILES": "0", "PAGEDCORE_DECODE_DEEP_CTAS": "0"},
     {"PAGEDCORE_DECODE_EARLY_META": "1", "PAGEDCORE_DECODE_DEEP_CTAS": "100000"},
     {"PAGEDCORE_DECODE_EARLY_META": "2"},
-], ids=["shallow", "deep", "fp8-cvt", "early-off-narrow-fp8", "early-meta-fp8-deep", "early-l2"])
+    {"PAGEDCORE_DECODE_WIDE": "2", "PAGEDCORE_DECODE_EARLY_META": "1"},
+    {"PAGEDCORE_DECODE_WIDE": "2", "PAGEDCORE_DECODE_EARLY_META": "0", "PAGEDCORE_FP8_FAST_CVT": "0"},
+], ids=["shallow", "deep", "fp8-cvt", "early-off-narrow-fp8", "early-meta-fp8-deep", "early-l2", "wide",
+        "wide-early-off-fp8-cvt"])
 def test_decode_kernel_variants(monkeypatch, env):
     # The decode kernel's pipelines (three tiles in flight, or five for launches of few
     # CTAs), fp8 widenings (integer operations, or the cvt unit), the lengths and first
@@ -159,7 +162,8 @@ def test_decode_kernel_variants(monkeypatch, env):
     # otherwise run only on some shapes. The defaults (early metadata over 16-bit caches,
     # 128-key fp8 tiles) run in "shallow"; "early-off-narrow-fp8": the paths they left
     # (metadata after the wait, 64-key fp8 tiles), "early-meta-fp8-deep": early metadata
-    # over fp8 and in the deep pipeline.
+    # over fp8 and in the deep pipeline; "wide": eight-warp CTAs of 128-key tiles (head dims
+    # up to 128; 256 takes the four-warp kernel), also without early metadata and by cvt.
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     lengths = [1, 17, 255, 256, 513, 1500, 4097, 9000]
