@@ -12,6 +12,7 @@ with its error against SDPA on the same keys gathered contiguously.
   PAGEDCORE_FP8_WIDE_TILES    fp8 launches that are not deep: 128-key tiles (1, default; 0: 64)
   PAGEDCORE_DECODE_WIDE       eight-warp CTAs of two 128-key tiles, head dims up to 128: where
                               the launch would be deep (1), every launch (2), never (0, default)
+  PAGEDCORE_DECODE_WIDE_STAGES  the wide variant's tiles in flight: 2 (default) or 3
 
 After the table, FlashInfer's tensor-core decode on B=64 L=4k with the cache in its NHD
 layout (ours) and in HND (head-major blocks), when flashinfer is installed.
@@ -42,6 +43,7 @@ VARIANTS = (
     ("fp8 narrow", {"PAGEDCORE_FP8_WIDE_TILES": "0"}),
     ("wide deep", {"PAGEDCORE_DECODE_WIDE": "1"}),
     ("wide", {"PAGEDCORE_DECODE_WIDE": "2"}),
+    ("wide3", {"PAGEDCORE_DECODE_WIDE": "2", "PAGEDCORE_DECODE_WIDE_STAGES": "3"}),
 )
 # (name, batch, keys, heads, kv heads, head dim, fp8, graph plan length or 0)
 CASES = (
@@ -59,6 +61,8 @@ CASES = (
     ("8B B=16 L=160 graph plan", 16, 160, 32, 8, 128, False, 8192),
     ("8B B=16 L=256 graph plan", 16, 256, 32, 8, 128, False, 8192),
     ("8B B=16 L=384 graph plan", 16, 384, 32, 8, 128, False, 8192),
+    ("8B B=16 L=4k graph plan", 16, 4096, 32, 8, 128, False, 8192),
+    ("8B B=1 L=32k graph plan", 1, 32768, 32, 8, 128, False, 32768),
 )
 
 

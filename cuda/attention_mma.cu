@@ -761,6 +761,10 @@ int launch_kernel(const PagedAttentionParams& p, cudaStream_t stream) {
     if constexpr (HD <= 128) {
       const int wide = env_int("PAGEDCORE_DECODE_WIDE", 0);
       if (wide == 2 || (wide == 1 && deep)) {
+        if (env_int("PAGEDCORE_DECODE_WIDE_STAGES", 2) == 3) {
+          return fast ? launch_variant<T, CT, HD, true, 3, FP8, 128, kWideDecodeWarps>(p, stream, flags)
+                      : launch_variant<T, CT, HD, true, 3, false, 128, kWideDecodeWarps>(p, stream, flags);
+        }
         return fast ? launch_variant<T, CT, HD, true, 2, FP8, 128, kWideDecodeWarps>(p, stream, flags)
                     : launch_variant<T, CT, HD, true, 2, false, 128, kWideDecodeWarps>(p, stream, flags);
       }
