@@ -13,6 +13,8 @@ with its error against SDPA on the same keys gathered contiguously.
   PAGEDCORE_DECODE_WIDE       eight-warp CTAs of two 128-key tiles, head dims up to 128: where
                               the launch would be deep (1), every launch (2), never (0, default)
   PAGEDCORE_DECODE_WIDE_STAGES  the wide variant's tiles in flight: 2 (default) or 3
+  PAGEDCORE_DECODE_ONE_WAVE   decode key splits for one CTA an SM where that fills >= 80% of
+                              them (1), so that the launch is deep; two an SM otherwise / 0
 
 After the table, FlashInfer's tensor-core decode on B=64 L=4k with the cache in its NHD
 layout (ours) and in HND (head-major blocks), when flashinfer is installed.
@@ -44,6 +46,8 @@ VARIANTS = (
     ("wide deep", {"PAGEDCORE_DECODE_WIDE": "1"}),
     ("wide", {"PAGEDCORE_DECODE_WIDE": "2"}),
     ("wide3", {"PAGEDCORE_DECODE_WIDE": "2", "PAGEDCORE_DECODE_WIDE_STAGES": "3"}),
+    ("one wave", {"PAGEDCORE_DECODE_ONE_WAVE": "1"}),
+    ("one wave wide3", {"PAGEDCORE_DECODE_ONE_WAVE": "1", "PAGEDCORE_DECODE_WIDE": "1", "PAGEDCORE_DECODE_WIDE_STAGES": "3"}),
 )
 # (name, batch, keys, heads, kv heads, head dim, fp8, graph plan length or 0)
 CASES = (
@@ -120,12 +124,12 @@ def main() -> None:
     print(f"{'case':<32}" + "".join(f"{name:>16}" for name, _ in VARIANTS) + "   (us; max rel err)")
     with ops.unchecked_indices():
         for name, *shape in CASES:
-            fn, out, ref = case(*shape)
             cells, errs = [], []
             for _, env in VARIANTS:
                 saved = {k: os.environ.get(k) for k in env}
                 os.environ.update(env)
                 try:
+                    fn, out, ref = case(*shape)  # (planned under the variant's settings)
                     out.fill_(float("nan"))
                     fn()
                     torch.cuda.synchronize()

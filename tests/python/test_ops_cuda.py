@@ -153,8 +153,9 @@ def test_decode_rows_shorter_than_the_graph_plan(dtype, window, fp8):
     {"PAGEDCORE_DECODE_WIDE": "2", "PAGEDCORE_DECODE_EARLY_META": "1"},
     {"PAGEDCORE_DECODE_WIDE": "2", "PAGEDCORE_DECODE_EARLY_META": "0", "PAGEDCORE_FP8_FAST_CVT": "0"},
     {"PAGEDCORE_DECODE_WIDE": "2", "PAGEDCORE_DECODE_WIDE_STAGES": "3"},
+    {"PAGEDCORE_DECODE_ONE_WAVE": "1"},
 ], ids=["shallow", "deep", "fp8-cvt", "early-off-narrow-fp8", "early-meta-fp8-deep", "early-l2", "wide",
-        "wide-early-off-fp8-cvt", "wide3"])
+        "wide-early-off-fp8-cvt", "wide3", "one-wave"])
 def test_decode_kernel_variants(monkeypatch, env):
     # The decode kernel's pipelines (three tiles in flight, or five for launches of few
     # CTAs), fp8 widenings (integer operations, or the cvt unit), the lengths and first

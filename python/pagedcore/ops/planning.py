@@ -103,6 +103,19 @@ def _splits(blocks: int, longest: int, sms: int, split_keys: int = 256) -> int:
     return int(max(1, min(-(-2 * sms // blocks), longest // split_keys, 64)))
 
 
+def _decode_splits(blocks: int, longest: int, sms: int) -> int:
+    """Key splits of a decode launch of ``blocks`` (rows x kv heads). With
+    PAGEDCORE_DECODE_ONE_WAVE=1 (read per call; an experiment until measured): where
+    one CTA per multiprocessor fills at least 80% of them, that many (the launch
+    then takes the deep pipeline, one CTA an SM, in one wave), else as
+    :func:`_splits` (two CTAs an SM)."""
+    if os.environ.get("PAGEDCORE_DECODE_ONE_WAVE", "0") == "1" and blocks < sms and longest >= 2 * _DECODE_SPLIT_KEYS:
+        per_sm = sms // blocks
+        if blocks * per_sm >= 0.8 * sms:
+            return int(max(1, min(per_sm, longest // _DECODE_SPLIT_KEYS, 64)))
+    return _splits(blocks, longest, sms, _DECODE_SPLIT_KEYS)
+
+
 def _plan_lists(query_start_loc, seq_lens, num_heads: int, num_kv_heads: int, head_dim: int | None,
                 dtype: torch.dtype | None) -> tuple[np.ndarray, np.ndarray, int, np.ndarray, np.ndarray, np.ndarray]:
     """The host half of :func:`plan_attention`: (work_seq, work_q_start, tile
@@ -171,7 +184,7 @@ def plan_attention(
     longest_decode = int(seq_lens[is_decode].max()) if decode_seq.size else 0
     return AttentionPlan(
         work_seq, work_q_start, tile, _splits(max(1, total * num_kv_heads), longest_tile, sms),
-        decode_seq, _splits(max(1, decode_seq.size * num_kv_heads), longest_decode, sms, _DECODE_SPLIT_KEYS), device,
+        decode_seq, _decode_splits(max(1, decode_seq.size * num_kv_heads), longest_decode, sms), device,
     )
 
 
@@ -314,5 +327,5 @@ def plan_decode(num_rows: int, num_kv_heads: int, device: torch.device, max_seq_
     plan serves every step of that batch size (what a CUDA graph replays)."""
     empty = np.zeros(0, dtype=np.int32)
     rows = np.arange(num_rows, dtype=np.int32)
-    splits = _splits(num_rows * num_kv_heads, max_seq_len, _sm_count(device), _DECODE_SPLIT_KEYS)
+    splits = _decode_splits(num_rows * num_kv_heads, max_seq_len, _sm_count(device))
     return AttentionPlan(empty, empty, 1, 1, rows, splits, device)
