@@ -10,11 +10,9 @@ with its error against SDPA on the same keys gathered contiguously.
                               default over 16-bit caches; 0 off), and the first tiles' K/V rows
                               prefetched into L2 there too (2)
   PAGEDCORE_FP8_WIDE_TILES    fp8 launches that are not deep: 128-key tiles (1, default; 0: 64)
-  PAGEDCORE_DECODE_WIDE       eight-warp CTAs of two 128-key tiles, head dims up to 128: where
-                              the launch would be deep (1), every launch (2), never (0, default)
-  PAGEDCORE_DECODE_WIDE_STAGES  the wide variant's tiles in flight: 2 (default) or 3
-  PAGEDCORE_DECODE_ONE_WAVE   decode key splits for one CTA an SM where that fills >= 80% of
-                              them (1), so that the launch is deep; two an SM otherwise / 0
+  PAGEDCORE_DECODE_ONE_WAVE   decode key splits planned for one CTA an SM where that fills
+                              >= 80% of them, so that the launch is deep (1, default); two
+                              CTAs an SM throughout (0)
 
 After the table, FlashInfer's tensor-core decode on B=64 L=4k with the cache in its NHD
 layout (ours) and in HND (head-major blocks), when flashinfer is installed.
@@ -43,11 +41,7 @@ VARIANTS = (
     ("early off", {"PAGEDCORE_DECODE_EARLY_META": "0"}),
     ("early + L2", {"PAGEDCORE_DECODE_EARLY_META": "2"}),
     ("fp8 narrow", {"PAGEDCORE_FP8_WIDE_TILES": "0"}),
-    ("wide deep", {"PAGEDCORE_DECODE_WIDE": "1"}),
-    ("wide", {"PAGEDCORE_DECODE_WIDE": "2"}),
-    ("wide3", {"PAGEDCORE_DECODE_WIDE": "2", "PAGEDCORE_DECODE_WIDE_STAGES": "3"}),
-    ("one wave", {"PAGEDCORE_DECODE_ONE_WAVE": "1"}),
-    ("one wave wide3", {"PAGEDCORE_DECODE_ONE_WAVE": "1", "PAGEDCORE_DECODE_WIDE": "1", "PAGEDCORE_DECODE_WIDE_STAGES": "3"}),
+    ("two an SM", {"PAGEDCORE_DECODE_ONE_WAVE": "0"}),
 )
 # (name, batch, keys, heads, kv heads, head dim, fp8, graph plan length or 0)
 CASES = (

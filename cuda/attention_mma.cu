@@ -76,10 +76,8 @@ __host__ __device__ constexpr size_t smem_bytes() {
   return bytes;
 }
 
-// Decode CTAs' warps: four, each a quarter of a tile's keys (the wide
-// variant: eight, of 128-key tiles).
+// Decode CTAs' warps: four, each a quarter of a tile's keys.
 constexpr int kDecodeWarps = 4;
-constexpr int kWideDecodeWarps = 8;
 
 // Run-time switches of a decode launch (the kernel's second argument).
 // kEarlyMeta: the row's lengths, split range and first block ids are read
@@ -194,18 +192,16 @@ __device__ __forceinline__ void ldmatrix_x2_trans(uint32_t addr, uint32_t (&r)[2
 
 // STAGES: tiles in flight (num_stages or, for small decode launches,
 // deep_stages); FASTCVT: fp8 widened by fp8x2_to_half2_scaled; KT: keys per
-// tile (fp8 decode: 128 where not deep); DW: a decode CTA's warps. flags:
-// kEarlyMeta, kEarlyPrefetch (decode only).
-template <typename T, typename CT, int HD, bool DECODE, int STAGES, bool FASTCVT, int KT = kTileKeys,
-          int DW = kDecodeWarps>
-__global__ void __launch_bounds__(DECODE ? 32 * DW : 32 * kPrefillWarps)
+// tile (fp8 decode: 128 where not deep). flags: kEarlyMeta, kEarlyPrefetch (decode only).
+template <typename T, typename CT, int HD, bool DECODE, int STAGES, bool FASTCVT, int KT = kTileKeys>
+__global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarps)
     mma_attention_kernel(PagedAttentionParams p, int flags) {
-  constexpr int kWarps = DECODE ? DW : kPrefillWarps;
+  constexpr int kWarps = DECODE ? kDecodeWarps : kPrefillWarps;
   constexpr int kThreads = 32 * kWarps;
   constexpr int THREADS = kThreads;
   constexpr bool FP8 = std::is_same_v<CT, uint8_t>;
   using MT = std::conditional_t<FP8, __half, T>;
-  static_assert(DECODE || (KT == kTileKeys && DW == kDecodeWarps), "prefill tiles are 64 keys");
+  static_assert(DECODE || KT == kTileKeys, "prefill tiles are 64 keys");
   constexpr int kStages = STAGES;
   static_assert(!FASTCVT || FP8, "the fast conversion is fp8's");
   constexpr int CHUNKS = HD * static_cast<int>(sizeof(CT)) / 16;  // 16-byte pieces of a cache row
@@ -701,12 +697,11 @@ int env_int(const char* name, int fallback) {
   return v != nullptr && *v != '\0' ? std::atoi(v) : fallback;
 }
 
-template <typename T, typename CT, int HD, bool DECODE, int STAGES, bool FASTCVT, int KT = kTileKeys,
-          int DW = kDecodeWarps>
+template <typename T, typename CT, int HD, bool DECODE, int STAGES, bool FASTCVT, int KT = kTileKeys>
 int launch_variant(const PagedAttentionParams& p, cudaStream_t stream, int flags = 0) {
   constexpr size_t smem = smem_bytes<CT, HD, STAGES, KT>();
-  constexpr int threads = DECODE ? 32 * DW : 32 * kPrefillWarps;
-  auto* kernel = mma_attention_kernel<T, CT, HD, DECODE, STAGES, FASTCVT, KT, DW>;
+  constexpr int threads = DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarps;
+  auto* kernel = mma_attention_kernel<T, CT, HD, DECODE, STAGES, FASTCVT, KT>;
   static bool configured = false;  // NOTE: per instantiation; raising the limit is idempotent
   if (!configured) {
     const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
@@ -758,17 +753,6 @@ int launch_kernel(const PagedAttentionParams& p, cudaStream_t stream) {
     const int64_t ctas = static_cast<int64_t>(p.num_kv_heads) * p.num_decode * p.decode_splits;
     const bool deep = ctas <= env_int("PAGEDCORE_DECODE_DEEP_CTAS", multiprocessor_count());
     const bool fast = FP8 && env_int("PAGEDCORE_FP8_FAST_CVT", 1) != 0;
-    if constexpr (HD <= 128) {
-      const int wide = env_int("PAGEDCORE_DECODE_WIDE", 0);
-      if (wide == 2 || (wide == 1 && deep)) {
-        if (env_int("PAGEDCORE_DECODE_WIDE_STAGES", 2) == 3) {
-          return fast ? launch_variant<T, CT, HD, true, 3, FP8, 128, kWideDecodeWarps>(p, stream, flags)
-                      : launch_variant<T, CT, HD, true, 3, false, 128, kWideDecodeWarps>(p, stream, flags);
-        }
-        return fast ? launch_variant<T, CT, HD, true, 2, FP8, 128, kWideDecodeWarps>(p, stream, flags)
-                    : launch_variant<T, CT, HD, true, 2, false, 128, kWideDecodeWarps>(p, stream, flags);
-      }
-    }
     if (deep) {
       return fast ? launch_variant<T, CT, HD, true, deep_stages<HD>(), FP8>(p, stream, flags)
                   : launch_variant<T, CT, HD, true, deep_stages<HD>(), false>(p, stream, flags);

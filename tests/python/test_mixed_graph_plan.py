@@ -236,8 +236,8 @@ def test_tile_splits_must_be_positive() -> None:
 @pytest.mark.parametrize("rows, taken", [(10, True), (28, True), (4, False)])
 def test_fewer_decode_rows_over_long_contexts_take_up_to_twice_the_graphs_decode_splits(rows, taken) -> None:
     # The graph's decode splits are sized for 32 rows (3 here: 96 blocks over 132 SMs);
-    # fewer rows over 1,500 keys want more: 10 rows 5, 28 rows 4 (<= 6: the graph), 4
-    # rows over 3,000 keys 11 (the pieces).
+    # fewer rows over 1,500 keys want more: 10 rows 4 (one wave: 120 CTAs), 28 rows 4
+    # (<= 6: the graph), 4 rows over 3,000 keys 11 (the pieces).
     p = padded(256, 256)
     assert p.plan.decode_splits == 3
     keys = 3000 if rows == 4 else 1500
@@ -245,7 +245,7 @@ def test_fewer_decode_rows_over_long_contexts_take_up_to_twice_the_graphs_decode
     qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     lens = np.array([keys] * rows + [300], dtype=np.int32)
     eager = planning.plan_attention(qsl, lens, 9, 3, torch.device("cpu"), 64, torch.bfloat16)
-    assert eager.decode_splits == {10: 5, 28: 4, 4: 11}[rows]
+    assert eager.decode_splits == {10: 4, 28: 4, 4: 11}[rows]
     assert p.fill(qsl, lens, pad_row=rows + 1) == taken
 
 
@@ -264,3 +264,22 @@ def test_the_split_graph_shares_the_unsplit_graphs_decode_scratch() -> None:
     assert unsplit.plan.partial_ptrs(3, 64) == a  # (nothing replaced)
     with pytest.raises(RuntimeError, match="shared scratch 'decode_partial_out' holds"):
         unsplit.plan.partial_ptrs(3, 128)  # a larger head: would need a larger buffer
+
+
+@pytest.mark.parametrize("blocks, longest, expect", [
+    (8, 32768, 16),    # one row of the 8B shape: 16 x 8 = 128 CTAs, one an SM
+    (128, 8192, 1),    # 16 rows: 128 CTAs unsplit
+    (8, 4096, 16),     # the keys allow 16 (256 a split)
+    (8, 1000, 3),      # 3 splits of >= 256 keys
+    (8, 300, 1),       # under 512 keys: unsplit
+    (96, 8192, 3),     # 96 x 1 fills 73%: two an SM, ceil(264 / 96)
+    (48, 8192, 6),     # 48 x 2 fills 73%: two an SM
+    (26, 32768, 5),    # 26 x 5 = 130
+    (2, 32768, 64),    # at most 64
+    (200, 8192, 1),    # blocks alone fill the SMs
+])
+def test_decode_splits_plan_one_wave_where_it_fills_the_gpu(monkeypatch, blocks, longest, expect) -> None:
+    monkeypatch.delenv("PAGEDCORE_DECODE_ONE_WAVE", raising=False)
+    assert planning._decode_splits(blocks, longest, 132) == expect
+    monkeypatch.setenv("PAGEDCORE_DECODE_ONE_WAVE", "0")
+    assert planning._decode_splits(blocks, longest, 132) == planning._splits(blocks, longest, 132, 256)

@@ -124,7 +124,7 @@ def test_rows_of_a_few_queries_take_the_decode_kernel(dtype, group):
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16-cache", "fp8-cache"])
 @pytest.mark.parametrize("window", [0, 300])
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16", "fp16"])
-def test_decode_rows_shorter_than_the_graph_plan(dtype, window, fp8):
+def test_decode_rows_shorter_than_the_graph_plan(monkeypatch, dtype, window, fp8):
     # A graph's plan splits keys for its longest possible row (here up to 64 splits);
     # shorter rows run fewer splits (one per 256 keys, unsplit under 512): lengths
     # around those boundaries, every split count from 1 up, the planned maximum.
@@ -132,9 +132,12 @@ def test_decode_rows_shorter_than_the_graph_plan(dtype, window, fp8):
         pytest.skip("no fp8 cache with float32 queries")
     scales = (0.5, 1.5) if fp8 else None
     lengths = [1, 17, 255, 256, 511, 512, 513, 767, 1024, 1500, 4097, 9000, 20000]
-    assert ops.plan_decode(len(lengths), 2, torch.device("cuda"), 32768).decode_splits >= 8
-    run_cuda([(1, n) for n in lengths], block_size=16, head_dim=128, group=4, dtype=dtype, window=window,
-             graph_plan_len=32768, repeat=3, fp8_scales=scales)
+    for one_wave in ("0", "1"):  # (the plan for two CTAs an SM splits more: >= 8)
+        monkeypatch.setenv("PAGEDCORE_DECODE_ONE_WAVE", one_wave)
+        assert ops.plan_decode(len(lengths), 2, torch.device("cuda"), 32768).decode_splits >= (8 if one_wave == "0" else 4)
+        run_cuda([(1, n) for n in lengths], block_size=16, head_dim=128, group=4, dtype=dtype, window=window,
+                 graph_plan_len=32768, repeat=3, fp8_scales=scales)
+    monkeypatch.delenv("PAGEDCORE_DECODE_ONE_WAVE")
     assert ops.plan_decode(1, 2, torch.device("cuda"), 32768).decode_splits == 64
     for n in (300, 5000, 20000):  # one row alone: 64 splits planned, 1, 19 and 64 run
         run_cuda([(1, n)], block_size=16, head_dim=128, group=4, dtype=dtype, window=window,
@@ -150,12 +153,8 @@ def test_decode_rows_shorter_than_the_graph_plan(dtype, window, fp8):
     {"PAGEDCORE_DECODE_EARLY_META": "0", "PAGEDCORE_FP8_WIDE_TILES": "0", "PAGEDCORE_DECODE_DEEP_CTAS": "0"},
     {"PAGEDCORE_DECODE_EARLY_META": "1", "PAGEDCORE_DECODE_DEEP_CTAS": "100000"},
     {"PAGEDCORE_DECODE_EARLY_META": "2"},
-    {"PAGEDCORE_DECODE_WIDE": "2", "PAGEDCORE_DECODE_EARLY_META": "1"},
-    {"PAGEDCORE_DECODE_WIDE": "2", "PAGEDCORE_DECODE_EARLY_META": "0", "PAGEDCORE_FP8_FAST_CVT": "0"},
-    {"PAGEDCORE_DECODE_WIDE": "2", "PAGEDCORE_DECODE_WIDE_STAGES": "3"},
-    {"PAGEDCORE_DECODE_ONE_WAVE": "1"},
-], ids=["shallow", "deep", "fp8-cvt", "early-off-narrow-fp8", "early-meta-fp8-deep", "early-l2", "wide",
-        "wide-early-off-fp8-cvt", "wide3", "one-wave"])
+    {"PAGEDCORE_DECODE_ONE_WAVE": "0"},
+], ids=["shallow", "deep", "fp8-cvt", "early-off-narrow-fp8", "early-meta-fp8-deep", "early-l2", "two-an-sm"])
 def test_decode_kernel_variants(monkeypatch, env):
     # The decode kernel's pipelines (three tiles in flight, or five for launches of few
     # CTAs), fp8 widenings (integer operations, or the cvt unit), the lengths and first
@@ -164,8 +163,9 @@ def test_decode_kernel_variants(monkeypatch, env):
     # otherwise run only on some shapes. The defaults (early metadata over 16-bit caches,
     # 128-key fp8 tiles) run in "shallow"; "early-off-narrow-fp8": the paths they left
     # (metadata after the wait, 64-key fp8 tiles), "early-meta-fp8-deep": early metadata
-    # over fp8 and in the deep pipeline; "wide": eight-warp CTAs of 128-key tiles (head dims
-    # up to 128; 256 takes the four-warp kernel), also without early metadata and by cvt.
+    # over fp8 and in the deep pipeline; "two-an-sm": decode key splits planned for two
+    # CTAs an SM throughout (the default plans one wave of one CTA an SM where that fills
+    # the GPU, so the split launches of few rows are deep).
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     lengths = [1, 17, 255, 256, 513, 1500, 4097, 9000]

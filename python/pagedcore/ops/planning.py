@@ -104,12 +104,19 @@ def _splits(blocks: int, longest: int, sms: int, split_keys: int = 256) -> int:
 
 
 def _decode_splits(blocks: int, longest: int, sms: int) -> int:
-    """Key splits of a decode launch of ``blocks`` (rows x kv heads). With
-    PAGEDCORE_DECODE_ONE_WAVE=1 (read per call; an experiment until measured): where
-    one CTA per multiprocessor fills at least 80% of them, that many (the launch
-    then takes the deep pipeline, one CTA an SM, in one wave), else as
-    :func:`_splits` (two CTAs an SM)."""
-    if os.environ.get("PAGEDCORE_DECODE_ONE_WAVE", "0") == "1" and blocks < sms and longest >= 2 * _DECODE_SPLIT_KEYS:
+    """Key splits of a decode launch of ``blocks`` (rows x kv heads): where one CTA
+    per multiprocessor fills at least 80% of them, that many (the launch then takes
+    the decode kernel's deep pipeline, one CTA an SM, in one wave), else as
+    :func:`_splits` (two CTAs an SM). PAGEDCORE_DECODE_ONE_WAVE=0 (read per call,
+    for benchmarks) keeps the two-an-SM rule throughout.
+
+    NOTE: measured on the H200 (bench/decode_variants.py at b985186, us, two an SM
+    -> one wave): B=1 L=32k 45.9 -> 43.7; under the decode graphs' plans 8B B=16
+    with 160 / 256 / 384 / 4096 keys 8.8 -> 7.5, 10.3 -> 8.5, 13.1 -> 10.2,
+    88.2 -> 72.2, B=1 L=32k 45.3 -> 43.5; B=64 and SmolLM2 cases unchanged. The 8B
+    decode step (bench_e2e_gpu.py --overhead, device ms, batch 1 / 16): 4.348 /
+    5.065 -> 4.334 / 4.891."""
+    if os.environ.get("PAGEDCORE_DECODE_ONE_WAVE", "1") != "0" and blocks < sms and longest >= 2 * _DECODE_SPLIT_KEYS:
         per_sm = sms // blocks
         if blocks * per_sm >= 0.8 * sms:
             return int(max(1, min(per_sm, longest // _DECODE_SPLIT_KEYS, 64)))
