@@ -740,7 +740,7 @@ int launch_variant(const PagedAttentionParams& p, cudaStream_t stream, int flags
 //     tile), three stages, two CTAs an SM at d128: half the tiles' fixed
 //     costs (barriers, max updates) per key, four score fragments a pass.
 //     On by default (=0 turns it off): fp8 B=64 L=4k 198.6 -> 183.1 us (0.69x of bf16).
-// Deleted after the thirteenth session's runs (bench/RESULTS.md; d3441b5, eaa1fc4):
+// Deleted after the twelfth session's runs (bench/RESULTS.md; d3441b5, eaa1fc4):
 // eight-warp decode CTAs of two or three 128-key tiles (PAGEDCORE_DECODE_WIDE):
 // B=64 L=1k 82.7-88.2 against 74.8 us, fp8 B=64 L=4k 226-230 against 186, B=1
 // L=32k 52-55 against 45.6; their gains at batch 16 under the graph plan came
