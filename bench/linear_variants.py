@@ -27,7 +27,8 @@ SHAPES = {  # name: (in_features, out_features)
 }
 # NOTE: a variant with two rounds of weight loads in flight per warp lost to the default at
 # every shape on the H200 (8B gate_up at 16 rows 84.1 against 64.3 us), and was removed.
-VARIANTS = (("default", {}),)
+VARIANTS = (("default", {}), ("shift", {"PAGEDCORE_LINEAR_MMA": "shift"}),
+            ("spread", {"PAGEDCORE_LINEAR_MMA": "spread"}))
 
 
 def timed(fn, env: dict, iters: int) -> float:

@@ -93,8 +93,17 @@ __host__ __device__ inline int num_groups(const LinearParams& p) {
   return GATED ? (p.out_features / 2 + 7) / 8 : (p.out_features + 15) / 16;
 }
 
-template <typename T, int NT, bool GATED>
-__global__ void __launch_bounds__(32 * kWarps, 2) linear_mma_kernel(LinearParams p, int splits, int cluster) {
+// MODE (PAGEDCORE_LINEAR_MMA, read at each launch, i.e. at a graph's capture; to be
+// measured): 0 "old": the warp's place from integer divisions by splits and cluster
+// (and 64-bit ones for its k range), one warp of a group sums the partials; 1
+// "shift": the same from shifts (splits and cluster are powers of two; the same
+// values), so the first weight loads wait on fewer instructions; 2 "spread": shifts,
+// and the group's warps share the sums and the stores. All three add in the same
+// order: the same bits.
+template <typename T, int NT, bool GATED, int MODE>
+__global__ void __launch_bounds__(32 * kWarps, 2) linear_mma_kernel(LinearParams p, int splits, int cluster,
+                                                                    int log_splits, int log_cluster) {
+  constexpr bool SPREAD = MODE == 2;
   // [warp][accumulator register][lane]: a lane's partial sums, then (in the first
   // warp of each group) the CTA's sums.
   __shared__ float partial[kWarps][NT * 4][32];
@@ -102,16 +111,23 @@ __global__ void __launch_bounds__(32 * kWarps, 2) linear_mma_kernel(LinearParams
   const int warp = threadIdx.x / 32;
   const int g = lane / 4;
   const int t = lane % 4;
-  const int rank = static_cast<int>(blockIdx.x) % cluster;  // (clusters are consecutive blocks along x)
-  const int split = warp % splits;
-  const int group = static_cast<int>(blockIdx.x) / cluster * (kWarps / splits) + warp / splits;
+  const int block = static_cast<int>(blockIdx.x);
+  // (clusters are consecutive blocks along x)
+  const int rank = MODE == 0 ? block % cluster : block & (cluster - 1);
+  const int split = MODE == 0 ? warp % splits : warp & (splits - 1);
+  const int group = MODE == 0 ? block / cluster * (kWarps / splits) + warp / splits
+                              : ((block >> log_cluster) << (3 - log_splits)) + (warp >> log_splits);
   const int groups = num_groups<GATED>(p);
   const bool active = group < groups;
   const int chunks = (p.in_features + kChunk - 1) / kChunk;
   const int parts = splits * cluster;
   const int part = rank * splits + split;
-  const int chunk_begin = active ? static_cast<int>(static_cast<int64_t>(chunks) * part / parts) : 0;
-  const int chunk_end = active ? static_cast<int>(static_cast<int64_t>(chunks) * (part + 1) / parts) : 0;
+  const int chunk_begin = !active ? 0
+                          : MODE == 0 ? static_cast<int>(static_cast<int64_t>(chunks) * part / parts)
+                                      : static_cast<int>((static_cast<int64_t>(chunks) * part) >> (log_splits + log_cluster));
+  const int chunk_end = !active ? 0
+                        : MODE == 0 ? static_cast<int>(static_cast<int64_t>(chunks) * (part + 1) / parts)
+                                    : static_cast<int>((static_cast<int64_t>(chunks) * (part + 1)) >> (log_splits + log_cluster));
   const int rows = p.num_tokens;
 
   const T* weight = static_cast<const T*>(p.weight);
@@ -185,6 +201,77 @@ __global__ void __launch_bounds__(32 * kWarps, 2) linear_mma_kernel(LinearParams
     for (int r = 0; r < 4; ++r) partial[warp][i * 4 + r][lane] = acc[i][r];
   }
   __syncthreads();
+  T* out = static_cast<T*>(p.out);
+  const T* bias = static_cast<const T*>(p.bias);
+  if constexpr (SPREAD) {
+    // Every warp of the group sums and writes some of the registers (units: one
+    // register, or a gated output's gate and up registers), adding in the same order
+    // of warps and ranks as the other way, so the bits are the same: a shorter chain
+    // after the barrier and less code than one warp summing all of them.
+    constexpr int kUnits = GATED ? NT * 2 : NT * 4;
+    const int first = warp - split;  // the group's first warp
+    const auto reg_of = [](int unit, int q) { return GATED ? (unit / 2) * 4 + 2 * q + unit % 2 : unit; };
+    const auto cta_sum = [&](int reg) {
+      float s = partial[first][reg][lane];
+#pragma unroll 1
+      for (int w = 1; w < splits; ++w) s += partial[first + w][reg][lane];
+      return s;
+    };
+    // The output of a unit from the sums of its registers.
+    const auto emit = [&](int unit, float s0, float s1) {
+      if constexpr (GATED) {
+        const int feature = group * 8 + g;
+        const int token = 8 * (unit / 2) + 2 * t + unit % 2;
+        if (feature >= half || token >= rows) return;
+        const float bg = bias != nullptr ? to_float(bias[feature]) : 0.f;
+        const float bu = bias != nullptr ? to_float(bias[half + feature]) : 0.f;
+        // (as the other way's gated epilogue below)
+        const float gv = to_float(from_float<T>(s0 + bg));
+        const float uv = to_float(from_float<T>(s1 + bu));
+        const float silu = to_float(from_float<T>(__fdiv_rn(gv, __fadd_rn(1.f, expf(-gv)))));
+        out[token * p.out_stride + feature] = from_float<T>(__fmul_rn(silu, uv));
+      } else {
+        // register unit = 4 i + 2 h + e: token 8 i + 2 t + e, feature g + 8 h of the group
+        const int feature = group * 16 + g + 8 * ((unit % 4) / 2);
+        const int token = 8 * (unit / 4) + 2 * t + unit % 2;
+        if (feature >= p.out_features || token >= rows) return;
+        const float b = bias != nullptr ? to_float(bias[feature]) : 0.f;
+        out[token * p.out_stride + feature] = from_float<T>(s0 + b);
+      }
+    };
+    if (cluster == 1) {
+      if (!active) return;
+#pragma unroll 1
+      for (int unit = split; unit < kUnits; unit += splits) {
+        emit(unit, cta_sum(reg_of(unit, 0)), GATED ? cta_sum(reg_of(unit, 1)) : 0.f);
+      }
+      return;
+    }
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    // (only this warp reads or writes these registers of the group now)
+#pragma unroll 1
+    for (int unit = split; unit < kUnits; unit += splits) {
+      partial[first][reg_of(unit, 0)][lane] = cta_sum(reg_of(unit, 0));
+      if constexpr (GATED) partial[first][reg_of(unit, 1)][lane] = cta_sum(reg_of(unit, 1));
+    }
+    cg::cluster_group cluster_group = cg::this_cluster();
+    cluster_group.sync();  // every CTA's sums are in its shared memory
+    if (rank == 0 && active) {
+      const auto total = [&](int reg) {
+        float s = partial[first][reg][lane];
+#pragma unroll 1
+        for (int c = 1; c < cluster; ++c) s += cluster_group.map_shared_rank(&partial[first][0][0], c)[reg * 32 + lane];
+        return s;
+      };
+#pragma unroll 1
+      for (int unit = split; unit < kUnits; unit += splits) {
+        emit(unit, total(reg_of(unit, 0)), GATED ? total(reg_of(unit, 1)) : 0.f);
+      }
+    }
+    cluster_group.sync();  // no CTA leaves while rank 0 reads its shared memory
+#endif
+    return;
+  }
   float sum[NT * 4] = {};
   if (split == 0) {
 #pragma unroll
@@ -210,8 +297,6 @@ __global__ void __launch_bounds__(32 * kWarps, 2) linear_mma_kernel(LinearParams
   }
 #endif
   if (rank != 0 || split != 0 || !active) return;
-  T* out = static_cast<T*>(p.out);
-  const T* bias = static_cast<const T*>(p.bias);
   if constexpr (GATED) {
     const int feature = group * 8 + g;
     if (feature >= half) return;  // (the rows past I re-read the last gate and up rows)
@@ -252,9 +337,10 @@ __global__ void __launch_bounds__(32 * kWarps, 2) linear_mma_kernel(LinearParams
 // Blocks of a kernel instance resident per SM (the occupancy calculator, once).
 template <typename T, int NT, bool GATED>
 int blocks_per_sm() {
+  // (both reductions take the same registers' worth of occupancy: the default's)
   static const int blocks = [] {
     int b = 0;
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, linear_mma_kernel<T, NT, GATED>, 32 * kWarps, 0) !=
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, linear_mma_kernel<T, NT, GATED, 0>, 32 * kWarps, 0) !=
         cudaSuccess) {
       cudaGetLastError();  // (leave no sticky error behind for the caller)
       b = 1;
@@ -371,6 +457,19 @@ Plan plan(int groups, int chunks, int in_features, const Device& d, int capacity
   return plan_for_parts(1 << i);
 }
 
+// The kernel's MODE from PAGEDCORE_LINEAR_MMA (old, shift, spread; read at each launch).
+int kernel_mode() {
+  const char* env = std::getenv("PAGEDCORE_LINEAR_MMA");
+  if (env == nullptr) return 0;
+  return std::strcmp(env, "spread") == 0 ? 2 : std::strcmp(env, "shift") == 0 ? 1 : 0;
+}
+
+int log2_of(int power_of_two) {
+  int log = 0;
+  while ((1 << log) < power_of_two) ++log;
+  return log;
+}
+
 template <typename T, int NT, bool GATED>
 cudaError_t launch(const LinearParams& p, const Plan& pl, cudaStream_t stream) {
   cudaLaunchConfig_t config = {};
@@ -394,7 +493,12 @@ cudaError_t launch(const LinearParams& p, const Plan& pl, cudaStream_t stream) {
   }
   config.attrs = attributes;
   config.numAttrs = count;
-  return cudaLaunchKernelEx(&config, linear_mma_kernel<T, NT, GATED>, p, pl.splits, pl.cluster);
+  const int ls = log2_of(pl.splits), lc = log2_of(pl.cluster);
+  switch (kernel_mode()) {
+    case 2: return cudaLaunchKernelEx(&config, linear_mma_kernel<T, NT, GATED, 2>, p, pl.splits, pl.cluster, ls, lc);
+    case 1: return cudaLaunchKernelEx(&config, linear_mma_kernel<T, NT, GATED, 1>, p, pl.splits, pl.cluster, ls, lc);
+    default: return cudaLaunchKernelEx(&config, linear_mma_kernel<T, NT, GATED, 0>, p, pl.splits, pl.cluster, ls, lc);
+  }
 }
 
 // NOTE: a gated product plans as the plain one over the same weight (the same
