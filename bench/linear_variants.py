@@ -27,8 +27,11 @@ SHAPES = {  # name: (in_features, out_features)
 }
 # NOTE: a variant with two rounds of weight loads in flight per warp lost to the default at
 # every shape on the H200 (8B gate_up at 16 rows 84.1 against 64.3 us), and was removed.
-VARIANTS = (("default", {}), ("shift", {"PAGEDCORE_LINEAR_MMA": "shift"}),
-            ("spread", {"PAGEDCORE_LINEAR_MMA": "spread"}))
+# NOTE: measured on the H200 on 2026-12-03 (bench/RESULTS.md, thirteenth session): the
+# old kernel's warp place from shifts but one warp summing a group's partials ("shift")
+# lost to the default's shared sums everywhere SmolLM2's products run (16 rows: qkv 3.0
+# against 1.9 us); it was removed.
+VARIANTS = (("default", {}), ("old", {"PAGEDCORE_LINEAR_MMA": "old"}))
 
 
 def timed(fn, env: dict, iters: int) -> float:

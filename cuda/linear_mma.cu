@@ -61,6 +61,8 @@ using dev::mma16816;
 using dev::to_float;
 
 constexpr int kWarps = 8;       // warps per CTA
+constexpr int kLogWarps = 3;
+static_assert(kWarps == 1 << kLogWarps, "kLogWarps");
 constexpr int kChunk = 32;      // k per chunk: 16 bytes of a row per lane of a quad
 constexpr int kUnroll = 4;      // chunks in flight per warp (2 weight loads each per lane)
 constexpr int kMaxCluster = 8;  // portable cluster size
@@ -93,17 +95,20 @@ __host__ __device__ inline int num_groups(const LinearParams& p) {
   return GATED ? (p.out_features / 2 + 7) / 8 : (p.out_features + 15) / 16;
 }
 
-// MODE (PAGEDCORE_LINEAR_MMA, read at each launch, i.e. at a graph's capture; to be
-// measured): 0 "old": the warp's place from integer divisions by splits and cluster
-// (and 64-bit ones for its k range), one warp of a group sums the partials; 1
-// "shift": the same from shifts (splits and cluster are powers of two; the same
-// values), so the first weight loads wait on fewer instructions; 2 "spread": shifts,
-// and the group's warps share the sums and the stores. All three add in the same
-// order: the same bits.
-template <typename T, int NT, bool GATED, int MODE>
+// SPREAD (the default; PAGEDCORE_LINEAR_MMA=old, read at each launch, i.e. at a
+// graph's capture, takes the other way for comparisons): the warp's place and its
+// k range from shifts (splits and cluster are powers of two), and the group's warps
+// share the partial sums' reduction and the stores. The other way: integer divisions
+// (64-bit ones for the k range) before the first weight load, and one warp of a group
+// sums all the registers after the barrier. Both add in the same order: the same bits.
+//
+// NOTE: measured on the H200 on 2026-12-03 (bench/RESULTS.md, thirteenth session):
+// SmolLM2's products at 16 rows 3.0 / 3.9 / 3.8 us -> 1.9 / 2.7 / 3.0 (qkv, gate_up,
+// down; linear_variants.py), and its batch-16 decode step 0.915 -> 0.736 ms of device
+// time (batch 1 0.67: 1.37x -> 1.09x). Shifts alone (the old reduction) gave 0.878.
+template <typename T, int NT, bool GATED, bool SPREAD>
 __global__ void __launch_bounds__(32 * kWarps, 2) linear_mma_kernel(LinearParams p, int splits, int cluster,
                                                                     int log_splits, int log_cluster) {
-  constexpr bool SPREAD = MODE == 2;
   // [warp][accumulator register][lane]: a lane's partial sums, then (in the first
   // warp of each group) the CTA's sums.
   __shared__ float partial[kWarps][NT * 4][32];
@@ -113,21 +118,22 @@ __global__ void __launch_bounds__(32 * kWarps, 2) linear_mma_kernel(LinearParams
   const int t = lane % 4;
   const int block = static_cast<int>(blockIdx.x);
   // (clusters are consecutive blocks along x)
-  const int rank = MODE == 0 ? block % cluster : block & (cluster - 1);
-  const int split = MODE == 0 ? warp % splits : warp & (splits - 1);
-  const int group = MODE == 0 ? block / cluster * (kWarps / splits) + warp / splits
-                              : ((block >> log_cluster) << (3 - log_splits)) + (warp >> log_splits);
+  const int rank = SPREAD ? block & (cluster - 1) : block % cluster;
+  const int split = SPREAD ? warp & (splits - 1) : warp % splits;
+  const int group = SPREAD ? ((block >> log_cluster) << (kLogWarps - log_splits)) + (warp >> log_splits)
+                          : block / cluster * (kWarps / splits) + warp / splits;
   const int groups = num_groups<GATED>(p);
   const bool active = group < groups;
   const int chunks = (p.in_features + kChunk - 1) / kChunk;
   const int parts = splits * cluster;
   const int part = rank * splits + split;
+  const int log_parts = log_splits + log_cluster;
   const int chunk_begin = !active ? 0
-                          : MODE == 0 ? static_cast<int>(static_cast<int64_t>(chunks) * part / parts)
-                                      : static_cast<int>((static_cast<int64_t>(chunks) * part) >> (log_splits + log_cluster));
+                          : SPREAD ? static_cast<int>((static_cast<int64_t>(chunks) * part) >> log_parts)
+                                   : static_cast<int>(static_cast<int64_t>(chunks) * part / parts);
   const int chunk_end = !active ? 0
-                        : MODE == 0 ? static_cast<int>(static_cast<int64_t>(chunks) * (part + 1) / parts)
-                                    : static_cast<int>((static_cast<int64_t>(chunks) * (part + 1)) >> (log_splits + log_cluster));
+                        : SPREAD ? static_cast<int>((static_cast<int64_t>(chunks) * (part + 1)) >> log_parts)
+                                 : static_cast<int>(static_cast<int64_t>(chunks) * (part + 1) / parts);
   const int rows = p.num_tokens;
 
   const T* weight = static_cast<const T*>(p.weight);
@@ -337,10 +343,10 @@ __global__ void __launch_bounds__(32 * kWarps, 2) linear_mma_kernel(LinearParams
 // Blocks of a kernel instance resident per SM (the occupancy calculator, once).
 template <typename T, int NT, bool GATED>
 int blocks_per_sm() {
-  // (both reductions take the same registers' worth of occupancy: the default's)
+  // (the default's; the other reduction's resources are the same: 2 CTAs of 256 threads)
   static const int blocks = [] {
     int b = 0;
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, linear_mma_kernel<T, NT, GATED, 0>, 32 * kWarps, 0) !=
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, linear_mma_kernel<T, NT, GATED, true>, 32 * kWarps, 0) !=
         cudaSuccess) {
       cudaGetLastError();  // (leave no sticky error behind for the caller)
       b = 1;
@@ -457,11 +463,10 @@ Plan plan(int groups, int chunks, int in_features, const Device& d, int capacity
   return plan_for_parts(1 << i);
 }
 
-// The kernel's MODE from PAGEDCORE_LINEAR_MMA (old, shift, spread; read at each launch).
-int kernel_mode() {
+// The kernel's SPREAD: unless PAGEDCORE_LINEAR_MMA=old (read at each launch).
+bool spread() {
   const char* env = std::getenv("PAGEDCORE_LINEAR_MMA");
-  if (env == nullptr) return 0;
-  return std::strcmp(env, "spread") == 0 ? 2 : std::strcmp(env, "shift") == 0 ? 1 : 0;
+  return env == nullptr || std::strcmp(env, "old") != 0;
 }
 
 int log2_of(int power_of_two) {
@@ -494,11 +499,8 @@ cudaError_t launch(const LinearParams& p, const Plan& pl, cudaStream_t stream) {
   config.attrs = attributes;
   config.numAttrs = count;
   const int ls = log2_of(pl.splits), lc = log2_of(pl.cluster);
-  switch (kernel_mode()) {
-    case 2: return cudaLaunchKernelEx(&config, linear_mma_kernel<T, NT, GATED, 2>, p, pl.splits, pl.cluster, ls, lc);
-    case 1: return cudaLaunchKernelEx(&config, linear_mma_kernel<T, NT, GATED, 1>, p, pl.splits, pl.cluster, ls, lc);
-    default: return cudaLaunchKernelEx(&config, linear_mma_kernel<T, NT, GATED, 0>, p, pl.splits, pl.cluster, ls, lc);
-  }
+  return spread() ? cudaLaunchKernelEx(&config, linear_mma_kernel<T, NT, GATED, true>, p, pl.splits, pl.cluster, ls, lc)
+                  : cudaLaunchKernelEx(&config, linear_mma_kernel<T, NT, GATED, false>, p, pl.splits, pl.cluster, ls, lc);
 }
 
 // NOTE: a gated product plans as the plain one over the same weight (the same

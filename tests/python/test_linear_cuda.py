@@ -86,27 +86,31 @@ def test_linear_every_split_of_k(monkeypatch, parts, rows, in_features, out_feat
 @pytest.mark.parametrize("parts", [0, 1, 2, 8, 16, 64])
 @pytest.mark.parametrize("rows", [2, 8, 9, 16])
 @pytest.mark.parametrize("in_features,out_features", [(576, 960), (1536, 576), (2056, 20), (72, 40)])
-def test_linear_kernel_modes_give_the_same_bits(monkeypatch, parts, rows, in_features, out_features):
-    # PAGEDCORE_LINEAR_MMA (read at each launch) picks how the 2-16-row kernel finds a
-    # warp's place (divisions or shifts) and who sums the partials (one warp of a group
-    # or all of them); the sums are added in the same order, so the outputs, plain and
-    # gated, are the same bits at every split of k (parts 0: the planner's).
+def test_linear_reductions_give_the_same_bits(monkeypatch, parts, rows, in_features, out_features):
+    # PAGEDCORE_LINEAR_MMA=old (read at each launch) takes the 2-16-row kernel's other way
+    # (a warp's place from divisions, one warp of a group summing the partials); the
+    # default spreads the sums over the group's warps. They add in the same order, so
+    # the outputs, plain and gated, are the same bits at every split of k (parts 0: the
+    # planner's; 16 and 64: clusters of CTAs).
     if parts:
         monkeypatch.setenv("PAGEDCORE_LINEAR_PARTS", str(parts))
     x, w, b = _case(rows, in_features, out_features, torch.bfloat16, bias=True, seed=parts + rows)
     results = {}
-    for mode in ("old", "shift", "spread"):
-        monkeypatch.setenv("PAGEDCORE_LINEAR_MMA", mode)
+    for mode in ("old", "default"):
+        if mode == "old":
+            monkeypatch.setenv("PAGEDCORE_LINEAR_MMA", "old")
+        else:
+            monkeypatch.delenv("PAGEDCORE_LINEAR_MMA", raising=False)
         full = torch.full((rows, out_features + 8), float("nan"), dtype=torch.bfloat16, device="cuda")
         gated = torch.full((rows, out_features // 2 + 8), float("nan"), dtype=torch.bfloat16, device="cuda")
         ops.linear(x, w, b, out=full[:, :out_features])
         ops.linear_silu_and_mul(x, w, b, out=gated[:, :out_features // 2])
         assert torch.isnan(full[:, out_features:]).all() and torch.isnan(gated[:, out_features // 2:]).all(), mode
         results[mode] = (full[:, :out_features], gated[:, :out_features // 2])
-    _check(x, w, b, results["old"][0])
-    for mode in ("shift", "spread"):  # (the real columns only: NaN != NaN)
-        assert torch.equal(results[mode][0], results["old"][0]), f"{mode}: plain product differs"
-        assert torch.equal(results[mode][1], results["old"][1]), f"{mode}: gated product differs"
+    _check(x, w, b, results["default"][0])
+    # (the real columns only: NaN != NaN)
+    assert torch.equal(results["default"][0], results["old"][0]), "plain product differs"
+    assert torch.equal(results["default"][1], results["old"][1]), "gated product differs"
 
 
 @pytest.mark.parametrize("in_features,out_features", [(576, 960), (1536, 576), (4096, 6144)])
