@@ -104,8 +104,9 @@ __host__ __device__ inline int num_groups(const LinearParams& p) {
 //
 // NOTE: measured on the H200 on 2026-12-03 (bench/RESULTS.md, thirteenth session):
 // SmolLM2's products at 16 rows 3.0 / 3.9 / 3.8 us -> 1.9 / 2.7 / 3.0 (qkv, gate_up,
-// down; linear_variants.py), and its batch-16 decode step 0.915 -> 0.736 ms of device
-// time (batch 1 0.67: 1.37x -> 1.09x). Shifts alone (the old reduction) gave 0.878.
+// down; linear_variants.py), and its batch-16 decode step 0.91 -> 0.73-0.74 ms of
+// device time in two calls (batch 1 0.65-0.68: 1.37-1.38x -> 1.09-1.12x). Shifts alone
+// (with the old reduction) gave 0.878.
 template <typename T, int NT, bool GATED, bool SPREAD>
 __global__ void __launch_bounds__(32 * kWarps, 2) linear_mma_kernel(LinearParams p, int splits, int cluster,
                                                                     int log_splits, int log_cluster) {
