@@ -56,8 +56,9 @@ Usage: python bench/bench_structured.py [--requests 64] [--max-tokens 256] [--de
        [--mask-way auto|background|inline] [--masks-alone STEPS [--busy-ms 1.5]]
        [--host-only (CPU: stand-ins for the forward pass and the sampler)] [--switch-interval S] [--gil-probe]
        (PAGEDCORE_MASK_THREADS=N: the mask pool's threads; PAGEDCORE_MASK_DEVICE_WAIT=0: no device wait;
-        PAGEDCORE_GRAMMAR_WORKER=cpp: the C++ grammar worker, whose masks' "compute" reads 0 and which
-        has no replay or mask-way trials)
+        PAGEDCORE_GRAMMAR_WORKER=cpp|pyo3: the C++ grammar worker (the default where llguidance has its
+        shared library), whose masks' "compute" reads 0 and which has no replay or mask-way trials, or
+        llguidance's PyO3 matchers)
 """
 
 from __future__ import annotations

@@ -71,8 +71,9 @@ MASK_TRIAL_PERIOD = 1024
 DEVICE_WAIT_ENV = "PAGEDCORE_MASK_DEVICE_WAIT"
 #: "cpp": the grammar work goes through the C++ worker (pagedcore._C.LlgWorker over
 #: llguidance's C API: a step's masks computed without the GIL, the ready flag stored
-#: from C++); unset or "pyo3": llguidance's PyO3 matchers (the default). Read when a
-#: StructuredOutputManager is made.
+#: from C++); "pyo3": llguidance's PyO3 matchers; unset: the C++ worker where
+#: llguidance's wheel has its shared library, else PyO3 (see grammar_worker_way). Read
+#: when a StructuredOutputManager is made.
 GRAMMAR_WORKER_ENV = "PAGEDCORE_GRAMMAR_WORKER"
 
 _KINDS = ("json", "regex", "choice", "grammar", "json_object")
@@ -235,11 +236,26 @@ def _mask_threads() -> int:
 
 
 def grammar_worker_way() -> str:
-    """``$PAGEDCORE_GRAMMAR_WORKER`` (see GRAMMAR_WORKER_ENV): "cpp" or "pyo3"."""
-    raw = os.environ.get(GRAMMAR_WORKER_ENV, "pyo3")
+    """``$PAGEDCORE_GRAMMAR_WORKER`` (see GRAMMAR_WORKER_ENV): "cpp" or "pyo3"; unset,
+    "cpp" where llguidance's shared library is there (_llg_library_path), else "pyo3".
+
+    Why the C++ worker is the default (H200, 16-core host, 64 requests x 256 tokens, one
+    call each way, ``bench_structured.py``): the PyO3 way's mask thread waits for the GIL
+    to store the device's ready flag, so the device waits for masks that were done; the
+    Llama-3-8B shape with its own tokenizer, strings of at most 8 characters: 0.919 of
+    the unconstrained throughput with the worker, 0.875-0.880 without (bench/RESULTS.md).
+    """
+    raw = os.environ.get(GRAMMAR_WORKER_ENV)
+    if raw is None:
+        return "cpp" if os.path.exists(_llg_library_path(_llguidance())) else "pyo3"
     if raw not in ("cpp", "pyo3"):
         raise ValueError(f"${GRAMMAR_WORKER_ENV} must be cpp or pyo3, got {raw!r}")
     return raw
+
+
+def _llg_library_path(llg: Any) -> str:
+    """llguidance's shared library (its C API, which the C++ worker loads), in its wheel."""
+    return os.path.join(os.path.dirname(llg.__file__), "_lib.abi3.so")
 
 
 def device_wait_enabled() -> bool:
@@ -480,7 +496,7 @@ class StructuredOutputManager:
         if worker_way == "cpp":
             from . import _C
 
-            lib_path = os.path.join(os.path.dirname(llg.__file__), "_lib.abi3.so")
+            lib_path = _llg_library_path(llg)
             if not os.path.exists(lib_path):
                 raise ValueError(f"${GRAMMAR_WORKER_ENV}=cpp needs llguidance's shared library, "
                                  f"not found at {lib_path}")

@@ -45,7 +45,10 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def manager(tokenizer) -> StructuredOutputManager:
-    return StructuredOutputManager(tokenizer, VOCAB, EOS)
+    """The PyO3 way's manager (its LLMatchers are the reference), whatever the default."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PAGEDCORE_GRAMMAR_WORKER", "pyo3")
+        return StructuredOutputManager(tokenizer, VOCAB, EOS)
 
 
 @pytest.fixture(scope="module")

@@ -125,9 +125,12 @@ def tiny_llms(tiny_dir, grammar_way) -> dict[bool, LLM]:
 
 @pytest.fixture(autouse=True)
 def _default_grammar_way(request, monkeypatch):
-    """Tests outside the two ways' runs use the default way, whichever run is live."""
+    """Tests outside the two ways' runs use the PyO3 way, whichever run is live: they
+    test its own machinery (the mask pool's lanes, the mask ways' trials, the device's
+    wait written from Python), which the C++ worker, the default where llguidance's
+    shared library is there, does not use."""
     if "grammar_way" not in request.fixturenames:
-        monkeypatch.delenv(GRAMMAR_WORKER_ENV, raising=False)
+        monkeypatch.setenv(GRAMMAR_WORKER_ENV, "pyo3")
 
 
 def live_worker_matchers(llm: LLM) -> int | None:
@@ -382,6 +385,24 @@ def test_the_cpp_worker_gives_the_pyo3_ways_outputs(tiny_dir, monkeypatch) -> No
     assert c.finish_reason == "stop" and c.text in ("yes", "no", "maybe"), c
     [c] = outs[4].outputs
     assert c.finish_reason == "length" and len(c.token_ids) == 5 and re.fullmatch("[a-z]+", c.text), c
+
+
+def test_the_cpp_worker_is_the_default_where_llguidance_has_its_library(monkeypatch) -> None:
+    """Unset, $PAGEDCORE_GRAMMAR_WORKER means the C++ worker when llguidance's wheel has
+    its shared library (it has, here), else the PyO3 way (no library: no error)."""
+    from pagedcore import structured_outputs
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(pagedcore.default_model_path())
+    monkeypatch.delenv(GRAMMAR_WORKER_ENV)
+    assert structured_outputs.grammar_worker_way() == "cpp"
+    assert StructuredOutputManager(tokenizer, 49152, [2]).worker is not None
+    monkeypatch.setattr(structured_outputs, "_llg_library_path", lambda llg: "/nonexistent/_lib.abi3.so")
+    assert structured_outputs.grammar_worker_way() == "pyo3"
+    assert StructuredOutputManager(tokenizer, 49152, [2]).worker is None
+    monkeypatch.setenv(GRAMMAR_WORKER_ENV, "cpp")  # (asked for: refused without the library)
+    with pytest.raises(ValueError, match="shared library"):
+        StructuredOutputManager(tokenizer, 49152, [2])
 
 
 def test_grammar_worker_switch_is_checked(monkeypatch) -> None:
