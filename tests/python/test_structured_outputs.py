@@ -17,9 +17,10 @@ device's wait for it) runs on an even smaller model with a byte-level tokenizer 
 its own (no default model, no pydantic: the GPU machine has neither), checked
 against the regex module's partial matches.
 
-The tiny model's tests run twice: with llguidance's PyO3 matchers (the default) and
-with the C++ grammar worker (``PAGEDCORE_GRAMMAR_WORKER=cpp``), which must also free
-every matcher it made once its sequence is done (generate checks none is left)."""
+The tiny model's tests run twice: with llguidance's PyO3 matchers
+(``PAGEDCORE_GRAMMAR_WORKER=pyo3``, which the other tests here ask for) and with the C++
+grammar worker (``=cpp``, the default where llguidance has its shared library), which must
+also free every matcher it made once its sequence is done (generate checks none is left)."""
 
 from __future__ import annotations
 
