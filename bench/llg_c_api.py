@@ -95,7 +95,7 @@ def worker_vs_pyo3(model: str, rows: int, steps: int, threads: int, busy_ms: flo
 
     from pagedcore import _C
     from pagedcore.structured_outputs import MASK_THREADS_ENV, StructuredOutputManager, StructuredOutputsParams, \
-        _grammar_text
+        _grammar_text, _llg_library_path
 
     os.environ[MASK_THREADS_ENV] = str(threads)
     with open(os.path.join(model, "config.json"), encoding="utf-8") as f:
@@ -104,7 +104,7 @@ def worker_vs_pyo3(model: str, rows: int, steps: int, threads: int, busy_ms: flo
     eos = [tokenizer.eos_token_id]
     manager = StructuredOutputManager(tokenizer, vocab, eos)
     spec = StructuredOutputsParams(json=SCHEMAS["bounded"])
-    lib = _C.LlgLibrary.open(os.path.join(os.path.dirname(llguidance.__file__), "_lib.abi3.so"))
+    lib = _C.LlgLibrary.open(_llg_library_path(llguidance))
     worker = _C.LlgWorker(lib, tokenizer.backend_tokenizer.to_str(), vocab, eos, threads,
                           manager._tokenizer.tokenize_bytes)
     grammar = _grammar_text(spec.key)
@@ -196,8 +196,12 @@ def main() -> None:
     from bench_structured import SCHEMAS
 
     from pagedcore import default_model_path
-    from pagedcore.structured_outputs import StructuredOutputManager, StructuredOutputsParams, _grammar_text
+    from pagedcore.structured_outputs import (GRAMMAR_WORKER_ENV, StructuredOutputManager, StructuredOutputsParams,
+                                              _grammar_text)
 
+    # The probe compares against the PyO3 way's manager (its LLMatchers, its mask pool),
+    # whatever the engine's default.
+    os.environ[GRAMMAR_WORKER_ENV] = "pyo3"
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="a directory with tokenizer.json and config.json")
     ap.add_argument("--rows", type=int, default=64)

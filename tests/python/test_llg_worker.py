@@ -6,8 +6,6 @@ create/clone/free cycles."""
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 
@@ -15,14 +13,15 @@ llg = pytest.importorskip("llguidance")
 transformers = pytest.importorskip("transformers")
 
 from pagedcore import _C, default_model_path  # noqa: E402
-from pagedcore.structured_outputs import StructuredOutputManager, StructuredOutputsParams, _grammar_text  # noqa: E402
+from pagedcore.structured_outputs import (  # noqa: E402
+    StructuredOutputManager, StructuredOutputsParams, _grammar_text, _llg_library_path)
 
 VOCAB = 49152  # SmolLM2's config.json vocab_size
 EOS = [2]
 THREADS = 4
 ROWS = 64
 STEPS = 14
-LIB_PATH = os.path.join(os.path.dirname(llg.__file__), "_lib.abi3.so")
+LIB_PATH = _llg_library_path(llg)
 
 BOUNDED_SCHEMA = {
     "type": "object",
