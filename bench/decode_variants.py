@@ -13,13 +13,6 @@ with its error against SDPA on the same keys gathered contiguously.
   PAGEDCORE_DECODE_ONE_WAVE   decode key splits planned for one CTA an SM where that fills
                               >= 80% of them, so that the launch is deep (1, default); two
                               CTAs an SM throughout (0)
-  PAGEDCORE_DECODE_LOAD       how K/V rows reach shared memory: cp.async (0, default), cp.async
-                              with the L2 fetching 256-byte spans (1), one bulk copy per row
-                              on an mbarrier (2)
-  PAGEDCORE_DECODE_CLUSTER    a row's kv heads launched as one cluster (1), and waiting for each
-                              other every tile (2), so that they read each token's rows together
-  PAGEDCORE_DECODE_SPLITS     N key splits planned whatever the shape (at most one per 256
-                              keys of a row): smaller CTAs, more waves, a merge
 
 After the table, FlashInfer's tensor-core decode on B=64 L=4k with the cache in its NHD
 layout (ours) and in HND (head-major blocks), when flashinfer is installed.
@@ -49,15 +42,6 @@ VARIANTS = (
     ("early + L2", {"PAGEDCORE_DECODE_EARLY_META": "2"}),
     ("fp8 narrow", {"PAGEDCORE_FP8_WIDE_TILES": "0"}),
     ("two an SM", {"PAGEDCORE_DECODE_ONE_WAVE": "0"}),
-    ("2 splits", {"PAGEDCORE_DECODE_SPLITS": "2"}),
-    ("3 splits", {"PAGEDCORE_DECODE_SPLITS": "3"}),
-    ("4 splits", {"PAGEDCORE_DECODE_SPLITS": "4"}),
-    ("8 splits", {"PAGEDCORE_DECODE_SPLITS": "8"}),
-    ("L2 256B", {"PAGEDCORE_DECODE_LOAD": "1"}),
-    ("bulk", {"PAGEDCORE_DECODE_LOAD": "2"}),
-    ("cluster", {"PAGEDCORE_DECODE_CLUSTER": "1"}),
-    ("lockstep", {"PAGEDCORE_DECODE_CLUSTER": "2"}),
-    ("bulk lockstep", {"PAGEDCORE_DECODE_CLUSTER": "2", "PAGEDCORE_DECODE_LOAD": "2"}),
 )
 # (name, batch, keys, heads, kv heads, head dim, fp8, graph plan length or 0)
 CASES = (
@@ -67,8 +51,6 @@ CASES = (
     ("B=64 L=1k", 64, 1024, 32, 8, 128, False, 0),
     ("B=64 L=4k", 64, 4096, 32, 8, 128, False, 0),
     ("SmolLM2 B=64 L=1k", 64, 1024, 9, 3, 64, False, 0),
-    # B=64 L=4k's bytes with one kv head: a block's rows of a head adjacent (4 KB), as in HND
-    ("B=512 L=4k 4/1 heads", 512, 4096, 4, 1, 128, False, 0),
     ("fp8 B=64 L=4k", 64, 4096, 32, 8, 128, True, 0),
     ("fp8 B=1 L=4k", 1, 4096, 32, 8, 128, True, 0),
     ("8B B=1 L=160 graph plan", 1, 160, 32, 8, 128, False, 8192),

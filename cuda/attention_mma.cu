@@ -88,10 +88,6 @@ constexpr int kEarlyMeta = 1;
 // kEarlyPrefetch (with kEarlyMeta): the K/V rows of the first tiles the
 // pipeline issues are prefetched into L2 before the wait as well.
 constexpr int kEarlyPrefetch = 2;
-// kLockstep (a launch in clusters of the row's kv heads): the CTAs of a cluster
-// wait for each other every tile, so that they read each token's K/V rows (all
-// kv heads of a token are adjacent) at about the same time.
-constexpr int kLockstep = 4;
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -105,71 +101,6 @@ __device__ __forceinline__ float fast_exp2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
-}
-
-// cp_async16 with the L2 told to fetch the whole 256-byte span around it.
-__device__ __forceinline__ void cp_async16_l2_256(uint32_t dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
-}
-
-// sm_90: mbarriers and the bulk copy engine (the decode kernel's kLoadBulk).
-// Other targets never launch that variant; their bodies trap.
-__device__ __forceinline__ void bar_init(uint32_t bar, uint32_t count) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-#else
-  __trap();
-#endif
-}
-// Arrives on `bar`, expecting `bytes` more of copies to complete on it.
-__device__ __forceinline__ void bar_expect(uint32_t bar, uint32_t bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
-#else
-  __trap();
-#endif
-}
-__device__ __forceinline__ void bar_wait(uint32_t bar, uint32_t parity) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile(
-      "{\n"
-      ".reg .pred done;\n"
-      "WAIT_%=:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra WAIT_%=;\n"
-      "}\n" ::"r"(bar),
-      "r"(parity)
-      : "memory");
-#else
-  __trap();
-#endif
-}
-// `bytes` (a multiple of 16, both ends 16-byte aligned) global -> shared by
-// the bulk copy engine, completing on `bar`.
-__device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
-               "l"(src), "r"(bytes), "r"(bar)
-               : "memory");
-#else
-  __trap();
-#endif
-}
-
-__device__ __forceinline__ void cluster_arrive() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
-#else
-  __trap();
-#endif
-}
-__device__ __forceinline__ void cluster_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");
-#else
-  __trap();
-#endif
 }
 
 __device__ __forceinline__ void prefetch_l2(const void* p) {
@@ -259,18 +190,10 @@ __device__ __forceinline__ void ldmatrix_x2_trans(uint32_t addr, uint32_t (&r)[2
                : "r"(addr));
 }
 
-// How a decode CTA copies its K/V rows into shared memory: cp.async, 16 bytes
-// a thread (kLoadAsync); the same with the L2 fetching 256-byte spans
-// (kLoadAsyncL2); or one bulk copy per key row, completing on an mbarrier per
-// stage (kLoadBulk, sm_90).
-constexpr int kLoadAsync = 0, kLoadAsyncL2 = 1, kLoadBulk = 2;
-
 // STAGES: tiles in flight (num_stages or, for small decode launches,
 // deep_stages); FASTCVT: fp8 widened by fp8x2_to_half2_scaled; KT: keys per
-// tile (fp8 decode: 128 where not deep); LOAD: kLoadAsync, kLoadAsyncL2 or
-// kLoadBulk. flags: kEarlyMeta, kEarlyPrefetch (decode only).
-template <typename T, typename CT, int HD, bool DECODE, int STAGES, bool FASTCVT, int KT = kTileKeys,
-          int LOAD = kLoadAsync>
+// tile (fp8 decode: 128 where not deep). flags: kEarlyMeta, kEarlyPrefetch (decode only).
+template <typename T, typename CT, int HD, bool DECODE, int STAGES, bool FASTCVT, int KT = kTileKeys>
 __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarps)
     mma_attention_kernel(PagedAttentionParams p, int flags) {
   constexpr int kWarps = DECODE ? kDecodeWarps : kPrefillWarps;
@@ -281,10 +204,6 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
   static_assert(DECODE || KT == kTileKeys, "prefill tiles are 64 keys");
   constexpr int kStages = STAGES;
   static_assert(!FASTCVT || FP8, "the fast conversion is fp8's");
-  static_assert(LOAD == kLoadAsync || DECODE, "load variants are decode's");
-  constexpr bool BULK = LOAD == kLoadBulk;
-  constexpr int ROW_BYTES = HD * static_cast<int>(sizeof(CT));  // one key's row of one kv head
-  __shared__ __align__(8) uint64_t s_full[BULK ? kStages : 1];    // kLoadBulk: a tile's rows landed
   constexpr int CHUNKS = HD * static_cast<int>(sizeof(CT)) / 16;  // 16-byte pieces of a cache row
   constexpr int SROW = staged_row_bytes<CT, HD>();
   constexpr int WK = DECODE ? KT / kWarps : KT;                      // keys per warp per tile
@@ -423,15 +342,6 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
   const CT* key_base = key_cache + kv_head * HD;
   const CT* value_base = value_cache + kv_head * HD;
   const int wk0 = DECODE ? warp * WK : 0;  // the warp's first key within a tile
-  if constexpr (BULK) {
-    if (threadIdx.x == 0) {
-#pragma unroll
-      for (int s = 0; s < kStages; ++s) bar_init(smem_addr(&s_full[s]), 1);
-    }
-    // (the loop's first __syncthreads publishes them)
-  }
-  int done_tiles = 0;  // tiles of earlier chunks: a tile's stage and barrier phase count on from them
-  const bool lockstep = DECODE && (flags & kLockstep) != 0;
 
   for (int c0 = s_lo; c0 < s_hi;) {
     const int b0 = c0 / bs;
@@ -447,30 +357,12 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
     // each per copy, so that every copy instruction of a warp reads whole
     // 128-byte lines; a thread looks up KT * TPR / THREADS block ids per tile.
     auto load_tile = [&](int t) {
-      if constexpr (BULK) {
-        // One copy per key row: K rows first, then V rows. Keys past the chunk
-        // read its last key again (masked out; a zero weight on finite values).
-        const int g = done_tiles + t;
-        unsigned char* ks = stages + (g % kStages) * 2 * KT * SROW;
-        const uint32_t bar = smem_addr(&s_full[g % kStages]);
-        if (threadIdx.x == 0) bar_expect(bar, 2 * KT * ROW_BYTES);
-        for (int i = threadIdx.x; i < 2 * KT; i += THREADS) {
-          const int j = i % KT;
-          const int key = min(c0 + t * KT + j, c1 - 1);
-          const int b = bs_shift >= 0 ? key >> bs_shift : key / bs;
-          const int64_t off = s_table[b - b0] * block_elems + (key - b * bs) * slot_elems;
-          const bool is_v = i >= KT;
-          bulk_copy(smem_addr(ks + (is_v ? KT * SROW : 0) + j * SROW), (is_v ? value_base : key_base) + off, ROW_BYTES,
-                    bar);
-        }
-        return;
-      }
       constexpr int TPR = CHUNKS >= 8 ? 8 : (CHUNKS >= 4 ? 4 : (CHUNKS >= 2 ? 2 : 1));
       constexpr int PER = (CHUNKS + TPR - 1) / TPR;
       constexpr int ROWS = THREADS / TPR < KT ? THREADS / TPR : KT;  // key rows per pass
       static_assert(KT % ROWS == 0, "copy shape");
       if (threadIdx.x >= ROWS * TPR) return;
-      unsigned char* ks = stages + ((done_tiles + t) % kStages) * 2 * KT * SROW;
+      unsigned char* ks = stages + (t % kStages) * 2 * KT * SROW;
       unsigned char* vs = ks + KT * SROW;
 #pragma unroll
       for (int pass = 0; pass < KT / ROWS; ++pass) {
@@ -491,13 +383,8 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
         for (int k = 0; k < PER; ++k) {
           const int c = threadIdx.x % TPR + TPR * k;
           if (CHUNKS % TPR == 0 || c < CHUNKS) {
-            if constexpr (LOAD == kLoadAsyncL2) {
-              cp_async16_l2_256(kdst + c * 16, kp + c * (16 / sizeof(CT)), valid);
-              cp_async16_l2_256(vdst + c * 16, vp + c * (16 / sizeof(CT)), valid);
-            } else {
-              cp_async16(kdst + c * 16, kp + c * (16 / sizeof(CT)), valid);
-              cp_async16(vdst + c * 16, vp + c * (16 / sizeof(CT)), valid);
-            }
+            cp_async16(kdst + c * 16, kp + c * (16 / sizeof(CT)), valid);
+            cp_async16(vdst + c * 16, vp + c * (16 / sizeof(CT)), valid);
           }
         }
       }
@@ -509,17 +396,11 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
       cp_async_commit();
     }
     for (int t = 0; t < n_tiles; ++t) {
-      const int g = done_tiles + t;
-      if (lockstep && g > 0) cluster_wait();  // every CTA of the cluster is done with tile g - 1
-      if constexpr (BULK) {
-        bar_wait(smem_addr(&s_full[g % kStages]), (g / kStages) & 1);
-      } else {
-        cp_async_wait<kStages - 2>();
-      }
+      cp_async_wait<kStages - 2>();
       __syncthreads();  // tile t has landed for every thread; tile t-1 is consumed
       if (t + kStages - 1 < n_tiles) load_tile(t + kStages - 1);
       cp_async_commit();
-      const unsigned char* const ks = stages + (g % kStages) * 2 * KT * SROW;
+      const unsigned char* const ks = stages + (t % kStages) * 2 * KT * SROW;
       const unsigned char* const vs = ks + KT * SROW;
       // NOTE: a prefill warp's 64 keys go in two passes of 32 (a loop, not
       // unrolled): half the code and the score registers.
@@ -695,13 +576,10 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
           }
         }
       }
-      if (lockstep) cluster_arrive();
     }
     cp_async_wait<0>();
-    done_tiles += n_tiles;
     c0 = c1;
   }
-  if (lockstep && done_tiles > 0) cluster_wait();  // (the last arrival's pair)
 
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -819,12 +697,11 @@ int env_int(const char* name, int fallback) {
   return v != nullptr && *v != '\0' ? std::atoi(v) : fallback;
 }
 
-template <typename T, typename CT, int HD, bool DECODE, int STAGES, bool FASTCVT, int KT = kTileKeys,
-          int LOAD = kLoadAsync>
+template <typename T, typename CT, int HD, bool DECODE, int STAGES, bool FASTCVT, int KT = kTileKeys>
 int launch_variant(const PagedAttentionParams& p, cudaStream_t stream, int flags = 0) {
   constexpr size_t smem = smem_bytes<CT, HD, STAGES, KT>();
   constexpr int threads = DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarps;
-  auto* kernel = mma_attention_kernel<T, CT, HD, DECODE, STAGES, FASTCVT, KT, LOAD>;
+  auto* kernel = mma_attention_kernel<T, CT, HD, DECODE, STAGES, FASTCVT, KT>;
   static bool configured = false;  // NOTE: per instantiation; raising the limit is idempotent
   if (!configured) {
     const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
@@ -834,12 +711,8 @@ int launch_variant(const PagedAttentionParams& p, cudaStream_t stream, int flags
   const int items = DECODE ? p.num_decode : p.num_work;
   const int splits = DECODE ? p.decode_splits : p.num_splits;
   if (items > 65535) return cudaErrorInvalidConfiguration;
-  const dim3 grid(p.num_kv_heads, items, splits);
-  const int cluster = DECODE && p.num_kv_heads <= 8 ? env_int("PAGEDCORE_DECODE_CLUSTER", 0) : 0;
   const cudaError_t e =
-      cluster > 0 ? launch_pdl_cluster(kernel, grid, dim3(threads), smem, stream, p.num_kv_heads, p,
-                                       cluster >= 2 ? flags | kLockstep : flags)
-                  : launch_pdl(kernel, grid, dim3(threads), smem, stream, p, flags);
+      launch_pdl(kernel, dim3(p.num_kv_heads, items, splits), dim3(threads), smem, stream, p, flags);
   if (e != cudaSuccess || splits == 1 || (DECODE ? p.decode_split_counters : p.split_counters) != nullptr) return e;
   return merge_attention_splits(p, DECODE, stream);
 }
@@ -877,39 +750,6 @@ int launch_variant(const PagedAttentionParams& p, cudaStream_t stream, int flags
 // tiles of two warps with 4 or 6 stages (B=64 L=4k 350.0 / 270.4 against
 // 265.3 us) and rows under 512 keys shared by a cluster of 2 or 4 CTAs,
 // merged through distributed shared memory (B=1 L=256 9.2 / 11.6 against 8.5).
-// Compute capability 9 or later (mbarriers, the bulk copy engine), per device, asked once.
-bool device_has_bulk_copy() {
-  constexpr int kMaxDevices = 64;
-  static int cached[kMaxDevices] = {};  // 0 unknown, 1 yes, 2 no
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= kMaxDevices) {
-    cudaGetLastError();
-    return false;
-  }
-  if (cached[dev] == 0) {
-    int major = 0;
-    const bool ok = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess;
-    if (!ok) cudaGetLastError();
-    cached[dev] = ok && major >= 9 ? 1 : 2;
-  }
-  return cached[dev] == 1;
-}
-
-// PAGEDCORE_DECODE_LOAD (issue 13 variants, bench/decode_variants.py): how a
-// decode launch at head dim 64 or 128 copies its rows: kLoadAsync (0, default),
-// kLoadAsyncL2 (1), kLoadBulk (2, compute capability 9 only).
-template <typename T, typename CT, int HD, int STAGES, bool FASTCVT, int KT = kTileKeys>
-int launch_decode(const PagedAttentionParams& p, cudaStream_t stream, int flags) {
-  if constexpr (HD == 64 || HD == 128) {
-    const int load = env_int("PAGEDCORE_DECODE_LOAD", kLoadAsync);
-    if (load == kLoadBulk && device_has_bulk_copy()) {
-      return launch_variant<T, CT, HD, true, STAGES, FASTCVT, KT, kLoadBulk>(p, stream, flags);
-    }
-    if (load == kLoadAsyncL2) return launch_variant<T, CT, HD, true, STAGES, FASTCVT, KT, kLoadAsyncL2>(p, stream, flags);
-  }
-  return launch_variant<T, CT, HD, true, STAGES, FASTCVT, KT>(p, stream, flags);
-}
-
 template <typename T, typename CT, int HD, bool DECODE>
 int launch_kernel(const PagedAttentionParams& p, cudaStream_t stream) {
   constexpr bool FP8 = std::is_same_v<CT, uint8_t>;
@@ -920,16 +760,16 @@ int launch_kernel(const PagedAttentionParams& p, cudaStream_t stream) {
     const bool deep = ctas <= env_int("PAGEDCORE_DECODE_DEEP_CTAS", multiprocessor_count());
     const bool fast = FP8 && env_int("PAGEDCORE_FP8_FAST_CVT", 1) != 0;
     if (deep) {
-      return fast ? launch_decode<T, CT, HD, deep_stages<HD>(), FP8>(p, stream, flags)
-                  : launch_decode<T, CT, HD, deep_stages<HD>(), false>(p, stream, flags);
+      return fast ? launch_variant<T, CT, HD, true, deep_stages<HD>(), FP8>(p, stream, flags)
+                  : launch_variant<T, CT, HD, true, deep_stages<HD>(), false>(p, stream, flags);
     }
     if constexpr (FP8 && (HD == 64 || HD == 128)) {
       if (fast && env_int("PAGEDCORE_FP8_WIDE_TILES", 1) != 0) {
-        return launch_decode<T, CT, HD, 3, true, 128>(p, stream, flags);
+        return launch_variant<T, CT, HD, true, 3, true, 128>(p, stream, flags);
       }
     }
-    return fast ? launch_decode<T, CT, HD, num_stages<HD, true>(), FP8>(p, stream, flags)
-                : launch_decode<T, CT, HD, num_stages<HD, true>(), false>(p, stream, flags);
+    return fast ? launch_variant<T, CT, HD, true, num_stages<HD, true>(), FP8>(p, stream, flags)
+                : launch_variant<T, CT, HD, true, num_stages<HD, true>(), false>(p, stream, flags);
   } else {
     return launch_variant<T, CT, HD, false, num_stages<HD, false>(), false>(p, stream);
   }

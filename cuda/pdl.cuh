@@ -71,26 +71,4 @@ cudaError_t launch_pdl(void (*kernel)(Params...), dim3 grid, dim3 block, size_t 
   return cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
 }
 
-// launch_pdl with the grid's x dimension cut into clusters of `cluster_x` CTAs
-// (sm_90; cluster_x must divide grid.x), which the hardware places together.
-template <typename... Params, typename... Args>
-cudaError_t launch_pdl_cluster(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
-                               int cluster_x, Args&&... args) {
-  cudaLaunchConfig_t config = {};
-  config.gridDim = grid;
-  config.blockDim = block;
-  config.dynamicSmemBytes = smem;
-  config.stream = stream;
-  cudaLaunchAttribute attribute[2];
-  attribute[0].id = cudaLaunchAttributeClusterDimension;
-  attribute[0].val.clusterDim.x = cluster_x;
-  attribute[0].val.clusterDim.y = 1;
-  attribute[0].val.clusterDim.z = 1;
-  attribute[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute[1].val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = attribute;
-  config.numAttrs = pdl_enabled() ? 2 : 1;
-  return cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
-}
-
 }  // namespace pagedcore::cuda

@@ -115,13 +115,7 @@ def _decode_splits(blocks: int, longest: int, sms: int) -> int:
     with 160 / 256 / 384 / 4096 keys 8.8 -> 7.5, 10.3 -> 8.5, 13.1 -> 10.2,
     88.2 -> 72.2, B=1 L=32k 45.3 -> 43.5; B=64 and SmolLM2 cases unchanged. The 8B
     decode step (bench_e2e_gpu.py --overhead, device ms, batch 1 / 16): 4.348 /
-    5.065 -> 4.334 / 4.891.
-
-    PAGEDCORE_DECODE_SPLITS=N (read per call, benchmarks only) plans N splits (the
-    kernel still gives a row at most one per kAttentionDecodeSplitKeys keys)."""
-    forced = int(os.environ.get("PAGEDCORE_DECODE_SPLITS", "0") or 0)  # benchmarks only
-    if forced > 0:
-        return min(forced, 64)
+    5.065 -> 4.334 / 4.891."""
     if os.environ.get("PAGEDCORE_DECODE_ONE_WAVE", "1") != "0" and blocks < sms and longest >= 2 * _DECODE_SPLIT_KEYS:
         per_sm = sms // blocks
         if blocks * per_sm >= 0.8 * sms:
