@@ -13,10 +13,6 @@ with its error against SDPA on the same keys gathered contiguously.
   PAGEDCORE_DECODE_ONE_WAVE   decode key splits planned for one CTA an SM where that fills
                               >= 80% of them, so that the launch is deep (1, default); two
                               CTAs an SM throughout (0)
-  PAGEDCORE_ATTN_SWIZZLE      staged K/V rows swizzled (1, where rows hold eights of 16-byte
-                              chunks) or padded by 16 bytes (0, default)
-  PAGEDCORE_ATTN_ZFILL        K/V rows by cp.async's zero-filling form (1) or plain copies (0)
-  PAGEDCORE_ATTN_L2HINT       the plain copies with the L2::128B prefetch-size hint (1)
 
 After the table, FlashInfer's tensor-core decode on B=64 L=4k with the cache in its NHD
 layout (ours) and in HND (head-major blocks), when flashinfer is installed.
@@ -46,10 +42,6 @@ VARIANTS = (
     ("early + L2", {"PAGEDCORE_DECODE_EARLY_META": "2"}),
     ("fp8 narrow", {"PAGEDCORE_FP8_WIDE_TILES": "0"}),
     ("two an SM", {"PAGEDCORE_DECODE_ONE_WAVE": "0"}),
-    ("zfill", {"PAGEDCORE_ATTN_ZFILL": "1"}),
-    ("swizzled", {"PAGEDCORE_ATTN_SWIZZLE": "1"}),
-    ("L2 128B", {"PAGEDCORE_ATTN_L2HINT": "1"}),
-    ("swizzled L2 128B", {"PAGEDCORE_ATTN_SWIZZLE": "1", "PAGEDCORE_ATTN_L2HINT": "1"}),
 )
 # (name, batch, keys, heads, kv heads, head dim, fp8, graph plan length or 0)
 CASES = (

@@ -65,24 +65,14 @@ __host__ __device__ constexpr int deep_stages() {
   return HD <= 128 ? 5 : 3;
 }
 
-// Staged rows whose 16-byte chunks come in eights can be swizzled (chunk c of
-// row r stored at c ^ (r % 8)) instead of padded.
 template <typename CT, int HD>
-__host__ __device__ constexpr bool can_swizzle() {
-  return (HD * static_cast<int>(sizeof(CT)) / 16) % 8 == 0;
-}
-
-// A staged K or V row: swizzled, the cache row's own size (each 128-byte line of
-// the cache lands on one 128-byte line of shared memory); else padded by 16
-// bytes so that ldmatrix rows land on distinct banks.
-template <typename CT, int HD, bool SWZ = false>
 __host__ __device__ constexpr int staged_row_bytes() {
-  return HD * static_cast<int>(sizeof(CT)) + (SWZ ? 0 : 16);
+  return HD * static_cast<int>(sizeof(CT)) + 16;  // +16: ldmatrix rows land on distinct banks
 }
 
-template <typename CT, int HD, int STAGES, int KT = kTileKeys, bool SWZ = false>
+template <typename CT, int HD, int STAGES, int KT = kTileKeys>
 __host__ __device__ constexpr size_t smem_bytes() {
-  size_t bytes = kTable * 4 + static_cast<size_t>(STAGES) * 2 * KT * staged_row_bytes<CT, HD, SWZ>();
+  size_t bytes = kTable * 4 + static_cast<size_t>(STAGES) * 2 * KT * staged_row_bytes<CT, HD>();
   return bytes;
 }
 
@@ -98,11 +88,6 @@ constexpr int kEarlyMeta = 1;
 // kEarlyPrefetch (with kEarlyMeta): the K/V rows of the first tiles the
 // pipeline issues are prefetched into L2 before the wait as well.
 constexpr int kEarlyPrefetch = 2;
-// kZfillCopy: K/V rows copied by cp.async's zero-filling form (the source size
-// an operand) instead of plain copies and direct zero stores.
-constexpr int kZfillCopy = 4;
-// kL2Hint: the plain copies carry the L2::128B prefetch-size hint.
-constexpr int kL2Hint = 8;
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -110,17 +95,6 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
 
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
-}
-// The same without the source-size operand: a plain copy where valid, zeros
-// stored directly otherwise.
-__device__ __forceinline__ void cp_async16_plain(uint32_t dst, const void* src, bool valid, bool hint) {
-  if (valid && hint) {
-    asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
-  } else if (valid) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
-  } else {
-    asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(dst), "r"(0));
-  }
 }
 // 2^x on the special-function unit (flush-to-zero; the inputs here are <= 8).
 __device__ __forceinline__ float fast_exp2(float x) {
@@ -218,10 +192,8 @@ __device__ __forceinline__ void ldmatrix_x2_trans(uint32_t addr, uint32_t (&r)[2
 
 // STAGES: tiles in flight (num_stages or, for small decode launches,
 // deep_stages); FASTCVT: fp8 widened by fp8x2_to_half2_scaled; KT: keys per
-// tile (fp8 decode: 128 where not deep); SWZ: staged rows swizzled, not padded
-// (can_swizzle). flags: kEarlyMeta, kEarlyPrefetch (decode only).
-template <typename T, typename CT, int HD, bool DECODE, int STAGES, bool FASTCVT, int KT = kTileKeys,
-          bool SWZ = false>
+// tile (fp8 decode: 128 where not deep). flags: kEarlyMeta, kEarlyPrefetch (decode only).
+template <typename T, typename CT, int HD, bool DECODE, int STAGES, bool FASTCVT, int KT = kTileKeys>
 __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarps)
     mma_attention_kernel(PagedAttentionParams p, int flags) {
   constexpr int kWarps = DECODE ? kDecodeWarps : kPrefillWarps;
@@ -233,10 +205,7 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
   constexpr int kStages = STAGES;
   static_assert(!FASTCVT || FP8, "the fast conversion is fp8's");
   constexpr int CHUNKS = HD * static_cast<int>(sizeof(CT)) / 16;  // 16-byte pieces of a cache row
-  static_assert(!SWZ || can_swizzle<CT, HD>(), "swizzled rows hold whole eights of chunks");
-  constexpr int SROW = staged_row_bytes<CT, HD, SWZ>();
-  // Byte b of staged row r (b's 16-byte chunk moved by the swizzle).
-  auto soff = [](int r, int b) { return SWZ ? r * SROW + ((((b >> 4) ^ r) & 7) | ((b >> 4) & ~7)) * 16 + (b & 15) : r * SROW + b; };
+  constexpr int SROW = staged_row_bytes<CT, HD>();
   constexpr int WK = DECODE ? KT / kWarps : KT;                      // keys per warp per tile
   constexpr int KSTEPS = HD / 16;
   constexpr int NT = HD / 8;   // output fragments (8 dims each)
@@ -247,8 +216,6 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
   int32_t* s_table = reinterpret_cast<int32_t*>(smem);
   unsigned char* stages = smem + kTable * 4;
   const bool early = DECODE && (flags & kEarlyMeta) != 0;
-  const bool zfill = (flags & kZfillCopy) != 0;
-  const bool l2hint = (flags & kL2Hint) != 0;
   if (!early) pdl_wait();  // (the queries and this step's keys come from the kernel before)
   pdl_launch_dependents();
 
@@ -410,19 +377,14 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
         }
         const CT* kp = key_base + off;
         const CT* vp = value_base + off;
-        const uint32_t kdst = smem_addr(ks);
-        const uint32_t vdst = smem_addr(vs);
+        const uint32_t kdst = smem_addr(ks + j * SROW);
+        const uint32_t vdst = smem_addr(vs + j * SROW);
 #pragma unroll
         for (int k = 0; k < PER; ++k) {
           const int c = threadIdx.x % TPR + TPR * k;
           if (CHUNKS % TPR == 0 || c < CHUNKS) {
-            if (zfill) {
-              cp_async16(kdst + soff(j, c * 16), kp + c * (16 / sizeof(CT)), valid);
-              cp_async16(vdst + soff(j, c * 16), vp + c * (16 / sizeof(CT)), valid);
-            } else {
-              cp_async16_plain(kdst + soff(j, c * 16), kp + c * (16 / sizeof(CT)), valid, l2hint);
-              cp_async16_plain(vdst + soff(j, c * 16), vp + c * (16 / sizeof(CT)), valid, l2hint);
-            }
+            cp_async16(kdst + c * 16, kp + c * (16 / sizeof(CT)), valid);
+            cp_async16(vdst + c * 16, vp + c * (16 / sizeof(CT)), valid);
           }
         }
       }
@@ -464,10 +426,10 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
         for (int n = 0; n < ST; ++n) {
           const int key = wk + 8 * n + (lane % 8);
           if constexpr (FP8) {
-            const int krow = wk + 8 * n + lane / 4;
+            const unsigned char* krow = ks + (wk + 8 * n + lane / 4) * SROW + 4 * qd;
 #pragma unroll
             for (int s = 0; s < KSTEPS; ++s) {
-              const uint32_t w = *reinterpret_cast<const uint32_t*>(ks + soff(krow, 16 * s + 4 * qd));
+              const uint32_t w = *reinterpret_cast<const uint32_t*>(krow + 16 * s);
               const uint32_t b0 = FASTCVT ? fp8x2_to_half2_scaled(w, 0x1404) : fp8x2_to_half2(w);
               const uint32_t b1 = FASTCVT ? fp8x2_to_half2_scaled(w, 0x3424) : fp8x2_to_half2(w >> 16);
               mma16816<MT>(SPLIT_K && (s % 2) ? sc2[SPLIT_K ? n : 0] : sc[n], qf[s], b0, b1);
@@ -478,12 +440,12 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
           for (int s = 0; s < KSTEPS; s += 2) {
             if (s + 1 < KSTEPS) {
               uint32_t b[4];
-              ldmatrix_x4(k_base + soff(key, (16 * s + 8 * (lane / 8)) * 2), b);
+              ldmatrix_x4(k_base + key * SROW + (16 * s + 8 * (lane / 8)) * 2, b);
               mma16816<MT>(sc[n], qf[s], b[0], b[1]);
               mma16816<MT>(SPLIT_K ? sc2[SPLIT_K ? n : 0] : sc[n], qf[s + 1], b[2], b[3]);
             } else {
               uint32_t b[2];
-              ldmatrix_x2(k_base + soff(key, (16 * s + 8 * ((lane / 8) % 2)) * 2), b);
+              ldmatrix_x2(k_base + key * SROW + (16 * s + 8 * ((lane / 8) % 2)) * 2, b);
               mma16816<MT>(sc[n], qf[s], b[0], b[1]);
             }
           }
@@ -588,7 +550,7 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
 #pragma unroll
             for (int j = 0; j < HD / 32; ++j) {
               uint32_t b[4];
-              ldmatrix_x4_trans(v_base + soff(key, 32 * j + 16 * (lane / 16)), b);
+              ldmatrix_x4_trans(v_base + key * SROW + 32 * j + 16 * (lane / 16), b);
 #pragma unroll
               for (int h = 0; h < 2; ++h) {
                 const uint32_t lo = b[2 * h], hi = b[2 * h + 1];
@@ -599,7 +561,7 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
             if constexpr (HD % 32 != 0) {
               constexpr int j = HD / 32;
               uint32_t b[2];
-              ldmatrix_x2_trans(v_base + soff(key, 32 * j), b);
+              ldmatrix_x2_trans(v_base + key * SROW + 32 * j, b);
               mma16816<MT>(acc[4 * j], pa, even_dims(b[0]), even_dims(b[1]));
               mma16816<MT>(acc[4 * j + 1], pa, odd_dims(b[0]), odd_dims(b[1]));
             }
@@ -608,7 +570,7 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
 #pragma unroll
           for (int j = 0; j < NT / 2; ++j) {
             uint32_t b[4];
-            ldmatrix_x4_trans(v_base + soff(key, (16 * j + 8 * (lane / 16)) * 2), b);
+            ldmatrix_x4_trans(v_base + key * SROW + (16 * j + 8 * (lane / 16)) * 2, b);
             mma16816<MT>(acc[2 * j], pa, b[0], b[1]);
             mma16816<MT>(acc[2 * j + 1], pa, b[2], b[3]);
           }
@@ -636,9 +598,9 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
     float* s_acc = reinterpret_cast<float*>(stages);
     float* s_m = s_acc + kWarps * 16 * HD;
     float* s_l = s_m + kWarps * 16;
-    static_assert(smem_bytes<CT, HD, STAGES, KT, SWZ>() - kTable * 4 >= (kWarps * 16 * HD + 2 * kWarps * 16) * 4,
+    static_assert(smem_bytes<CT, HD, STAGES, KT>() - kTable * 4 >= (kWarps * 16 * HD + 2 * kWarps * 16) * 4,
                   "merge space");
-    static_assert(smem_bytes<CT, HD, STAGES, KT, SWZ>() - kTable * 4 >= merge::kScratchFloats * 4, "split merge space");
+    static_assert(smem_bytes<CT, HD, STAGES, KT>() - kTable * 4 >= merge::kScratchFloats * 4, "split merge space");
     __syncthreads();
 #pragma unroll
     for (int n = 0; n < NT; ++n) {
@@ -735,24 +697,11 @@ int env_int(const char* name, int fallback) {
   return v != nullptr && *v != '\0' ? std::atoi(v) : fallback;
 }
 
-template <typename T, typename CT, int HD, bool DECODE, int STAGES, bool FASTCVT, int KT = kTileKeys,
-          bool SWZ = false>
+template <typename T, typename CT, int HD, bool DECODE, int STAGES, bool FASTCVT, int KT = kTileKeys>
 int launch_variant(const PagedAttentionParams& p, cudaStream_t stream, int flags = 0) {
-  // (decode CTAs merge their warps in the stages' space: swizzled where that still fits)
-  constexpr bool kSwizzleFits =
-      !DECODE || smem_bytes<CT, HD, STAGES, KT, true>() - kTable * 4 >= (kDecodeWarps * 16 * HD + 2 * kDecodeWarps * 16) * 4;
-  if constexpr (!SWZ && can_swizzle<CT, HD>() && kSwizzleFits) {
-    // PAGEDCORE_ATTN_SWIZZLE=0 (read per launch; issue 13 variants): padded rows instead.
-    if (env_int("PAGEDCORE_ATTN_SWIZZLE", 0) != 0) {
-      return launch_variant<T, CT, HD, DECODE, STAGES, FASTCVT, KT, true>(p, stream, flags);
-    }
-  }
-  // PAGEDCORE_ATTN_ZFILL=1 (read per launch; issue 13 variants): the zero-filling copies.
-  if (env_int("PAGEDCORE_ATTN_ZFILL", 0) != 0) flags |= kZfillCopy;
-  if (env_int("PAGEDCORE_ATTN_L2HINT", 0) != 0) flags |= kL2Hint;
-  constexpr size_t smem = smem_bytes<CT, HD, STAGES, KT, SWZ>();
+  constexpr size_t smem = smem_bytes<CT, HD, STAGES, KT>();
   constexpr int threads = DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarps;
-  auto* kernel = mma_attention_kernel<T, CT, HD, DECODE, STAGES, FASTCVT, KT, SWZ>;
+  auto* kernel = mma_attention_kernel<T, CT, HD, DECODE, STAGES, FASTCVT, KT>;
   static bool configured = false;  // NOTE: per instantiation; raising the limit is idempotent
   if (!configured) {
     const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));

@@ -155,11 +155,7 @@ def test_decode_rows_shorter_than_the_graph_plan(monkeypatch, dtype, window, fp8
     {"PAGEDCORE_DECODE_EARLY_META": "1", "PAGEDCORE_DECODE_DEEP_CTAS": "100000"},
     {"PAGEDCORE_DECODE_EARLY_META": "2"},
     {"PAGEDCORE_DECODE_ONE_WAVE": "0"},
-    {"PAGEDCORE_ATTN_SWIZZLE": "1"},
-    {"PAGEDCORE_ATTN_ZFILL": "1"},
-    {"PAGEDCORE_ATTN_L2HINT": "1", "PAGEDCORE_ATTN_SWIZZLE": "1"},
-], ids=["shallow", "deep", "fp8-cvt", "early-off-narrow-fp8", "early-meta-fp8-deep", "early-l2", "two-an-sm",
-        "swizzled", "zfill", "l2-hint-swizzled"])
+], ids=["shallow", "deep", "fp8-cvt", "early-off-narrow-fp8", "early-meta-fp8-deep", "early-l2", "two-an-sm"])
 def test_decode_kernel_variants(monkeypatch, env):
     # The decode kernel's pipelines (three tiles in flight, or five for launches of few
     # CTAs), fp8 widenings (integer operations, or the cvt unit), the lengths and first
@@ -170,9 +166,7 @@ def test_decode_kernel_variants(monkeypatch, env):
     # (metadata after the wait, 64-key fp8 tiles), "early-meta-fp8-deep": early metadata
     # over fp8 and in the deep pipeline; "two-an-sm": decode key splits planned for two
     # CTAs an SM throughout (the default plans one wave of one CTA an SM where that fills
-    # the GPU, so the split launches of few rows are deep); "swizzled": staged K/V rows
-    # swizzled instead of padded by 16 bytes; "zfill": rows copied by cp.async's
-    # zero-filling form; "l2-hint-swizzled": the copies with the L2::128B hint.
+    # the GPU, so the split launches of few rows are deep).
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     lengths = [1, 17, 255, 256, 513, 1500, 4097, 9000]
