@@ -102,22 +102,29 @@ def flashinfer_decode(q, kc, vc, tables, ctx: int, block_size: int, layout: str 
     except ImportError:
         return None, "not installed (bench/fetch_peer_wheels.sh, carry .peers)"
     try:
-        batch, heads, hd = q.shape
-        per = tables.shape[1]
-        indptr = torch.arange(batch + 1, dtype=torch.int32, device="cuda") * per
-        indices = tables.reshape(-1).contiguous()
-        last = torch.full((batch,), ctx - (per - 1) * block_size, dtype=torch.int32, device="cuda")
-        ws = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
-        wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            ws, layout, use_cuda_graph=True, use_tensor_cores=True, paged_kv_indptr_buffer=indptr,
-            paged_kv_indices_buffer=indices, paged_kv_last_page_len_buffer=last)
-        kv_heads = kc.shape[2] if layout == "NHD" else kc.shape[1]
-        wrapper.plan(indptr, indices, last, heads, kv_heads, hd, block_size, q_data_type=q.dtype,
-                     kv_data_type=kc.dtype, sm_scale=hd**-0.5)
+        wrapper = flashinfer_wrapper(flashinfer, q, kc, tables, ctx, block_size, layout)
         out = wrapper.run(q, (kc, vc))
         return time_graph(lambda: wrapper.run(q, (kc, vc))), out
     except Exception as exc:  # a peer that fails is reported, not fatal
         return None, f"{type(exc).__name__}: {str(exc)[:200]}"
+
+
+def flashinfer_wrapper(flashinfer, q, kc, tables, ctx: int, block_size: int, layout: str = "NHD"):
+    """FlashInfer's tensor-core paged decode planned for `q` over the cache `kc`'s
+    layout (every row `ctx` keys): the wrapper, whose run(q, (kc, vc)) decodes."""
+    batch, heads, hd = q.shape
+    per = tables.shape[1]
+    indptr = torch.arange(batch + 1, dtype=torch.int32, device="cuda") * per
+    indices = tables.reshape(-1).contiguous()
+    last = torch.full((batch,), ctx - (per - 1) * block_size, dtype=torch.int32, device="cuda")
+    ws = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
+    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+        ws, layout, use_cuda_graph=True, use_tensor_cores=True, paged_kv_indptr_buffer=indptr,
+        paged_kv_indices_buffer=indices, paged_kv_last_page_len_buffer=last)
+    kv_heads = kc.shape[2] if layout == "NHD" else kc.shape[1]
+    wrapper.plan(indptr, indices, last, heads, kv_heads, hd, block_size, q_data_type=q.dtype,
+                 kv_data_type=kc.dtype, sm_scale=hd**-0.5)
+    return wrapper
 
 
 def decode_case(batch: int, ctx: int, heads: int, kv_heads: int, head_dim: int, block_size: int,

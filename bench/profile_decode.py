@@ -3,7 +3,16 @@
 each through pagedcore.ops, for Nsight Compute to profile one launch of each. Each case
 prints its name first, so that the report's kernels (in launch order) can be told apart.
 
-Usage: ncu --kernel-name regex:"mma_attention|linear" python3 bench/profile_decode.py [--linear]
+With --peers, B=64 L=4k also runs through SDPA on the same keys gathered contiguously
+(cuDNN's kernel on the H200) and FlashInfer's tensor-core decode on the same paged cache,
+when flashinfer is installed: the kernels our decode kernel is measured against.
+
+Usage: ncu --kernel-name regex:"mma_attention|linear|flash" python3 bench/profile_decode.py [--linear] [--peers]
+
+What the fifteenth session looked at (bench/RESULTS.md): --clock-control none --metrics
+gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,
+lts__t_sectors_srcunit_tex_op_read.sum,lts__t_requests_srcunit_tex_op_read.sum,
+lts__t_sector_hit_rate.pct (L2 sectors asked for against the 33.55M that B=64 L=4k needs).
 """
 
 from __future__ import annotations
@@ -11,9 +20,11 @@ from __future__ import annotations
 import sys
 
 import torch
+import torch.nn.functional as F
 
 from pagedcore import ops
 
+from bench_kernels_gpu import flashinfer_wrapper
 from decode_variants import build, picked
 
 # (name, batch, keys, heads, kv heads, head dim, fp8, graph plan length or 0)
@@ -47,6 +58,28 @@ def linear16() -> None:
         torch.cuda.synchronize()
 
 
+def peers(batch=64, ctx=4096, heads=32, kv_heads=8, hd=128, bs=16) -> None:
+    """SDPA on the keys gathered contiguously, then FlashInfer on the paged cache, twice each."""
+    q, kc, vc, tables, _, _, _ = build(batch, ctx, heads, kv_heads, hd, False, 0, bs)
+    idx, per = tables.long(), tables.shape[1]
+    k = kc[idx].view(batch, per * bs, kv_heads, hd)[:, :ctx].transpose(1, 2).contiguous()
+    v = vc[idx].view(batch, per * bs, kv_heads, hd)[:, :ctx].transpose(1, 2).contiguous()
+    print(f"case SDPA contiguous B={batch} L={ctx}", flush=True)
+    for _ in range(2):
+        F.scaled_dot_product_attention(q.view(batch, heads, 1, hd), k, v, enable_gqa=True, scale=hd**-0.5)
+    torch.cuda.synchronize()
+    try:
+        import flashinfer
+    except ImportError:
+        print("FlashInfer: not installed (bench/fetch_peer_wheels.sh, carry .peers)", flush=True)
+        return
+    wrapper = flashinfer_wrapper(flashinfer, q, kc, tables, ctx, bs)
+    print(f"case FlashInfer NHD B={batch} L={ctx}", flush=True)
+    for _ in range(2):
+        wrapper.run(q, (kc, vc))
+    torch.cuda.synchronize()
+
+
 def main() -> None:
     torch.manual_seed(0)
     with ops.unchecked_indices():
@@ -54,6 +87,8 @@ def main() -> None:
             decode(*case)
         if "--linear" in sys.argv[1:]:
             linear16()
+    if "--peers" in sys.argv[1:]:
+        peers()
 
 
 if __name__ == "__main__":
