@@ -13,6 +13,8 @@ with its error against SDPA on the same keys gathered contiguously.
   PAGEDCORE_DECODE_ONE_WAVE   decode key splits planned for one CTA an SM where that fills
                               >= 80% of them, so that the launch is deep (1, default); two
                               CTAs an SM throughout (0)
+  PAGEDCORE_ATTN_PAD          staged K/V rows padded by 16 bytes (default) or 32 (32; decode at
+                              head dim 64 and 128): each 32-byte sector lands whole
 
 After the table, FlashInfer's tensor-core decode on B=64 L=4k with the cache in its NHD
 layout (ours) and in HND (head-major blocks), when flashinfer is installed.
@@ -42,6 +44,7 @@ VARIANTS = (
     ("early + L2", {"PAGEDCORE_DECODE_EARLY_META": "2"}),
     ("fp8 narrow", {"PAGEDCORE_FP8_WIDE_TILES": "0"}),
     ("two an SM", {"PAGEDCORE_DECODE_ONE_WAVE": "0"}),
+    ("pad 32", {"PAGEDCORE_ATTN_PAD": "32"}),
 )
 # (name, batch, keys, heads, kv heads, head dim, fp8, graph plan length or 0)
 CASES = (

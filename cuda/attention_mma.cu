@@ -65,14 +65,20 @@ __host__ __device__ constexpr int deep_stages() {
   return HD <= 128 ? 5 : 3;
 }
 
-template <typename CT, int HD>
+// PAD: bytes after each staged row. 16: ldmatrix rows land on distinct banks,
+// but every odd row's 32-byte sectors straddle two 32-byte units of shared
+// memory (ncu: L2 asked for 1.5x the sectors). 32 (an experiment, issue 13):
+// sectors land whole; an x4 ldmatrix's 32 rows still spread over the banks
+// evenly (4 wavefronts). (Two CTAs of three 64-key bf16 tiles at head dim 128
+// still fit an SM: 2 x 113 KB; fp8's 128-key tiles no longer do.)
+template <typename CT, int HD, int PAD = 16>
 __host__ __device__ constexpr int staged_row_bytes() {
-  return HD * static_cast<int>(sizeof(CT)) + 16;  // +16: ldmatrix rows land on distinct banks
+  return HD * static_cast<int>(sizeof(CT)) + PAD;
 }
 
-template <typename CT, int HD, int STAGES, int KT = kTileKeys>
+template <typename CT, int HD, int STAGES, int KT = kTileKeys, int PAD = 16>
 __host__ __device__ constexpr size_t smem_bytes() {
-  size_t bytes = kTable * 4 + static_cast<size_t>(STAGES) * 2 * KT * staged_row_bytes<CT, HD>();
+  size_t bytes = kTable * 4 + static_cast<size_t>(STAGES) * 2 * KT * staged_row_bytes<CT, HD, PAD>();
   return bytes;
 }
 
@@ -193,7 +199,7 @@ __device__ __forceinline__ void ldmatrix_x2_trans(uint32_t addr, uint32_t (&r)[2
 // STAGES: tiles in flight (num_stages or, for small decode launches,
 // deep_stages); FASTCVT: fp8 widened by fp8x2_to_half2_scaled; KT: keys per
 // tile (fp8 decode: 128 where not deep). flags: kEarlyMeta, kEarlyPrefetch (decode only).
-template <typename T, typename CT, int HD, bool DECODE, int STAGES, bool FASTCVT, int KT = kTileKeys>
+template <typename T, typename CT, int HD, bool DECODE, int STAGES, bool FASTCVT, int KT = kTileKeys, int PAD = 16>
 __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarps)
     mma_attention_kernel(PagedAttentionParams p, int flags) {
   constexpr int kWarps = DECODE ? kDecodeWarps : kPrefillWarps;
@@ -205,7 +211,7 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
   constexpr int kStages = STAGES;
   static_assert(!FASTCVT || FP8, "the fast conversion is fp8's");
   constexpr int CHUNKS = HD * static_cast<int>(sizeof(CT)) / 16;  // 16-byte pieces of a cache row
-  constexpr int SROW = staged_row_bytes<CT, HD>();
+  constexpr int SROW = staged_row_bytes<CT, HD, PAD>();
   constexpr int WK = DECODE ? KT / kWarps : KT;                      // keys per warp per tile
   constexpr int KSTEPS = HD / 16;
   constexpr int NT = HD / 8;   // output fragments (8 dims each)
@@ -598,9 +604,9 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
     float* s_acc = reinterpret_cast<float*>(stages);
     float* s_m = s_acc + kWarps * 16 * HD;
     float* s_l = s_m + kWarps * 16;
-    static_assert(smem_bytes<CT, HD, STAGES, KT>() - kTable * 4 >= (kWarps * 16 * HD + 2 * kWarps * 16) * 4,
+    static_assert(smem_bytes<CT, HD, STAGES, KT, PAD>() - kTable * 4 >= (kWarps * 16 * HD + 2 * kWarps * 16) * 4,
                   "merge space");
-    static_assert(smem_bytes<CT, HD, STAGES, KT>() - kTable * 4 >= merge::kScratchFloats * 4, "split merge space");
+    static_assert(smem_bytes<CT, HD, STAGES, KT, PAD>() - kTable * 4 >= merge::kScratchFloats * 4, "split merge space");
     __syncthreads();
 #pragma unroll
     for (int n = 0; n < NT; ++n) {
@@ -697,11 +703,17 @@ int env_int(const char* name, int fallback) {
   return v != nullptr && *v != '\0' ? std::atoi(v) : fallback;
 }
 
-template <typename T, typename CT, int HD, bool DECODE, int STAGES, bool FASTCVT, int KT = kTileKeys>
+template <typename T, typename CT, int HD, bool DECODE, int STAGES, bool FASTCVT, int KT = kTileKeys, int PAD = 16>
 int launch_variant(const PagedAttentionParams& p, cudaStream_t stream, int flags = 0) {
-  constexpr size_t smem = smem_bytes<CT, HD, STAGES, KT>();
+  if constexpr (DECODE && PAD == 16 && (HD == 64 || HD == 128)) {
+    // PAGEDCORE_ATTN_PAD=32 (read per launch; issue 13 experiment): rows padded by 32 bytes.
+    if (env_int("PAGEDCORE_ATTN_PAD", 16) == 32) {
+      return launch_variant<T, CT, HD, DECODE, STAGES, FASTCVT, KT, 32>(p, stream, flags);
+    }
+  }
+  constexpr size_t smem = smem_bytes<CT, HD, STAGES, KT, PAD>();
   constexpr int threads = DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarps;
-  auto* kernel = mma_attention_kernel<T, CT, HD, DECODE, STAGES, FASTCVT, KT>;
+  auto* kernel = mma_attention_kernel<T, CT, HD, DECODE, STAGES, FASTCVT, KT, PAD>;
   static bool configured = false;  // NOTE: per instantiation; raising the limit is idempotent
   if (!configured) {
     const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
