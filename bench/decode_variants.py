@@ -13,8 +13,9 @@ with its error against SDPA on the same keys gathered contiguously.
   PAGEDCORE_DECODE_ONE_WAVE   decode key splits planned for one CTA an SM where that fills
                               >= 80% of them, so that the launch is deep (1, default); two
                               CTAs an SM throughout (0)
-  PAGEDCORE_ATTN_PAD          staged K/V rows padded by 16 bytes (default) or 32 (32; decode at
-                              head dim 64 and 128): each 32-byte sector lands whole
+  PAGEDCORE_ATTN_PAD          staged K/V rows padded by 16 bytes (default), by 32 (32), or
+                              swizzled (0) (decode at head dim 64 and 128): with 32 or 0 each
+                              32-byte sector of the cache lands whole in shared memory
 
 After the table, FlashInfer's tensor-core decode on B=64 L=4k with the cache in its NHD
 layout (ours) and in HND (head-major blocks), when flashinfer is installed.
@@ -45,6 +46,7 @@ VARIANTS = (
     ("fp8 narrow", {"PAGEDCORE_FP8_WIDE_TILES": "0"}),
     ("two an SM", {"PAGEDCORE_DECODE_ONE_WAVE": "0"}),
     ("pad 32", {"PAGEDCORE_ATTN_PAD": "32"}),
+    ("swizzled", {"PAGEDCORE_ATTN_PAD": "0"}),
 )
 # (name, batch, keys, heads, kv heads, head dim, fp8, graph plan length or 0)
 CASES = (

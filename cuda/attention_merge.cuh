@@ -130,19 +130,20 @@ __device__ void merge_splits(const PagedAttentionParams& p, int work, int kv_hea
 // resets the counter to 0 (so the buffer stays zero between launches).
 template <typename T, int HD, int THREADS, bool DECODE>
 __device__ void count_and_merge(const PagedAttentionParams& p, int work, int kv_head, float* s_w) {
-  __shared__ bool s_last;
+  // (no static shared variable for the verdict: it would shift the kernels'
+  // dynamic shared memory, whose layouts assume a 128-byte aligned base)
   const int splits = DECODE ? decode_active_splits(p, decode_keys(p, DECODE ? p.decode_seq[work] : 0)) : p.num_splits;
   int32_t* counter = (DECODE ? p.decode_split_counters : p.split_counters) +
                      static_cast<int64_t>(work) * p.num_kv_heads + kv_head;
   __threadfence();  // this CTA's partials are visible before it is counted
   __syncthreads();
+  bool last = false;
   if (threadIdx.x == 0) {
     const int before = atomicAdd(counter, 1);
-    s_last = before == splits - 1;
-    if (s_last) *counter = 0;
+    last = before == splits - 1;
+    if (last) *counter = 0;
   }
-  __syncthreads();
-  if (!s_last) return;
+  if (__syncthreads_or(last) == 0) return;
   __threadfence();
   merge_splits<T, HD, THREADS, DECODE>(p, work, kv_head, s_w);
 }

@@ -65,15 +65,32 @@ __host__ __device__ constexpr int deep_stages() {
   return HD <= 128 ? 5 : 3;
 }
 
-// PAD: bytes after each staged row. 16: ldmatrix rows land on distinct banks,
-// but every odd row's 32-byte sectors straddle two 32-byte units of shared
-// memory (ncu: L2 asked for 1.5x the sectors). 32 (an experiment, issue 13):
-// sectors land whole; an x4 ldmatrix's 32 rows still spread over the banks
-// evenly (4 wavefronts). (Two CTAs of three 64-key bf16 tiles at head dim 128
-// still fit an SM: 2 x 113 KB; fp8's 128-key tiles no longer do.)
+// PAD: how a staged K/V row is laid out. 16: padded by 16 bytes, so that
+// ldmatrix rows land on distinct banks; but every odd row's 32-byte sectors
+// straddle two 32-byte units of shared memory, and L2 is asked for them twice
+// (ncu: 1.5x the sectors). 32 (an experiment, issue 13): padded by 32 bytes,
+// sectors land whole, an ldmatrix phase's 8 rows meet 2-way bank conflicts. 0:
+// swizzled instead of padded (chunk c of row r at c ^ (r % 8) within its eight
+// chunks; rows whose chunks come in eights): sectors land whole in their
+// 32-byte unit and ldmatrix rows on distinct banks.
+template <typename CT, int HD>
+__host__ __device__ constexpr bool can_swizzle() {
+  return (HD * static_cast<int>(sizeof(CT)) / 16) % 8 == 0;
+}
+
 template <typename CT, int HD, int PAD = 16>
 __host__ __device__ constexpr int staged_row_bytes() {
   return HD * static_cast<int>(sizeof(CT)) + PAD;
+}
+
+// Byte b of staged row r in a stage of rows `srow` bytes apart.
+template <int PAD>
+__device__ __forceinline__ int staged_offset(int r, int b, int srow) {
+  if constexpr (PAD == 0) {
+    return r * srow + ((((b >> 4) ^ r) & 7) | ((b >> 4) & ~7)) * 16 + (b & 15);
+  } else {
+    return r * srow + b;
+  }
 }
 
 template <typename CT, int HD, int STAGES, int KT = kTileKeys, int PAD = 16>
@@ -212,13 +229,18 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
   static_assert(!FASTCVT || FP8, "the fast conversion is fp8's");
   constexpr int CHUNKS = HD * static_cast<int>(sizeof(CT)) / 16;  // 16-byte pieces of a cache row
   constexpr int SROW = staged_row_bytes<CT, HD, PAD>();
+  static_assert(PAD != 0 || can_swizzle<CT, HD>(), "swizzled rows hold whole eights of chunks");
+  auto soff = [](int r, int b) { return staged_offset<PAD>(r, b, SROW); };
   constexpr int WK = DECODE ? KT / kWarps : KT;                      // keys per warp per tile
   constexpr int KSTEPS = HD / 16;
   constexpr int NT = HD / 8;   // output fragments (8 dims each)
   constexpr int SUB = WK < 32 ? WK : 32;  // keys per compute pass
   constexpr int ST = SUB / 8;  // score fragments (8 keys each)
   static_assert(HD % 16 == 0 && SUB % 16 == 0 && WK % SUB == 0, "tile shape");
-  extern __shared__ __align__(16) unsigned char smem[];
+  // NOTE: 128-byte aligned, so that staged rows' 32-byte sectors and swizzled
+  // 128-byte lines sit where the layout puts them (a 16-byte aligned base after
+  // any static shared variable shifted every row by 16 bytes).
+  extern __shared__ __align__(128) unsigned char smem[];
   int32_t* s_table = reinterpret_cast<int32_t*>(smem);
   unsigned char* stages = smem + kTable * 4;
   const bool early = DECODE && (flags & kEarlyMeta) != 0;
@@ -383,14 +405,14 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
         }
         const CT* kp = key_base + off;
         const CT* vp = value_base + off;
-        const uint32_t kdst = smem_addr(ks + j * SROW);
-        const uint32_t vdst = smem_addr(vs + j * SROW);
+        const uint32_t kdst = smem_addr(ks);
+        const uint32_t vdst = smem_addr(vs);
 #pragma unroll
         for (int k = 0; k < PER; ++k) {
           const int c = threadIdx.x % TPR + TPR * k;
           if (CHUNKS % TPR == 0 || c < CHUNKS) {
-            cp_async16(kdst + c * 16, kp + c * (16 / sizeof(CT)), valid);
-            cp_async16(vdst + c * 16, vp + c * (16 / sizeof(CT)), valid);
+            cp_async16(kdst + soff(j, c * 16), kp + c * (16 / sizeof(CT)), valid);
+            cp_async16(vdst + soff(j, c * 16), vp + c * (16 / sizeof(CT)), valid);
           }
         }
       }
@@ -432,10 +454,10 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
         for (int n = 0; n < ST; ++n) {
           const int key = wk + 8 * n + (lane % 8);
           if constexpr (FP8) {
-            const unsigned char* krow = ks + (wk + 8 * n + lane / 4) * SROW + 4 * qd;
+            const int krow = wk + 8 * n + lane / 4;
 #pragma unroll
             for (int s = 0; s < KSTEPS; ++s) {
-              const uint32_t w = *reinterpret_cast<const uint32_t*>(krow + 16 * s);
+              const uint32_t w = *reinterpret_cast<const uint32_t*>(ks + soff(krow, 16 * s + 4 * qd));
               const uint32_t b0 = FASTCVT ? fp8x2_to_half2_scaled(w, 0x1404) : fp8x2_to_half2(w);
               const uint32_t b1 = FASTCVT ? fp8x2_to_half2_scaled(w, 0x3424) : fp8x2_to_half2(w >> 16);
               mma16816<MT>(SPLIT_K && (s % 2) ? sc2[SPLIT_K ? n : 0] : sc[n], qf[s], b0, b1);
@@ -446,12 +468,12 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
           for (int s = 0; s < KSTEPS; s += 2) {
             if (s + 1 < KSTEPS) {
               uint32_t b[4];
-              ldmatrix_x4(k_base + key * SROW + (16 * s + 8 * (lane / 8)) * 2, b);
+              ldmatrix_x4(k_base + soff(key, (16 * s + 8 * (lane / 8)) * 2), b);
               mma16816<MT>(sc[n], qf[s], b[0], b[1]);
               mma16816<MT>(SPLIT_K ? sc2[SPLIT_K ? n : 0] : sc[n], qf[s + 1], b[2], b[3]);
             } else {
               uint32_t b[2];
-              ldmatrix_x2(k_base + key * SROW + (16 * s + 8 * ((lane / 8) % 2)) * 2, b);
+              ldmatrix_x2(k_base + soff(key, (16 * s + 8 * ((lane / 8) % 2)) * 2), b);
               mma16816<MT>(sc[n], qf[s], b[0], b[1]);
             }
           }
@@ -556,7 +578,7 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
 #pragma unroll
             for (int j = 0; j < HD / 32; ++j) {
               uint32_t b[4];
-              ldmatrix_x4_trans(v_base + key * SROW + 32 * j + 16 * (lane / 16), b);
+              ldmatrix_x4_trans(v_base + soff(key, 32 * j + 16 * (lane / 16)), b);
 #pragma unroll
               for (int h = 0; h < 2; ++h) {
                 const uint32_t lo = b[2 * h], hi = b[2 * h + 1];
@@ -567,7 +589,7 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
             if constexpr (HD % 32 != 0) {
               constexpr int j = HD / 32;
               uint32_t b[2];
-              ldmatrix_x2_trans(v_base + key * SROW + 32 * j, b);
+              ldmatrix_x2_trans(v_base + soff(key, 32 * j), b);
               mma16816<MT>(acc[4 * j], pa, even_dims(b[0]), even_dims(b[1]));
               mma16816<MT>(acc[4 * j + 1], pa, odd_dims(b[0]), odd_dims(b[1]));
             }
@@ -576,7 +598,7 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
 #pragma unroll
           for (int j = 0; j < NT / 2; ++j) {
             uint32_t b[4];
-            ldmatrix_x4_trans(v_base + key * SROW + (16 * j + 8 * (lane / 16)) * 2, b);
+            ldmatrix_x4_trans(v_base + soff(key, (16 * j + 8 * (lane / 16)) * 2), b);
             mma16816<MT>(acc[2 * j], pa, b[0], b[1]);
             mma16816<MT>(acc[2 * j + 1], pa, b[2], b[3]);
           }
@@ -706,9 +728,15 @@ int env_int(const char* name, int fallback) {
 template <typename T, typename CT, int HD, bool DECODE, int STAGES, bool FASTCVT, int KT = kTileKeys, int PAD = 16>
 int launch_variant(const PagedAttentionParams& p, cudaStream_t stream, int flags = 0) {
   if constexpr (DECODE && PAD == 16 && (HD == 64 || HD == 128)) {
-    // PAGEDCORE_ATTN_PAD=32 (read per launch; issue 13 experiment): rows padded by 32 bytes.
-    if (env_int("PAGEDCORE_ATTN_PAD", 16) == 32) {
-      return launch_variant<T, CT, HD, DECODE, STAGES, FASTCVT, KT, 32>(p, stream, flags);
+    // PAGEDCORE_ATTN_PAD=32 or 0 (read per launch; issue 13 experiment): rows
+    // padded by 32 bytes, or swizzled (where the warps' merge still fits).
+    const int pad = env_int("PAGEDCORE_ATTN_PAD", 16);
+    if (pad == 32) return launch_variant<T, CT, HD, DECODE, STAGES, FASTCVT, KT, 32>(p, stream, flags);
+    constexpr bool kSwizzleFits =
+        can_swizzle<CT, HD>() &&
+        smem_bytes<CT, HD, STAGES, KT, 0>() - kTable * 4 >= (kDecodeWarps * 16 * HD + 2 * kDecodeWarps * 16) * 4;
+    if constexpr (kSwizzleFits) {
+      if (pad == 0) return launch_variant<T, CT, HD, DECODE, STAGES, FASTCVT, KT, 0>(p, stream, flags);
     }
   }
   constexpr size_t smem = smem_bytes<CT, HD, STAGES, KT, PAD>();
