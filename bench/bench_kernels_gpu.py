@@ -49,6 +49,11 @@ def time_eager(fn, iters: int = 5, repeats: int = 7) -> float:
 
 def time_graph(fn, iters: int = 20, repeats: int = 7) -> float:
     """Median microseconds of one call, replaying a CUDA graph of `iters` calls."""
+    return statistics.median(replay_us(graph_of(fn, iters), iters, repeats))
+
+
+def graph_of(fn, iters: int = 20) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of `iters` calls of `fn` (after three warm-up calls), replayed once."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -61,6 +66,11 @@ def time_graph(fn, iters: int = 20, repeats: int = 7) -> float:
             fn()
     graph.replay()
     torch.cuda.synchronize()
+    return graph
+
+
+def replay_us(graph: torch.cuda.CUDAGraph, iters: int, repeats: int = 7) -> list[float]:
+    """Microseconds of one call in each of `repeats` replays of a graph of `iters` calls."""
     times = []
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -69,7 +79,7 @@ def time_graph(fn, iters: int = 20, repeats: int = 7) -> float:
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) * 1000 / iters)
-    return statistics.median(times)
+    return times
 
 
 def time_host(fn, repeats: int = 5) -> float:

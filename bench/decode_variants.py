@@ -13,9 +13,9 @@ with its error against SDPA on the same keys gathered contiguously.
   PAGEDCORE_DECODE_ONE_WAVE   decode key splits planned for one CTA an SM where that fills
                               >= 80% of them, so that the launch is deep (1, default); two
                               CTAs an SM throughout (0)
-  PAGEDCORE_ATTN_PAD          staged K/V rows padded by 16 bytes (default), by 32 (32), or
-                              swizzled (0) (decode at head dim 64 and 128): with 32 or 0 each
-                              32-byte sector of the cache lands whole in shared memory
+  PAGEDCORE_ATTN_PAD          staged K/V rows swizzled (0, default: each 32-byte sector of the
+                              cache lands whole in shared memory) or padded by 16 bytes (16)
+                              (decode at head dim 64 and 128)
 
 After the table, FlashInfer's tensor-core decode on B=64 L=4k with the cache in its NHD
 layout (ours) and in HND (head-major blocks), when flashinfer is installed.
@@ -27,6 +27,7 @@ Usage: [DECODE_CASES=name,...] [DECODE_VARIANTS=name,...] python3 bench/decode_v
 from __future__ import annotations
 
 import os
+import statistics
 
 import numpy as np
 import torch
@@ -34,7 +35,7 @@ import torch.nn.functional as F
 
 from pagedcore import ops
 
-from bench_kernels_gpu import flashinfer_decode, time_graph
+from bench_kernels_gpu import flashinfer_decode, graph_of, replay_us
 
 VARIANTS = (
     ("default", {}),
@@ -45,8 +46,7 @@ VARIANTS = (
     ("early + L2", {"PAGEDCORE_DECODE_EARLY_META": "2"}),
     ("fp8 narrow", {"PAGEDCORE_FP8_WIDE_TILES": "0"}),
     ("two an SM", {"PAGEDCORE_DECODE_ONE_WAVE": "0"}),
-    ("pad 32", {"PAGEDCORE_ATTN_PAD": "32"}),
-    ("swizzled", {"PAGEDCORE_ATTN_PAD": "0"}),
+    ("padded", {"PAGEDCORE_ATTN_PAD": "16"}),
 )
 # (name, batch, keys, heads, kv heads, head dim, fp8, graph plan length or 0)
 CASES = (
@@ -71,8 +71,9 @@ CASES = (
 
 def build(batch, ctx, heads, kv_heads, hd, fp8, plan_len, bs=16):
     """One decode step's tensors on the GPU: (q, kc, vc, tables, lens, qsl, plan); one
-    query a row, every row `ctx` keys in shuffled blocks, the plan the step's own or, with
-    `plan_len`, the decode graphs' (splits for rows up to plan_len)."""
+    query a row, every row `ctx` keys in shuffled blocks, the plan (made under the current
+    settings) the step's own or, with `plan_len`, the decode graphs' (splits for rows up
+    to plan_len)."""
     g = torch.Generator(device="cuda").manual_seed(0)
     per_seq = -(-ctx // bs)
     kc = torch.randn((batch * per_seq + 1, bs, kv_heads, hd), generator=g, device="cuda", dtype=torch.bfloat16)
@@ -81,15 +82,16 @@ def build(batch, ctx, heads, kv_heads, hd, fp8, plan_len, bs=16):
         kc, vc = kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn)
     tables = (torch.randperm(batch * per_seq, generator=g, device="cuda").to(torch.int32) + 1).view(batch, per_seq)
     q = torch.randn((batch, heads, hd), generator=g, device="cuda", dtype=torch.bfloat16)
-    qsl_np = np.arange(batch + 1, dtype=np.int32)
-    if plan_len:
-        plan = ops.plan_decode(batch, kv_heads, torch.device("cuda"), plan_len)
-    else:
-        plan = ops.plan_attention(qsl_np, np.full(batch, ctx), heads, kv_heads, torch.device("cuda"), hd,
-                                  torch.bfloat16)
     lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
-    qsl = torch.from_numpy(qsl_np).cuda()
-    return q, kc, vc, tables, lens, qsl, plan
+    qsl = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
+    return q, kc, vc, tables, lens, qsl, plan_for(batch, ctx, heads, kv_heads, hd, plan_len)
+
+
+def plan_for(batch, ctx, heads, kv_heads, hd, plan_len):
+    if plan_len:
+        return ops.plan_decode(batch, kv_heads, torch.device("cuda"), plan_len)
+    return ops.plan_attention(np.arange(batch + 1, dtype=np.int32), np.full(batch, ctx), heads, kv_heads,
+                              torch.device("cuda"), hd, torch.bfloat16)
 
 
 def reference(q, kc, vc, tables, ctx):
@@ -103,11 +105,48 @@ def reference(q, kc, vc, tables, ctx):
     return F.scaled_dot_product_attention(q.float().view(batch, heads, 1, hd), k, v, enable_gqa=True, scale=hd**-0.5)
 
 
-def case(batch, ctx, heads, kv_heads, hd, fp8, plan_len, bs=16):
-    q, kc, vc, tables, lens, qsl, plan = build(batch, ctx, heads, kv_heads, hd, fp8, plan_len, bs)
+class Settings:
+    """The environment of one variant, set inside `with` (the kernels read it per launch)."""
+
+    def __init__(self, env):
+        self.env = env
+
+    def __enter__(self):
+        self.saved = {k: os.environ.get(k) for k in self.env}
+        os.environ.update(self.env)
+
+    def __exit__(self, *exc):
+        for k, val in self.saved.items():
+            os.environ.pop(k) if val is None else os.environ.__setitem__(k, val)
+
+
+ROUNDS = 5  # the variants' graphs replayed in turn, so that drift falls on all alike
+ITERS = 20  # calls per graph
+
+
+def time_variants(shape, variants):
+    """Per variant: (median us, rel err) on one set of tensors; each variant's plan and
+    graph made under its settings, then all graphs replayed in alternation."""
+    batch, ctx, heads, kv_heads, hd, fp8, plan_len = shape
+    q, kc, vc, tables, lens, qsl, _ = build(*shape)
     ref = reference(q, kc, vc, tables, ctx)
-    out = torch.empty_like(q)
-    return lambda: ops.paged_attention(q, kc, vc, tables, lens, qsl, scale=hd**-0.5, out=out, plan=plan), out, ref
+    graphs, errs = [], []
+    for _, env in variants:
+        with Settings(env):
+            plan = plan_for(batch, ctx, heads, kv_heads, hd, plan_len)
+            out = torch.empty_like(q)
+            fn = lambda plan=plan, out=out: ops.paged_attention(q, kc, vc, tables, lens, qsl, scale=hd**-0.5,  # noqa: E731
+                                                              out=out, plan=plan)
+            out.fill_(float("nan"))
+            fn()
+            torch.cuda.synchronize()
+            errs.append(((out.float().view_as(ref) - ref).norm() / ref.norm()).item())
+            graphs.append(graph_of(fn, ITERS))
+    samples = [[] for _ in variants]
+    for _ in range(ROUNDS):
+        for i, graph in enumerate(graphs):
+            samples[i] += replay_us(graph, ITERS, 3)
+    return [statistics.median(t) for t in samples], errs
 
 
 def picked(rows, env: str):
@@ -123,20 +162,7 @@ def main() -> None:
     print(f"{'case':<32}" + "".join(f"{name:>16}" for name, _ in VARIANTS) + "   (us; max rel err)")
     with ops.unchecked_indices():
         for name, *shape in CASES:
-            cells, errs = [], []
-            for _, env in VARIANTS:
-                saved = {k: os.environ.get(k) for k in env}
-                os.environ.update(env)
-                try:
-                    fn, out, ref = case(*shape)  # (planned under the variant's settings)
-                    out.fill_(float("nan"))
-                    fn()
-                    torch.cuda.synchronize()
-                    errs.append(((out.float().view_as(ref) - ref).norm() / ref.norm()).item())
-                    cells.append(time_graph(fn))
-                finally:
-                    for k, val in saved.items():
-                        os.environ.pop(k) if val is None else os.environ.__setitem__(k, val)
+            cells, errs = time_variants(shape, VARIANTS)
             print(f"{name:<32}" + "".join(f"{c:16.1f}" for c in cells) + f"   {max(errs):.1e}", flush=True)
     for layout in ("NHD", "HND"):
         print(f"FlashInfer B=64 L=4k {layout}: {flashinfer_peer(64, 4096, 32, 8, 128, layout)}", flush=True)

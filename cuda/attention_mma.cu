@@ -66,13 +66,13 @@ __host__ __device__ constexpr int deep_stages() {
 }
 
 // PAD: how a staged K/V row is laid out. 16: padded by 16 bytes, so that
-// ldmatrix rows land on distinct banks; but every odd row's 32-byte sectors
-// straddle two 32-byte units of shared memory, and L2 is asked for them twice
-// (ncu: 1.5x the sectors). 32 (an experiment, issue 13): padded by 32 bytes,
-// sectors land whole, an ldmatrix phase's 8 rows meet 2-way bank conflicts. 0:
-// swizzled instead of padded (chunk c of row r at c ^ (r % 8) within its eight
-// chunks; rows whose chunks come in eights): sectors land whole in their
-// 32-byte unit and ldmatrix rows on distinct banks.
+// ldmatrix rows land on distinct banks; but every other row's 32-byte sectors
+// straddle two 32-byte units of shared memory, and cp.async then asks L2 for
+// each of them twice (ncu: 1.5x the sectors of the rows read). 0: swizzled
+// instead (chunk c of row r at c ^ (r % 8) within its eight chunks; rows whose
+// chunks come in eights): each sector lands whole in one 32-byte unit and
+// ldmatrix rows on distinct banks. (Padding by 32 bytes also keeps sectors
+// whole but puts an ldmatrix phase's 8 rows on 4 bank groups: measured slower.)
 template <typename CT, int HD>
 __host__ __device__ constexpr bool can_swizzle() {
   return (HD * static_cast<int>(sizeof(CT)) / 16) % 8 == 0;
@@ -86,11 +86,7 @@ __host__ __device__ constexpr int staged_row_bytes() {
 // Byte b of staged row r in a stage of rows `srow` bytes apart.
 template <int PAD>
 __device__ __forceinline__ int staged_offset(int r, int b, int srow) {
-  if constexpr (PAD == 0) {
-    return r * srow + ((((b >> 4) ^ r) & 7) | ((b >> 4) & ~7)) * 16 + (b & 15);
-  } else {
-    return r * srow + b;
-  }
+  return r * srow + (PAD == 0 ? b ^ ((r & 7) << 4) : b);  // (the XOR moves b's chunk within its eight)
 }
 
 template <typename CT, int HD, int STAGES, int KT = kTileKeys, int PAD = 16>
@@ -370,6 +366,14 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
   const CT* key_base = key_cache + kv_head * HD;
   const CT* value_base = value_cache + kv_head * HD;
   const int wk0 = DECODE ? warp * WK : 0;  // the warp's first key within a tile
+  // The staged bytes a warp reads (ldmatrix rows, fp8 words): row rb + rl, byte
+  // bc + bl, where rb is a multiple of 8, rl and bl depend on the lane, bc is a
+  // compile-time offset whose bits are apart from bl's. The lane's part is
+  // computed once; each read adds (padded rows) or XORs (swizzled) bc to it.
+  auto lane_part = [](int rl, int bl) { return PAD == 0 ? rl * SROW + (bl ^ ((rl & 7) << 4)) : rl * SROW + bl; };
+  auto at = [](int rb, int lp, int bc) { return rb * SROW + (PAD == 0 ? lp ^ bc : lp + bc); };
+  const int k_lane = FP8 ? lane_part(lane / 4, 4 * qd) : lane_part(lane % 8, 16 * (lane / 8));
+  const int v_lane = lane_part(lane % 8 + 8 * ((lane / 8) % 2), 16 * (lane / 16));
 
   for (int c0 = s_lo; c0 < s_hi;) {
     const int b0 = c0 / bs;
@@ -388,7 +392,7 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
       constexpr int TPR = CHUNKS >= 8 ? 8 : (CHUNKS >= 4 ? 4 : (CHUNKS >= 2 ? 2 : 1));
       constexpr int PER = (CHUNKS + TPR - 1) / TPR;
       constexpr int ROWS = THREADS / TPR < KT ? THREADS / TPR : KT;  // key rows per pass
-      static_assert(KT % ROWS == 0, "copy shape");
+      static_assert(KT % ROWS == 0 && ROWS % 8 == 0, "copy shape");
       if (threadIdx.x >= ROWS * TPR) return;
       unsigned char* ks = stages + (t % kStages) * 2 * KT * SROW;
       unsigned char* vs = ks + KT * SROW;
@@ -407,12 +411,14 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
         const CT* vp = value_base + off;
         const uint32_t kdst = smem_addr(ks);
         const uint32_t vdst = smem_addr(vs);
+        const int copy_lane = lane_part(threadIdx.x / TPR % ROWS, 16 * (threadIdx.x % TPR));
 #pragma unroll
         for (int k = 0; k < PER; ++k) {
           const int c = threadIdx.x % TPR + TPR * k;
           if (CHUNKS % TPR == 0 || c < CHUNKS) {
-            cp_async16(kdst + soff(j, c * 16), kp + c * (16 / sizeof(CT)), valid);
-            cp_async16(vdst + soff(j, c * 16), vp + c * (16 / sizeof(CT)), valid);
+            const int d = at(pass * ROWS, copy_lane, 16 * TPR * k);  // byte c * 16 of staged row j
+            cp_async16(kdst + d, kp + c * (16 / sizeof(CT)), valid);
+            cp_async16(vdst + d, vp + c * (16 / sizeof(CT)), valid);
           }
         }
       }
@@ -454,10 +460,9 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
         for (int n = 0; n < ST; ++n) {
           const int key = wk + 8 * n + (lane % 8);
           if constexpr (FP8) {
-            const int krow = wk + 8 * n + lane / 4;
 #pragma unroll
             for (int s = 0; s < KSTEPS; ++s) {
-              const uint32_t w = *reinterpret_cast<const uint32_t*>(ks + soff(krow, 16 * s + 4 * qd));
+              const uint32_t w = *reinterpret_cast<const uint32_t*>(ks + at(wk + 8 * n, k_lane, 16 * s));
               const uint32_t b0 = FASTCVT ? fp8x2_to_half2_scaled(w, 0x1404) : fp8x2_to_half2(w);
               const uint32_t b1 = FASTCVT ? fp8x2_to_half2_scaled(w, 0x3424) : fp8x2_to_half2(w >> 16);
               mma16816<MT>(SPLIT_K && (s % 2) ? sc2[SPLIT_K ? n : 0] : sc[n], qf[s], b0, b1);
@@ -468,7 +473,7 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
           for (int s = 0; s < KSTEPS; s += 2) {
             if (s + 1 < KSTEPS) {
               uint32_t b[4];
-              ldmatrix_x4(k_base + soff(key, (16 * s + 8 * (lane / 8)) * 2), b);
+              ldmatrix_x4(k_base + at(wk + 8 * n, k_lane, 32 * s), b);  // (s even)
               mma16816<MT>(sc[n], qf[s], b[0], b[1]);
               mma16816<MT>(SPLIT_K ? sc2[SPLIT_K ? n : 0] : sc[n], qf[s + 1], b[2], b[3]);
             } else {
@@ -578,7 +583,7 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
 #pragma unroll
             for (int j = 0; j < HD / 32; ++j) {
               uint32_t b[4];
-              ldmatrix_x4_trans(v_base + soff(key, 32 * j + 16 * (lane / 16)), b);
+              ldmatrix_x4_trans(v_base + at(wk + 16 * kk, v_lane, 32 * j), b);
 #pragma unroll
               for (int h = 0; h < 2; ++h) {
                 const uint32_t lo = b[2 * h], hi = b[2 * h + 1];
@@ -598,7 +603,7 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
 #pragma unroll
           for (int j = 0; j < NT / 2; ++j) {
             uint32_t b[4];
-            ldmatrix_x4_trans(v_base + soff(key, (16 * j + 8 * (lane / 16)) * 2), b);
+            ldmatrix_x4_trans(v_base + at(wk + 16 * kk, v_lane, 32 * j), b);
             mma16816<MT>(acc[2 * j], pa, b[0], b[1]);
             mma16816<MT>(acc[2 * j + 1], pa, b[2], b[3]);
           }
@@ -728,15 +733,16 @@ int env_int(const char* name, int fallback) {
 template <typename T, typename CT, int HD, bool DECODE, int STAGES, bool FASTCVT, int KT = kTileKeys, int PAD = 16>
 int launch_variant(const PagedAttentionParams& p, cudaStream_t stream, int flags = 0) {
   if constexpr (DECODE && PAD == 16 && (HD == 64 || HD == 128)) {
-    // PAGEDCORE_ATTN_PAD=32 or 0 (read per launch; issue 13 experiment): rows
-    // padded by 32 bytes, or swizzled (where the warps' merge still fits).
-    const int pad = env_int("PAGEDCORE_ATTN_PAD", 16);
-    if (pad == 32) return launch_variant<T, CT, HD, DECODE, STAGES, FASTCVT, KT, 32>(p, stream, flags);
+    // Decode stages swizzled rows where they hold whole eights of chunks and the
+    // warps' merge still fits; PAGEDCORE_ATTN_PAD=16 (read per launch;
+    // benchmarks): padded rows instead.
     constexpr bool kSwizzleFits =
         can_swizzle<CT, HD>() &&
         smem_bytes<CT, HD, STAGES, KT, 0>() - kTable * 4 >= (kDecodeWarps * 16 * HD + 2 * kDecodeWarps * 16) * 4;
     if constexpr (kSwizzleFits) {
-      if (pad == 0) return launch_variant<T, CT, HD, DECODE, STAGES, FASTCVT, KT, 0>(p, stream, flags);
+      if (env_int("PAGEDCORE_ATTN_PAD", 0) == 0) {
+        return launch_variant<T, CT, HD, DECODE, STAGES, FASTCVT, KT, 0>(p, stream, flags);
+      }
     }
   }
   constexpr size_t smem = smem_bytes<CT, HD, STAGES, KT, PAD>();

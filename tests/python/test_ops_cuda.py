@@ -155,12 +155,10 @@ def test_decode_rows_shorter_than_the_graph_plan(monkeypatch, dtype, window, fp8
     {"PAGEDCORE_DECODE_EARLY_META": "1", "PAGEDCORE_DECODE_DEEP_CTAS": "100000"},
     {"PAGEDCORE_DECODE_EARLY_META": "2"},
     {"PAGEDCORE_DECODE_ONE_WAVE": "0"},
-    {"PAGEDCORE_ATTN_PAD": "32"},
-    {"PAGEDCORE_ATTN_PAD": "32", "PAGEDCORE_DECODE_DEEP_CTAS": "100000"},
-    {"PAGEDCORE_ATTN_PAD": "0"},
-    {"PAGEDCORE_ATTN_PAD": "0", "PAGEDCORE_DECODE_DEEP_CTAS": "100000"},
+    {"PAGEDCORE_ATTN_PAD": "16"},
+    {"PAGEDCORE_ATTN_PAD": "16", "PAGEDCORE_DECODE_DEEP_CTAS": "100000"},
 ], ids=["shallow", "deep", "fp8-cvt", "early-off-narrow-fp8", "early-meta-fp8-deep", "early-l2", "two-an-sm",
-        "pad-32", "pad-32-deep", "swizzled", "swizzled-deep"])
+        "padded", "padded-deep"])
 def test_decode_kernel_variants(monkeypatch, env):
     # The decode kernel's pipelines (three tiles in flight, or five for launches of few
     # CTAs), fp8 widenings (integer operations, or the cvt unit), the lengths and first
@@ -171,8 +169,8 @@ def test_decode_kernel_variants(monkeypatch, env):
     # (metadata after the wait, 64-key fp8 tiles), "early-meta-fp8-deep": early metadata
     # over fp8 and in the deep pipeline; "two-an-sm": decode key splits planned for two
     # CTAs an SM throughout (the default plans one wave of one CTA an SM where that fills
-    # the GPU, so the split launches of few rows are deep); "pad-32*": staged rows padded by
-    # 32 bytes instead of 16; "swizzled*": staged rows swizzled instead of padded.
+    # the GPU, so the split launches of few rows are deep); "padded*": staged rows padded
+    # by 16 bytes (the default swizzles them at head dim 64 and 128, 16-bit and fp8 d128).
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     lengths = [1, 17, 255, 256, 513, 1500, 4097, 9000]
