@@ -13,6 +13,8 @@ with its error against SDPA on the same keys gathered contiguously.
   PAGEDCORE_DECODE_ONE_WAVE   decode key splits planned for one CTA an SM where that fills
                               >= 80% of them, so that the launch is deep (1, default); two
                               CTAs an SM throughout (0)
+  PAGEDCORE_DECODE_BALANCE    launches of one to 1.5 CTAs an SM split in two, so that no SM
+                              runs two whole rows' CTAs (1; an experiment), or not split (0)
   PAGEDCORE_ATTN_PAD          staged K/V rows swizzled (0, default: each 32-byte sector of the
                               cache lands whole in shared memory) or padded by 16 bytes (16)
                               (decode at head dim 64 and 128)
@@ -47,6 +49,7 @@ VARIANTS = (
     ("fp8 narrow", {"PAGEDCORE_FP8_WIDE_TILES": "0"}),
     ("two an SM", {"PAGEDCORE_DECODE_ONE_WAVE": "0"}),
     ("padded", {"PAGEDCORE_ATTN_PAD": "16"}),
+    ("balanced", {"PAGEDCORE_DECODE_BALANCE": "1"}),
 )
 # (name, batch, keys, heads, kv heads, head dim, fp8, graph plan length or 0)
 CASES = (

@@ -120,6 +120,11 @@ def _decode_splits(blocks: int, longest: int, sms: int) -> int:
         per_sm = sms // blocks
         if blocks * per_sm >= 0.8 * sms:
             return int(max(1, min(per_sm, longest // _DECODE_SPLIT_KEYS, 64)))
+    if (os.environ.get("PAGEDCORE_DECODE_BALANCE", "0") != "0" and sms <= blocks <= 1.5 * sms
+            and longest >= 2 * _DECODE_SPLIT_KEYS):
+        # (experiment, issue 13) with one to 1.5 rows' CTAs an SM, some SMs run two
+        # where others run one; halves of rows put at most three halves on any SM.
+        return 2
     return _splits(blocks, longest, sms, _DECODE_SPLIT_KEYS)
 
 
