@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """The decode attention kernel's variants side by side (issue 13): each case timed (CUDA-graph
 replays, median us) under each setting of the environment switches the kernel reads at launch,
-with its error against SDPA on the same keys gathered contiguously.
+with its error against SDPA on the same keys gathered contiguously. The variants of a case
+share one set of tensors, and their graphs are replayed in turn, five rounds.
 
   PAGEDCORE_DECODE_DEEP_CTAS  decode launches of at most this many CTAs keep more tiles in
                               flight (default one per SM; 0: never, 100000: always)
@@ -14,10 +15,10 @@ with its error against SDPA on the same keys gathered contiguously.
                               >= 80% of them, so that the launch is deep (1, default); two
                               CTAs an SM throughout (0)
   PAGEDCORE_DECODE_BALANCE    launches of one to 1.5 CTAs an SM split in two, so that no SM
-                              runs two whole rows' CTAs (1; an experiment), or not split (0)
-  PAGEDCORE_ATTN_PAD          staged K/V rows swizzled (0, default: each 32-byte sector of the
-                              cache lands whole in shared memory) or padded by 16 bytes (16)
-                              (decode at head dim 64 and 128)
+                              runs two whole rows' CTAs (1, default), or not split (0)
+  PAGEDCORE_ATTN_PAD          staged K/V rows swizzled (0, default over 16-bit caches at head
+                              dim 128: each 32-byte sector of the cache lands whole in shared
+                              memory) or padded by 16 bytes (16, as elsewhere)
 
 After the table, FlashInfer's tensor-core decode on B=64 L=4k with the cache in its NHD
 layout (ours) and in HND (head-major blocks), when flashinfer is installed.
@@ -49,7 +50,7 @@ VARIANTS = (
     ("fp8 narrow", {"PAGEDCORE_FP8_WIDE_TILES": "0"}),
     ("two an SM", {"PAGEDCORE_DECODE_ONE_WAVE": "0"}),
     ("padded", {"PAGEDCORE_ATTN_PAD": "16"}),
-    ("balanced", {"PAGEDCORE_DECODE_BALANCE": "1"}),
+    ("unbalanced", {"PAGEDCORE_DECODE_BALANCE": "0"}),
 )
 # (name, batch, keys, heads, kv heads, head dim, fp8, graph plan length or 0)
 CASES = (
@@ -133,7 +134,7 @@ def time_variants(shape, variants):
     batch, ctx, heads, kv_heads, hd, fp8, plan_len = shape
     q, kc, vc, tables, lens, qsl, _ = build(*shape)
     ref = reference(q, kc, vc, tables, ctx)
-    graphs, errs = [], []
+    graphs, errs, calls = [], [], []  # (calls: each graph's plan and output stay alive while it replays)
     for _, env in variants:
         with Settings(env):
             plan = plan_for(batch, ctx, heads, kv_heads, hd, plan_len)
@@ -145,6 +146,7 @@ def time_variants(shape, variants):
             torch.cuda.synchronize()
             errs.append(((out.float().view_as(ref) - ref).norm() / ref.norm()).item())
             graphs.append(graph_of(fn, ITERS))
+            calls.append(fn)
     samples = [[] for _ in variants]
     for _ in range(ROUNDS):
         for i, graph in enumerate(graphs):

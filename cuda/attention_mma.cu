@@ -71,8 +71,11 @@ __host__ __device__ constexpr int deep_stages() {
 // each of them twice (ncu: 1.5x the sectors of the rows read). 0: swizzled
 // instead (chunk c of row r at c ^ (r % 8) within its eight chunks; rows whose
 // chunks come in eights): each sector lands whole in one 32-byte unit and
-// ldmatrix rows on distinct banks. (Padding by 32 bytes also keeps sectors
-// whole but puts an ldmatrix phase's 8 rows on 4 bank groups: measured slower.)
+// ldmatrix rows on distinct banks. Decode swizzles 16-bit rows at head dim 128
+// (H200, B=64 L=4k: 268 -> 249 us); at head dim 64 and over fp8, whose launches
+// are bound by instructions rather than bytes, it measured 1-8% slower.
+// (Padding by 32 bytes also keeps sectors whole but puts an ldmatrix phase's 8
+// rows on 4 bank groups: measured slower.)
 template <typename CT, int HD>
 __host__ __device__ constexpr bool can_swizzle() {
   return (HD * static_cast<int>(sizeof(CT)) / 16) % 8 == 0;
@@ -732,10 +735,10 @@ int env_int(const char* name, int fallback) {
 
 template <typename T, typename CT, int HD, bool DECODE, int STAGES, bool FASTCVT, int KT = kTileKeys, int PAD = 16>
 int launch_variant(const PagedAttentionParams& p, cudaStream_t stream, int flags = 0) {
-  if constexpr (DECODE && PAD == 16 && (HD == 64 || HD == 128)) {
-    // Decode stages swizzled rows where they hold whole eights of chunks and the
-    // warps' merge still fits; PAGEDCORE_ATTN_PAD=16 (read per launch;
-    // benchmarks): padded rows instead.
+  if constexpr (DECODE && PAD == 16 && HD == 128 && sizeof(CT) == 2) {
+    // Decode stages swizzled rows at head dim 128 over a 16-bit cache (the
+    // layouts: above can_swizzle); PAGEDCORE_ATTN_PAD=16 (read per launch;
+    // benchmarks): padded rows instead. (The warps' merge must fit the stages.)
     constexpr bool kSwizzleFits =
         can_swizzle<CT, HD>() &&
         smem_bytes<CT, HD, STAGES, KT, 0>() - kTable * 4 >= (kDecodeWarps * 16 * HD + 2 * kDecodeWarps * 16) * 4;

@@ -283,3 +283,18 @@ def test_decode_splits_plan_one_wave_where_it_fills_the_gpu(monkeypatch, blocks,
     assert planning._decode_splits(blocks, longest, 132) == expect
     monkeypatch.setenv("PAGEDCORE_DECODE_ONE_WAVE", "0")
     assert planning._decode_splits(blocks, longest, 132) == planning._splits(blocks, longest, 132, 256)
+
+
+@pytest.mark.parametrize("blocks, longest, expect", [
+    (192, 1024, 2),    # SmolLM2's B=64 (3 kv heads): 60 SMs would run two rows, 72 one
+    (132, 8192, 2),    # one CTA an SM exactly: halves, two an SM
+    (198, 8192, 2),    # 1.5 an SM: at most three halves on any SM
+    (199, 8192, 1),    # over 1.5: halves would put four on some SMs, no better than two rows
+    (192, 500, 1),     # under 512 keys: unsplit
+])
+def test_decode_splits_halve_launches_of_one_to_one_and_a_half_ctas_an_sm(monkeypatch, blocks, longest,
+                                                                          expect) -> None:
+    monkeypatch.delenv("PAGEDCORE_DECODE_BALANCE", raising=False)
+    assert planning._decode_splits(blocks, longest, 132) == expect
+    monkeypatch.setenv("PAGEDCORE_DECODE_BALANCE", "0")
+    assert planning._decode_splits(blocks, longest, 132) == 1

@@ -170,7 +170,7 @@ def test_decode_kernel_variants(monkeypatch, env):
     # over fp8 and in the deep pipeline; "two-an-sm": decode key splits planned for two
     # CTAs an SM throughout (the default plans one wave of one CTA an SM where that fills
     # the GPU, so the split launches of few rows are deep); "padded*": staged rows padded
-    # by 16 bytes (the default swizzles them at head dim 64 and 128, 16-bit and fp8 d128).
+    # by 16 bytes (the default swizzles them over 16-bit caches at head dim 128).
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     lengths = [1, 17, 255, 256, 513, 1500, 4097, 9000]
