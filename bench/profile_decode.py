@@ -7,7 +7,9 @@ With --peers, B=64 L=4k also runs through SDPA on the same keys gathered contigu
 (cuDNN's kernel on the H200) and FlashInfer's tensor-core decode on the same paged cache,
 when flashinfer is installed: the kernels our decode kernel is measured against.
 
-Usage: ncu --kernel-name regex:"mma_attention|linear|flash" python3 bench/profile_decode.py [--linear] [--peers]
+Usage: ncu --kernel-name regex:"mma_attention|linear|flash|Batch" python3 bench/profile_decode.py [--linear] [--peers]
+(ncu matches a kernel's base name: SDPA's cuDNN kernel holds "flash", FlashInfer's decode is
+BatchPrefillWithPagedKVCacheKernel.)
 
 What the fifteenth session looked at (bench/RESULTS.md): --clock-control none --metrics
 gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,
