@@ -137,6 +137,16 @@ def flashinfer_wrapper(flashinfer, q, kc, tables, ctx: int, block_size: int, lay
     return wrapper
 
 
+def contiguous_kv(kc, vc, tables, ctx: int, dtype: torch.dtype):
+    """The rows' first `ctx` keys and values of a paged cache [blocks, bs, kv heads, hd]
+    gathered through `tables` into contiguous [batch, kv heads, ctx, hd] tensors of `dtype`."""
+    batch, per = tables.shape
+    bs, kv_heads, hd = kc.shape[1:]
+    idx = tables.long()
+    return tuple(c[idx].view(batch, per * bs, kv_heads, hd)[:, :ctx].transpose(1, 2).to(dtype).contiguous()
+                 for c in (kc, vc))
+
+
 def decode_case(batch: int, ctx: int, heads: int, kv_heads: int, head_dim: int, block_size: int,
                 fp8: bool = False, graph_plan_len: int = 0, label: str = ""):
     dtype = torch.bfloat16
@@ -160,9 +170,7 @@ def decode_case(batch: int, ctx: int, heads: int, kv_heads: int, head_dim: int, 
     scale = head_dim**-0.5
     ours = time_graph(lambda: ops.paged_attention(q, kc, vc, tables, seq_lens, qsl, scale=scale, out=out, plan=plan))
     # Peer: SDPA over the same keys gathered contiguously (GQA expanded by enable_gqa).
-    idx = tables.long()
-    k = kc[idx].view(batch, blocks_per_seq * block_size, kv_heads, head_dim)[:, :ctx].transpose(1, 2).to(dtype).contiguous()
-    v = vc[idx].view(batch, blocks_per_seq * block_size, kv_heads, head_dim)[:, :ctx].transpose(1, 2).to(dtype).contiguous()
+    k, v = contiguous_kv(kc, vc, tables, ctx, dtype)
     qq = q.view(batch, heads, 1, head_dim)
     ref = F.scaled_dot_product_attention(qq, k, v, enable_gqa=True, scale=scale)
     err = (out.float().view_as(ref) - ref.float()).norm() / ref.float().norm()

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 from pagedcore import ops
 
-from bench_kernels_gpu import flashinfer_decode, graph_of, replay_us
+from bench_kernels_gpu import contiguous_kv, flashinfer_decode, graph_of, replay_us
 
 VARIANTS = (
     ("default", {}),
@@ -101,11 +101,7 @@ def plan_for(batch, ctx, heads, kv_heads, hd, plan_len):
 def reference(q, kc, vc, tables, ctx):
     """SDPA in float32 over the rows' keys gathered contiguously: [batch, heads, 1, hd]."""
     batch, heads, hd = q.shape
-    bs, kv_heads = kc.shape[1], kc.shape[2]
-    per_seq = tables.shape[1]
-    idx = tables.long()
-    k = kc[idx].view(batch, per_seq * bs, kv_heads, hd)[:, :ctx].transpose(1, 2).to(torch.float32)
-    v = vc[idx].view(batch, per_seq * bs, kv_heads, hd)[:, :ctx].transpose(1, 2).to(torch.float32)
+    k, v = contiguous_kv(kc, vc, tables, ctx, torch.float32)
     return F.scaled_dot_product_attention(q.float().view(batch, heads, 1, hd), k, v, enable_gqa=True, scale=hd**-0.5)
 
 

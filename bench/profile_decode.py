@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from pagedcore import ops
 
-from bench_kernels_gpu import flashinfer_wrapper
+from bench_kernels_gpu import contiguous_kv, flashinfer_wrapper
 from decode_variants import build, picked
 
 # (name, batch, keys, heads, kv heads, head dim, fp8, graph plan length or 0)
@@ -63,9 +63,7 @@ def linear16() -> None:
 def peers(batch=64, ctx=4096, heads=32, kv_heads=8, hd=128, bs=16) -> None:
     """SDPA on the keys gathered contiguously, then FlashInfer on the paged cache, twice each."""
     q, kc, vc, tables, _, _, _ = build(batch, ctx, heads, kv_heads, hd, False, 0, bs)
-    idx, per = tables.long(), tables.shape[1]
-    k = kc[idx].view(batch, per * bs, kv_heads, hd)[:, :ctx].transpose(1, 2).contiguous()
-    v = vc[idx].view(batch, per * bs, kv_heads, hd)[:, :ctx].transpose(1, 2).contiguous()
+    k, v = contiguous_kv(kc, vc, tables, ctx, kc.dtype)
     print(f"case SDPA contiguous B={batch} L={ctx}", flush=True)
     for _ in range(2):
         F.scaled_dot_product_attention(q.view(batch, heads, 1, hd), k, v, enable_gqa=True, scale=hd**-0.5)
