@@ -365,7 +365,6 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
   // Block sizes are powers of two in practice: shifts then, divisions otherwise.
   const int bs_shift = (bs & (bs - 1)) == 0 ? __ffs(bs) - 1 : -1;
   const int slot_elems = p.num_kv_heads * HD;                          // one token, all kv heads
-  const int64_t block_elems = static_cast<int64_t>(bs) * slot_elems;
   const CT* key_base = key_cache + kv_head * HD;
   const CT* value_base = value_cache + kv_head * HD;
   const int wk0 = DECODE ? warp * WK : 0;  // the warp's first key within a tile
@@ -377,6 +376,19 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
   auto at = [](int rb, int lp, int bc) { return rb * SROW + (PAD == 0 ? lp ^ bc : lp + bc); };
   const int k_lane = FP8 ? lane_part(lane / 4, 4 * qd) : lane_part(lane % 8, 16 * (lane / 8));
   const int v_lane = lane_part(lane % 8 + 8 * ((lane / 8) % 2), 16 * (lane / 16));
+
+  // The copies' shape and each thread's fixed part of them (load_tile below).
+  constexpr int kTpr = CHUNKS >= 8 ? 8 : (CHUNKS >= 4 ? 4 : (CHUNKS >= 2 ? 2 : 1));  // threads a key row
+  constexpr int kCopyPer = (CHUNKS + kTpr - 1) / kTpr;                               // copies a thread a row
+  constexpr int kCopyRows = THREADS / kTpr < KT ? THREADS / kTpr : KT;               // key rows a pass
+  static_assert(KT % kCopyRows == 0 && kCopyRows % 8 == 0, "copy shape");
+  const int copy_row = threadIdx.x / kTpr % kCopyRows;
+  const int copy_chunk = threadIdx.x % kTpr;
+  const int copy_lane = lane_part(copy_row, 16 * copy_chunk);
+  const uint64_t copy_src = reinterpret_cast<uint64_t>(key_base) + 16 * copy_chunk;
+  const uint64_t v_minus_k = reinterpret_cast<uint64_t>(value_base) - reinterpret_cast<uint64_t>(key_base);
+  const uint32_t slot_bytes = static_cast<uint32_t>(slot_elems) * sizeof(CT);
+  const uint32_t block_bytes = static_cast<uint32_t>(bs) * slot_bytes;
 
   for (int c0 = s_lo; c0 < s_hi;) {
     const int b0 = c0 / bs;
@@ -390,38 +402,29 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
 
     // NOTE: TPR consecutive threads copy one key's K and V rows, 16 bytes
     // each per copy, so that every copy instruction of a warp reads whole
-    // 128-byte lines; a thread looks up KT * TPR / THREADS block ids per tile.
+    // 128-byte lines. A thread's source address per key row is its chunk of
+    // the head (fixed) plus the block's and the slot's offsets: two wide
+    // multiply-adds on 32-bit factors, the V row a fixed distance away, and
+    // the thread's later chunks immediates (cp.async's address offset).
     auto load_tile = [&](int t) {
-      constexpr int TPR = CHUNKS >= 8 ? 8 : (CHUNKS >= 4 ? 4 : (CHUNKS >= 2 ? 2 : 1));
-      constexpr int PER = (CHUNKS + TPR - 1) / TPR;
-      constexpr int ROWS = THREADS / TPR < KT ? THREADS / TPR : KT;  // key rows per pass
-      static_assert(KT % ROWS == 0 && ROWS % 8 == 0, "copy shape");
-      if (threadIdx.x >= ROWS * TPR) return;
+      if (threadIdx.x >= kCopyRows * kTpr) return;
       unsigned char* ks = stages + (t % kStages) * 2 * KT * SROW;
-      unsigned char* vs = ks + KT * SROW;
+      const uint32_t kdst = smem_addr(ks);
+      const uint32_t vdst = kdst + KT * SROW;
 #pragma unroll
-      for (int pass = 0; pass < KT / ROWS; ++pass) {
-        const int j = pass * ROWS + threadIdx.x / TPR;
-        const int key = c0 + t * KT + j;
+      for (int pass = 0; pass < KT / kCopyRows; ++pass) {
+        const int key = c0 + t * KT + pass * kCopyRows + copy_row;
         const bool valid = key < c1;
-        int64_t off = 0;
-        if (valid) {
-          const int b = bs_shift >= 0 ? key >> bs_shift : key / bs;
-          const int in_block = key - b * bs;
-          off = s_table[b - b0] * block_elems + in_block * slot_elems;
-        }
-        const CT* kp = key_base + off;
-        const CT* vp = value_base + off;
-        const uint32_t kdst = smem_addr(ks);
-        const uint32_t vdst = smem_addr(vs);
-        const int copy_lane = lane_part(threadIdx.x / TPR % ROWS, 16 * (threadIdx.x % TPR));
+        const int kc = valid ? key : c1 - 1;  // (a key of the chunk: its block id is staged)
+        const int b = bs_shift >= 0 ? kc >> bs_shift : kc / bs;
+        const uint64_t src = copy_src + static_cast<uint64_t>(static_cast<uint32_t>(s_table[b - b0])) * block_bytes +
+                             static_cast<uint32_t>(kc - b * bs) * slot_bytes;
 #pragma unroll
-        for (int k = 0; k < PER; ++k) {
-          const int c = threadIdx.x % TPR + TPR * k;
-          if (CHUNKS % TPR == 0 || c < CHUNKS) {
-            const int d = at(pass * ROWS, copy_lane, 16 * TPR * k);  // byte c * 16 of staged row j
-            cp_async16(kdst + d, kp + c * (16 / sizeof(CT)), valid);
-            cp_async16(vdst + d, vp + c * (16 / sizeof(CT)), valid);
+        for (int k = 0; k < kCopyPer; ++k) {
+          if (CHUNKS % kTpr == 0 || copy_chunk + kTpr * k < CHUNKS) {
+            const int d = at(pass * kCopyRows, copy_lane, 16 * kTpr * k);  // byte (chunk) * 16 of the staged row
+            cp_async16(kdst + d, reinterpret_cast<const void*>(src + 16 * kTpr * k), valid);
+            cp_async16(vdst + d, reinterpret_cast<const void*>(src + v_minus_k + 16 * kTpr * k), valid);
           }
         }
       }
@@ -642,6 +645,7 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
     for (int n = 0; n < NT; ++n) {
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
+        if (i >= 2 && !hi_rows) continue;  // (fragment rows 8-15 hold no vector)
         const int r = lane / 4 + 8 * (i / 2);
         s_acc[(warp * 16 + r) * HD + out_dim(n, i % 2)] = acc[n][i];
       }
@@ -653,32 +657,42 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
       s_l[warp * 16 + lane / 4 + 8] = l[1];
     }
     __syncthreads();
-    for (int i = threadIdx.x; i < num_vectors * HD; i += kThreads) {
-      const int h = i / HD;  // the vector: query token h / group, head kv_head * group + h % group
-      const int d = i % HD;
+    // Four consecutive dims of one vector a thread: the warps' weights once per
+    // four outputs, 16-byte shared loads.
+    static_assert(HD % 4 == 0, "four dims a thread");
+    for (int i = threadIdx.x; i < num_vectors * (HD / 4); i += kThreads) {
+      const int h = i / (HD / 4);  // the vector: query token h / group, head kv_head * group + h % group
+      const int d = i % (HD / 4) * 4;
       float gmax = -INFINITY;
 #pragma unroll
       for (int w = 0; w < kWarps; ++w) {
         if (s_l[w * 16 + h] > 0.f) gmax = fmaxf(gmax, s_m[w * 16 + h]);
       }
-      float num = 0.f, den = 0.f;
+      float num[4] = {0.f, 0.f, 0.f, 0.f}, den = 0.f;
 #pragma unroll
       for (int w = 0; w < kWarps; ++w) {
         const float lw = s_l[w * 16 + h];
         if (lw <= 0.f) continue;
         const float wt = exp2f(s_m[w * 16 + h] - gmax);
-        num += wt * s_acc[(w * 16 + h) * HD + d];
+        const float4 a = *reinterpret_cast<const float4*>(s_acc + (w * 16 + h) * HD + d);
+        num[0] += wt * a.x;
+        num[1] += wt * a.y;
+        num[2] += wt * a.z;
+        num[3] += wt * a.w;
         den += wt * lw;
       }
-      const float o = den > 0.f ? num / den * out_scale : 0.f;
+      const float inv = den > 0.f ? out_scale / den : 0.f;
       if (splits == 1) {
-        static_cast<T*>(p.out)[(static_cast<int64_t>(q_begin + h / group) * p.num_heads + kv_head * group + h % group) *
-                                   HD + d] = static_cast<T>(o);
+        T* dst = static_cast<T*>(p.out) +
+                 (static_cast<int64_t>(q_begin + h / group) * p.num_heads + kv_head * group + h % group) * HD + d;
+        store_pair(dst, num[0] * inv, num[1] * inv);
+        store_pair(dst + 2, num[2] * inv, num[3] * inv);
       } else {
         const int64_t slot =
             ((static_cast<int64_t>(work) * p.num_kv_heads + kv_head) * p.decode_splits + split) *
                 kAttentionPartialVectors + h;
-        p.decode_partial_out[slot * HD + d] = o;
+        *reinterpret_cast<float4*>(p.decode_partial_out + slot * HD + d) =
+            make_float4(num[0] * inv, num[1] * inv, num[2] * inv, num[3] * inv);
         if (d == 0) {
           p.decode_partial_lse[2 * slot] = gmax * kLn2;
           p.decode_partial_lse[2 * slot + 1] = den;
