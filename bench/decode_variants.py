@@ -16,6 +16,8 @@ share one set of tensors, and their graphs are replayed in turn, five rounds.
                               CTAs an SM throughout (0)
   PAGEDCORE_DECODE_BALANCE    launches of one to 1.5 CTAs an SM split in two, so that no SM
                               runs two whole rows' CTAs (1, default), or not split (0)
+  PAGEDCORE_DECODE_WIDE_D64   16-bit caches at head dim 64: 128-key tiles, two stages, swizzled
+                              rows (1), or 64-key tiles, three stages, padded rows (0, default)
   PAGEDCORE_ATTN_PAD          staged K/V rows swizzled (0, default over 16-bit caches at head
                               dim 128: each 32-byte sector of the cache lands whole in shared
                               memory) or padded by 16 bytes (16, as elsewhere)
@@ -51,6 +53,8 @@ VARIANTS = (
     ("two an SM", {"PAGEDCORE_DECODE_ONE_WAVE": "0"}),
     ("padded", {"PAGEDCORE_ATTN_PAD": "16"}),
     ("unbalanced", {"PAGEDCORE_DECODE_BALANCE": "0"}),
+    ("d64 wide", {"PAGEDCORE_DECODE_WIDE_D64": "1"}),
+    ("d64 wide unbalanced", {"PAGEDCORE_DECODE_WIDE_D64": "1", "PAGEDCORE_DECODE_BALANCE": "0"}),
 )
 # (name, batch, keys, heads, kv heads, head dim, fp8, graph plan length or 0)
 CASES = (

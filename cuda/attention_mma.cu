@@ -803,6 +803,9 @@ int launch_variant(const PagedAttentionParams& p, cudaStream_t stream, int flags
 //     tile), three stages, two CTAs an SM at d128: half the tiles' fixed
 //     costs (barriers, max updates) per key, four score fragments a pass.
 //     On by default (=0 turns it off): fp8 B=64 L=4k 198.6 -> 183.1 us (0.69x of bf16).
+//   PAGEDCORE_DECODE_WIDE_D64=1  16-bit caches at head dim 64, launches that
+//     are not deep: 128-key tiles, two stages, swizzled rows (three CTAs an
+//     SM): half the tiles' fixed costs per key. Off by default (under test).
 // Deleted after the twelfth session's runs (bench/RESULTS.md; d3441b5, eaa1fc4):
 // eight-warp decode CTAs of two or three 128-key tiles (PAGEDCORE_DECODE_WIDE):
 // B=64 L=1k 82.7-88.2 against 74.8 us, fp8 B=64 L=4k 226-230 against 186, B=1
@@ -829,6 +832,12 @@ int launch_kernel(const PagedAttentionParams& p, cudaStream_t stream) {
     if constexpr (FP8 && (HD == 64 || HD == 128)) {
       if (fast && env_int("PAGEDCORE_FP8_WIDE_TILES", 1) != 0) {
         return launch_variant<T, CT, HD, true, 3, true, 128>(p, stream, flags);
+      }
+    }
+    if constexpr (!FP8 && HD == 64) {
+      // 128-key tiles, two in flight, swizzled rows (68 KB: three CTAs an SM).
+      if (env_int("PAGEDCORE_DECODE_WIDE_D64", 0) != 0) {
+        return launch_variant<T, CT, HD, true, 2, false, 128, 0>(p, stream, flags);
       }
     }
     return fast ? launch_variant<T, CT, HD, true, num_stages<HD, true>(), FP8>(p, stream, flags)

@@ -157,8 +157,9 @@ def test_decode_rows_shorter_than_the_graph_plan(monkeypatch, dtype, window, fp8
     {"PAGEDCORE_DECODE_ONE_WAVE": "0"},
     {"PAGEDCORE_ATTN_PAD": "16"},
     {"PAGEDCORE_ATTN_PAD": "16", "PAGEDCORE_DECODE_DEEP_CTAS": "100000"},
+    {"PAGEDCORE_DECODE_WIDE_D64": "1", "PAGEDCORE_DECODE_DEEP_CTAS": "0"},
 ], ids=["shallow", "deep", "fp8-cvt", "early-off-narrow-fp8", "early-meta-fp8-deep", "early-l2", "two-an-sm",
-        "padded", "padded-deep"])
+        "padded", "padded-deep", "wide-d64"])
 def test_decode_kernel_variants(monkeypatch, env):
     # The decode kernel's pipelines (three tiles in flight, or five for launches of few
     # CTAs), fp8 widenings (integer operations, or the cvt unit), the lengths and first
@@ -170,16 +171,18 @@ def test_decode_kernel_variants(monkeypatch, env):
     # over fp8 and in the deep pipeline; "two-an-sm": decode key splits planned for two
     # CTAs an SM throughout (the default plans one wave of one CTA an SM where that fills
     # the GPU, so the split launches of few rows are deep); "padded*": staged rows padded
-    # by 16 bytes (the default swizzles them over 16-bit caches at head dim 128).
+    # by 16 bytes (the default swizzles them over 16-bit caches at head dim 128);
+    # "wide-d64": 128-key tiles, two stages, swizzled rows over 16-bit caches at head dim 64.
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     lengths = [1, 17, 255, 256, 513, 1500, 4097, 9000]
-    for head_dim, scales in ((128, None), (128, (0.5, 1.5)), (64, (1.0, 1.0)), (256, None)):
+    for head_dim, scales in ((128, None), (128, (0.5, 1.5)), (64, None), (64, (1.0, 1.0)), (256, None)):
         run_cuda([(1, n) for n in lengths], block_size=16, head_dim=head_dim, group=4, dtype=torch.bfloat16,
                  graph_plan_len=16384, repeat=2, fp8_scales=scales)
         run_cuda([(1, 3000)], block_size=16, head_dim=head_dim, group=4, dtype=torch.float16, fp8_scales=scales)
     run_cuda(mixed_rows(16), block_size=16, head_dim=128, group=8, dtype=torch.bfloat16, window=40, softcap=3.5,
              fp8_scales=(0.25, 0.75))
+    run_cuda(mixed_rows(16), block_size=16, head_dim=64, group=3, dtype=torch.bfloat16, window=40, softcap=3.5)
 
 
 @pytest.mark.parametrize("block_size", [8, 16, 128])
