@@ -15,9 +15,9 @@ share one set of tensors, and their graphs are replayed in turn, five rounds.
                               >= 80% of them, so that the launch is deep (1, default); two
                               CTAs an SM throughout (0)
   PAGEDCORE_DECODE_BALANCE    launches of one to 1.5 CTAs an SM split in two, so that no SM
-                              runs two whole rows' CTAs (1, default), or not split (0)
+                              runs two whole rows' CTAs (1), or not split (0, default)
   PAGEDCORE_DECODE_WIDE_D64   16-bit caches at head dim 64: 128-key tiles, two stages, swizzled
-                              rows (1), or 64-key tiles, three stages, padded rows (0, default)
+                              rows (1, default), or 64-key tiles, three stages, padded rows (0)
   PAGEDCORE_ATTN_PAD          staged K/V rows swizzled (0, default over 16-bit caches at head
                               dim 128: each 32-byte sector of the cache lands whole in shared
                               memory) or padded by 16 bytes (16, as elsewhere)
@@ -52,9 +52,9 @@ VARIANTS = (
     ("fp8 narrow", {"PAGEDCORE_FP8_WIDE_TILES": "0"}),
     ("two an SM", {"PAGEDCORE_DECODE_ONE_WAVE": "0"}),
     ("padded", {"PAGEDCORE_ATTN_PAD": "16"}),
-    ("unbalanced", {"PAGEDCORE_DECODE_BALANCE": "0"}),
-    ("d64 wide", {"PAGEDCORE_DECODE_WIDE_D64": "1"}),
-    ("d64 wide unbalanced", {"PAGEDCORE_DECODE_WIDE_D64": "1", "PAGEDCORE_DECODE_BALANCE": "0"}),
+    ("balanced", {"PAGEDCORE_DECODE_BALANCE": "1"}),
+    ("d64 narrow", {"PAGEDCORE_DECODE_WIDE_D64": "0"}),
+    ("d64 narrow balanced", {"PAGEDCORE_DECODE_WIDE_D64": "0", "PAGEDCORE_DECODE_BALANCE": "1"}),
 )
 # (name, batch, keys, heads, kv heads, head dim, fp8, graph plan length or 0)
 CASES = (

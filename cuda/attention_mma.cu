@@ -805,7 +805,11 @@ int launch_variant(const PagedAttentionParams& p, cudaStream_t stream, int flags
 //     On by default (=0 turns it off): fp8 B=64 L=4k 198.6 -> 183.1 us (0.69x of bf16).
 //   PAGEDCORE_DECODE_WIDE_D64=1  16-bit caches at head dim 64, launches that
 //     are not deep: 128-key tiles, two stages, swizzled rows (three CTAs an
-//     SM): half the tiles' fixed costs per key. Off by default (under test).
+//     SM): half the tiles' fixed costs per key. On by default (=0: 64-key
+//     tiles, three stages, padded rows). NOTE: measured on the H200
+//     (decode_variants.py at 927106d, alternating; SmolLM2 B=64 L=1k, 192 CTAs):
+//     19.0 -> 18.3 us with the rows split in two (planning's balance rule),
+//     17.0 unsplit, which is why that rule is now off by default.
 // Deleted after the twelfth session's runs (bench/RESULTS.md; d3441b5, eaa1fc4):
 // eight-warp decode CTAs of two or three 128-key tiles (PAGEDCORE_DECODE_WIDE):
 // B=64 L=1k 82.7-88.2 against 74.8 us, fp8 B=64 L=4k 226-230 against 186, B=1
@@ -836,7 +840,7 @@ int launch_kernel(const PagedAttentionParams& p, cudaStream_t stream) {
     }
     if constexpr (!FP8 && HD == 64) {
       // 128-key tiles, two in flight, swizzled rows (68 KB: three CTAs an SM).
-      if (env_int("PAGEDCORE_DECODE_WIDE_D64", 0) != 0) {
+      if (env_int("PAGEDCORE_DECODE_WIDE_D64", 1) != 0) {
         return launch_variant<T, CT, HD, true, 2, false, 128, 0>(p, stream, flags);
       }
     }

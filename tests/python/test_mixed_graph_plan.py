@@ -294,7 +294,10 @@ def test_decode_splits_plan_one_wave_where_it_fills_the_gpu(monkeypatch, blocks,
 ])
 def test_decode_splits_halve_launches_of_one_to_one_and_a_half_ctas_an_sm(monkeypatch, blocks, longest,
                                                                           expect) -> None:
-    monkeypatch.delenv("PAGEDCORE_DECODE_BALANCE", raising=False)
+    # Only with PAGEDCORE_DECODE_BALANCE=1; by default such launches stay unsplit.
+    monkeypatch.setenv("PAGEDCORE_DECODE_BALANCE", "1")
     assert planning._decode_splits(blocks, longest, 132) == expect
+    monkeypatch.delenv("PAGEDCORE_DECODE_BALANCE", raising=False)
+    assert planning._decode_splits(blocks, longest, 132) == 1
     monkeypatch.setenv("PAGEDCORE_DECODE_BALANCE", "0")
     assert planning._decode_splits(blocks, longest, 132) == 1

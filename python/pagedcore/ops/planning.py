@@ -107,10 +107,9 @@ def _decode_splits(blocks: int, longest: int, sms: int) -> int:
     """Key splits of a decode launch of ``blocks`` (rows x kv heads): where one CTA
     per multiprocessor fills at least 80% of them, that many (the launch then takes
     the decode kernel's deep pipeline, one CTA an SM, in one wave), else as
-    :func:`_splits` (two CTAs an SM), except that launches of one to 1.5 CTAs an
-    SM split in two. PAGEDCORE_DECODE_ONE_WAVE=0 (read per call, for benchmarks)
-    keeps the two-an-SM rule where one wave would be planned;
-    PAGEDCORE_DECODE_BALANCE=0 leaves launches of one to 1.5 CTAs an SM unsplit.
+    :func:`_splits` (two CTAs an SM). PAGEDCORE_DECODE_ONE_WAVE=0 (read per call,
+    for benchmarks) keeps the two-an-SM rule where one wave would be planned;
+    PAGEDCORE_DECODE_BALANCE=1 splits launches of one to 1.5 CTAs an SM in two.
 
     NOTE: measured on the H200 (bench/decode_variants.py at b985186, us, two an SM
     -> one wave): B=1 L=32k 45.9 -> 43.7; under the decode graphs' plans 8B B=16
@@ -120,12 +119,14 @@ def _decode_splits(blocks: int, longest: int, sms: int) -> int:
     5.065 -> 4.334 / 4.891. Halves at one to 1.5 CTAs an SM (at 7fe0bfa, B=64 L=1k
     of SmolLM2's 3 kv heads: 192 CTAs, padded rows): 21.9 -> 20.4 us (graphs
     replayed in alternation), 21.1-21.2 -> 19.3-19.7 (one after the other); the
-    8B cases named above have no launch in that range."""
+    8B cases named above have no launch in that range. Off by default since head
+    dim 64 decodes in 128-key tiles (927106d, alternating): 18.3 with halves
+    against 17.0 us without."""
     if os.environ.get("PAGEDCORE_DECODE_ONE_WAVE", "1") != "0" and blocks < sms and longest >= 2 * _DECODE_SPLIT_KEYS:
         per_sm = sms // blocks
         if blocks * per_sm >= 0.8 * sms:
             return int(max(1, min(per_sm, longest // _DECODE_SPLIT_KEYS, 64)))
-    if (os.environ.get("PAGEDCORE_DECODE_BALANCE", "1") != "0" and sms <= blocks <= 1.5 * sms
+    if (os.environ.get("PAGEDCORE_DECODE_BALANCE", "0") == "1" and sms <= blocks <= 1.5 * sms
             and longest >= 2 * _DECODE_SPLIT_KEYS):
         # One to 1.5 CTAs an SM: some SMs would run two rows' CTAs where others run
         # one; halves of rows put at most three halves on any SM.
