@@ -205,6 +205,8 @@ __device__ __forceinline__ uint32_t fp8x2_to_half2(uint32_t two) {
 // conversion unit's cvt. (e4m3's NaN, 0x7f, turns into a finite 1.875 * 2^-0;
 // caches hold no NaN.) NOTE: the form before (byte in the high half, then
 // (u & 0x80008000) | ((u >> 1) & 0x3f803f80)) took four; the bits are the same.
+// Measured on the H200 (decode_variants.py at 9e16b8c): fp8 B=64 L=4k 174 -> 158.5
+// us (the shift runs as IMAD.SHL, off the integer logic pipe that bounds these launches).
 __device__ __forceinline__ uint32_t fp8x2_to_half2_scaled(uint32_t x, uint32_t sel) {
   uint32_t u;
   asm("prmt.b32 %0, %1, %2, %3;" : "=r"(u) : "r"(x), "r"(0u), "r"(sel));
@@ -794,7 +796,8 @@ int launch_variant(const PagedAttentionParams& p, cudaStream_t stream, int flags
 // PAGEDCORE_FP8_FAST_CVT=0. NOTE: measured on the H200 (bench/decode_variants.py):
 // deep 14.6 against 15.1 us at B=1 L=4k, no change at L=256; at two per SM it
 // also took B=1 L=32k (264 CTAs of ~1000 keys) and lost there, 61.5 against 52.3.
-// Integer fp8 widening: 197.5 against 200.8 us at B=64 L=4k (within the noise).
+// Integer fp8 widening: 197.5 against 200.8 us at B=64 L=4k (within the noise) in
+// its four-instruction form; 158.5 against 192.3 in three (9e16b8c).
 //
 // Variants (issue 13; bench/decode_variants.py measures each):
 //   PAGEDCORE_DECODE_EARLY_META=1  kEarlyMeta: lengths and first block ids
