@@ -158,9 +158,8 @@ def test_decode_rows_shorter_than_the_graph_plan(monkeypatch, dtype, window, fp8
     {"PAGEDCORE_ATTN_PAD": "16"},
     {"PAGEDCORE_ATTN_PAD": "16", "PAGEDCORE_DECODE_DEEP_CTAS": "100000"},
     {"PAGEDCORE_DECODE_WIDE_D64": "0", "PAGEDCORE_DECODE_DEEP_CTAS": "0"},
-    {"PAGEDCORE_DECODE_BALANCE": "1"},
 ], ids=["shallow", "deep", "fp8-cvt", "early-off-narrow-fp8", "early-meta-fp8-deep", "early-l2", "two-an-sm",
-        "padded", "padded-deep", "narrow-d64", "balanced"])
+        "padded", "padded-deep", "narrow-d64"])
 def test_decode_kernel_variants(monkeypatch, env):
     # The decode kernel's pipelines (three tiles in flight, or five for launches of few
     # CTAs), fp8 widenings (integer operations, or the cvt unit), the lengths and first
@@ -174,8 +173,8 @@ def test_decode_kernel_variants(monkeypatch, env):
     # the GPU, so the split launches of few rows are deep); "padded*": staged rows padded
     # by 16 bytes (the default swizzles them over 16-bit caches at head dim 128);
     # "narrow-d64": 64-key tiles, three stages, padded rows over 16-bit caches at head dim 64
-    # (the default takes 128-key tiles, two stages, swizzled rows there); "balanced": launches
-    # of one to 1.5 CTAs an SM split in two (off by default).
+    # (the default takes 128-key tiles, two stages, swizzled rows there). (The split rule
+    # PAGEDCORE_DECODE_BALANCE only changes a plan's split count: test_mixed_graph_plan.py.)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     lengths = [1, 17, 255, 256, 513, 1500, 4097, 9000]
