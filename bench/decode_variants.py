@@ -20,7 +20,8 @@ share one set of tensors, and their graphs are replayed in turn, five rounds.
                               rows (1, default), or 64-key tiles, three stages, padded rows (0)
   PAGEDCORE_ATTN_PAD          staged K/V rows swizzled (0, default over 16-bit caches at head
                               dim 128: each 32-byte sector of the cache lands whole in shared
-                              memory) or padded by 16 bytes (16, as elsewhere)
+                              memory) or padded by 16 bytes (16, as elsewhere but head dim
+                              64's 128-key tiles, always swizzled)
 
 After the table, FlashInfer's tensor-core decode on B=64 L=4k with the cache in its NHD
 layout (ours) and in HND (head-major blocks), when flashinfer is installed.
