@@ -18,6 +18,8 @@ share one set of tensors, and their graphs are replayed in turn, five rounds.
                               runs two whole rows' CTAs (1), or not split (0, default)
   PAGEDCORE_DECODE_WIDE_D64   16-bit caches at head dim 64: 128-key tiles, two stages, swizzled
                               rows (1, default), or 64-key tiles, three stages, padded rows (0)
+  PAGEDCORE_ATTN_COPY_THREADS threads copying each K/V row at head dim 128: 4 (half the copy
+                              passes a tile), or the kernel's rule (0, default: 8)
   PAGEDCORE_ATTN_PAD          staged K/V rows swizzled (0, default over 16-bit caches at head
                               dim 128: each 32-byte sector of the cache lands whole in shared
                               memory) or padded by 16 bytes (16, as elsewhere but head dim
@@ -56,6 +58,7 @@ VARIANTS = (
     ("balanced", {"PAGEDCORE_DECODE_BALANCE": "1"}),
     ("d64 narrow", {"PAGEDCORE_DECODE_WIDE_D64": "0"}),
     ("d64 narrow balanced", {"PAGEDCORE_DECODE_WIDE_D64": "0", "PAGEDCORE_DECODE_BALANCE": "1"}),
+    ("copy 4", {"PAGEDCORE_ATTN_COPY_THREADS": "4"}),
 )
 # (name, batch, keys, heads, kv heads, head dim, fp8, graph plan length or 0)
 CASES = (

@@ -225,7 +225,8 @@ __device__ __forceinline__ void ldmatrix_x2_trans(uint32_t addr, uint32_t (&r)[2
 // STAGES: tiles in flight (num_stages or, for small decode launches,
 // deep_stages); FASTCVT: fp8 widened by fp8x2_to_half2_scaled; KT: keys per
 // tile (fp8 decode: 128 where not deep). flags: kEarlyMeta, kEarlyPrefetch (decode only).
-template <typename T, typename CT, int HD, bool DECODE, int STAGES, bool FASTCVT, int KT = kTileKeys, int PAD = 16>
+template <typename T, typename CT, int HD, bool DECODE, int STAGES, bool FASTCVT, int KT = kTileKeys, int PAD = 16,
+          int CPT = 0>
 __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarps)
     mma_attention_kernel(PagedAttentionParams p, int flags) {
   constexpr int kWarps = DECODE ? kDecodeWarps : kPrefillWarps;
@@ -388,7 +389,8 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
   const int v_lane = lane_part(lane % 8 + 8 * ((lane / 8) % 2), 16 * (lane / 16));
 
   // The copies' shape and each thread's fixed part of them (load_tile below).
-  constexpr int kTpr = CHUNKS >= 8 ? 8 : (CHUNKS >= 4 ? 4 : (CHUNKS >= 2 ? 2 : 1));  // threads a key row
+  // (CPT > 0: that many threads a key row, each copying CHUNKS / CPT of its chunks.)
+  constexpr int kTpr = CPT > 0 ? CPT : (CHUNKS >= 8 ? 8 : (CHUNKS >= 4 ? 4 : (CHUNKS >= 2 ? 2 : 1)));  // threads a key row
   constexpr int kCopyPer = (CHUNKS + kTpr - 1) / kTpr;                               // copies a thread a row
   constexpr int kCopyRows = THREADS / kTpr < KT ? THREADS / kTpr : KT;               // key rows a pass
   static_assert(KT % kCopyRows == 0 && kCopyRows % 8 == 0, "copy shape");
@@ -757,7 +759,8 @@ int env_int(const char* name, int fallback) {
   return v != nullptr && *v != '\0' ? std::atoi(v) : fallback;
 }
 
-template <typename T, typename CT, int HD, bool DECODE, int STAGES, bool FASTCVT, int KT = kTileKeys, int PAD = 16>
+template <typename T, typename CT, int HD, bool DECODE, int STAGES, bool FASTCVT, int KT = kTileKeys, int PAD = 16,
+          int CPT = 0>
 int launch_variant(const PagedAttentionParams& p, cudaStream_t stream, int flags = 0) {
   if constexpr (DECODE && PAD == 16 && HD == 128 && sizeof(CT) == 2) {
     // Decode stages swizzled rows at head dim 128 over a 16-bit cache (the
@@ -768,13 +771,13 @@ int launch_variant(const PagedAttentionParams& p, cudaStream_t stream, int flags
         smem_bytes<CT, HD, STAGES, KT, 0>() - kTable * 4 >= (kDecodeWarps * 16 * HD + 2 * kDecodeWarps * 16) * 4;
     if constexpr (kSwizzleFits) {
       if (env_int("PAGEDCORE_ATTN_PAD", 0) == 0) {
-        return launch_variant<T, CT, HD, DECODE, STAGES, FASTCVT, KT, 0>(p, stream, flags);
+        return launch_variant<T, CT, HD, DECODE, STAGES, FASTCVT, KT, 0, CPT>(p, stream, flags);
       }
     }
   }
   constexpr size_t smem = smem_bytes<CT, HD, STAGES, KT, PAD>();
   constexpr int threads = DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarps;
-  auto* kernel = mma_attention_kernel<T, CT, HD, DECODE, STAGES, FASTCVT, KT, PAD>;
+  auto* kernel = mma_attention_kernel<T, CT, HD, DECODE, STAGES, FASTCVT, KT, PAD, CPT>;
   static bool configured = false;  // NOTE: per instantiation; raising the limit is idempotent
   if (!configured) {
     const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
@@ -821,6 +824,11 @@ int launch_variant(const PagedAttentionParams& p, cudaStream_t stream, int flags
 //     (decode_variants.py at 927106d, alternating; SmolLM2 B=64 L=1k, 192 CTAs):
 //     19.0 -> 18.3 us with the rows split in two (planning's balance rule),
 //     17.0 unsplit, which is why that rule is now off by default.
+//   PAGEDCORE_ATTN_COPY_THREADS=4  decode at head dim 128: each K/V row copied by
+//     4 threads instead of 8, so that a tile's copies take half the passes (the
+//     block id and source address are worked out once a pass: ~20 instructions
+//     for 16 rows), each thread's further chunks as address immediates. Off by
+//     default; not yet measured (added after the seventeenth session's runs).
 // Deleted after the twelfth session's runs (bench/RESULTS.md; d3441b5, eaa1fc4):
 // eight-warp decode CTAs of two or three 128-key tiles (PAGEDCORE_DECODE_WIDE):
 // B=64 L=1k 82.7-88.2 against 74.8 us, fp8 B=64 L=4k 226-230 against 186, B=1
@@ -831,6 +839,30 @@ int launch_variant(const PagedAttentionParams& p, cudaStream_t stream, int flags
 // tiles of two warps with 4 or 6 stages (B=64 L=4k 350.0 / 270.4 against
 // 265.3 us) and rows under 512 keys shared by a cluster of 2 or 4 CTAs,
 // merged through distributed shared memory (B=1 L=256 9.2 / 11.6 against 8.5).
+// A decode launch's kernel, its K/V rows copied by CPT threads each (0: the
+// kernel's rule, 8 threads a 128-byte or longer row).
+template <typename T, typename CT, int HD, int CPT>
+int launch_decode(const PagedAttentionParams& p, cudaStream_t stream, int flags, bool deep, bool fast) {
+  constexpr bool FP8 = std::is_same_v<CT, uint8_t>;
+  if (deep) {
+    return fast ? launch_variant<T, CT, HD, true, deep_stages<HD>(), FP8, kTileKeys, 16, CPT>(p, stream, flags)
+                : launch_variant<T, CT, HD, true, deep_stages<HD>(), false, kTileKeys, 16, CPT>(p, stream, flags);
+  }
+  if constexpr (FP8 && (HD == 64 || HD == 128)) {
+    if (fast && env_int("PAGEDCORE_FP8_WIDE_TILES", 1) != 0) {
+      return launch_variant<T, CT, HD, true, 3, true, 128, 16, CPT>(p, stream, flags);
+    }
+  }
+  if constexpr (!FP8 && HD == 64) {
+    // 128-key tiles, two in flight, swizzled rows (68 KB: three CTAs an SM).
+    if (env_int("PAGEDCORE_DECODE_WIDE_D64", 1) != 0) {
+      return launch_variant<T, CT, HD, true, 2, false, 128, 0, CPT>(p, stream, flags);
+    }
+  }
+  return fast ? launch_variant<T, CT, HD, true, num_stages<HD, true>(), FP8, kTileKeys, 16, CPT>(p, stream, flags)
+              : launch_variant<T, CT, HD, true, num_stages<HD, true>(), false, kTileKeys, 16, CPT>(p, stream, flags);
+}
+
 template <typename T, typename CT, int HD, bool DECODE>
 int launch_kernel(const PagedAttentionParams& p, cudaStream_t stream) {
   constexpr bool FP8 = std::is_same_v<CT, uint8_t>;
@@ -840,23 +872,10 @@ int launch_kernel(const PagedAttentionParams& p, cudaStream_t stream) {
     const int64_t ctas = static_cast<int64_t>(p.num_kv_heads) * p.num_decode * p.decode_splits;
     const bool deep = ctas <= env_int("PAGEDCORE_DECODE_DEEP_CTAS", multiprocessor_count());
     const bool fast = FP8 && env_int("PAGEDCORE_FP8_FAST_CVT", 1) != 0;
-    if (deep) {
-      return fast ? launch_variant<T, CT, HD, true, deep_stages<HD>(), FP8>(p, stream, flags)
-                  : launch_variant<T, CT, HD, true, deep_stages<HD>(), false>(p, stream, flags);
+    if constexpr (HD == 128) {
+      if (env_int("PAGEDCORE_ATTN_COPY_THREADS", 0) == 4) return launch_decode<T, CT, HD, 4>(p, stream, flags, deep, fast);
     }
-    if constexpr (FP8 && (HD == 64 || HD == 128)) {
-      if (fast && env_int("PAGEDCORE_FP8_WIDE_TILES", 1) != 0) {
-        return launch_variant<T, CT, HD, true, 3, true, 128>(p, stream, flags);
-      }
-    }
-    if constexpr (!FP8 && HD == 64) {
-      // 128-key tiles, two in flight, swizzled rows (68 KB: three CTAs an SM).
-      if (env_int("PAGEDCORE_DECODE_WIDE_D64", 1) != 0) {
-        return launch_variant<T, CT, HD, true, 2, false, 128, 0>(p, stream, flags);
-      }
-    }
-    return fast ? launch_variant<T, CT, HD, true, num_stages<HD, true>(), FP8>(p, stream, flags)
-                : launch_variant<T, CT, HD, true, num_stages<HD, true>(), false>(p, stream, flags);
+    return launch_decode<T, CT, HD, 0>(p, stream, flags, deep, fast);
   } else {
     return launch_variant<T, CT, HD, false, num_stages<HD, false>(), false>(p, stream);
   }

@@ -158,8 +158,12 @@ def test_decode_rows_shorter_than_the_graph_plan(monkeypatch, dtype, window, fp8
     {"PAGEDCORE_ATTN_PAD": "16"},
     {"PAGEDCORE_ATTN_PAD": "16", "PAGEDCORE_DECODE_DEEP_CTAS": "100000"},
     {"PAGEDCORE_DECODE_WIDE_D64": "0", "PAGEDCORE_DECODE_DEEP_CTAS": "0"},
+    {"PAGEDCORE_ATTN_COPY_THREADS": "4", "PAGEDCORE_DECODE_DEEP_CTAS": "0"},
+    {"PAGEDCORE_ATTN_COPY_THREADS": "4", "PAGEDCORE_DECODE_DEEP_CTAS": "100000", "PAGEDCORE_FP8_FAST_CVT": "0"},
+    {"PAGEDCORE_ATTN_COPY_THREADS": "4", "PAGEDCORE_ATTN_PAD": "16", "PAGEDCORE_FP8_WIDE_TILES": "0",
+     "PAGEDCORE_DECODE_DEEP_CTAS": "0"},
 ], ids=["shallow", "deep", "fp8-cvt", "early-off-narrow-fp8", "early-meta-fp8-deep", "early-l2", "two-an-sm",
-        "padded", "padded-deep", "narrow-d64"])
+        "padded", "padded-deep", "narrow-d64", "copy4", "copy4-deep-fp8-cvt", "copy4-padded-narrow-fp8"])
 def test_decode_kernel_variants(monkeypatch, env):
     # The decode kernel's pipelines (three tiles in flight, or five for launches of few
     # CTAs), fp8 widenings (integer operations, or the cvt unit), the lengths and first
@@ -173,7 +177,8 @@ def test_decode_kernel_variants(monkeypatch, env):
     # the GPU, so the split launches of few rows are deep); "padded*": staged rows padded
     # by 16 bytes (the default swizzles them over 16-bit caches at head dim 128);
     # "narrow-d64": 64-key tiles, three stages, padded rows over 16-bit caches at head dim 64
-    # (the default takes 128-key tiles, two stages, swizzled rows there). (The split rule
+    # (the default takes 128-key tiles, two stages, swizzled rows there); "copy4*": K/V rows
+    # copied by 4 threads each instead of 8 at head dim 128, over each pipeline. (The split rule
     # PAGEDCORE_DECODE_BALANCE only changes a plan's split count: test_mixed_graph_plan.py.)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
