@@ -222,21 +222,28 @@ __device__ __forceinline__ void ldmatrix_x2_trans(uint32_t addr, uint32_t (&r)[2
                : "r"(addr));
 }
 
+// How an fp8 cache is widened (the kernel's CVT): K and V by the conversion
+// unit (0), or each by fp8x2_to_half2_scaled's integer operations (the bits).
+constexpr int kCvtIntK = 1, kCvtIntV = 2, kCvtInt = kCvtIntK | kCvtIntV;
+
 // STAGES: tiles in flight (num_stages or, for small decode launches,
-// deep_stages); FASTCVT: fp8 widened by fp8x2_to_half2_scaled; KT: keys per
-// tile (fp8 decode: 128 where not deep). flags: kEarlyMeta, kEarlyPrefetch (decode only).
-template <typename T, typename CT, int HD, bool DECODE, int STAGES, bool FASTCVT, int KT = kTileKeys, int PAD = 16,
-          int CPT = 0>
-__global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarps)
+// deep_stages); CVT: fp8's widening (kCvtInt...); KT: keys per tile (fp8
+// decode: 128 where not deep); PAD: staged rows' layout; CPT: threads copying a
+// K/V row (0: the rule below); W: a decode CTA's warps. flags: kEarlyMeta,
+// kEarlyPrefetch (decode only).
+template <typename T, typename CT, int HD, bool DECODE, int STAGES, int CVT, int KT = kTileKeys, int PAD = 16,
+          int CPT = 0, int W = kDecodeWarps>
+__global__ void __launch_bounds__(DECODE ? 32 * W : 32 * kPrefillWarps)
     mma_attention_kernel(PagedAttentionParams p, int flags) {
-  constexpr int kWarps = DECODE ? kDecodeWarps : kPrefillWarps;
+  constexpr int kWarps = DECODE ? W : kPrefillWarps;
   constexpr int kThreads = 32 * kWarps;
   constexpr int THREADS = kThreads;
   constexpr bool FP8 = std::is_same_v<CT, uint8_t>;
   using MT = std::conditional_t<FP8, __half, T>;
   static_assert(DECODE || KT == kTileKeys, "prefill tiles are 64 keys");
   constexpr int kStages = STAGES;
-  static_assert(!FASTCVT || FP8, "the fast conversion is fp8's");
+  static_assert(CVT == 0 || FP8, "the integer widening is fp8's");
+  constexpr bool KINT = (CVT & kCvtIntK) != 0, VINT = (CVT & kCvtIntV) != 0;
   constexpr int CHUNKS = HD * static_cast<int>(sizeof(CT)) / 16;  // 16-byte pieces of a cache row
   constexpr int SROW = staged_row_bytes<CT, HD, PAD>();
   static_assert(PAD != 0 || can_swizzle<CT, HD>(), "swizzled rows hold whole eights of chunks");
@@ -356,7 +363,7 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
       qf[s][3] = vvalid[1] ? load_pair<T, MT>(qrow[1] + d_hi) : 0u;
     }
   }
-  const float score_scale = p.scale * (FP8 ? p.k_scale * (FASTCVT ? kFastFp8Scale : 1.f) : 1.f);
+  const float score_scale = p.scale * (FP8 ? p.k_scale * (KINT ? kFastFp8Scale : 1.f) : 1.f);
   const float softcap = p.softcap;
   const float score_log2 = score_scale * kLog2e;       // no cap: scores in log2 units at once
   const float softcap_log2 = softcap * kLog2e;
@@ -481,8 +488,8 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
 #pragma unroll
             for (int s = 0; s < KSTEPS; ++s) {
               const uint32_t w = *reinterpret_cast<const uint32_t*>(ks + at(wk + 8 * n, k_lane, 16 * s));
-              const uint32_t b0 = FASTCVT ? fp8x2_to_half2_scaled(w, kFp8Bytes01) : fp8x2_to_half2(w);
-              const uint32_t b1 = FASTCVT ? fp8x2_to_half2_scaled(w, kFp8Bytes23) : fp8x2_to_half2(w >> 16);
+              const uint32_t b0 = KINT ? fp8x2_to_half2_scaled(w, kFp8Bytes01) : fp8x2_to_half2(w);
+              const uint32_t b1 = KINT ? fp8x2_to_half2_scaled(w, kFp8Bytes23) : fp8x2_to_half2(w >> 16);
               mma16816<MT>(SPLIT_K && (s % 2) ? sc2[SPLIT_K ? n : 0] : sc[n], qf[s], b0, b1);
             }
             continue;
@@ -593,10 +600,10 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
             // Byte pairs (dims 2e, 2e+1) of keys 2q, 2q+1 (and + 8): even dims
             // feed fragment 4j (+2), odd dims 4j + 1 (+3); j covers 32 dims.
             auto even_dims = [](uint32_t x) {
-              return FASTCVT ? fp8x2_to_half2_scaled(x, kFp8Bytes02) : fp8x2_to_half2(__byte_perm(x, 0, 0x0020));
+              return VINT ? fp8x2_to_half2_scaled(x, kFp8Bytes02) : fp8x2_to_half2(__byte_perm(x, 0, 0x0020));
             };
             auto odd_dims = [](uint32_t x) {
-              return FASTCVT ? fp8x2_to_half2_scaled(x, kFp8Bytes13) : fp8x2_to_half2(__byte_perm(x, 0, 0x0031));
+              return VINT ? fp8x2_to_half2_scaled(x, kFp8Bytes13) : fp8x2_to_half2(__byte_perm(x, 0, 0x0031));
             };
 #pragma unroll
             for (int j = 0; j < HD / 32; ++j) {
@@ -637,7 +644,7 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
     l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
     l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
   }
-  const float out_scale = FP8 ? p.v_scale * (FASTCVT ? kFastFp8Scale : 1.f) : 1.f;
+  const float out_scale = FP8 ? p.v_scale * (VINT ? kFastFp8Scale : 1.f) : 1.f;
   // Head dim of acc[n][c] (c = 0, 1; rows 8-15 the same): fp8 fragments pair up
   // the even and odd dims of 16-dim blocks.
   auto out_dim = [qd](int n, int c) {
@@ -759,25 +766,24 @@ int env_int(const char* name, int fallback) {
   return v != nullptr && *v != '\0' ? std::atoi(v) : fallback;
 }
 
-template <typename T, typename CT, int HD, bool DECODE, int STAGES, bool FASTCVT, int KT = kTileKeys, int PAD = 16,
-          int CPT = 0>
+template <typename T, typename CT, int HD, bool DECODE, int STAGES, int CVT, int KT = kTileKeys, int PAD = 16,
+          int CPT = 0, int W = kDecodeWarps>
 int launch_variant(const PagedAttentionParams& p, cudaStream_t stream, int flags = 0) {
   if constexpr (DECODE && PAD == 16 && HD == 128 && sizeof(CT) == 2) {
     // Decode stages swizzled rows at head dim 128 over a 16-bit cache (the
     // layouts: above can_swizzle); PAGEDCORE_ATTN_PAD=16 (read per launch;
     // benchmarks): padded rows instead. (The warps' merge must fit the stages.)
     constexpr bool kSwizzleFits =
-        can_swizzle<CT, HD>() &&
-        smem_bytes<CT, HD, STAGES, KT, 0>() - kTable * 4 >= (kDecodeWarps * 16 * HD + 2 * kDecodeWarps * 16) * 4;
+        can_swizzle<CT, HD>() && smem_bytes<CT, HD, STAGES, KT, 0>() - kTable * 4 >= (W * 16 * HD + 2 * W * 16) * 4;
     if constexpr (kSwizzleFits) {
       if (env_int("PAGEDCORE_ATTN_PAD", 0) == 0) {
-        return launch_variant<T, CT, HD, DECODE, STAGES, FASTCVT, KT, 0, CPT>(p, stream, flags);
+        return launch_variant<T, CT, HD, DECODE, STAGES, CVT, KT, 0, CPT, W>(p, stream, flags);
       }
     }
   }
   constexpr size_t smem = smem_bytes<CT, HD, STAGES, KT, PAD>();
-  constexpr int threads = DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarps;
-  auto* kernel = mma_attention_kernel<T, CT, HD, DECODE, STAGES, FASTCVT, KT, PAD, CPT>;
+  constexpr int threads = DECODE ? 32 * W : 32 * kPrefillWarps;
+  auto* kernel = mma_attention_kernel<T, CT, HD, DECODE, STAGES, CVT, KT, PAD, CPT, W>;
   static bool configured = false;  // NOTE: per instantiation; raising the limit is idempotent
   if (!configured) {
     const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
@@ -829,6 +835,17 @@ int launch_variant(const PagedAttentionParams& p, cudaStream_t stream, int flags
 //     block id and source address are worked out once a pass: ~20 instructions
 //     for 16 rows), each thread's further chunks as address immediates. Off by
 //     default; not yet measured (added after the seventeenth session's runs).
+// Trials of the eighteenth session (bf16 queries only; not yet measured):
+//   PAGEDCORE_FP8_WIDE_STAGES=2  fp8 128-key tiles at head dim 128 two deep,
+//     swizzled (68 KB: three CTAs an SM instead of two): more warps to hide
+//     the widening's dependent chains.
+//   PAGEDCORE_FP8_CVT_MIX=1 (=2)  fp8 128-key tiles at head dim 128: K (V)
+//     widened by the conversion unit (F2FP, two bytes an instruction), the other
+//     by integer operations, so that the two pipes share the widening.
+//   PAGEDCORE_DECODE_DEEP_WARPS=8  deep launches over 16-bit caches at head dim
+//     64 or 128: eight warps a CTA over 128-key tiles, three in flight, so that
+//     each warp's chain of tiles is half as long (B=1 L=256: two passes of 16
+//     keys a warp instead of four).
 // Deleted after the twelfth session's runs (bench/RESULTS.md; d3441b5, eaa1fc4):
 // eight-warp decode CTAs of two or three 128-key tiles (PAGEDCORE_DECODE_WIDE):
 // B=64 L=1k 82.7-88.2 against 74.8 us, fp8 B=64 L=4k 226-230 against 186, B=1
@@ -844,23 +861,41 @@ int launch_variant(const PagedAttentionParams& p, cudaStream_t stream, int flags
 template <typename T, typename CT, int HD, int CPT>
 int launch_decode(const PagedAttentionParams& p, cudaStream_t stream, int flags, bool deep, bool fast) {
   constexpr bool FP8 = std::is_same_v<CT, uint8_t>;
+  constexpr int kCvt = FP8 ? kCvtInt : 0;
+  // (The trial variants below are built for bf16 queries and CPT 0 only.)
+  constexpr bool kTrial = std::is_same_v<T, __nv_bfloat16> && CPT == 0;
   if (deep) {
-    return fast ? launch_variant<T, CT, HD, true, deep_stages<HD>(), FP8, kTileKeys, 16, CPT>(p, stream, flags)
-                : launch_variant<T, CT, HD, true, deep_stages<HD>(), false, kTileKeys, 16, CPT>(p, stream, flags);
+    if constexpr (kTrial && !FP8 && (HD == 64 || HD == 128)) {
+      if (env_int("PAGEDCORE_DECODE_DEEP_WARPS", 4) == 8) {
+        return launch_variant<T, CT, HD, true, 3, 0, 128, HD == 64 ? 0 : 16, CPT, 8>(p, stream, flags);
+      }
+    }
+    return fast ? launch_variant<T, CT, HD, true, deep_stages<HD>(), kCvt, kTileKeys, 16, CPT>(p, stream, flags)
+                : launch_variant<T, CT, HD, true, deep_stages<HD>(), 0, kTileKeys, 16, CPT>(p, stream, flags);
   }
   if constexpr (FP8 && (HD == 64 || HD == 128)) {
     if (fast && env_int("PAGEDCORE_FP8_WIDE_TILES", 1) != 0) {
-      return launch_variant<T, CT, HD, true, 3, true, 128, 16, CPT>(p, stream, flags);
+      if constexpr (kTrial && HD == 128) {
+        if (env_int("PAGEDCORE_FP8_WIDE_STAGES", 3) == 2) {
+          return launch_variant<T, CT, HD, true, 2, kCvtInt, 128, 0, CPT>(p, stream, flags);
+        }
+        switch (env_int("PAGEDCORE_FP8_CVT_MIX", 0)) {
+          case 1: return launch_variant<T, CT, HD, true, 3, kCvtIntV, 128, 16, CPT>(p, stream, flags);
+          case 2: return launch_variant<T, CT, HD, true, 3, kCvtIntK, 128, 16, CPT>(p, stream, flags);
+          default: break;
+        }
+      }
+      return launch_variant<T, CT, HD, true, 3, kCvtInt, 128, 16, CPT>(p, stream, flags);
     }
   }
   if constexpr (!FP8 && HD == 64) {
     // 128-key tiles, two in flight, swizzled rows (68 KB: three CTAs an SM).
     if (env_int("PAGEDCORE_DECODE_WIDE_D64", 1) != 0) {
-      return launch_variant<T, CT, HD, true, 2, false, 128, 0, CPT>(p, stream, flags);
+      return launch_variant<T, CT, HD, true, 2, 0, 128, 0, CPT>(p, stream, flags);
     }
   }
-  return fast ? launch_variant<T, CT, HD, true, num_stages<HD, true>(), FP8, kTileKeys, 16, CPT>(p, stream, flags)
-              : launch_variant<T, CT, HD, true, num_stages<HD, true>(), false, kTileKeys, 16, CPT>(p, stream, flags);
+  return fast ? launch_variant<T, CT, HD, true, num_stages<HD, true>(), kCvt, kTileKeys, 16, CPT>(p, stream, flags)
+              : launch_variant<T, CT, HD, true, num_stages<HD, true>(), 0, kTileKeys, 16, CPT>(p, stream, flags);
 }
 
 template <typename T, typename CT, int HD, bool DECODE>
@@ -877,7 +912,7 @@ int launch_kernel(const PagedAttentionParams& p, cudaStream_t stream) {
     }
     return launch_decode<T, CT, HD, 0>(p, stream, flags, deep, fast);
   } else {
-    return launch_variant<T, CT, HD, false, num_stages<HD, false>(), false>(p, stream);
+    return launch_variant<T, CT, HD, false, num_stages<HD, false>(), 0>(p, stream);
   }
 }
 

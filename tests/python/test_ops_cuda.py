@@ -162,8 +162,14 @@ def test_decode_rows_shorter_than_the_graph_plan(monkeypatch, dtype, window, fp8
     {"PAGEDCORE_ATTN_COPY_THREADS": "4", "PAGEDCORE_DECODE_DEEP_CTAS": "100000", "PAGEDCORE_FP8_FAST_CVT": "0"},
     {"PAGEDCORE_ATTN_COPY_THREADS": "4", "PAGEDCORE_ATTN_PAD": "16", "PAGEDCORE_FP8_WIDE_TILES": "0",
      "PAGEDCORE_DECODE_DEEP_CTAS": "0"},
+    {"PAGEDCORE_FP8_WIDE_STAGES": "2", "PAGEDCORE_DECODE_DEEP_CTAS": "0"},
+    {"PAGEDCORE_FP8_CVT_MIX": "1", "PAGEDCORE_DECODE_DEEP_CTAS": "0"},
+    {"PAGEDCORE_FP8_CVT_MIX": "2", "PAGEDCORE_DECODE_DEEP_CTAS": "0"},
+    {"PAGEDCORE_DECODE_DEEP_WARPS": "8", "PAGEDCORE_DECODE_DEEP_CTAS": "100000"},
+    {"PAGEDCORE_DECODE_DEEP_WARPS": "8", "PAGEDCORE_DECODE_DEEP_CTAS": "100000", "PAGEDCORE_ATTN_PAD": "16"},
 ], ids=["shallow", "deep", "fp8-cvt", "early-off-narrow-fp8", "early-meta-fp8-deep", "early-l2", "two-an-sm",
-        "padded", "padded-deep", "narrow-d64", "copy4", "copy4-deep-fp8-cvt", "copy4-padded-narrow-fp8"])
+        "padded", "padded-deep", "narrow-d64", "copy4", "copy4-deep-fp8-cvt", "copy4-padded-narrow-fp8",
+        "fp8-two-stages", "fp8-k-cvt", "fp8-v-cvt", "deep-8-warps", "deep-8-warps-padded"])
 def test_decode_kernel_variants(monkeypatch, env):
     # The decode kernel's pipelines (three tiles in flight, or five for launches of few
     # CTAs), fp8 widenings (integer operations, or the cvt unit), the lengths and first
@@ -178,7 +184,9 @@ def test_decode_kernel_variants(monkeypatch, env):
     # by 16 bytes (the default swizzles them over 16-bit caches at head dim 128);
     # "narrow-d64": 64-key tiles, three stages, padded rows over 16-bit caches at head dim 64
     # (the default takes 128-key tiles, two stages, swizzled rows there); "copy4*": K/V rows
-    # copied by 4 threads each instead of 8 at head dim 128, over each pipeline. (The split rule
+    # copied by 4 threads each instead of 8 at head dim 128, over each pipeline; "fp8-two-stages",
+    # "fp8-*-cvt": fp8 128-key tiles two deep (swizzled), or K or V widened by the cvt unit;
+    # "deep-8-warps*": eight-warp CTAs of 128-key tiles in the deep pipeline. (The split rule
     # PAGEDCORE_DECODE_BALANCE only changes a plan's split count: test_mixed_graph_plan.py.)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
