@@ -158,18 +158,13 @@ def test_decode_rows_shorter_than_the_graph_plan(monkeypatch, dtype, window, fp8
     {"PAGEDCORE_ATTN_PAD": "16"},
     {"PAGEDCORE_ATTN_PAD": "16", "PAGEDCORE_DECODE_DEEP_CTAS": "100000"},
     {"PAGEDCORE_DECODE_WIDE_D64": "0", "PAGEDCORE_DECODE_DEEP_CTAS": "0"},
-    {"PAGEDCORE_ATTN_COPY_THREADS": "4", "PAGEDCORE_DECODE_DEEP_CTAS": "0"},
-    {"PAGEDCORE_ATTN_COPY_THREADS": "4", "PAGEDCORE_DECODE_DEEP_CTAS": "100000", "PAGEDCORE_FP8_FAST_CVT": "0"},
-    {"PAGEDCORE_ATTN_COPY_THREADS": "4", "PAGEDCORE_ATTN_PAD": "16", "PAGEDCORE_FP8_WIDE_TILES": "0",
-     "PAGEDCORE_DECODE_DEEP_CTAS": "0"},
-    {"PAGEDCORE_FP8_WIDE_STAGES": "2", "PAGEDCORE_DECODE_DEEP_CTAS": "0"},
-    {"PAGEDCORE_FP8_CVT_MIX": "1", "PAGEDCORE_DECODE_DEEP_CTAS": "0"},
-    {"PAGEDCORE_FP8_CVT_MIX": "2", "PAGEDCORE_DECODE_DEEP_CTAS": "0"},
-    {"PAGEDCORE_DECODE_DEEP_WARPS": "8", "PAGEDCORE_DECODE_DEEP_CTAS": "100000"},
-    {"PAGEDCORE_DECODE_DEEP_WARPS": "8", "PAGEDCORE_DECODE_DEEP_CTAS": "100000", "PAGEDCORE_ATTN_PAD": "16"},
+    {"PAGEDCORE_FP8_CVT_MIX": "0", "PAGEDCORE_DECODE_DEEP_CTAS": "0"},
+    {"PAGEDCORE_FP8_CVT_MIX": "0", "PAGEDCORE_DECODE_DEEP_CTAS": "100000"},
+    {"PAGEDCORE_FP8_FOUR_CTAS": "1", "PAGEDCORE_DECODE_DEEP_CTAS": "0"},
+    {"PAGEDCORE_DECODE_SPLIT_SCORES": "1", "PAGEDCORE_DECODE_DEEP_CTAS": "0"},
 ], ids=["shallow", "deep", "fp8-cvt", "early-off-narrow-fp8", "early-meta-fp8-deep", "early-l2", "two-an-sm",
-        "padded", "padded-deep", "narrow-d64", "copy4", "copy4-deep-fp8-cvt", "copy4-padded-narrow-fp8",
-        "fp8-two-stages", "fp8-k-cvt", "fp8-v-cvt", "deep-8-warps", "deep-8-warps-padded"])
+        "padded", "padded-deep", "narrow-d64", "fp8-int", "fp8-int-deep", "fp8-four-ctas",
+        "split-scores"])
 def test_decode_kernel_variants(monkeypatch, env):
     # The decode kernel's pipelines (three tiles in flight, or five for launches of few
     # CTAs), fp8 widenings (integer operations, or the cvt unit), the lengths and first
@@ -183,11 +178,13 @@ def test_decode_kernel_variants(monkeypatch, env):
     # the GPU, so the split launches of few rows are deep); "padded*": staged rows padded
     # by 16 bytes (the default swizzles them over 16-bit caches at head dim 128);
     # "narrow-d64": 64-key tiles, three stages, padded rows over 16-bit caches at head dim 64
-    # (the default takes 128-key tiles, two stages, swizzled rows there); "copy4*": K/V rows
-    # copied by 4 threads each instead of 8 at head dim 128, over each pipeline; "fp8-two-stages",
-    # "fp8-*-cvt": fp8 128-key tiles two deep (swizzled), or K or V widened by the cvt unit;
-    # "deep-8-warps*": eight-warp CTAs of 128-key tiles in the deep pipeline. (The split rule
-    # PAGEDCORE_DECODE_BALANCE only changes a plan's split count: test_mixed_graph_plan.py.)
+    # (the default takes 128-key tiles, two stages, swizzled rows there); "fp8-int*": fp8's K
+    # widened by integer operations like V (the default widens K by the cvt unit in 128-key
+    # tiles, and in the deep pipeline for bf16 queries at head dim 128); "fp8-four-ctas": fp8
+    # 64-key tiles, swizzled, at most 128 registers a thread (bf16 queries, head dim 128);
+    # "split-scores": 128-key tiles' four score fragments in eight mma chains (bf16 queries).
+    # (The split rule PAGEDCORE_DECODE_BALANCE only changes a plan's split count:
+    # test_mixed_graph_plan.py.)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     lengths = [1, 17, 255, 256, 513, 1500, 4097, 9000]
