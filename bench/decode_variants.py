@@ -25,6 +25,9 @@ share one set of tensors, and their graphs are replayed in turn, five rounds.
                               64-key tiles, swizzled, <= 128 registers: four CTAs an SM (1)
   PAGEDCORE_DECODE_SPLIT_SCORES  128-key tiles (fp8 at head dim 128, 16-bit at 64; bf16
                               queries): four score fragments' mma chains split in two (1)
+  PAGEDCORE_DECODE_SPLITS     decode key splits forced (planning; within its caps)
+  PAGEDCORE_FP8_WIDE_STAGES   fp8 128-key tiles at head dim 128 (bf16 queries): three in flight
+                              (3, default) or two, swizzled, three CTAs an SM (2)
   PAGEDCORE_ATTN_PAD          staged K/V rows swizzled (0, default over 16-bit caches at head
                               dim 128: each 32-byte sector of the cache lands whole in shared
                               memory) or padded by 16 bytes (16, as elsewhere but head dim
@@ -66,6 +69,11 @@ VARIANTS = (
     ("fp8 int", {"PAGEDCORE_FP8_CVT_MIX": "0"}),
     ("fp8 four", {"PAGEDCORE_FP8_FOUR_CTAS": "1"}),
     ("split scores", {"PAGEDCORE_DECODE_SPLIT_SCORES": "1"}),
+    ("splits 2", {"PAGEDCORE_DECODE_SPLITS": "2"}),
+    ("splits 3", {"PAGEDCORE_DECODE_SPLITS": "3"}),
+    ("fp8 two stages", {"PAGEDCORE_FP8_WIDE_STAGES": "2"}),
+    ("fp8 two stages splits 2", {"PAGEDCORE_FP8_WIDE_STAGES": "2", "PAGEDCORE_DECODE_SPLITS": "2"}),
+    ("fp8 two stages splits 3", {"PAGEDCORE_FP8_WIDE_STAGES": "2", "PAGEDCORE_DECODE_SPLITS": "3"}),
 )
 # (name, batch, keys, heads, kv heads, head dim, fp8, graph plan length or 0)
 CASES = (

@@ -844,6 +844,10 @@ int launch_variant(const PagedAttentionParams& p, cudaStream_t stream, int flags
 //     that are not deep: 64-key tiles, three stages, swizzled (52 KB), at most
 //     128 registers a thread: four CTAs an SM, so that B=64's 512 CTAs run in
 //     one wave of four warps a sub-partition. Off by default; not yet measured.
+//   PAGEDCORE_FP8_WIDE_STAGES=2  (trial, bf16 queries at head dim 128) fp8
+//     128-key tiles two deep, swizzled (68 KB: three CTAs an SM instead of
+//     two), meant with key splits that make whole waves of three an SM
+//     (planning's PAGEDCORE_DECODE_SPLITS). Off by default; not yet measured so.
 //   PAGEDCORE_DECODE_SPLIT_SCORES=1  (trial, bf16 queries) 128-key tiles (fp8 at
 //     head dim 128, 16-bit caches at 64): each pass's four score fragments
 //     accumulate odd k steps apart as well (SPLIT_K), eight mma chains of half
@@ -890,6 +894,9 @@ int launch_decode(const PagedAttentionParams& p, cudaStream_t stream, int flags,
         }
         if (env_int("PAGEDCORE_DECODE_SPLIT_SCORES", 0) != 0) {
           return launch_variant<T, CT, HD, true, 3, kCvtIntV, 128, 16, 0, true>(p, stream, flags);
+        }
+        if (env_int("PAGEDCORE_FP8_WIDE_STAGES", 3) == 2) {
+          return launch_variant<T, CT, HD, true, 2, kCvtIntV, 128, 0>(p, stream, flags);
         }
       }
       return env_int("PAGEDCORE_FP8_CVT_MIX", 1) == 1
