@@ -18,16 +18,8 @@ share one set of tensors, and their graphs are replayed in turn, five rounds.
                               runs two whole rows' CTAs (1), or not split (0, default)
   PAGEDCORE_DECODE_WIDE_D64   16-bit caches at head dim 64: 128-key tiles, two stages, swizzled
                               rows (1, default), or 64-key tiles, three stages, padded rows (0)
-  PAGEDCORE_FP8_CVT_MIX       fp8's K widened by the cvt unit, V by integer operations (1,
-                              default; 128-key tiles, and the deep pipeline for bf16 queries at
-                              head dim 128), or both by integer operations (0)
-  PAGEDCORE_FP8_FOUR_CTAS     fp8 launches that are not deep (bf16 queries, head dim 128):
-                              64-key tiles, swizzled, <= 128 registers: four CTAs an SM (1)
-  PAGEDCORE_DECODE_SPLIT_SCORES  128-key tiles (fp8 at head dim 128, 16-bit at 64; bf16
-                              queries): four score fragments' mma chains split in two (1)
-  PAGEDCORE_DECODE_SPLITS     decode key splits forced (planning; within its caps)
-  PAGEDCORE_FP8_WIDE_STAGES   fp8 128-key tiles at head dim 128 (bf16 queries): three in flight
-                              (3, default) or two, swizzled, three CTAs an SM (2)
+  PAGEDCORE_FP8_CVT_MIX       fp8 128-key tiles: K widened by the cvt unit, V by integer
+                              operations (1, default), or both by integer operations (0)
   PAGEDCORE_ATTN_PAD          staged K/V rows swizzled (0, default over 16-bit caches at head
                               dim 128: each 32-byte sector of the cache lands whole in shared
                               memory) or padded by 16 bytes (16, as elsewhere but head dim
@@ -67,13 +59,6 @@ VARIANTS = (
     ("d64 narrow", {"PAGEDCORE_DECODE_WIDE_D64": "0"}),
     ("d64 narrow balanced", {"PAGEDCORE_DECODE_WIDE_D64": "0", "PAGEDCORE_DECODE_BALANCE": "1"}),
     ("fp8 int", {"PAGEDCORE_FP8_CVT_MIX": "0"}),
-    ("fp8 four", {"PAGEDCORE_FP8_FOUR_CTAS": "1"}),
-    ("split scores", {"PAGEDCORE_DECODE_SPLIT_SCORES": "1"}),
-    ("splits 2", {"PAGEDCORE_DECODE_SPLITS": "2"}),
-    ("splits 3", {"PAGEDCORE_DECODE_SPLITS": "3"}),
-    ("fp8 two stages", {"PAGEDCORE_FP8_WIDE_STAGES": "2"}),
-    ("fp8 two stages splits 2", {"PAGEDCORE_FP8_WIDE_STAGES": "2", "PAGEDCORE_DECODE_SPLITS": "2"}),
-    ("fp8 two stages splits 3", {"PAGEDCORE_FP8_WIDE_STAGES": "2", "PAGEDCORE_DECODE_SPLITS": "3"}),
 )
 # (name, batch, keys, heads, kv heads, head dim, fp8, graph plan length or 0)
 CASES = (

@@ -228,13 +228,10 @@ constexpr int kCvtIntK = 1, kCvtIntV = 2, kCvtInt = kCvtIntK | kCvtIntV;
 
 // STAGES: tiles in flight (num_stages or, for small decode launches,
 // deep_stages); CVT: fp8's widening (kCvtInt...); KT: keys per tile (fp8
-// decode: 128 where not deep); PAD: staged rows' layout; MINB: CTAs an SM the
-// registers must allow (__launch_bounds__; 0: no bound); SK4: score chains split
-// in two at four score fragments a pass too (below: SPLIT_K). flags: kEarlyMeta,
+// decode: 128 where not deep); PAD: staged rows' layout. flags: kEarlyMeta,
 // kEarlyPrefetch (decode only).
-template <typename T, typename CT, int HD, bool DECODE, int STAGES, int CVT, int KT = kTileKeys, int PAD = 16,
-          int MINB = 0, bool SK4 = false>
-__global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarps, MINB)
+template <typename T, typename CT, int HD, bool DECODE, int STAGES, int CVT, int KT = kTileKeys, int PAD = 16>
+__global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarps)
     mma_attention_kernel(PagedAttentionParams p, int flags) {
   constexpr int kWarps = DECODE ? kDecodeWarps : kPrefillWarps;
   constexpr int kThreads = 32 * kWarps;
@@ -477,7 +474,7 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
         const uint32_t k_base = smem_addr(ks);
         // NOTE: with few score fragments (decode), odd k steps accumulate apart
         // so that two mma chains per fragment run at once.
-        constexpr bool SPLIT_K = (ST <= 2 || (SK4 && ST <= 4)) && KSTEPS >= 4;
+        constexpr bool SPLIT_K = ST <= 2 && KSTEPS >= 4;
         float sc2[SPLIT_K ? ST : 1][4];
 #pragma unroll
         for (int n = 0; n < (SPLIT_K ? ST : 1); ++n) sc2[n][0] = sc2[n][1] = sc2[n][2] = sc2[n][3] = 0.f;
@@ -766,8 +763,7 @@ int env_int(const char* name, int fallback) {
   return v != nullptr && *v != '\0' ? std::atoi(v) : fallback;
 }
 
-template <typename T, typename CT, int HD, bool DECODE, int STAGES, int CVT, int KT = kTileKeys, int PAD = 16,
-          int MINB = 0, bool SK4 = false>
+template <typename T, typename CT, int HD, bool DECODE, int STAGES, int CVT, int KT = kTileKeys, int PAD = 16>
 int launch_variant(const PagedAttentionParams& p, cudaStream_t stream, int flags = 0) {
   if constexpr (DECODE && PAD == 16 && HD == 128 && sizeof(CT) == 2) {
     // Decode stages swizzled rows at head dim 128 over a 16-bit cache (the
@@ -778,13 +774,13 @@ int launch_variant(const PagedAttentionParams& p, cudaStream_t stream, int flags
                                                      (kDecodeWarps * 16 * HD + 2 * kDecodeWarps * 16) * 4;
     if constexpr (kSwizzleFits) {
       if (env_int("PAGEDCORE_ATTN_PAD", 0) == 0) {
-        return launch_variant<T, CT, HD, DECODE, STAGES, CVT, KT, 0, MINB, SK4>(p, stream, flags);
+        return launch_variant<T, CT, HD, DECODE, STAGES, CVT, KT, 0>(p, stream, flags);
       }
     }
   }
   constexpr size_t smem = smem_bytes<CT, HD, STAGES, KT, PAD>();
   constexpr int threads = DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarps;
-  auto* kernel = mma_attention_kernel<T, CT, HD, DECODE, STAGES, CVT, KT, PAD, MINB, SK4>;
+  auto* kernel = mma_attention_kernel<T, CT, HD, DECODE, STAGES, CVT, KT, PAD>;
   static bool configured = false;  // NOTE: per instantiation; raising the limit is idempotent
   if (!configured) {
     const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
@@ -803,7 +799,8 @@ int launch_variant(const PagedAttentionParams& p, cudaStream_t stream, int flags
 // Decode launches of at most PAGEDCORE_DECODE_DEEP_CTAS CTAs (default: one per
 // multiprocessor, the deep variant's occupancy; 0 turns it off) take the deep
 // pipeline; fp8 caches are widened by integer operations (K by the conversion
-// unit in 128-key tiles: PAGEDCORE_FP8_CVT_MIX) unless PAGEDCORE_FP8_FAST_CVT=0. NOTE: measured on the H200 (bench/decode_variants.py):
+// unit in 128-key tiles: PAGEDCORE_FP8_CVT_MIX) unless PAGEDCORE_FP8_FAST_CVT=0.
+// NOTE: measured on the H200 (bench/decode_variants.py):
 // deep 14.6 against 15.1 us at B=1 L=4k, no change at L=256; at two per SM it
 // also took B=1 L=32k (264 CTAs of ~1000 keys) and lost there, 61.5 against 52.3.
 // Integer fp8 widening: 197.5 against 200.8 us at B=64 L=4k (within the noise) in
@@ -831,36 +828,33 @@ int launch_variant(const PagedAttentionParams& p, cudaStream_t stream, int flags
 //     (decode_variants.py at 927106d, alternating; SmolLM2 B=64 L=1k, 192 CTAs):
 //     19.0 -> 18.3 us with the rows split in two (planning's balance rule),
 //     17.0 unsplit, which is why that rule is now off by default.
-//   PAGEDCORE_FP8_CVT_MIX=1  fp8 128-key tiles (and, bf16 queries at head dim
-//     128, the deep pipeline): K widened by the conversion unit (F2FP, two
-//     bytes an instruction, no integer operations), V by integer operations,
-//     so that two pipes share the widening. Default; =0: both by integer
-//     operations. NOTE: measured on the H200 (decode_variants.py at 0f0306a):
-//     fp8 B=64 L=4k 157.4 -> 150.9 us (V by cvt instead: 152.1). ncu (same
-//     launch, base clocks): ALU pipe 40% active, issue slots 42%, two warps an
-//     SM sub-partition: neither a pipe nor issue is full; the latency of each
-//     warp's dependent chains, with two warps to hide it, bounds the launch.
-//   PAGEDCORE_FP8_FOUR_CTAS=1  (trial, bf16 queries at head dim 128) fp8 launches
-//     that are not deep: 64-key tiles, three stages, swizzled (52 KB), at most
-//     128 registers a thread: four CTAs an SM, so that B=64's 512 CTAs run in
-//     one wave of four warps a sub-partition. Off by default; not yet measured.
-//   PAGEDCORE_FP8_WIDE_STAGES=2  (trial, bf16 queries at head dim 128) fp8
-//     128-key tiles two deep, swizzled (68 KB: three CTAs an SM instead of
-//     two), meant with key splits that make whole waves of three an SM
-//     (planning's PAGEDCORE_DECODE_SPLITS). Off by default; not yet measured so.
-//   PAGEDCORE_DECODE_SPLIT_SCORES=1  (trial, bf16 queries) 128-key tiles (fp8 at
-//     head dim 128, 16-bit caches at 64): each pass's four score fragments
-//     accumulate odd k steps apart as well (SPLIT_K), eight mma chains of half
-//     the length instead of four. Off by default; not yet measured.
-// Deleted after the eighteenth session's first run (decode_variants.py at 0f0306a,
-// us, default -> variant): K/V rows copied by 4 threads instead of 8 at head dim
-// 128 (PAGEDCORE_ATTN_COPY_THREADS=4; fewer copy instructions, half the
-// copies in flight per pass): B=64 L=4k 239.7 -> 299.8, L=1k 66.2 -> 76.9, B=1
-// L=32k 39.8 -> 44.9, fp8 B=64 L=4k 157.4 -> 175.2; fp8 128-key tiles two deep
-// and swizzled (three CTAs an SM: B=64's 512 CTAs in 1.3 waves): 157.4 ->
-// 173.9; eight-warp CTAs of 128-key tiles in the deep pipeline: B=1 L=256 5.5 ->
-// 5.4, L=32k 39.8 -> 39.1, but under the decode graphs' plan 8B B=1 L=160 4.7 ->
-// 5.3, B=16 5.5 -> 6.1.
+//   PAGEDCORE_FP8_CVT_MIX=1  fp8 128-key tiles: K widened by the conversion
+//     unit (F2FP, two bytes an instruction, no integer operations), V by
+//     integer operations, so that two pipes share the widening. Default; =0:
+//     both by integer operations. NOTE: measured on the H200 (decode_variants.py
+//     at 0f0306a / 55f182e): fp8 B=64 L=4k 157.4 -> 150.9 / 158.1 -> 150.8 us (V
+//     by cvt instead: 152.1; in the deep pipeline, B=1 L=4k: 12.3 -> 12.2, so not
+//     there). ncu (same launch, base clocks): ALU pipe 40% active, issue slots
+//     42%, two warps an SM sub-partition: no pipe and not issue is full; the
+//     latency of each warp's dependent chains, with two warps to hide it, bounds
+//     the launch.
+// Deleted after the eighteenth session's runs (decode_variants.py at 0f0306a,
+// 55f182e and 6769cb6; us, default -> variant):
+// - K/V rows copied by 4 threads instead of 8 at head dim 128
+//   (PAGEDCORE_ATTN_COPY_THREADS=4; fewer copy instructions, half the copies in
+//   flight a pass): B=64 L=4k 239.7 -> 299.8, L=1k 66.2 -> 76.9, B=1 L=32k 39.8
+//   -> 44.9, fp8 B=64 L=4k 157.4 -> 175.2.
+// - eight-warp CTAs of 128-key tiles in the deep pipeline: B=1 L=256 5.5 -> 5.4,
+//   L=32k 39.8 -> 39.1, but under the decode graphs' plan 8B B=1 L=160 4.7 ->
+//   5.3, B=16 5.5 -> 6.1.
+// - fp8 128-key tiles two deep, swizzled (three CTAs an SM): 157.4 -> 173.9 at
+//   B=64 L=4k (512 CTAs: 1.3 waves); with 2 / 3 key splits forced to fill whole
+//   waves 153.3 -> 160.0 / 163.6 (splits alone, two CTAs an SM: 175.3 / 189.4;
+//   bf16 B=64 L=4k 246.0 -> 257.0 / 261.6).
+// - fp8 64-key tiles, swizzled, <= 128 registers (88 bytes spilled): four CTAs
+//   an SM, B=64's 512 CTAs in one wave: 150.8 -> 174.5.
+// - four score fragments' mma chains split in two (SPLIT_K at ST = 4): fp8 150.8
+//   -> 152.5, SmolLM2 B=64 L=1k 16.6 -> 17.1.
 // Deleted after the twelfth session's runs (bench/RESULTS.md; d3441b5, eaa1fc4):
 // eight-warp decode CTAs of two or three 128-key tiles (PAGEDCORE_DECODE_WIDE):
 // B=64 L=1k 82.7-88.2 against 74.8 us, fp8 B=64 L=4k 226-230 against 186, B=1
@@ -875,30 +869,12 @@ template <typename T, typename CT, int HD>
 int launch_decode(const PagedAttentionParams& p, cudaStream_t stream, int flags, bool deep, bool fast) {
   constexpr bool FP8 = std::is_same_v<CT, uint8_t>;
   constexpr int kCvt = FP8 ? kCvtInt : 0;
-  // (Trial variants are built for bf16 queries at head dim 128 only.)
-  constexpr bool kTrial = std::is_same_v<T, __nv_bfloat16> && HD == 128;
   if (deep) {
-    if constexpr (FP8 && kTrial) {
-      if (fast && env_int("PAGEDCORE_FP8_CVT_MIX", 1) == 1) {
-        return launch_variant<T, CT, HD, true, deep_stages<HD>(), kCvtIntV, kTileKeys>(p, stream, flags);
-      }
-    }
     return fast ? launch_variant<T, CT, HD, true, deep_stages<HD>(), kCvt, kTileKeys>(p, stream, flags)
                 : launch_variant<T, CT, HD, true, deep_stages<HD>(), 0, kTileKeys>(p, stream, flags);
   }
   if constexpr (FP8 && (HD == 64 || HD == 128)) {
     if (fast && env_int("PAGEDCORE_FP8_WIDE_TILES", 1) != 0) {
-      if constexpr (kTrial) {
-        if (env_int("PAGEDCORE_FP8_FOUR_CTAS", 0) != 0) {
-          return launch_variant<T, CT, HD, true, 3, kCvtIntV, kTileKeys, 0, 4>(p, stream, flags);
-        }
-        if (env_int("PAGEDCORE_DECODE_SPLIT_SCORES", 0) != 0) {
-          return launch_variant<T, CT, HD, true, 3, kCvtIntV, 128, 16, 0, true>(p, stream, flags);
-        }
-        if (env_int("PAGEDCORE_FP8_WIDE_STAGES", 3) == 2) {
-          return launch_variant<T, CT, HD, true, 2, kCvtIntV, 128, 0>(p, stream, flags);
-        }
-      }
       return env_int("PAGEDCORE_FP8_CVT_MIX", 1) == 1
                  ? launch_variant<T, CT, HD, true, 3, kCvtIntV, 128>(p, stream, flags)
                  : launch_variant<T, CT, HD, true, 3, kCvtInt, 128>(p, stream, flags);
@@ -907,11 +883,6 @@ int launch_decode(const PagedAttentionParams& p, cudaStream_t stream, int flags,
   if constexpr (!FP8 && HD == 64) {
     // 128-key tiles, two in flight, swizzled rows (68 KB: three CTAs an SM).
     if (env_int("PAGEDCORE_DECODE_WIDE_D64", 1) != 0) {
-      if constexpr (std::is_same_v<T, __nv_bfloat16>) {  // (trial: bf16 queries only)
-        if (env_int("PAGEDCORE_DECODE_SPLIT_SCORES", 0) != 0) {
-          return launch_variant<T, CT, HD, true, 2, 0, 128, 0, 0, true>(p, stream, flags);
-        }
-      }
       return launch_variant<T, CT, HD, true, 2, 0, 128, 0>(p, stream, flags);
     }
   }

@@ -159,13 +159,8 @@ def test_decode_rows_shorter_than_the_graph_plan(monkeypatch, dtype, window, fp8
     {"PAGEDCORE_ATTN_PAD": "16", "PAGEDCORE_DECODE_DEEP_CTAS": "100000"},
     {"PAGEDCORE_DECODE_WIDE_D64": "0", "PAGEDCORE_DECODE_DEEP_CTAS": "0"},
     {"PAGEDCORE_FP8_CVT_MIX": "0", "PAGEDCORE_DECODE_DEEP_CTAS": "0"},
-    {"PAGEDCORE_FP8_CVT_MIX": "0", "PAGEDCORE_DECODE_DEEP_CTAS": "100000"},
-    {"PAGEDCORE_FP8_FOUR_CTAS": "1", "PAGEDCORE_DECODE_DEEP_CTAS": "0"},
-    {"PAGEDCORE_DECODE_SPLIT_SCORES": "1", "PAGEDCORE_DECODE_DEEP_CTAS": "0"},
-    {"PAGEDCORE_FP8_WIDE_STAGES": "2", "PAGEDCORE_DECODE_SPLITS": "3", "PAGEDCORE_DECODE_DEEP_CTAS": "0"},
 ], ids=["shallow", "deep", "fp8-cvt", "early-off-narrow-fp8", "early-meta-fp8-deep", "early-l2", "two-an-sm",
-        "padded", "padded-deep", "narrow-d64", "fp8-int", "fp8-int-deep", "fp8-four-ctas",
-        "split-scores", "fp8-two-stages-splits"])
+        "padded", "padded-deep", "narrow-d64", "fp8-int"])
 def test_decode_kernel_variants(monkeypatch, env):
     # The decode kernel's pipelines (three tiles in flight, or five for launches of few
     # CTAs), fp8 widenings (integer operations, or the cvt unit), the lengths and first
@@ -179,13 +174,9 @@ def test_decode_kernel_variants(monkeypatch, env):
     # the GPU, so the split launches of few rows are deep); "padded*": staged rows padded
     # by 16 bytes (the default swizzles them over 16-bit caches at head dim 128);
     # "narrow-d64": 64-key tiles, three stages, padded rows over 16-bit caches at head dim 64
-    # (the default takes 128-key tiles, two stages, swizzled rows there); "fp8-int*": fp8's K
+    # (the default takes 128-key tiles, two stages, swizzled rows there); "fp8-int": fp8's K
     # widened by integer operations like V (the default widens K by the cvt unit in 128-key
-    # tiles, and in the deep pipeline for bf16 queries at head dim 128); "fp8-four-ctas": fp8
-    # 64-key tiles, swizzled, at most 128 registers a thread (bf16 queries, head dim 128);
-    # "split-scores": 128-key tiles' four score fragments in eight mma chains (bf16 queries);
-    # "fp8-two-stages-splits": fp8 128-key tiles two deep, swizzled, three key splits forced.
-    # (The split rule PAGEDCORE_DECODE_BALANCE only changes a plan's split count:
+    # tiles). (The split rule PAGEDCORE_DECODE_BALANCE only changes a plan's split count:
     # test_mixed_graph_plan.py.)
     for name, value in env.items():
         monkeypatch.setenv(name, value)

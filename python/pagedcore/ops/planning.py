@@ -122,9 +122,6 @@ def _decode_splits(blocks: int, longest: int, sms: int) -> int:
     8B cases named above have no launch in that range. Off by default since head
     dim 64 decodes in 128-key tiles (927106d, alternating): 18.3 with halves
     against 17.0 us without."""
-    forced = int(os.environ.get("PAGEDCORE_DECODE_SPLITS", "0") or 0)  # (trials: splits forced, within the rule's caps)
-    if forced > 0:
-        return int(max(1, min(forced, longest // _DECODE_SPLIT_KEYS, 64)))
     if os.environ.get("PAGEDCORE_DECODE_ONE_WAVE", "1") != "0" and blocks < sms and longest >= 2 * _DECODE_SPLIT_KEYS:
         per_sm = sms // blocks
         if blocks * per_sm >= 0.8 * sms:
