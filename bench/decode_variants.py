@@ -19,7 +19,8 @@ share one set of tensors, and their graphs are replayed in turn, five rounds.
   PAGEDCORE_DECODE_WIDE_D64   16-bit caches at head dim 64: 128-key tiles, two stages, swizzled
                               rows (1, default), or 64-key tiles, three stages, padded rows (0)
   PAGEDCORE_FP8_CVT_MIX       fp8 128-key tiles: K widened by the cvt unit, V by integer
-                              operations (1, default), or both by integer operations (0)
+                              operations (1, default), both by integer operations (0), or
+                              both by the cvt unit (2)
   PAGEDCORE_ATTN_PAD          staged K/V rows swizzled (0, default over 16-bit caches at head
                               dim 128: each 32-byte sector of the cache lands whole in shared
                               memory) or padded by 16 bytes (16, as elsewhere but head dim
@@ -59,6 +60,7 @@ VARIANTS = (
     ("d64 narrow", {"PAGEDCORE_DECODE_WIDE_D64": "0"}),
     ("d64 narrow balanced", {"PAGEDCORE_DECODE_WIDE_D64": "0", "PAGEDCORE_DECODE_BALANCE": "1"}),
     ("fp8 int", {"PAGEDCORE_FP8_CVT_MIX": "0"}),
+    ("fp8 all cvt", {"PAGEDCORE_FP8_CVT_MIX": "2"}),
 )
 # (name, batch, keys, heads, kv heads, head dim, fp8, graph plan length or 0)
 CASES = (

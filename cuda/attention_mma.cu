@@ -831,7 +831,8 @@ int launch_variant(const PagedAttentionParams& p, cudaStream_t stream, int flags
 //   PAGEDCORE_FP8_CVT_MIX=1  fp8 128-key tiles: K widened by the conversion
 //     unit (F2FP, two bytes an instruction, no integer operations), V by
 //     integer operations, so that two pipes share the widening. Default; =0:
-//     both by integer operations. NOTE: measured on the H200 (decode_variants.py
+//     both by integer operations; =2: both by the conversion unit (V's even and
+//     odd bytes gathered by a prmt first; not yet measured in 128-key tiles). NOTE: measured on the H200 (decode_variants.py
 //     at 0f0306a / 55f182e): fp8 B=64 L=4k 157.4 -> 150.9 / 158.1 -> 150.8 us (V
 //     by cvt instead: 152.1; in the deep pipeline, B=1 L=4k: 12.3 -> 12.2, so not
 //     there). ncu (same launch, base clocks): ALU pipe 40% active, issue slots
@@ -875,9 +876,11 @@ int launch_decode(const PagedAttentionParams& p, cudaStream_t stream, int flags,
   }
   if constexpr (FP8 && (HD == 64 || HD == 128)) {
     if (fast && env_int("PAGEDCORE_FP8_WIDE_TILES", 1) != 0) {
-      return env_int("PAGEDCORE_FP8_CVT_MIX", 1) == 1
-                 ? launch_variant<T, CT, HD, true, 3, kCvtIntV, 128>(p, stream, flags)
-                 : launch_variant<T, CT, HD, true, 3, kCvtInt, 128>(p, stream, flags);
+      switch (env_int("PAGEDCORE_FP8_CVT_MIX", 1)) {
+        case 0: return launch_variant<T, CT, HD, true, 3, kCvtInt, 128>(p, stream, flags);
+        case 2: return launch_variant<T, CT, HD, true, 3, 0, 128>(p, stream, flags);
+        default: return launch_variant<T, CT, HD, true, 3, kCvtIntV, 128>(p, stream, flags);
+      }
     }
   }
   if constexpr (!FP8 && HD == 64) {

@@ -159,8 +159,9 @@ def test_decode_rows_shorter_than_the_graph_plan(monkeypatch, dtype, window, fp8
     {"PAGEDCORE_ATTN_PAD": "16", "PAGEDCORE_DECODE_DEEP_CTAS": "100000"},
     {"PAGEDCORE_DECODE_WIDE_D64": "0", "PAGEDCORE_DECODE_DEEP_CTAS": "0"},
     {"PAGEDCORE_FP8_CVT_MIX": "0", "PAGEDCORE_DECODE_DEEP_CTAS": "0"},
+    {"PAGEDCORE_FP8_CVT_MIX": "2", "PAGEDCORE_DECODE_DEEP_CTAS": "0"},
 ], ids=["shallow", "deep", "fp8-cvt", "early-off-narrow-fp8", "early-meta-fp8-deep", "early-l2", "two-an-sm",
-        "padded", "padded-deep", "narrow-d64", "fp8-int"])
+        "padded", "padded-deep", "narrow-d64", "fp8-int", "fp8-all-cvt-wide"])
 def test_decode_kernel_variants(monkeypatch, env):
     # The decode kernel's pipelines (three tiles in flight, or five for launches of few
     # CTAs), fp8 widenings (integer operations, or the cvt unit), the lengths and first
@@ -176,8 +177,8 @@ def test_decode_kernel_variants(monkeypatch, env):
     # "narrow-d64": 64-key tiles, three stages, padded rows over 16-bit caches at head dim 64
     # (the default takes 128-key tiles, two stages, swizzled rows there); "fp8-int": fp8's K
     # widened by integer operations like V (the default widens K by the cvt unit in 128-key
-    # tiles). (The split rule PAGEDCORE_DECODE_BALANCE only changes a plan's split count:
-    # test_mixed_graph_plan.py.)
+    # tiles); "fp8-all-cvt-wide": both by the cvt unit in 128-key tiles. (The split rule
+    # PAGEDCORE_DECODE_BALANCE only changes a plan's split count: test_mixed_graph_plan.py.)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     lengths = [1, 17, 255, 256, 513, 1500, 4097, 9000]
