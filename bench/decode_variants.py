@@ -21,6 +21,8 @@ share one set of tensors, and their graphs are replayed in turn, five rounds.
   PAGEDCORE_FP8_CVT_MIX       fp8 128-key tiles: K widened by the cvt unit, V by integer
                               operations (1, default), both by integer operations (0), or
                               both by the cvt unit (2)
+  PAGEDCORE_DECODE_KEYS_IN_M  decode warps with keys as the mma's rows and the query vectors
+                              as its columns (1; bf16 queries, head dims 64 and 128)
   PAGEDCORE_ATTN_PAD          staged K/V rows swizzled (0, default over 16-bit caches at head
                               dim 128: each 32-byte sector of the cache lands whole in shared
                               memory) or padded by 16 bytes (16, as elsewhere but head dim
@@ -61,6 +63,7 @@ VARIANTS = (
     ("d64 narrow balanced", {"PAGEDCORE_DECODE_WIDE_D64": "0", "PAGEDCORE_DECODE_BALANCE": "1"}),
     ("fp8 int", {"PAGEDCORE_FP8_CVT_MIX": "0"}),
     ("fp8 all cvt", {"PAGEDCORE_FP8_CVT_MIX": "2"}),
+    ("keys in M", {"PAGEDCORE_DECODE_KEYS_IN_M": "1"}),
 )
 # (name, batch, keys, heads, kv heads, head dim, fp8, graph plan length or 0)
 CASES = (

@@ -216,6 +216,14 @@ __device__ __forceinline__ uint32_t fp8x2_to_half2_scaled(uint32_t x, uint32_t s
 constexpr uint32_t kFp8Bytes01 = 0x9180, kFp8Bytes23 = 0xB3A2, kFp8Bytes02 = 0xA280, kFp8Bytes13 = 0xB391;
 constexpr float kFastFp8Scale = 256.f;  // undoes fp8x2_to_half2_scaled's 2^-8
 
+// An 8x8 matrix of 16-bit values in the mma fragment layout (a thread's two
+// values: row lane / 4, columns 2 (lane % 4) + 0, 1), transposed.
+__device__ __forceinline__ uint32_t movmatrix_trans(uint32_t x) {
+  uint32_t y;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
+  return y;
+}
+
 __device__ __forceinline__ void ldmatrix_x2_trans(uint32_t addr, uint32_t (&r)[2]) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0, %1}, [%2];\n"
                : "=r"(r[0]), "=r"(r[1])
@@ -228,9 +236,20 @@ constexpr int kCvtIntK = 1, kCvtIntV = 2, kCvtInt = kCvtIntK | kCvtIntV;
 
 // STAGES: tiles in flight (num_stages or, for small decode launches,
 // deep_stages); CVT: fp8's widening (kCvtInt...); KT: keys per tile (fp8
-// decode: 128 where not deep); PAD: staged rows' layout. flags: kEarlyMeta,
-// kEarlyPrefetch (decode only).
-template <typename T, typename CT, int HD, bool DECODE, int STAGES, int CVT, int KT = kTileKeys, int PAD = 16>
+// decode: 128 where not deep); PAD: staged rows' layout; KM: keys in the mma's
+// M (decode only; below). flags: kEarlyMeta, kEarlyPrefetch (decode only).
+//
+// KM (a trial): the decode warps compute S^T = K Q^T and O^T += V^T P^T, keys
+// (and then head dims) as the mma's 16 rows and the query vectors as its 8
+// columns, a second column tile only for rows of more than 8 vectors. A row of
+// at most 8 vectors (the 8B shape's 4 heads a kv head) then takes half the mma
+// of Q K^T (each mma 16 keys x 8 vectors, where the default's is 16 vectors,
+// 12 of them empty at 4 heads, x 8 keys) and half those of P V; K is the A
+// operand (ldmatrix, or fp8 words widened as now), V^T comes by
+// ldmatrix.trans, and P^T moves from the score fragments to B fragments by
+// movmatrix.trans.
+template <typename T, typename CT, int HD, bool DECODE, int STAGES, int CVT, int KT = kTileKeys, int PAD = 16,
+          bool KM = false>
 __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarps)
     mma_attention_kernel(PagedAttentionParams p, int flags) {
   constexpr int kWarps = DECODE ? kDecodeWarps : kPrefillWarps;
@@ -245,6 +264,7 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
   constexpr int CHUNKS = HD * static_cast<int>(sizeof(CT)) / 16;  // 16-byte pieces of a cache row
   constexpr int SROW = staged_row_bytes<CT, HD, PAD>();
   static_assert(PAD != 0 || can_swizzle<CT, HD>(), "swizzled rows hold whole eights of chunks");
+  static_assert(!KM || (DECODE && HD % 32 == 0), "keys in M: decode, head dims of whole 32s");
   auto soff = [](int r, int b) { return staged_offset<PAD>(r, b, SROW); };
   constexpr int WK = DECODE ? KT / kWarps : KT;                      // keys per warp per tile
   constexpr int KSTEPS = HD / 16;
@@ -371,8 +391,15 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
   float acc[NT][4];
 #pragma unroll
   for (int n = 0; n < NT; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
-  float m[2] = {-INFINITY, -INFINITY};  // running max, log2 units
-  float l[2] = {0.f, 0.f};              // this thread's share of the running sum
+  // Per query vector the thread holds: its two fragment rows (KM: four columns,
+  // vectors 2 * qd + (0, 1) and, past 8 vectors, 8 + 2 * qd + (0, 1)).
+  constexpr int kRows = KM ? 4 : 2;
+  float m[kRows], l[kRows];
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    m[r] = -INFINITY;  // running max, log2 units
+    l[r] = 0.f;        // this thread's share of the running sum
+  }
 
   const CT* key_cache = static_cast<const CT*>(p.key_cache);
   const CT* value_cache = static_cast<const CT*>(p.value_cache);
@@ -392,6 +419,16 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
   auto at = [](int rb, int lp, int bc) { return rb * SROW + (PAD == 0 ? lp ^ bc : lp + bc); };
   const int k_lane = FP8 ? lane_part(lane / 4, 4 * qd) : lane_part(lane % 8, 16 * (lane / 8));
   const int v_lane = lane_part(lane % 8 + 8 * ((lane / 8) % 2), 16 * (lane / 16));
+  // KM over a 16-bit cache: V^T's A fragments (16 dims x 16 keys) by ldmatrix.trans.
+  const int vt_lane = lane_part(lane % 8 + 8 * (lane / 16), 16 * ((lane / 8) % 2));
+  // fp8 V: byte pairs (dims 2e, 2e+1) of keys 2q, 2q+1, as ldmatrix.trans gives
+  // them; even dims and odd dims, each as the two keys' half2.
+  auto even_dims = [](uint32_t x) {
+    return VINT ? fp8x2_to_half2_scaled(x, kFp8Bytes02) : fp8x2_to_half2(__byte_perm(x, 0, 0x0020));
+  };
+  auto odd_dims = [](uint32_t x) {
+    return VINT ? fp8x2_to_half2_scaled(x, kFp8Bytes13) : fp8x2_to_half2(__byte_perm(x, 0, 0x0031));
+  };
 
   // The copies' shape and each thread's fixed part of them (load_tile below).
   constexpr int kTpr = CHUNKS >= 8 ? 8 : (CHUNKS >= 4 ? 4 : (CHUNKS >= 2 ? 2 : 1));  // threads a key row
@@ -466,6 +503,156 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
         const int kbase = c0 + t * KT + wk;
         const bool skip = !warp_active || kbase >= c1 || kbase > warp_last_pos;
         if (skip) break;  // later passes are further right
+
+        if constexpr (KM) {
+          constexpr int KB = SUB / 16;  // 16-key blocks a pass
+          constexpr int HT = HD / 16;   // 16-dim row tiles of O^T
+          const int col_tiles = hi_rows ? 2 : 1;
+          // S^T = K Q^T: [column tile][key block]; odd k steps apart (two chains).
+          float st[2][KB][4], st2[2][KB][4];
+#pragma unroll
+          for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+            for (int kb = 0; kb < KB; ++kb) {
+#pragma unroll
+              for (int i = 0; i < 4; ++i) st[nt][kb][i] = st2[nt][kb][i] = 0.f;
+            }
+          }
+          const uint32_t kaddr = smem_addr(ks);
+#pragma unroll
+          for (int kb = 0; kb < KB; ++kb) {
+#pragma unroll
+            for (int s = 0; s < KSTEPS; ++s) {
+              uint32_t a[4];  // keys wk + 16 kb + (lane / 4, + 8) x the k step's dims
+              if constexpr (FP8) {
+                const uint32_t w0 = *reinterpret_cast<const uint32_t*>(ks + at(wk + 16 * kb, k_lane, 16 * s));
+                const uint32_t w1 = *reinterpret_cast<const uint32_t*>(ks + at(wk + 16 * kb + 8, k_lane, 16 * s));
+                a[0] = KINT ? fp8x2_to_half2_scaled(w0, kFp8Bytes01) : fp8x2_to_half2(w0);
+                a[1] = KINT ? fp8x2_to_half2_scaled(w1, kFp8Bytes01) : fp8x2_to_half2(w1);
+                a[2] = KINT ? fp8x2_to_half2_scaled(w0, kFp8Bytes23) : fp8x2_to_half2(w0 >> 16);
+                a[3] = KINT ? fp8x2_to_half2_scaled(w1, kFp8Bytes23) : fp8x2_to_half2(w1 >> 16);
+              } else {
+                ldmatrix_x4(kaddr + at(wk + 16 * kb, v_lane, 32 * s), a);
+              }
+              // Q^T's B fragments: qf's rows lane / 4 (+ 8) are vectors lane / 4 (+ 8).
+#pragma unroll
+              for (int nt = 0; nt < 2; ++nt) {
+                if (nt < col_tiles) mma16816<MT>(s % 2 ? st2[nt][kb] : st[nt][kb], a, qf[s][nt], qf[s][2 + nt]);
+              }
+            }
+          }
+          // Scale, cap, mask; element (nt, kb, i): key kbase + 16 kb + lane / 4 + 8 (i / 2),
+          // vector 8 nt + 2 qd + i % 2, the thread's row state r = 2 nt + i % 2.
+          const bool whole = kbase + SUB <= c1 && kbase + SUB - 1 <= warp_first_pos &&
+                             (p.sliding_window == 0 || kbase > warp_last_pos - p.sliding_window);
+          float tmax[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
+          int key_from[4], key_to[4];
+#pragma unroll
+          for (int r = 0; r < 4; ++r) {
+            const int v = 8 * (r / 2) + 2 * qd + r % 2;
+            const int pos = first_pos + v / group;
+            key_from[r] = p.sliding_window > 0 ? pos - p.sliding_window + 1 : 0;
+            key_to[r] = v < num_vectors ? min(pos, c1 - 1) : -1;
+          }
+#pragma unroll
+          for (int nt = 0; nt < 2; ++nt) {
+            if (nt >= col_tiles) continue;
+#pragma unroll
+            for (int kb = 0; kb < KB; ++kb) {
+#pragma unroll
+              for (int i = 0; i < 4; ++i) {
+                const int r = 2 * nt + i % 2;
+                const float v = st[nt][kb][i] + st2[nt][kb][i];
+                float x = softcap > 0.f ? softcap_log2 * tanhf(v * cap_scale) : v * score_log2;
+                if (!whole) {
+                  const int key = kbase + 16 * kb + lane / 4 + 8 * (i / 2);
+                  x = key >= key_from[r] && key <= key_to[r] ? x : -INFINITY;
+                }
+                st[nt][kb][i] = x;
+                tmax[r] = fmaxf(tmax[r], x);
+              }
+            }
+          }
+          constexpr float kSlack = 8.f;  // (as below)
+          bool grow = false;
+#pragma unroll
+          for (int r = 0; r < 4; ++r) {
+            tmax[r] = fmaxf(tmax[r], __shfl_xor_sync(0xffffffffu, tmax[r], 4));
+            tmax[r] = fmaxf(tmax[r], __shfl_xor_sync(0xffffffffu, tmax[r], 8));
+            tmax[r] = fmaxf(tmax[r], __shfl_xor_sync(0xffffffffu, tmax[r], 16));
+            grow |= tmax[r] > m[r] + kSlack;
+          }
+          if (__any_sync(0xffffffffu, grow)) {
+            float corr[4];
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+              const float new_m = fmaxf(m[r], tmax[r]);
+              corr[r] = fast_exp2(m[r] - (new_m == -INFINITY ? 0.f : new_m));
+              m[r] = new_m;
+              l[r] *= corr[r];
+            }
+#pragma unroll
+            for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+              for (int t = 0; t < HT; ++t) {
+#pragma unroll
+                for (int i = 0; i < 4; ++i) acc[nt * HT + t][i] *= corr[2 * nt + i % 2];
+              }
+            }
+          }
+          // P^T as B fragments: each 8 keys x 8 vectors half, packed, transposed.
+          uint32_t pb[2][KB][2];
+#pragma unroll
+          for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+            for (int kb = 0; kb < KB; ++kb) {
+              float e[4] = {0.f, 0.f, 0.f, 0.f};
+              if (nt < col_tiles) {
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                  const int r = 2 * nt + i % 2;
+                  e[i] = fast_exp2(st[nt][kb][i] - (m[r] == -INFINITY ? 0.f : m[r]));
+                  l[r] += e[i];
+                }
+              }
+              pb[nt][kb][0] = movmatrix_trans(pack2<MT>(e[0], e[1]));
+              pb[nt][kb][1] = movmatrix_trans(pack2<MT>(e[2], e[3]));
+            }
+          }
+          // O^T += V^T P^T: row tile t of O^T is head dims 16 t + (lane / 4, + 8)
+          // (fp8: 16 t + 2 (lane / 4) + (0, 1): even and odd dims of a byte pair).
+          const uint32_t vaddr = smem_addr(vs);
+#pragma unroll
+          for (int kb = 0; kb < KB; ++kb) {
+            if constexpr (FP8) {
+#pragma unroll
+              for (int j = 0; j < HD / 32; ++j) {
+                uint32_t b[4];  // keys (+ 0, + 8) x byte pairs (16 j, 16 j + 8) + lane / 4
+                ldmatrix_x4_trans(vaddr + at(wk + 16 * kb, v_lane, 32 * j), b);
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                  const uint32_t a[4] = {even_dims(b[2 * h]), odd_dims(b[2 * h]), even_dims(b[2 * h + 1]),
+                                         odd_dims(b[2 * h + 1])};
+#pragma unroll
+                  for (int nt = 0; nt < 2; ++nt) {
+                    if (nt < col_tiles) mma16816<MT>(acc[nt * HT + 2 * j + h], a, pb[nt][kb][0], pb[nt][kb][1]);
+                  }
+                }
+              }
+            } else {
+#pragma unroll
+              for (int t = 0; t < HT; ++t) {
+                uint32_t a[4];
+                ldmatrix_x4_trans(vaddr + at(wk + 16 * kb, vt_lane, 32 * t), a);
+#pragma unroll
+                for (int nt = 0; nt < 2; ++nt) {
+                  if (nt < col_tiles) mma16816<MT>(acc[nt * HT + t], a, pb[nt][kb][0], pb[nt][kb][1]);
+                }
+              }
+            }
+          }
+          continue;
+        }
 
         // S = Q K^T over the warp's SUB keys.
         float sc[ST][4];
@@ -594,14 +781,8 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
                                   pack2<MT>(sc[2 * kk + 1][2], sc[2 * kk + 1][3])};
           const int key = wk + 16 * kk + (lane % 8) + 8 * ((lane / 8) % 2);
           if constexpr (FP8) {
-            // Byte pairs (dims 2e, 2e+1) of keys 2q, 2q+1 (and + 8): even dims
-            // feed fragment 4j (+2), odd dims 4j + 1 (+3); j covers 32 dims.
-            auto even_dims = [](uint32_t x) {
-              return VINT ? fp8x2_to_half2_scaled(x, kFp8Bytes02) : fp8x2_to_half2(__byte_perm(x, 0, 0x0020));
-            };
-            auto odd_dims = [](uint32_t x) {
-              return VINT ? fp8x2_to_half2_scaled(x, kFp8Bytes13) : fp8x2_to_half2(__byte_perm(x, 0, 0x0031));
-            };
+            // Keys 2q, 2q+1 (and + 8): even dims feed fragment 4j (+2), odd
+            // dims 4j + 1 (+3); j covers 32 dims.
 #pragma unroll
             for (int j = 0; j < HD / 32; ++j) {
               uint32_t b[4];
@@ -637,9 +818,15 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
   }
 
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
-    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+  for (int r = 0; r < kRows; ++r) {
+    if constexpr (KM) {  // (a vector's keys are spread over the lanes of one qd)
+      l[r] += __shfl_xor_sync(0xffffffffu, l[r], 4);
+      l[r] += __shfl_xor_sync(0xffffffffu, l[r], 8);
+      l[r] += __shfl_xor_sync(0xffffffffu, l[r], 16);
+    } else {
+      l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+      l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+    }
   }
   const float out_scale = FP8 ? p.v_scale * (VINT ? kFastFp8Scale : 1.f) : 1.f;
   // Head dim of acc[n][c] (c = 0, 1; rows 8-15 the same): fp8 fragments pair up
@@ -657,20 +844,46 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
                   "merge space");
     static_assert(smem_bytes<CT, HD, STAGES, KT, PAD>() - kTable * 4 >= merge::kScratchFloats * 4, "split merge space");
     __syncthreads();
+    if constexpr (KM) {
+      // acc[nt * HD / 16 + t][i]: vector 8 nt + 2 qd + i % 2, head dim 16 t + lane / 4
+      // + 8 (i / 2) (fp8: 16 t + 2 (lane / 4) + i / 2).
 #pragma unroll
-    for (int n = 0; n < NT; ++n) {
+      for (int nt = 0; nt < 2; ++nt) {
+        if (nt == 1 && !hi_rows) continue;
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        if (i >= 2 && !hi_rows) continue;  // (fragment rows 8-15 hold no vector)
-        const int r = lane / 4 + 8 * (i / 2);
-        s_acc[(warp * 16 + r) * HD + out_dim(n, i % 2)] = acc[n][i];
+        for (int t = 0; t < HD / 16; ++t) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const int v = 8 * nt + 2 * qd + i % 2;
+            const int d = FP8 ? 16 * t + 2 * (lane / 4) + i / 2 : 16 * t + lane / 4 + 8 * (i / 2);
+            s_acc[(warp * 16 + v) * HD + d] = acc[nt * (HD / 16) + t][i];
+          }
+        }
       }
-    }
-    if (qd == 0) {
-      s_m[warp * 16 + lane / 4] = m[0];
-      s_m[warp * 16 + lane / 4 + 8] = m[1];
-      s_l[warp * 16 + lane / 4] = l[0];
-      s_l[warp * 16 + lane / 4 + 8] = l[1];
+      if (lane < 4) {
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          const int v = 8 * (r / 2) + 2 * qd + r % 2;
+          s_m[warp * 16 + v] = m[r];
+          s_l[warp * 16 + v] = l[r];
+        }
+      }
+    } else {
+#pragma unroll
+      for (int n = 0; n < NT; ++n) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          if (i >= 2 && !hi_rows) continue;  // (fragment rows 8-15 hold no vector)
+          const int r = lane / 4 + 8 * (i / 2);
+          s_acc[(warp * 16 + r) * HD + out_dim(n, i % 2)] = acc[n][i];
+        }
+      }
+      if (qd == 0) {
+        s_m[warp * 16 + lane / 4] = m[0];
+        s_m[warp * 16 + lane / 4 + 8] = m[1];
+        s_l[warp * 16 + lane / 4] = l[0];
+        s_l[warp * 16 + lane / 4 + 8] = l[1];
+      }
     }
     __syncthreads();
     // Four consecutive dims of one vector a thread: the warps' weights once per
@@ -763,7 +976,8 @@ int env_int(const char* name, int fallback) {
   return v != nullptr && *v != '\0' ? std::atoi(v) : fallback;
 }
 
-template <typename T, typename CT, int HD, bool DECODE, int STAGES, int CVT, int KT = kTileKeys, int PAD = 16>
+template <typename T, typename CT, int HD, bool DECODE, int STAGES, int CVT, int KT = kTileKeys, int PAD = 16,
+          bool KM = false>
 int launch_variant(const PagedAttentionParams& p, cudaStream_t stream, int flags = 0) {
   if constexpr (DECODE && PAD == 16 && HD == 128 && sizeof(CT) == 2) {
     // Decode stages swizzled rows at head dim 128 over a 16-bit cache (the
@@ -774,13 +988,13 @@ int launch_variant(const PagedAttentionParams& p, cudaStream_t stream, int flags
                                                      (kDecodeWarps * 16 * HD + 2 * kDecodeWarps * 16) * 4;
     if constexpr (kSwizzleFits) {
       if (env_int("PAGEDCORE_ATTN_PAD", 0) == 0) {
-        return launch_variant<T, CT, HD, DECODE, STAGES, CVT, KT, 0>(p, stream, flags);
+        return launch_variant<T, CT, HD, DECODE, STAGES, CVT, KT, 0, KM>(p, stream, flags);
       }
     }
   }
   constexpr size_t smem = smem_bytes<CT, HD, STAGES, KT, PAD>();
   constexpr int threads = DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarps;
-  auto* kernel = mma_attention_kernel<T, CT, HD, DECODE, STAGES, CVT, KT, PAD>;
+  auto* kernel = mma_attention_kernel<T, CT, HD, DECODE, STAGES, CVT, KT, PAD, KM>;
   static bool configured = false;  // NOTE: per instantiation; raising the limit is idempotent
   if (!configured) {
     const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
@@ -839,6 +1053,10 @@ int launch_variant(const PagedAttentionParams& p, cudaStream_t stream, int flags
 //     42%, two warps an SM sub-partition: no pipe and not issue is full; the
 //     latency of each warp's dependent chains, with two warps to hide it, bounds
 //     the launch.
+//   PAGEDCORE_DECODE_KEYS_IN_M=1  (trial, bf16 queries, head dims 64 and 128)
+//     the decode warps with keys as the mma's rows (the kernel's KM): half the
+//     mma of a row of at most 8 vectors, shorter chains a pass. Off by default;
+//     not yet run on a GPU (written at the end of the eighteenth session).
 // Deleted after the eighteenth session's runs (decode_variants.py at 0f0306a,
 // 55f182e and 6769cb6; us, default -> variant):
 // - K/V rows copied by 4 threads instead of 8 at head dim 128
@@ -870,6 +1088,21 @@ template <typename T, typename CT, int HD>
 int launch_decode(const PagedAttentionParams& p, cudaStream_t stream, int flags, bool deep, bool fast) {
   constexpr bool FP8 = std::is_same_v<CT, uint8_t>;
   constexpr int kCvt = FP8 ? kCvtInt : 0;
+  // Keys in the mma's M (trial; bf16 queries, head dims 64 and 128, the default
+  // pipelines' shapes otherwise).
+  constexpr bool kKmBuilt = std::is_same_v<T, __nv_bfloat16> && (HD == 64 || HD == 128);
+  if constexpr (kKmBuilt) {
+    if (env_int("PAGEDCORE_DECODE_KEYS_IN_M", 0) != 0 && (!FP8 || fast)) {
+      if (deep) return launch_variant<T, CT, HD, true, deep_stages<HD>(), kCvt, kTileKeys, 16, true>(p, stream, flags);
+      if constexpr (FP8) {
+        return launch_variant<T, CT, HD, true, 3, kCvtIntV, 128, 16, true>(p, stream, flags);
+      } else if constexpr (HD == 64) {
+        return launch_variant<T, CT, HD, true, 2, 0, 128, 0, true>(p, stream, flags);
+      } else {
+        return launch_variant<T, CT, HD, true, num_stages<HD, true>(), 0, kTileKeys, 16, true>(p, stream, flags);
+      }
+    }
+  }
   if (deep) {
     return fast ? launch_variant<T, CT, HD, true, deep_stages<HD>(), kCvt, kTileKeys>(p, stream, flags)
                 : launch_variant<T, CT, HD, true, deep_stages<HD>(), 0, kTileKeys>(p, stream, flags);
