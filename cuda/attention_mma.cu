@@ -984,8 +984,8 @@ int launch_variant(const PagedAttentionParams& p, cudaStream_t stream, int flags
     // layouts: above can_swizzle); PAGEDCORE_ATTN_PAD=16 (read per launch;
     // benchmarks): padded rows instead. (The warps' merge must fit the stages.)
     constexpr bool kSwizzleFits =
-        can_swizzle<CT, HD>() && smem_bytes<CT, HD, STAGES, KT, 0>() - kTable * 4 >=
-                                                     (kDecodeWarps * 16 * HD + 2 * kDecodeWarps * 16) * 4;
+        can_swizzle<CT, HD>() &&
+        smem_bytes<CT, HD, STAGES, KT, 0>() - kTable * 4 >= (kDecodeWarps * 16 * HD + 2 * kDecodeWarps * 16) * 4;
     if constexpr (kSwizzleFits) {
       if (env_int("PAGEDCORE_ATTN_PAD", 0) == 0) {
         return launch_variant<T, CT, HD, DECODE, STAGES, CVT, KT, 0, KM>(p, stream, flags);
@@ -1046,13 +1046,13 @@ int launch_variant(const PagedAttentionParams& p, cudaStream_t stream, int flags
 //     unit (F2FP, two bytes an instruction, no integer operations), V by
 //     integer operations, so that two pipes share the widening. Default; =0:
 //     both by integer operations; =2: both by the conversion unit (V's even and
-//     odd bytes gathered by a prmt first; not yet measured in 128-key tiles). NOTE: measured on the H200 (decode_variants.py
-//     at 0f0306a / 55f182e): fp8 B=64 L=4k 157.4 -> 150.9 / 158.1 -> 150.8 us (V
-//     by cvt instead: 152.1; in the deep pipeline, B=1 L=4k: 12.3 -> 12.2, so not
-//     there). ncu (same launch, base clocks): ALU pipe 40% active, issue slots
-//     42%, two warps an SM sub-partition: no pipe and not issue is full; the
-//     latency of each warp's dependent chains, with two warps to hide it, bounds
-//     the launch.
+//     odd bytes gathered by a prmt first; not yet measured in 128-key tiles).
+//     NOTE: measured on the H200 (decode_variants.py at 0f0306a / 55f182e): fp8
+//     B=64 L=4k 157.4 -> 150.9 / 158.1 -> 150.8 us (V by cvt instead: 152.1; in
+//     the deep pipeline, B=1 L=4k: 12.3 -> 12.2, so not there). ncu (same
+//     launch, base clocks): ALU pipe 40% active, issue slots 42%, two warps an
+//     SM sub-partition: no pipe and not issue is full; the latency of each
+//     warp's dependent chains, with two warps to hide it, bounds the launch.
 //   PAGEDCORE_DECODE_KEYS_IN_M=1  (trial, bf16 queries, head dims 64 and 128)
 //     the decode warps with keys as the mma's rows (the kernel's KM): half the
 //     mma of a row of at most 8 vectors, shorter chains a pass. Off by default;
