@@ -600,20 +600,20 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
               }
             }
           }
-          // P^T as B fragments: each 8 keys x 8 vectors half, packed, transposed.
+          // P^T as B fragments: each 8 keys x 8 vectors half, packed, transposed
+          // (a column tile past col_tiles is left unset: no mma reads it).
           uint32_t pb[2][KB][2];
 #pragma unroll
           for (int nt = 0; nt < 2; ++nt) {
+            if (nt >= col_tiles) continue;
 #pragma unroll
             for (int kb = 0; kb < KB; ++kb) {
-              float e[4] = {0.f, 0.f, 0.f, 0.f};
-              if (nt < col_tiles) {
+              float e[4];
 #pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                  const int r = 2 * nt + i % 2;
-                  e[i] = fast_exp2(st[nt][kb][i] - (m[r] == -INFINITY ? 0.f : m[r]));
-                  l[r] += e[i];
-                }
+              for (int i = 0; i < 4; ++i) {
+                const int r = 2 * nt + i % 2;
+                e[i] = fast_exp2(st[nt][kb][i] - (m[r] == -INFINITY ? 0.f : m[r]));
+                l[r] += e[i];
               }
               pb[nt][kb][0] = movmatrix_trans(pack2<MT>(e[0], e[1]));
               pb[nt][kb][1] = movmatrix_trans(pack2<MT>(e[2], e[3]));
