@@ -64,6 +64,8 @@ VARIANTS = (
     ("fp8 int", {"PAGEDCORE_FP8_CVT_MIX": "0"}),
     ("fp8 all cvt", {"PAGEDCORE_FP8_CVT_MIX": "2"}),
     ("keys in M", {"PAGEDCORE_DECODE_KEYS_IN_M": "1"}),
+    ("keys in M, fp8 all cvt", {"PAGEDCORE_DECODE_KEYS_IN_M": "1", "PAGEDCORE_FP8_CVT_MIX": "2"}),
+    ("keys in M, fp8 int", {"PAGEDCORE_DECODE_KEYS_IN_M": "1", "PAGEDCORE_FP8_CVT_MIX": "0"}),
 )
 # (name, batch, keys, heads, kv heads, head dim, fp8, graph plan length or 0)
 CASES = (
@@ -75,6 +77,9 @@ CASES = (
     ("SmolLM2 B=64 L=1k", 64, 1024, 9, 3, 64, False, 0),
     ("fp8 B=64 L=4k", 64, 4096, 32, 8, 128, True, 0),
     ("fp8 B=1 L=4k", 1, 4096, 32, 8, 128, True, 0),
+    ("fp8 B=64 L=1k", 64, 1024, 32, 8, 128, True, 0),
+    ("SmolLM2 fp8 B=64 L=1k", 64, 1024, 9, 3, 64, True, 0),
+    ("fp8 8B B=16 L=4k graph plan", 16, 4096, 32, 8, 128, True, 8192),
     ("8B B=1 L=160 graph plan", 1, 160, 32, 8, 128, False, 8192),
     ("SmolLM2 B=1 L=160 graph plan", 1, 160, 9, 3, 64, False, 8192),
     ("SmolLM2 B=16 L=160 graph plan", 16, 160, 9, 3, 64, False, 8192),

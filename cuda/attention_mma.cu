@@ -1095,7 +1095,11 @@ int launch_decode(const PagedAttentionParams& p, cudaStream_t stream, int flags,
     if (env_int("PAGEDCORE_DECODE_KEYS_IN_M", 0) != 0 && (!FP8 || fast)) {
       if (deep) return launch_variant<T, CT, HD, true, deep_stages<HD>(), kCvt, kTileKeys, 16, true>(p, stream, flags);
       if constexpr (FP8) {
-        return launch_variant<T, CT, HD, true, 3, kCvtIntV, 128, 16, true>(p, stream, flags);
+        switch (env_int("PAGEDCORE_FP8_CVT_MIX", 1)) {  // (as below)
+          case 0: return launch_variant<T, CT, HD, true, 3, kCvtInt, 128, 16, true>(p, stream, flags);
+          case 2: return launch_variant<T, CT, HD, true, 3, 0, 128, 16, true>(p, stream, flags);
+          default: return launch_variant<T, CT, HD, true, 3, kCvtIntV, 128, 16, true>(p, stream, flags);
+        }
       } else if constexpr (HD == 64) {
         return launch_variant<T, CT, HD, true, 2, 0, 128, 0, true>(p, stream, flags);
       } else {
