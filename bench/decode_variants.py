@@ -64,6 +64,8 @@ VARIANTS = (
     ("fp8 int", {"PAGEDCORE_FP8_CVT_MIX": "0"}),
     ("fp8 all cvt", {"PAGEDCORE_FP8_CVT_MIX": "2"}),
     ("keys in M", {"PAGEDCORE_DECODE_KEYS_IN_M": "1"}),
+    ("keys in M off", {"PAGEDCORE_DECODE_KEYS_IN_M": "0"}),
+    ("deep 128-key tiles", {"PAGEDCORE_DECODE_DEEP_TILE": "128"}),
     ("keys in M, fp8 all cvt", {"PAGEDCORE_DECODE_KEYS_IN_M": "1", "PAGEDCORE_FP8_CVT_MIX": "2"}),
     ("keys in M, fp8 int", {"PAGEDCORE_DECODE_KEYS_IN_M": "1", "PAGEDCORE_FP8_CVT_MIX": "0"}),
 )

@@ -1046,17 +1046,29 @@ int launch_variant(const PagedAttentionParams& p, cudaStream_t stream, int flags
 //     unit (F2FP, two bytes an instruction, no integer operations), V by
 //     integer operations, so that two pipes share the widening. Default; =0:
 //     both by integer operations; =2: both by the conversion unit (V's even and
-//     odd bytes gathered by a prmt first; not yet measured in 128-key tiles).
+//     odd bytes gathered by a prmt first; fp8 B=64 L=4k 161.6 -> 157.4 and
+//     156.6 -> 155.2 us in two runs, within their spread).
 //     NOTE: measured on the H200 (decode_variants.py at 0f0306a / 55f182e): fp8
 //     B=64 L=4k 157.4 -> 150.9 / 158.1 -> 150.8 us (V by cvt instead: 152.1; in
 //     the deep pipeline, B=1 L=4k: 12.3 -> 12.2, so not there). ncu (same
 //     launch, base clocks): ALU pipe 40% active, issue slots 42%, two warps an
 //     SM sub-partition: no pipe and not issue is full; the latency of each
 //     warp's dependent chains, with two warps to hide it, bounds the launch.
-//   PAGEDCORE_DECODE_KEYS_IN_M=1  (trial, bf16 queries, head dims 64 and 128)
-//     the decode warps with keys as the mma's rows (the kernel's KM): half the
-//     mma of a row of at most 8 vectors, shorter chains a pass. Off by default;
-//     not yet run on a GPU (written at the end of the eighteenth session).
+//   PAGEDCORE_DECODE_DEEP_TILE=128  (trial, 16-bit caches at head dims 64 and
+//     128) the deep pipeline in 128-key tiles, three stages, swizzled rows. Off
+//     by default; not yet measured.
+//   PAGEDCORE_DECODE_KEYS_IN_M  the decode warps with keys as the mma's rows
+//     (the kernel's KM): half the mma of a row of at most 8 vectors. Unset:
+//     fp8 128-key tiles at head dim 128 (not deep) only; =1 everywhere it is
+//     built; =0 nowhere. NOTE: measured on the H200 (decode_variants.py,
+//     alternating, us, default -> keys in M). At f82f8d1: B=1 L=256 5.3 -> 6.3,
+//     L=4k 10.1 -> 11.0, L=32k 39.9 -> 40.7, B=64 L=1k 67.2 -> 68.5, L=4k 244.8 ->
+//     247.4, SmolLM2 B=64 L=1k 17.0 -> 17.5, 8B B=1 / B=16 L=160 under the graph
+//     plan 4.8 -> 5.5 / 5.5 -> 6.2, fp8 B=64 L=4k 161.6 -> 152.6. At 9fac98c (fp8;
+//     V widened by integer operations / by cvt / K too by integer operations):
+//     B=64 L=4k 156.6 -> 152.4 / 152.4 / 152.7, B=64 L=1k 50.6 -> 48.0 / 47.6 /
+//     49.0, SmolLM2 (head dim 64) B=64 L=1k 14.6 -> 14.9 / 14.6 / 15.5, 8B B=16
+//     L=4k under the graph plan (deep) 66.6 -> 69.8, B=1 L=4k 12.7 -> 12.7.
 // Deleted after the eighteenth session's runs (decode_variants.py at 0f0306a,
 // 55f182e and 6769cb6; us, default -> variant):
 // - K/V rows copied by 4 threads instead of 8 at head dim 128
@@ -1088,11 +1100,16 @@ template <typename T, typename CT, int HD>
 int launch_decode(const PagedAttentionParams& p, cudaStream_t stream, int flags, bool deep, bool fast) {
   constexpr bool FP8 = std::is_same_v<CT, uint8_t>;
   constexpr int kCvt = FP8 ? kCvtInt : 0;
-  // Keys in the mma's M (trial; bf16 queries, head dims 64 and 128, the default
-  // pipelines' shapes otherwise).
-  constexpr bool kKmBuilt = std::is_same_v<T, __nv_bfloat16> && (HD == 64 || HD == 128);
+  // Keys in the mma's M (the kernel's KM; the default pipelines' shapes
+  // otherwise): fp8's 128-key tiles at head dim 128 where not deep take it by
+  // default; PAGEDCORE_DECODE_KEYS_IN_M=1 takes it wherever it is built (bf16
+  // queries, or fp16 over fp8, at head dims 64 and 128), =0 nowhere.
+  constexpr bool kKmBuilt =
+      (std::is_same_v<T, __nv_bfloat16> || (FP8 && std::is_same_v<T, __half>)) && (HD == 64 || HD == 128);
   if constexpr (kKmBuilt) {
-    if (env_int("PAGEDCORE_DECODE_KEYS_IN_M", 0) != 0 && (!FP8 || fast)) {
+    const int km = env_int("PAGEDCORE_DECODE_KEYS_IN_M", -1);
+    const bool km_default = FP8 && HD == 128 && fast && !deep && env_int("PAGEDCORE_FP8_WIDE_TILES", 1) != 0;
+    if (km > 0 ? (!FP8 || fast) : (km < 0 && km_default)) {
       if (deep) return launch_variant<T, CT, HD, true, deep_stages<HD>(), kCvt, kTileKeys, 16, true>(p, stream, flags);
       if constexpr (FP8) {
         switch (env_int("PAGEDCORE_FP8_CVT_MIX", 1)) {  // (as below)
@@ -1108,6 +1125,13 @@ int launch_decode(const PagedAttentionParams& p, cudaStream_t stream, int flags,
     }
   }
   if (deep) {
+    if constexpr (!FP8 && (HD == 64 || HD == 128)) {
+      // (trial) 128-key tiles, three stages, swizzled rows: two tiles in flight
+      // (the keys of four 64-key ones), half the tiles' fixed costs a warp.
+      if (env_int("PAGEDCORE_DECODE_DEEP_TILE", 64) == 128) {
+        return launch_variant<T, CT, HD, true, 3, 0, 128, 0>(p, stream, flags);
+      }
+    }
     return fast ? launch_variant<T, CT, HD, true, deep_stages<HD>(), kCvt, kTileKeys>(p, stream, flags)
                 : launch_variant<T, CT, HD, true, deep_stages<HD>(), 0, kTileKeys>(p, stream, flags);
   }
