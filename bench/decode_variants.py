@@ -65,13 +65,14 @@ VARIANTS = (
     ("fp8 all cvt", {"PAGEDCORE_FP8_CVT_MIX": "2"}),
     ("keys in M", {"PAGEDCORE_DECODE_KEYS_IN_M": "1"}),
     ("keys in M off", {"PAGEDCORE_DECODE_KEYS_IN_M": "0"}),
-    ("deep 128-key tiles", {"PAGEDCORE_DECODE_DEEP_TILE": "128"}),
+    ("one-pass merge", {"PAGEDCORE_DECODE_MERGE": "1"}),
     ("keys in M, fp8 all cvt", {"PAGEDCORE_DECODE_KEYS_IN_M": "1", "PAGEDCORE_FP8_CVT_MIX": "2"}),
     ("keys in M, fp8 int", {"PAGEDCORE_DECODE_KEYS_IN_M": "1", "PAGEDCORE_FP8_CVT_MIX": "0"}),
 )
 # (name, batch, keys, heads, kv heads, head dim, fp8, graph plan length or 0)
 CASES = (
     ("B=1 L=256", 1, 256, 32, 8, 128, False, 0),
+    ("B=1 L=512", 1, 512, 32, 8, 128, False, 0),
     ("B=1 L=4k", 1, 4096, 32, 8, 128, False, 0),
     ("B=1 L=32k", 1, 32768, 32, 8, 128, False, 0),
     ("B=64 L=1k", 64, 1024, 32, 8, 128, False, 0),

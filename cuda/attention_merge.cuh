@@ -148,4 +148,75 @@ __device__ void count_and_merge(const PagedAttentionParams& p, int work, int kv_
   merge_splits<T, HD, THREADS, DECODE>(p, work, kv_head, s_w);
 }
 
+// The decode kernels' last-CTA merge in fewer round trips (a trial: the decode
+// launch's kOnePassMerge, PAGEDCORE_DECODE_MERGE=1). The count: one thread's
+// fence, relaxed atomic and (in the last CTA) fence after the CTA's barrier,
+// which orders every thread's partial stores before that fence (the pattern of
+// a grid-wide barrier), where count_and_merge fences in every thread. The
+// merge: each thread takes four dims of one vector over the splits in one pass,
+// a split's (max, sum) pair and partial loaded together, eight splits at a time,
+// and folds them in by a running maximum; merge_splits loads the pairs first,
+// then (after two barriers) the partials. Every thread of the CTA must call it,
+// after storing its partials.
+template <typename T, int HD, int THREADS>
+__device__ void count_and_merge_decode(const PagedAttentionParams& p, int work, int kv_head) {
+  const int row = p.decode_seq[work];
+  const int splits = decode_active_splits(p, decode_keys(p, row));
+  int32_t* counter = p.decode_split_counters + static_cast<int64_t>(work) * p.num_kv_heads + kv_head;
+  __syncthreads();  // every thread's partials are stored
+  bool last = false;
+  if (threadIdx.x == 0) {
+    int before;
+    asm volatile(
+        "fence.acq_rel.gpu;\n"
+        "atom.relaxed.gpu.global.add.s32 %0, [%1], 1;\n"
+        : "=r"(before)
+        : "l"(counter)
+        : "memory");
+    last = before == splits - 1;
+    if (last) {
+      asm volatile("fence.acq_rel.gpu;\n" ::: "memory");  // the other splits' partials are visible
+      *counter = 0;
+    }
+  }
+  if (__syncthreads_or(last) == 0) return;
+  const int q_begin = p.query_start_loc[row];
+  const int group = p.num_heads / p.num_kv_heads;
+  const int num_vectors = (p.query_start_loc[row + 1] - q_begin) * group;
+  constexpr int kSlots = kAttentionPartialVectors;
+  constexpr int Q = HD / 4;  // float4 columns per vector
+  const int64_t first = (static_cast<int64_t>(work) * p.num_kv_heads + kv_head) * p.decode_splits * kSlots;
+  for (int i = threadIdx.x; i < num_vectors * Q; i += THREADS) {
+    const int v = i / Q;
+    const int d = (i % Q) * 4;
+    float mx = -FLT_MAX, total = 0.f;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    // NOTE: a split without keys (sum 0) is dropped by selects, not products,
+    // in case its partial holds anything but a finite number.
+#pragma unroll 8
+    for (int s = 0; s < splits; ++s) {
+      const int64_t slot = first + static_cast<int64_t>(s) * kSlots + v;
+      const float2 ml = __ldcg(reinterpret_cast<const float2*>(p.decode_partial_lse + 2 * slot));
+      const float4 x = __ldcg(reinterpret_cast<const float4*>(p.decode_partial_out + slot * HD + d));
+      const bool use = ml.y > 0.f;
+      const float m_new = use ? fmaxf(mx, ml.x) : mx;
+      const float c = __expf(mx - m_new);
+      const float w = use ? ml.y * __expf(ml.x - m_new) : 0.f;
+      acc.x = acc.x * c + (use ? w * x.x : 0.f);
+      acc.y = acc.y * c + (use ? w * x.y : 0.f);
+      acc.z = acc.z * c + (use ? w * x.z : 0.f);
+      acc.w = acc.w * c + (use ? w * x.w : 0.f);
+      total = total * c + w;
+      mx = m_new;
+    }
+    const float inv = total > 0.f ? 1.f / total : 0.f;
+    T* dst = static_cast<T*>(p.out) +
+             ((q_begin + static_cast<int64_t>(v / group)) * p.num_heads + kv_head * group + v % group) * HD + d;
+    dst[0] = cast_out<T>(acc.x * inv);
+    dst[1] = cast_out<T>(acc.y * inv);
+    dst[2] = cast_out<T>(acc.z * inv);
+    dst[3] = cast_out<T>(acc.w * inv);
+  }
+}
+
 }  // namespace pagedcore::cuda::merge

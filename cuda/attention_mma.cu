@@ -20,7 +20,8 @@
 // 4-byte loads (the head dims of each k step permuted the same way in Q and
 // K), V by ldmatrix.trans on byte pairs, whose even and odd head dims then
 // feed two mma tiles. Its scales fold into the score scale (k) and the output
-// (v).
+// (v). Decode over fp8 at head dim 128 (not deep) puts the keys in the mma's
+// rows instead (KM, below): K the A operand, the query vectors its columns.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
@@ -110,6 +111,9 @@ constexpr int kEarlyMeta = 1;
 // kEarlyPrefetch (with kEarlyMeta): the K/V rows of the first tiles the
 // pipeline issues are prefetched into L2 before the wait as well.
 constexpr int kEarlyPrefetch = 2;
+// kOnePassMerge (a trial): a split row's last CTA merges by
+// merge::count_and_merge_decode (PAGEDCORE_DECODE_MERGE=1).
+constexpr int kOnePassMerge = 4;
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -237,9 +241,11 @@ constexpr int kCvtIntK = 1, kCvtIntV = 2, kCvtInt = kCvtIntK | kCvtIntV;
 // STAGES: tiles in flight (num_stages or, for small decode launches,
 // deep_stages); CVT: fp8's widening (kCvtInt...); KT: keys per tile (fp8
 // decode: 128 where not deep); PAD: staged rows' layout; KM: keys in the mma's
-// M (decode only; below). flags: kEarlyMeta, kEarlyPrefetch (decode only).
+// M (decode only; below). flags: kEarlyMeta, kEarlyPrefetch, kOnePassMerge
+// (decode only).
 //
-// KM (a trial): the decode warps compute S^T = K Q^T and O^T += V^T P^T, keys
+// KM (the default for fp8's 128-key tiles at head dim 128; elsewhere a
+// trial that lost: launch_decode's notes): the decode warps compute S^T = K Q^T and O^T += V^T P^T, keys
 // (and then head dims) as the mma's 16 rows and the query vectors as its 8
 // columns, a second column tile only for rows of more than 8 vectors. A row of
 // at most 8 vectors (the 8B shape's 4 heads a kv head) then takes half the mma
@@ -965,7 +971,13 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
   }
   if (splits > 1 && (DECODE ? p.decode_split_counters : p.split_counters) != nullptr) {
     // The last split of this (item, kv head) to finish merges them all.
-    merge::count_and_merge<T, HD, THREADS, DECODE>(p, work, kv_head, reinterpret_cast<float*>(stages));
+    bool one_pass = false;
+    if constexpr (DECODE) one_pass = (flags & kOnePassMerge) != 0;
+    if (one_pass) {
+      if constexpr (DECODE) merge::count_and_merge_decode<T, HD, THREADS>(p, work, kv_head);
+    } else {
+      merge::count_and_merge<T, HD, THREADS, DECODE>(p, work, kv_head, reinterpret_cast<float*>(stages));
+    }
   }
 }
 
@@ -1054,9 +1066,6 @@ int launch_variant(const PagedAttentionParams& p, cudaStream_t stream, int flags
 //     launch, base clocks): ALU pipe 40% active, issue slots 42%, two warps an
 //     SM sub-partition: no pipe and not issue is full; the latency of each
 //     warp's dependent chains, with two warps to hide it, bounds the launch.
-//   PAGEDCORE_DECODE_DEEP_TILE=128  (trial, 16-bit caches at head dims 64 and
-//     128) the deep pipeline in 128-key tiles, three stages, swizzled rows. Off
-//     by default; not yet measured.
 //   PAGEDCORE_DECODE_KEYS_IN_M  the decode warps with keys as the mma's rows
 //     (the kernel's KM): half the mma of a row of at most 8 vectors. Unset:
 //     fp8 128-key tiles at head dim 128 (not deep) only; =1 everywhere it is
@@ -1069,6 +1078,18 @@ int launch_variant(const PagedAttentionParams& p, cudaStream_t stream, int flags
 //     B=64 L=4k 156.6 -> 152.4 / 152.4 / 152.7, B=64 L=1k 50.6 -> 48.0 / 47.6 /
 //     49.0, SmolLM2 (head dim 64) B=64 L=1k 14.6 -> 14.9 / 14.6 / 15.5, 8B B=16
 //     L=4k under the graph plan (deep) 66.6 -> 69.8, B=1 L=4k 12.7 -> 12.7.
+//   PAGEDCORE_DECODE_MERGE=1  (trial) a split row's last CTA counts and merges
+//     by merge::count_and_merge_decode: one thread's fences instead of every
+//     thread's, the (max, sum) pairs and partials loaded in one pass. Off by
+//     default; not yet run on a GPU. (Why: B=1 rows of 512 keys, two splits of
+//     256, took 8.9-9.0 us where one split of 256 takes 5.3-5.4, at f82f8d1 and
+//     f4ff310: the merge's ~3.5 us is most of what batch 1 pays for its splits.)
+// Deleted after the nineteenth session's run (decode_variants.py at f4ff310, us,
+// default -> variant): the deep pipeline in 128-key tiles, three stages, swizzled
+// (16-bit caches at head dims 64 and 128): B=1 L=256 5.4 -> 5.0, L=512 8.9 ->
+// 8.5, but L=16 3.1 -> 3.6 and under the decode graphs' plans 8B B=1 / B=16
+// L=160 4.8 -> 5.2 / 5.6 -> 6.1, SmolLM2 B=1 L=160 4.0 -> 4.3 (a split of
+// fewer than 256 keys pays the wider tile's fixed costs).
 // Deleted after the eighteenth session's runs (decode_variants.py at 0f0306a,
 // 55f182e and 6769cb6; us, default -> variant):
 // - K/V rows copied by 4 threads instead of 8 at head dim 128
@@ -1125,13 +1146,6 @@ int launch_decode(const PagedAttentionParams& p, cudaStream_t stream, int flags,
     }
   }
   if (deep) {
-    if constexpr (!FP8 && (HD == 64 || HD == 128)) {
-      // (trial) 128-key tiles, three stages, swizzled rows: two tiles in flight
-      // (the keys of four 64-key ones), half the tiles' fixed costs a warp.
-      if (env_int("PAGEDCORE_DECODE_DEEP_TILE", 64) == 128) {
-        return launch_variant<T, CT, HD, true, 3, 0, 128, 0>(p, stream, flags);
-      }
-    }
     return fast ? launch_variant<T, CT, HD, true, deep_stages<HD>(), kCvt, kTileKeys>(p, stream, flags)
                 : launch_variant<T, CT, HD, true, deep_stages<HD>(), 0, kTileKeys>(p, stream, flags);
   }
@@ -1159,7 +1173,8 @@ int launch_kernel(const PagedAttentionParams& p, cudaStream_t stream) {
   constexpr bool FP8 = std::is_same_v<CT, uint8_t>;
   if constexpr (DECODE) {
     const int early = env_int("PAGEDCORE_DECODE_EARLY_META", FP8 ? 0 : 1);
-    const int flags = early == 0 ? 0 : (early == 2 ? kEarlyMeta | kEarlyPrefetch : kEarlyMeta);
+    const int flags = (early == 0 ? 0 : (early == 2 ? kEarlyMeta | kEarlyPrefetch : kEarlyMeta)) |
+                      (env_int("PAGEDCORE_DECODE_MERGE", 0) == 1 ? kOnePassMerge : 0);
     const int64_t ctas = static_cast<int64_t>(p.num_kv_heads) * p.num_decode * p.decode_splits;
     const bool deep = ctas <= env_int("PAGEDCORE_DECODE_DEEP_CTAS", multiprocessor_count());
     const bool fast = FP8 && env_int("PAGEDCORE_FP8_FAST_CVT", 1) != 0;
