@@ -244,16 +244,16 @@ constexpr int kCvtIntK = 1, kCvtIntV = 2, kCvtInt = kCvtIntK | kCvtIntV;
 // M (decode only; below). flags: kEarlyMeta, kEarlyPrefetch, kOnePassMerge
 // (decode only).
 //
-// KM (the default for fp8's 128-key tiles at head dim 128; elsewhere a
-// trial that lost: launch_decode's notes): the decode warps compute S^T = K Q^T and O^T += V^T P^T, keys
-// (and then head dims) as the mma's 16 rows and the query vectors as its 8
-// columns, a second column tile only for rows of more than 8 vectors. A row of
-// at most 8 vectors (the 8B shape's 4 heads a kv head) then takes half the mma
-// of Q K^T (each mma 16 keys x 8 vectors, where the default's is 16 vectors,
-// 12 of them empty at 4 heads, x 8 keys) and half those of P V; K is the A
-// operand (ldmatrix, or fp8 words widened as now), V^T comes by
-// ldmatrix.trans, and P^T moves from the score fragments to B fragments by
-// movmatrix.trans.
+// KM (the default for fp8's 128-key tiles at head dim 128; elsewhere a trial
+// that lost: launch_decode's notes): the decode warps compute S^T = K Q^T and
+// O^T += V^T P^T, keys (and then head dims) as the mma's 16 rows and the query
+// vectors as its 8 columns, a second column tile only for rows of more than 8
+// vectors. A row of at most 8 vectors (the 8B shape's 4 heads a kv head) then
+// takes half the mma of Q K^T (each mma 16 keys x 8 vectors, where the
+// default's is 16 vectors, 12 of them empty at 4 heads, x 8 keys) and half
+// those of P V; K is the A operand (ldmatrix, or fp8 words widened as now), V^T
+// comes by ldmatrix.trans, and P^T moves from the score fragments to B
+// fragments by movmatrix.trans.
 template <typename T, typename CT, int HD, bool DECODE, int STAGES, int CVT, int KT = kTileKeys, int PAD = 16,
           bool KM = false>
 __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarps)
