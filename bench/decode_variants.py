@@ -65,7 +65,7 @@ VARIANTS = (
     ("fp8 all cvt", {"PAGEDCORE_FP8_CVT_MIX": "2"}),
     ("keys in M", {"PAGEDCORE_DECODE_KEYS_IN_M": "1"}),
     ("keys in M off", {"PAGEDCORE_DECODE_KEYS_IN_M": "0"}),
-    ("one-pass merge", {"PAGEDCORE_DECODE_MERGE": "1"}),
+    ("two-pass merge", {"PAGEDCORE_DECODE_MERGE": "0"}),
     ("keys in M, fp8 all cvt", {"PAGEDCORE_DECODE_KEYS_IN_M": "1", "PAGEDCORE_FP8_CVT_MIX": "2"}),
     ("keys in M, fp8 int", {"PAGEDCORE_DECODE_KEYS_IN_M": "1", "PAGEDCORE_FP8_CVT_MIX": "0"}),
 )

@@ -148,16 +148,16 @@ __device__ void count_and_merge(const PagedAttentionParams& p, int work, int kv_
   merge_splits<T, HD, THREADS, DECODE>(p, work, kv_head, s_w);
 }
 
-// The decode kernels' last-CTA merge in fewer round trips (a trial: the decode
-// launch's kOnePassMerge, PAGEDCORE_DECODE_MERGE=1). The count: one thread's
-// fence, relaxed atomic and (in the last CTA) fence after the CTA's barrier,
-// which orders every thread's partial stores before that fence (the pattern of
-// a grid-wide barrier), where count_and_merge fences in every thread. The
-// merge: each thread takes four dims of one vector over the splits in one pass,
-// a split's (max, sum) pair and partial loaded together, eight splits at a time,
-// and folds them in by a running maximum; merge_splits loads the pairs first,
-// then (after two barriers) the partials. Every thread of the CTA must call it,
-// after storing its partials.
+// The decode kernels' last-CTA merge in fewer round trips (the decode launch's
+// kOnePassMerge, the default; PAGEDCORE_DECODE_MERGE=0 takes count_and_merge).
+// The count: one thread's fence, relaxed atomic and (in the last CTA) fence
+// after the CTA's barrier, which orders every thread's partial stores before
+// that fence (the pattern of a grid-wide barrier), where count_and_merge
+// fences in every thread. The merge: each thread takes four dims of one vector
+// over the splits in one pass, a split's (max, sum) pair and partial loaded
+// together, eight splits at a time, and folds them in by a running maximum;
+// merge_splits loads the pairs first, then (after two barriers) the partials.
+// Every thread of the CTA must call it, after storing its partials.
 template <typename T, int HD, int THREADS>
 __device__ void count_and_merge_decode(const PagedAttentionParams& p, int work, int kv_head) {
   const int row = p.decode_seq[work];

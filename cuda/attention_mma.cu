@@ -111,8 +111,8 @@ constexpr int kEarlyMeta = 1;
 // kEarlyPrefetch (with kEarlyMeta): the K/V rows of the first tiles the
 // pipeline issues are prefetched into L2 before the wait as well.
 constexpr int kEarlyPrefetch = 2;
-// kOnePassMerge (a trial): a split row's last CTA merges by
-// merge::count_and_merge_decode (PAGEDCORE_DECODE_MERGE=1).
+// kOnePassMerge (the default; PAGEDCORE_DECODE_MERGE=0 turns it off): a split
+// row's last CTA merges by merge::count_and_merge_decode.
 constexpr int kOnePassMerge = 4;
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
@@ -1078,12 +1078,15 @@ int launch_variant(const PagedAttentionParams& p, cudaStream_t stream, int flags
 //     B=64 L=4k 156.6 -> 152.4 / 152.4 / 152.7, B=64 L=1k 50.6 -> 48.0 / 47.6 /
 //     49.0, SmolLM2 (head dim 64) B=64 L=1k 14.6 -> 14.9 / 14.6 / 15.5, 8B B=16
 //     L=4k under the graph plan (deep) 66.6 -> 69.8, B=1 L=4k 12.7 -> 12.7.
-//   PAGEDCORE_DECODE_MERGE=1  (trial) a split row's last CTA counts and merges
-//     by merge::count_and_merge_decode: one thread's fences instead of every
-//     thread's, the (max, sum) pairs and partials loaded in one pass. Off by
-//     default; not yet run on a GPU. (Why: B=1 rows of 512 keys, two splits of
-//     256, took 8.9-9.0 us where one split of 256 takes 5.3-5.4, at f82f8d1 and
-//     f4ff310: the merge's ~3.5 us is most of what batch 1 pays for its splits.)
+//   PAGEDCORE_DECODE_MERGE  how a split row's last CTA merges. Unset (or 1):
+//     merge::count_and_merge_decode, one thread's fences instead of every
+//     thread's, the (max, sum) pairs and partials loaded in one pass; =0:
+//     merge::count_and_merge (every thread fences; pairs, then partials).
+//     NOTE: measured on the H200 (decode_variants.py at 4c12dba, us, =0 -> one
+//     pass): B=1 L=512 9.2 -> 8.0, L=4k 10.4 -> 9.4, L=32k 40.3 -> 39.1, fp8 B=1
+//     L=4k 13.2 -> 12.0, 8B B=1 L=32k graph plan 40.4 -> 39.2; every launch
+//     without splits within 0.1. A split still costs batch 1 ~2.5 us (B=1 L=512
+//     in two splits of 256: 8.0; one split of 256: 5.5), ~3.5 before.
 // Deleted after the nineteenth session's run (decode_variants.py at f4ff310, us,
 // default -> variant): the deep pipeline in 128-key tiles, three stages, swizzled
 // (16-bit caches at head dims 64 and 128): B=1 L=256 5.4 -> 5.0, L=512 8.9 ->
@@ -1174,7 +1177,7 @@ int launch_kernel(const PagedAttentionParams& p, cudaStream_t stream) {
   if constexpr (DECODE) {
     const int early = env_int("PAGEDCORE_DECODE_EARLY_META", FP8 ? 0 : 1);
     const int flags = (early == 0 ? 0 : (early == 2 ? kEarlyMeta | kEarlyPrefetch : kEarlyMeta)) |
-                      (env_int("PAGEDCORE_DECODE_MERGE", 0) == 1 ? kOnePassMerge : 0);
+                      (env_int("PAGEDCORE_DECODE_MERGE", 1) != 0 ? kOnePassMerge : 0);
     const int64_t ctas = static_cast<int64_t>(p.num_kv_heads) * p.num_decode * p.decode_splits;
     const bool deep = ctas <= env_int("PAGEDCORE_DECODE_DEEP_CTAS", multiprocessor_count());
     const bool fast = FP8 && env_int("PAGEDCORE_FP8_FAST_CVT", 1) != 0;

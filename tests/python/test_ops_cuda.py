@@ -166,12 +166,12 @@ def test_decode_rows_shorter_than_the_graph_plan(monkeypatch, dtype, window, fp8
     {"PAGEDCORE_DECODE_KEYS_IN_M": "1", "PAGEDCORE_DECODE_DEEP_CTAS": "0", "PAGEDCORE_FP8_CVT_MIX": "2"},
     {"PAGEDCORE_DECODE_KEYS_IN_M": "1", "PAGEDCORE_DECODE_DEEP_CTAS": "0", "PAGEDCORE_FP8_CVT_MIX": "0"},
     {"PAGEDCORE_DECODE_KEYS_IN_M": "0", "PAGEDCORE_DECODE_DEEP_CTAS": "0"},
-    {"PAGEDCORE_DECODE_MERGE": "1"},
-    {"PAGEDCORE_DECODE_MERGE": "1", "PAGEDCORE_DECODE_DEEP_CTAS": "0"},
+    {"PAGEDCORE_DECODE_MERGE": "0"},
+    {"PAGEDCORE_DECODE_MERGE": "0", "PAGEDCORE_DECODE_DEEP_CTAS": "0"},
 ], ids=["shallow", "deep", "fp8-cvt", "early-off-narrow-fp8", "early-meta-fp8-deep", "early-l2", "two-an-sm",
         "padded", "padded-deep", "narrow-d64", "fp8-int", "fp8-all-cvt-wide", "keys-in-m", "keys-in-m-deep",
         "keys-in-m-padded", "keys-in-m-fp8-all-cvt", "keys-in-m-fp8-int",
-        "keys-in-m-off", "one-pass-merge", "one-pass-merge-shallow"])
+        "keys-in-m-off", "two-pass-merge", "two-pass-merge-shallow"])
 def test_decode_kernel_variants(monkeypatch, env):
     # The decode kernel's pipelines (three tiles in flight, or five for launches of few
     # CTAs), fp8 widenings (integer operations, or the cvt unit), the lengths and first
@@ -192,8 +192,8 @@ def test_decode_kernel_variants(monkeypatch, env):
     # over fp8, at head dims 64 and 128; the rows of 16 vectors, group 8 x 2 queries, take its
     # second column tile; fp8 with either widening of V, or both by integer operations;
     # the default takes it for fp8 128-key tiles at head dim 128 only, "keys-in-m-off"
-    # nowhere); "one-pass-merge*": a split row's last CTA merging by
-    # count_and_merge_decode. (The split rule
+    # nowhere); "two-pass-merge*": a split row's last CTA merging by count_and_merge
+    # (the default merges by count_and_merge_decode). (The split rule
     # PAGEDCORE_DECODE_BALANCE only changes a plan's split count: test_mixed_graph_plan.py.)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
