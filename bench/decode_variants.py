@@ -66,6 +66,7 @@ VARIANTS = (
     ("keys in M", {"PAGEDCORE_DECODE_KEYS_IN_M": "1"}),
     ("keys in M off", {"PAGEDCORE_DECODE_KEYS_IN_M": "0"}),
     ("two-pass merge", {"PAGEDCORE_DECODE_MERGE": "0"}),
+    ("split chunk 256", {"PAGEDCORE_DECODE_SPLIT_KEYS": "256"}),
     ("keys in M, fp8 all cvt", {"PAGEDCORE_DECODE_KEYS_IN_M": "1", "PAGEDCORE_FP8_CVT_MIX": "2"}),
     ("keys in M, fp8 int", {"PAGEDCORE_DECODE_KEYS_IN_M": "1", "PAGEDCORE_FP8_CVT_MIX": "0"}),
 )
@@ -73,6 +74,7 @@ VARIANTS = (
 CASES = (
     ("B=1 L=256", 1, 256, 32, 8, 128, False, 0),
     ("B=1 L=512", 1, 512, 32, 8, 128, False, 0),
+    ("B=1 L=1k", 1, 1024, 32, 8, 128, False, 0),
     ("B=1 L=4k", 1, 4096, 32, 8, 128, False, 0),
     ("B=1 L=32k", 1, 32768, 32, 8, 128, False, 0),
     ("B=64 L=1k", 64, 1024, 32, 8, 128, False, 0),
@@ -91,6 +93,9 @@ CASES = (
     ("8B B=16 L=384 graph plan", 16, 384, 32, 8, 128, False, 8192),
     ("8B B=16 L=4k graph plan", 16, 4096, 32, 8, 128, False, 8192),
     ("8B B=1 L=32k graph plan", 1, 32768, 32, 8, 128, False, 32768),
+    ("8B B=1 L=600 graph plan", 1, 600, 32, 8, 128, False, 8192),
+    ("8B B=1 L=1k graph plan", 1, 1024, 32, 8, 128, False, 8192),
+    ("SmolLM2 B=1 L=1k graph plan", 1, 1024, 9, 3, 64, False, 8192),
 )
 
 

@@ -519,13 +519,12 @@ bool head_dim_supported(int32_t head_dim) {
 
 int paged_attention(const PagedAttentionParams& params, void* stream) {
   if (params.num_work == 0 && params.num_decode == 0) return cudaSuccess;
-  // PAGEDCORE_DECODE_SPLIT_KEYS (benchmarks only): another minimum of keys per decode split.
-  static const int split_keys_override = [] {
-    const char* v = std::getenv("PAGEDCORE_DECODE_SPLIT_KEYS");
-    return v != nullptr ? std::atoi(v) : -1;
-  }();
+  // PAGEDCORE_DECODE_SPLIT_KEYS (benchmarks; read per launch, so that they can
+  // alternate): another minimum of keys per split of a decode row that splits.
   PagedAttentionParams p = params;
-  if (split_keys_override >= 0) p.decode_split_keys = split_keys_override;
+  if (const char* v = std::getenv("PAGEDCORE_DECODE_SPLIT_KEYS"); v != nullptr && *v != '\0') {
+    p.decode_split_keys = std::atoi(v);
+  }
   const int group = p.num_heads % p.num_kv_heads == 0 ? p.num_heads / p.num_kv_heads : 0;
   const int element_bytes = p.dtype == DType::kFloat32 ? 4 : 2;
   if (group == 0 || p.dtype == DType::kFloat8E4M3 || group > attention_tile_vectors(element_bytes) ||

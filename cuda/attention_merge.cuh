@@ -15,10 +15,12 @@
 namespace pagedcore::cuda::merge {
 
 // Key splits a decode row of `keys` keys runs: decode_splits, fewer for a
-// short row (at least decode_split_keys keys per split). Every CTA of the row
-// computes the same number; those past it return at once.
+// short row (none under 2 kAttentionDecodeSplitKeys keys, else at least
+// decode_split_keys keys per split). Every CTA of the row computes the same
+// number; those past it return at once.
 __device__ __forceinline__ int decode_active_splits(const PagedAttentionParams& p, int keys) {
   if (p.decode_split_keys <= 0 || p.decode_splits <= 1) return p.decode_splits;
+  if (keys < 2 * kAttentionDecodeSplitKeys) return 1;
   return max(1, min(p.decode_splits, keys / p.decode_split_keys));
 }
 

@@ -270,8 +270,10 @@ def test_the_split_graph_shares_the_unsplit_graphs_decode_scratch() -> None:
     (8, 32768, 16),    # one row of the 8B shape: 16 x 8 = 128 CTAs, one an SM
     (128, 8192, 1),    # 16 rows: 128 CTAs unsplit
     (8, 4096, 16),     # the keys allow 16 (256 a split)
-    (8, 1000, 3),      # 3 splits of >= 256 keys
-    (8, 300, 1),       # under 512 keys: unsplit
+    (8, 1000, 15),     # 15 splits of >= 64 keys
+    (8, 512, 8),       # 512 keys split (8 of 64)
+    (8, 511, 1),       # under 512 keys: unsplit
+    (8, 300, 1),
     (96, 8192, 3),     # 96 x 1 fills 73%: two an SM, ceil(264 / 96)
     (48, 8192, 6),     # 48 x 2 fills 73%: two an SM
     (26, 32768, 5),    # 26 x 5 = 130

@@ -89,11 +89,17 @@ class AttentionPlan:
         return ptrs
 
 
-# Keys per split at least; the decode kernels apply the same rule per row
-# (kAttentionDecodeSplitKeys; PAGEDCORE_DECODE_SPLIT_KEYS overrides both, for
-# benchmarks).
+# Decode rows under twice _DECODE_SPLIT_KEYS keys run unsplit (the kernels'
+# kAttentionDecodeSplitKeys); longer ones, planned one wave, take a split per
+# _decode_split_chunk() keys at most (kAttentionDecodeSplitChunk, which the
+# kernels apply per row; PAGEDCORE_DECODE_SPLIT_KEYS, read per call, overrides
+# it in both, for benchmarks); other plans split by _DECODE_SPLIT_KEYS keys.
 _DECODE_VECTORS = 16  # kAttentionDecodeVectors: query tokens x group of a bf16/fp16 decode row
-_DECODE_SPLIT_KEYS = int(os.environ.get("PAGEDCORE_DECODE_SPLIT_KEYS", "0") or 0) or 256
+_DECODE_SPLIT_KEYS = 256
+
+
+def _decode_split_chunk() -> int:
+    return int(os.environ.get("PAGEDCORE_DECODE_SPLIT_KEYS", "0") or 0) or 64
 
 
 def _splits(blocks: int, longest: int, sms: int, split_keys: int = 256) -> int:
@@ -125,7 +131,7 @@ def _decode_splits(blocks: int, longest: int, sms: int) -> int:
     if os.environ.get("PAGEDCORE_DECODE_ONE_WAVE", "1") != "0" and blocks < sms and longest >= 2 * _DECODE_SPLIT_KEYS:
         per_sm = sms // blocks
         if blocks * per_sm >= 0.8 * sms:
-            return int(max(1, min(per_sm, longest // _DECODE_SPLIT_KEYS, 64)))
+            return int(max(1, min(per_sm, longest // _decode_split_chunk(), 64)))
     if (os.environ.get("PAGEDCORE_DECODE_BALANCE", "0") == "1" and sms <= blocks <= 1.5 * sms
             and longest >= 2 * _DECODE_SPLIT_KEYS):
         # One to 1.5 CTAs an SM: some SMs would run two rows' CTAs where others run

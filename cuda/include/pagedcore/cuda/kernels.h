@@ -71,11 +71,13 @@ int scatter_blocks(const GatherBlocksParams& p, void* stream);
 
 // Work plan of one attention call, computed on the host once per step and
 // reused by every layer (see plan_attention in pagedcore.ops).
-// Decode rows (and their fast kernels) use at most one key split per this
-// many keys of the row: a plan's decode_splits is an upper bound (a CUDA graph
-// plans for the longest row it may meet), and a shorter row runs fewer splits:
-// a row under twice this runs unsplit, with no partials and no merge.
+// A decode row under twice this many keys runs unsplit, with no partials and
+// no merge; a longer one runs at most one key split per
+// kAttentionDecodeSplitChunk keys (the params' decode_split_keys): a plan's
+// decode_splits is an upper bound (a CUDA graph plans for the longest row it
+// may meet), and a shorter row runs fewer splits.
 constexpr int32_t kAttentionDecodeSplitKeys = 256;
+constexpr int32_t kAttentionDecodeSplitChunk = 64;
 // Query vectors (query tokens x heads of one kv head) of a bf16/fp16 decode row.
 constexpr int32_t kAttentionDecodeVectors = 16;
 struct PagedAttentionParams {
@@ -122,9 +124,9 @@ struct PagedAttentionParams {
   DType kv_dtype;                 // the cache: dtype, or kFloat8E4M3 with bf16/fp16 queries
   float k_scale;                  // fp8 cache: stored = value / scale (1 otherwise)
   float v_scale;
-  // Keys per decode split at least (see kAttentionDecodeSplitKeys); 0: always
-  // decode_splits.
-  int32_t decode_split_keys = kAttentionDecodeSplitKeys;
+  // Keys per decode split at least in a row that splits (see
+  // kAttentionDecodeSplitKeys); 0: always decode_splits.
+  int32_t decode_split_keys = kAttentionDecodeSplitChunk;
 };
 // Query vectors (query tokens x heads of one kv head) a work item may hold:
 // kAttentionMmaTileVectors on the tensor-core path (2-byte queries), 16 for
