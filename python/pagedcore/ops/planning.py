@@ -127,7 +127,10 @@ def _decode_splits(blocks: int, longest: int, sms: int) -> int:
     replayed in alternation), 21.1-21.2 -> 19.3-19.7 (one after the other); the
     8B cases named above have no launch in that range. Off by default since head
     dim 64 decodes in 128-key tiles (927106d, alternating): 18.3 with halves
-    against 17.0 us without."""
+    against 17.0 us without. One-wave plans count a split per 64 keys (since
+    dddf13b; 256 before, as _splits): at dddf13b, us, 256 -> 64, B=1 L=512 7.8 ->
+    6.0, L=1k 8.5 -> 7.2, under the decode graphs' plan 8B B=1 L=600 / 1k 8.6 ->
+    7.0 / 8.3 -> 7.1, SmolLM2 B=1 L=1k 7.2 -> 6.0; every other case within 0.1."""
     if os.environ.get("PAGEDCORE_DECODE_ONE_WAVE", "1") != "0" and blocks < sms and longest >= 2 * _DECODE_SPLIT_KEYS:
         per_sm = sms // blocks
         if blocks * per_sm >= 0.8 * sms:
