@@ -269,7 +269,7 @@ def test_the_split_graph_shares_the_unsplit_graphs_decode_scratch() -> None:
 @pytest.mark.parametrize("blocks, longest, expect", [
     (8, 32768, 16),    # one row of the 8B shape: 16 x 8 = 128 CTAs, one an SM
     (128, 8192, 1),    # 16 rows: 128 CTAs unsplit
-    (8, 4096, 16),     # the keys allow 16 (256 a split)
+    (8, 4096, 16),     # 16 an SM (the keys allow 64 of 64 keys)
     (8, 1000, 15),     # 15 splits of >= 64 keys
     (8, 512, 8),       # 512 keys split (8 of 64)
     (8, 511, 1),       # under 512 keys: unsplit
