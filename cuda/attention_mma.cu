@@ -22,6 +22,7 @@
 // feed two mma tiles. Its scales fold into the score scale (k) and the output
 // (v). Decode over fp8 at head dim 128 (not deep) puts the keys in the mma's
 // rows instead (KM, below): K the A operand, the query vectors its columns.
+#include <cuda.h>  // CUtensorMap and its enums (the encoder comes through the runtime: no libcuda link)
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
@@ -29,6 +30,7 @@
 
 #include <cfloat>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <type_traits>
 
@@ -38,6 +40,7 @@
 #include "device_ops.cuh"
 #include "pagedcore/cuda/kernels.h"
 #include "pdl.cuh"
+#include "tensor_map.cuh"
 
 namespace pagedcore::cuda {
 
@@ -99,6 +102,14 @@ __host__ __device__ constexpr size_t smem_bytes() {
   return bytes;
 }
 
+// TMA decode (the kernel's TMA): the stages start at a 1024-byte boundary (the
+// 128-byte swizzle's phase is the shared address's bits 7-9), their mbarriers
+// after them.
+template <typename CT, int HD, int STAGES, int KT>
+__host__ __device__ constexpr size_t tma_smem_bytes() {
+  return smem_bytes<CT, HD, STAGES, KT, 0>() + 1024 + 8 * STAGES;
+}
+
 // Decode CTAs' warps: four, each a quarter of a tile's keys.
 constexpr int kDecodeWarps = 4;
 
@@ -131,6 +142,62 @@ __device__ __forceinline__ float fast_exp2(float x) {
 
 __device__ __forceinline__ void prefetch_l2(const void* p) {
   asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p));
+}
+
+// ---- TMA for decode (PAGEDCORE_DECODE_TMA; sm_90 and later) ----
+//
+// The K and V tensor maps of a launch (encoded on the host, passed by value as
+// a __grid_constant__ argument, so that CUDA graphs capture them with the
+// launch); kernels without TMA take the empty DecodeMaps<false>.
+template <bool TMA>
+struct DecodeMaps {};
+template <>
+struct DecodeMaps<true> {
+  CUtensorMap k;
+  CUtensorMap v;
+};
+
+// mbarrier and bulk tensor copies: Hopper instructions, compiled out of the
+// sm_80 build (the host never launches a TMA kernel there: decode_tma_serves).
+__device__ __forceinline__ void tma_mbar_init(uint32_t bar, uint32_t count) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void tma_expect_bytes(uint32_t bar, uint32_t bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+#endif
+}
+__device__ __forceinline__ void tma_wait(uint32_t bar, uint32_t parity) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile(
+      "{\n"
+      ".reg .pred done;\n"
+      "WAIT_%=:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT_%=;\n"
+      "}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+#endif
+}
+// One box of a 4-d tensor map (coordinates c0 innermost) -> dst, completing on bar.
+__device__ __forceinline__ void tma_load_box(uint32_t dst, const CUtensorMap* map, int c0, int c1, int c2, int c3,
+                                             uint32_t bar) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], "
+      "[%6];\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar)
+      : "memory");
+#endif
+}
+__device__ __forceinline__ void tma_fence_proxy() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#endif
 }
 
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
@@ -254,10 +321,21 @@ constexpr int kCvtIntK = 1, kCvtIntV = 2, kCvtInt = kCvtIntK | kCvtIntV;
 // those of P V; K is the A operand (ldmatrix, or fp8 words widened as now), V^T
 // comes by ldmatrix.trans, and P^T moves from the score fragments to B
 // fragments by movmatrix.trans.
+//
+// TMA (decode over fp8 at head dim 128 with keys in M, PAGEDCORE_DECODE_TMA):
+// each tile's K and V rows come by one bulk tensor copy per cache block (a
+// box of block_size rows of one kv head, 128-byte swizzle = PAD 0's layout),
+// issued by warp 0 (lane j: block j of the tile) and awaited on the stage's
+// mbarrier, instead of 16 cp.async per thread a tile. A box is a whole block,
+// so a CTA's keys start at a block boundary (its share rounded to whole
+// tiles): keys of a tile outside the CTA's range are masked by select (K may
+// hold anything there), and V is widened by integer operations (VINT), which
+// make every byte finite, so that P = 0 times them is 0. Rows past the
+// range's last block are left as they were (stale bytes, masked alike).
 template <typename T, typename CT, int HD, bool DECODE, int STAGES, int CVT, int KT = kTileKeys, int PAD = 16,
-          bool KM = false>
+          bool KM = false, bool TMA = false>
 __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarps)
-    mma_attention_kernel(PagedAttentionParams p, int flags) {
+    mma_attention_kernel(PagedAttentionParams p, int flags, const __grid_constant__ DecodeMaps<TMA> maps) {
   constexpr int kWarps = DECODE ? kDecodeWarps : kPrefillWarps;
   constexpr int kThreads = 32 * kWarps;
   constexpr int THREADS = kThreads;
@@ -271,6 +349,8 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
   constexpr int SROW = staged_row_bytes<CT, HD, PAD>();
   static_assert(PAD != 0 || can_swizzle<CT, HD>(), "swizzled rows hold whole eights of chunks");
   static_assert(!KM || (DECODE && HD % 32 == 0), "keys in M: decode, head dims of whole 32s");
+  static_assert(!TMA || (KM && FP8 && HD == 128 && PAD == 0 && (CVT & kCvtIntV) != 0 && KT <= 128),
+                "TMA: fp8 keys in M at head dim 128, swizzled rows, V widened by integer operations");
   auto soff = [](int r, int b) { return staged_offset<PAD>(r, b, SROW); };
   constexpr int WK = DECODE ? KT / kWarps : KT;                      // keys per warp per tile
   constexpr int KSTEPS = HD / 16;
@@ -284,6 +364,16 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
   extern __shared__ __align__(128) unsigned char smem[];
   int32_t* s_table = reinterpret_cast<int32_t*>(smem);
   unsigned char* stages = smem + kTable * 4;
+  if constexpr (TMA) stages += (1024 - (smem_addr(stages) & 1023)) & 1023;  // (tma_smem_bytes)
+  // TMA: stage s's mbarrier (after the stages); bit s of tma_phase, the parity its next wait expects.
+  const uint32_t tma_bars = smem_addr(stages + kStages * 2 * KT * SROW);
+  uint32_t tma_phase = 0;
+  if constexpr (TMA) {
+    if (threadIdx.x == 0) {
+      for (int s = 0; s < kStages; ++s) tma_mbar_init(tma_bars + 8 * s, 1);
+    }
+    // (the chunk loop's first __syncthreads orders the inits before any use)
+  }
   const bool early = DECODE && (flags & kEarlyMeta) != 0;
   if (!early) pdl_wait();  // (the queries and this step's keys come from the kernel before)
   pdl_launch_dependents();
@@ -318,8 +408,12 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
   const int last_pos = first_pos + tile_tokens - 1;
   const int k_lo = p.sliding_window > 0 ? max(0, first_pos - p.sliding_window + 1) : 0;
   const int k_hi = last_pos + 1;
-  const int per_split = (k_hi - k_lo + splits - 1) / splits;
-  const int s_lo = k_lo + split * per_split;
+  // TMA: from k_lo's block on, in shares of whole tiles (keys before k_lo:
+  // the sliding window's mask).
+  const int k_first = TMA ? k_lo & ~(p.block_size - 1) : k_lo;
+  const int per_split = TMA ? (k_hi - k_first + splits * KT - 1) / (splits * KT) * KT
+                            : (k_hi - k_lo + splits - 1) / splits;
+  const int s_lo = k_first + split * per_split;
   const int s_hi = min(k_hi, s_lo + per_split);
   if (early) {
     // The first chunk's block ids (the loop below stages the later ones), then
@@ -489,16 +583,51 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
       }
     };
 
+    // TMA: tile t's blocks by warp 0, lane j block j (those holding keys of
+    // the chunk), lane 0 arming the stage's mbarrier with their K and V bytes.
+    auto tma_tile = [&](int t) {
+      if (warp != 0) return;
+      const int kb = c0 + t * KT + lane * bs;  // (c0: a block boundary)
+      const bool load = lane * bs < KT && kb < c1;
+      const uint32_t bar = tma_bars + 8 * (t % kStages);
+      const int blocks = __popc(__ballot_sync(0xffffffffu, load));
+      if (lane == 0) {
+        tma_fence_proxy();  // (the stage's reads by the generic proxy, then the async writes)
+        tma_expect_bytes(bar, blocks * bs * HD * 2);
+      }
+      __syncwarp();
+      if constexpr (TMA) {
+        if (load) {
+          const uint32_t dst = smem_addr(stages + (t % kStages) * 2 * KT * SROW) + lane * bs * SROW;
+          const int block = s_table[(bs_shift >= 0 ? kb >> bs_shift : kb / bs) - b0];
+          tma_load_box(dst, &maps.k, 0, kv_head, 0, block, bar);
+          tma_load_box(dst + KT * SROW, &maps.v, 0, kv_head, 0, block, bar);
+        }
+      }
+    };
+
 #pragma unroll
     for (int t = 0; t < kStages - 1; ++t) {
-      if (t < n_tiles) load_tile(t);
-      cp_async_commit();
+      if constexpr (TMA) {
+        if (t < n_tiles) tma_tile(t);
+      } else {
+        if (t < n_tiles) load_tile(t);
+        cp_async_commit();
+      }
     }
     for (int t = 0; t < n_tiles; ++t) {
-      cp_async_wait<kStages - 2>();
-      __syncthreads();  // tile t has landed for every thread; tile t-1 is consumed
-      if (t + kStages - 1 < n_tiles) load_tile(t + kStages - 1);
-      cp_async_commit();
+      if constexpr (TMA) {
+        const int st = t % kStages;
+        tma_wait(tma_bars + 8 * st, (tma_phase >> st) & 1u);
+        tma_phase ^= 1u << st;
+        __syncthreads();  // tile t-1 is consumed
+        if (t + kStages - 1 < n_tiles) tma_tile(t + kStages - 1);
+      } else {
+        cp_async_wait<kStages - 2>();
+        __syncthreads();  // tile t has landed for every thread; tile t-1 is consumed
+        if (t + kStages - 1 < n_tiles) load_tile(t + kStages - 1);
+        cp_async_commit();
+      }
       const unsigned char* const ks = stages + (t % kStages) * 2 * KT * SROW;
       const unsigned char* const vs = ks + KT * SROW;
       // NOTE: a prefill warp's 64 keys go in two passes of 32 (a loop, not
@@ -819,7 +948,7 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
         }
       }
     }
-    cp_async_wait<0>();
+    if constexpr (!TMA) cp_async_wait<0>();  // (TMA: every tile issued was awaited)
     c0 = c1;
   }
 
@@ -989,8 +1118,9 @@ int env_int(const char* name, int fallback) {
 }
 
 template <typename T, typename CT, int HD, bool DECODE, int STAGES, int CVT, int KT = kTileKeys, int PAD = 16,
-          bool KM = false>
-int launch_variant(const PagedAttentionParams& p, cudaStream_t stream, int flags = 0) {
+          bool KM = false, bool TMA = false>
+int launch_variant(const PagedAttentionParams& p, cudaStream_t stream, int flags = 0,
+                   const DecodeMaps<TMA>& maps = DecodeMaps<TMA>{}) {
   if constexpr (DECODE && PAD == 16 && HD == 128 && sizeof(CT) == 2) {
     // Decode stages swizzled rows at head dim 128 over a 16-bit cache (the
     // layouts: above can_swizzle); PAGEDCORE_ATTN_PAD=16 (read per launch;
@@ -1004,9 +1134,9 @@ int launch_variant(const PagedAttentionParams& p, cudaStream_t stream, int flags
       }
     }
   }
-  constexpr size_t smem = smem_bytes<CT, HD, STAGES, KT, PAD>();
+  constexpr size_t smem = TMA ? tma_smem_bytes<CT, HD, STAGES, KT>() : smem_bytes<CT, HD, STAGES, KT, PAD>();
   constexpr int threads = DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarps;
-  auto* kernel = mma_attention_kernel<T, CT, HD, DECODE, STAGES, CVT, KT, PAD, KM>;
+  auto* kernel = mma_attention_kernel<T, CT, HD, DECODE, STAGES, CVT, KT, PAD, KM, TMA>;
   static bool configured = false;  // NOTE: per instantiation; raising the limit is idempotent
   if (!configured) {
     const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
@@ -1017,9 +1147,92 @@ int launch_variant(const PagedAttentionParams& p, cudaStream_t stream, int flags
   const int splits = DECODE ? p.decode_splits : p.num_splits;
   if (items > 65535) return cudaErrorInvalidConfiguration;
   const cudaError_t e =
-      launch_pdl(kernel, dim3(p.num_kv_heads, items, splits), dim3(threads), smem, stream, p, flags);
+      launch_pdl(kernel, dim3(p.num_kv_heads, items, splits), dim3(threads), smem, stream, p, flags, maps);
   if (e != cudaSuccess || splits == 1 || (DECODE ? p.decode_split_counters : p.split_counters) != nullptr) return e;
   return merge_attention_splits(p, DECODE, stream);
+}
+
+// ---- TMA decode, the host's part ----
+
+// Compute capability 9.0 or later (bulk tensor copies), per device, asked once.
+bool device_has_tma() {
+  constexpr int kMaxDevices = 64;
+  static int cached[kMaxDevices] = {};  // 0 unknown, 1 yes, 2 no
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= kMaxDevices) {
+    cudaGetLastError();
+    return false;
+  }
+  if (cached[dev] == 0) {
+    int major = 0;
+    const bool ok = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess;
+    if (!ok) cudaGetLastError();
+    cached[dev] = ok && major >= 9 ? 1 : 2;
+  }
+  return cached[dev] == 1;
+}
+
+// What the TMA decode needs of a launch: a Hopper device, block sizes that are
+// powers of two 8..128 (a box is one block, at most 16 boxes a 128-key tile),
+// caches 16-byte aligned (the tensor map's base).
+bool decode_tma_serves(const PagedAttentionParams& p) {
+  const int bs = p.block_size;
+  return bs >= 8 && bs <= 128 && (bs & (bs - 1)) == 0 && p.num_blocks > 0 &&
+         reinterpret_cast<uintptr_t>(p.key_cache) % 16 == 0 && reinterpret_cast<uintptr_t>(p.value_cache) % 16 == 0 &&
+         device_has_tma();
+}
+
+// The K and V tensor maps of an fp8 cache at head dim HD (bytes): dims (HD,
+// kv heads, block_size, num_blocks), box (HD, 1, block_size, 1) — one block's
+// rows of one kv head — 128-byte swizzle. Encoded once per cache (a per-thread
+// cache of the last 64 caches seen; an eager decode step asks once per layer).
+// False if the driver cannot.
+template <int HD>
+bool encode_decode_maps(const PagedAttentionParams& p, DecodeMaps<true>& maps) {
+  static_assert(HD == 128, "a row of 128 bytes: one swizzle span");
+  struct Entry {
+    const void* k = nullptr;
+    const void* v = nullptr;
+    int64_t blocks = 0;
+    int bs = 0, kv_heads = 0;
+    DecodeMaps<true> maps;
+  };
+  constexpr int kEntries = 64;
+  thread_local Entry cache[kEntries];
+  thread_local int next = 0;
+  for (const Entry& e : cache) {
+    if (e.k == p.key_cache && e.v == p.value_cache && e.blocks == p.num_blocks && e.bs == p.block_size &&
+        e.kv_heads == p.num_kv_heads) {
+      maps = e.maps;
+      return true;
+    }
+  }
+  const EncodeTiledFn encode = tensor_map_encoder();
+  if (encode == nullptr) return false;
+  const cuuint64_t row = HD;  // bytes
+  const cuuint64_t dims[4] = {static_cast<cuuint64_t>(HD), static_cast<cuuint64_t>(p.num_kv_heads),
+                              static_cast<cuuint64_t>(p.block_size), static_cast<cuuint64_t>(p.num_blocks)};
+  const cuuint64_t strides[3] = {row, row * p.num_kv_heads, row * p.num_kv_heads * p.block_size};  // dims 1..3
+  const cuuint32_t box[4] = {static_cast<cuuint32_t>(HD), 1, static_cast<cuuint32_t>(p.block_size), 1};
+  const cuuint32_t elem_strides[4] = {1, 1, 1, 1};
+  auto one = [&](CUtensorMap* map, const void* base) {
+    return encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 4, const_cast<void*>(base), dims, strides, box, elem_strides,
+                  CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                  CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+  };
+  Entry& e = cache[next];
+  if (!one(&e.maps.k, p.key_cache) || !one(&e.maps.v, p.value_cache)) {
+    e = Entry{};
+    return false;
+  }
+  e.k = p.key_cache;
+  e.v = p.value_cache;
+  e.blocks = p.num_blocks;
+  e.bs = p.block_size;
+  e.kv_heads = p.num_kv_heads;
+  next = (next + 1) % kEntries;
+  maps = e.maps;
+  return true;
 }
 
 // Decode launches of at most PAGEDCORE_DECODE_DEEP_CTAS CTAs (default: one per
@@ -1136,7 +1349,21 @@ int launch_decode(const PagedAttentionParams& p, cudaStream_t stream, int flags,
     if (km > 0 ? (!FP8 || fast) : (km < 0 && km_default)) {
       if (deep) return launch_variant<T, CT, HD, true, deep_stages<HD>(), kCvt, kTileKeys, 16, true>(p, stream, flags);
       if constexpr (FP8) {
-        switch (env_int("PAGEDCORE_FP8_CVT_MIX", 1)) {  // (as below)
+        const int mix = env_int("PAGEDCORE_FP8_CVT_MIX", 1);
+        if constexpr (HD == 128) {
+          // PAGEDCORE_DECODE_TMA=1: K/V tiles by bulk tensor copies (the
+          // kernel's TMA) where served (else as without it; the default mix
+          // only); =2: an error where not served (tests).
+          const int tma = env_int("PAGEDCORE_DECODE_TMA", 0);
+          if (tma != 0) {
+            DecodeMaps<true> maps;
+            if (mix == 1 && decode_tma_serves(p) && encode_decode_maps<HD>(p, maps)) {
+              return launch_variant<T, CT, HD, true, 3, kCvtIntV, 128, 0, true, true>(p, stream, flags, maps);
+            }
+            if (tma == 2) return cudaErrorNotSupported;
+          }
+        }
+        switch (mix) {  // (as below)
           case 0: return launch_variant<T, CT, HD, true, 3, kCvtInt, 128, 16, true>(p, stream, flags);
           case 2: return launch_variant<T, CT, HD, true, 3, 0, 128, 16, true>(p, stream, flags);
           default: return launch_variant<T, CT, HD, true, 3, kCvtIntV, 128, 16, true>(p, stream, flags);

@@ -15,6 +15,7 @@
 
 #include "attention_wgmma_parts.cuh"
 #include "pagedcore/cuda/kernels.h"
+#include "tensor_map.cuh"
 #include "wgmma_ops.cuh"
 
 namespace pagedcore::cuda::wgmma_attention {
@@ -109,29 +110,7 @@ __device__ __forceinline__ void tma_v_blocks(const void* map, int kv_head, uint3
   if (load) tma_block<HD, PAIRS>(map, kv_head, dst, bar, block, bs, lane);
 }
 
-// cuTensorMapEncodeTiled from the driver through the runtime (no libcuda
-// link), looked up once; null where the driver has none.
-using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
-                                   const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
-                                   CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-inline EncodeTiledFn tensor_map_encoder() {
-  static const EncodeTiledFn fn = [] {
-    void* f = nullptr;
-    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
-#if CUDART_VERSION >= 12050
-    const cudaError_t e =
-        cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &found);
-#else
-    const cudaError_t e = cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &f, cudaEnableDefault, &found);
-#endif
-    if (e != cudaSuccess || found != cudaDriverEntryPointSuccess) {
-      cudaGetLastError();
-      f = nullptr;
-    }
-    return reinterpret_cast<EncodeTiledFn>(f);
-  }();
-  return fn;
-}
+// (tensor_map_encoder: tensor_map.cuh, in the enclosing namespace)
 
 // The TMA variants serve block sizes 8..128 that are powers of two (a box is
 // one block; kKeys / block_size boxes per tile half, at most 16 = the lanes

@@ -208,6 +208,28 @@ def test_decode_kernel_variants(monkeypatch, env):
     run_cuda(mixed_rows(16), block_size=16, head_dim=64, group=3, dtype=torch.bfloat16, window=40, softcap=3.5)
 
 
+@pytest.mark.parametrize("block_size", [8, 16, 32, 128])
+def test_decode_tma_fp8(monkeypatch, block_size):
+    # fp8 decode at head dim 128 with its K/V tiles brought by bulk tensor copies, one
+    # per cache block (PAGEDCORE_DECODE_TMA=2: an error, not the cp.async kernel, if it
+    # cannot run): a CTA's keys then start at a block boundary, so the rows' lengths,
+    # sliding windows and key splits put range edges inside blocks and tiles; block
+    # size 8 rows of 9000 keys cross a chunk of staged block ids (1024 blocks); rows
+    # of a few queries and group 8 x 2 queries (the second column tile).
+    monkeypatch.setenv("PAGEDCORE_DECODE_TMA", "2")
+    monkeypatch.setenv("PAGEDCORE_DECODE_DEEP_CTAS", "0")
+    lengths = [1, 17, 255, 256, 513, 1500, 4097, 9000]
+    for window in (0, 300):
+        run_cuda([(1, n) for n in lengths], block_size=block_size, head_dim=128, group=4, dtype=torch.bfloat16,
+                 window=window, graph_plan_len=16384, repeat=2, fp8_scales=(0.5, 1.5))
+    run_cuda([(1, 3000), (1, 9000)], block_size=block_size, head_dim=128, group=4, dtype=torch.float16,
+             fp8_scales=(1.0, 1.0), unsplit=True)
+    run_cuda(mixed_rows(block_size), block_size=block_size, head_dim=128, group=8, dtype=torch.bfloat16, window=40,
+             softcap=3.5, fp8_scales=(0.25, 0.75))
+    run_cuda([(2, 100), (4, 3000), (3, 6000), (1, 20)], block_size=block_size, head_dim=128, group=4,
+             dtype=torch.bfloat16, fp8_scales=(0.5, 2.0))
+
+
 @pytest.mark.parametrize("block_size", [8, 16, 128])
 @pytest.mark.parametrize("group", [1, 4, 8])
 @pytest.mark.parametrize("head_dim", [64, 128])
