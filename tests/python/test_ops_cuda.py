@@ -208,15 +208,19 @@ def test_decode_kernel_variants(monkeypatch, env):
     run_cuda(mixed_rows(16), block_size=16, head_dim=64, group=3, dtype=torch.bfloat16, window=40, softcap=3.5)
 
 
+@pytest.mark.parametrize("sync", ["0", "1"], ids=["free-run", "sync"])
 @pytest.mark.parametrize("block_size", [8, 16, 32, 128])
-def test_decode_tma_fp8(monkeypatch, block_size):
+def test_decode_tma_fp8(monkeypatch, block_size, sync):
     # fp8 decode at head dim 128 with its K/V tiles brought by bulk tensor copies, one
     # per cache block (PAGEDCORE_DECODE_TMA=2: an error, not the cp.async kernel, if it
     # cannot run): a CTA's keys then start at a block boundary, so the rows' lengths,
     # sliding windows and key splits put range edges inside blocks and tiles; block
     # size 8 rows of 9000 keys cross a chunk of staged block ids (1024 blocks); rows
-    # of a few queries and group 8 x 2 queries (the second column tile).
+    # of a few queries and group 8 x 2 queries (the second column tile). "free-run": the
+    # last warp done with a tile refills its stage (no CTA barrier a tile); "sync": warp 0
+    # after a barrier.
     monkeypatch.setenv("PAGEDCORE_DECODE_TMA", "2")
+    monkeypatch.setenv("PAGEDCORE_DECODE_TMA_SYNC", sync)
     monkeypatch.setenv("PAGEDCORE_DECODE_DEEP_CTAS", "0")
     lengths = [1, 17, 255, 256, 513, 1500, 4097, 9000]
     for window in (0, 300):
