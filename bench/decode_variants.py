@@ -24,9 +24,8 @@ share one set of tensors, and their graphs are replayed in turn, five rounds.
   PAGEDCORE_DECODE_KEYS_IN_M  decode warps with keys as the mma's rows and the query vectors
                               as its columns (1; bf16 queries, head dims 64 and 128)
   PAGEDCORE_DECODE_TMA        fp8 at head dim 128 with keys in M (not deep): K/V tiles by bulk
-                              tensor copies, one per cache block (1), or by cp.async (0, default)
-  PAGEDCORE_DECODE_TMA_SYNC   TMA's stages refilled after a CTA barrier a tile by warp 0 (1), or
-                              by the last warp done with the tile, no barrier (0, default)
+                              tensor copies, one per cache block (1, default on Hopper), or by
+                              cp.async (0)
   PAGEDCORE_ATTN_PAD          staged K/V rows swizzled (0, default over 16-bit caches at head
                               dim 128: each 32-byte sector of the cache lands whole in shared
                               memory) or padded by 16 bytes (16, as elsewhere but head dim
@@ -73,8 +72,7 @@ VARIANTS = (
     ("split chunk 256", {"PAGEDCORE_DECODE_SPLIT_KEYS": "256"}),
     ("keys in M, fp8 all cvt", {"PAGEDCORE_DECODE_KEYS_IN_M": "1", "PAGEDCORE_FP8_CVT_MIX": "2"}),
     ("keys in M, fp8 int", {"PAGEDCORE_DECODE_KEYS_IN_M": "1", "PAGEDCORE_FP8_CVT_MIX": "0"}),
-    ("tma", {"PAGEDCORE_DECODE_TMA": "1"}),
-    ("tma sync", {"PAGEDCORE_DECODE_TMA": "1", "PAGEDCORE_DECODE_TMA_SYNC": "1"}),
+    ("tma off", {"PAGEDCORE_DECODE_TMA": "0"}),
 )
 # (name, batch, keys, heads, kv heads, head dim, fp8, graph plan length or 0)
 CASES = (

@@ -107,7 +107,7 @@ __host__ __device__ constexpr size_t smem_bytes() {
 // after them.
 template <typename CT, int HD, int STAGES, int KT>
 __host__ __device__ constexpr size_t tma_smem_bytes() {
-  return smem_bytes<CT, HD, STAGES, KT, 0>() + 1024 + 16 * STAGES;  // (an mbarrier and a counter a stage)
+  return smem_bytes<CT, HD, STAGES, KT, 0>() + 1024 + 8 * STAGES;
 }
 
 // Decode CTAs' warps: four, each a quarter of a tile's keys.
@@ -125,13 +125,6 @@ constexpr int kEarlyPrefetch = 2;
 // kOnePassMerge (the default; PAGEDCORE_DECODE_MERGE=0 turns it off): a split
 // row's last CTA merges by merge::count_and_merge_decode.
 constexpr int kOnePassMerge = 4;
-// kTmaFreeRun (TMA kernels; the default, PAGEDCORE_DECODE_TMA_SYNC=1 turns it
-// off): no CTA barrier a tile. All kStages stages are filled at first; the last
-// warp done with a tile (a shared counter per stage) refills its stage with the
-// tile kStages on, so that the warps drift apart instead of meeting each tile.
-// Off: a __syncthreads a tile, after which warp 0 refills the stage of the
-// tile before (kStages - 1 tiles ahead, as the cp.async pipeline).
-constexpr int kTmaFreeRun = 8;
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -373,17 +366,12 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
   unsigned char* stages = smem + kTable * 4;
   if constexpr (TMA) stages += (1024 - (smem_addr(stages) & 1023)) & 1023;  // (tma_smem_bytes)
   // TMA: stage s's mbarrier (after the stages); bit s of tma_phase, the parity
-  // its next wait expects; the warps done with its tile (kTmaFreeRun).
+  // its next wait expects.
   const uint32_t tma_bars = smem_addr(stages + kStages * 2 * KT * SROW);
-  int* const tma_done = reinterpret_cast<int*>(stages + kStages * 2 * KT * SROW + 8 * kStages);
-  const bool free_run = TMA && (flags & kTmaFreeRun) != 0;
   uint32_t tma_phase = 0;
   if constexpr (TMA) {
     if (threadIdx.x == 0) {
-      for (int s = 0; s < kStages; ++s) {
-        tma_mbar_init(tma_bars + 8 * s, 1);
-        tma_done[s] = 0;
-      }
+      for (int s = 0; s < kStages; ++s) tma_mbar_init(tma_bars + 8 * s, 1);
     }
     // (the chunk loop's first __syncthreads orders the inits before any use)
   }
@@ -596,7 +584,7 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
       }
     };
 
-    // TMA: tile t's blocks by the calling warp, lane j block j (those holding
+    // TMA: tile t's blocks by warp 0 (the caller), lane j block j (those holding
     // keys of the chunk), lane 0 arming the stage's mbarrier with their K and V bytes.
     auto tma_tile = [&](int t) {
       const int kb = c0 + t * KT + lane * bs;  // (c0: a block boundary)
@@ -619,10 +607,10 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
     };
 
 #pragma unroll
-    for (int t = 0; t < kStages; ++t) {
+    for (int t = 0; t < kStages - 1; ++t) {
       if constexpr (TMA) {
-        if (warp == 0 && t < (free_run ? kStages : kStages - 1) && t < n_tiles) tma_tile(t);
-      } else if (t < kStages - 1) {
+        if (warp == 0 && t < n_tiles) tma_tile(t);
+      } else {
         if (t < n_tiles) load_tile(t);
         cp_async_commit();
       }
@@ -632,10 +620,8 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
         const int st = t % kStages;
         tma_wait(tma_bars + 8 * st, (tma_phase >> st) & 1u);
         tma_phase ^= 1u << st;
-        if (!free_run) {
-          __syncthreads();  // tile t-1 is consumed
-          if (warp == 0 && t + kStages - 1 < n_tiles) tma_tile(t + kStages - 1);
-        }
+        __syncthreads();  // tile t-1 is consumed
+        if (warp == 0 && t + kStages - 1 < n_tiles) tma_tile(t + kStages - 1);
       } else {
         cp_async_wait<kStages - 2>();
         __syncthreads();  // tile t has landed for every thread; tile t-1 is consumed
@@ -960,18 +946,6 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
             mma16816<MT>(acc[2 * j + 1], pa, b[2], b[3]);
           }
         }
-      }
-      if (free_run && t + kStages < n_tiles) {
-        // This warp is done with tile t (its reads are in registers, the mma
-        // having used them); the last of the four refills the stage.
-        __syncwarp();
-        int last = 0;
-        if (lane == 0) {
-          __threadfence_block();
-          last = atomicAdd(tma_done + t % kStages, 1) == kWarps - 1;
-          if (last) tma_done[t % kStages] = 0;
-        }
-        if (__shfl_sync(0xffffffffu, last, 0)) tma_tile(t + kStages);
       }
     }
     if constexpr (!TMA) cp_async_wait<0>();  // (TMA: every tile issued was awaited)
@@ -1317,6 +1291,15 @@ bool encode_decode_maps(const PagedAttentionParams& p, DecodeMaps<true>& maps) {
 //     B=64 L=4k 156.6 -> 152.4 / 152.4 / 152.7, B=64 L=1k 50.6 -> 48.0 / 47.6 /
 //     49.0, SmolLM2 (head dim 64) B=64 L=1k 14.6 -> 14.9 / 14.6 / 15.5, 8B B=16
 //     L=4k under the graph plan (deep) 66.6 -> 69.8, B=1 L=4k 12.7 -> 12.7.
+//   PAGEDCORE_DECODE_TMA  fp8 128-key tiles with keys in M at head dim 128: K
+//     and V by bulk tensor copies, one per cache block (the kernel's TMA), on
+//     Hopper at block sizes 8..128 (powers of two). Default; =0: by cp.async.
+//     NOTE: measured on the H200 (decode_variants.py, us, cp.async -> TMA): at
+//     c4367ca fp8 B=64 L=4k 153.6 -> 147.1, at 5064502 152.9 -> 146.4 (0.60x of
+//     bf16's 246.0); fp8 B=64 L=1k, SmolLM2 fp8, the deep launches within 0.2.
+//     Deleted after that run: refilling a stage by the last warp done with its
+//     tile (a shared counter, no CTA barrier a tile, all three stages ahead):
+//     148.2.
 //   PAGEDCORE_DECODE_MERGE  how a split row's last CTA merges. Unset (or 1):
 //     merge::count_and_merge_decode, one thread's fences instead of every
 //     thread's, the (max, sum) pairs and partials loaded in one pass; =0:
@@ -1377,15 +1360,14 @@ int launch_decode(const PagedAttentionParams& p, cudaStream_t stream, int flags,
       if constexpr (FP8) {
         const int mix = env_int("PAGEDCORE_FP8_CVT_MIX", 1);
         if constexpr (HD == 128) {
-          // PAGEDCORE_DECODE_TMA=1: K/V tiles by bulk tensor copies (the
-          // kernel's TMA) where served (else as without it; the default mix
-          // only); =2: an error where not served (tests).
-          const int tma = env_int("PAGEDCORE_DECODE_TMA", 0);
+          // K/V tiles by bulk tensor copies (the kernel's TMA) where served,
+          // with the default mix (else by cp.async); PAGEDCORE_DECODE_TMA=0:
+          // never; =2: an error where not served (tests).
+          const int tma = env_int("PAGEDCORE_DECODE_TMA", 1);
           if (tma != 0) {
             DecodeMaps<true> maps;
             if (mix == 1 && decode_tma_serves(p) && encode_decode_maps<HD>(p, maps)) {
-              const int run = env_int("PAGEDCORE_DECODE_TMA_SYNC", 0) != 0 ? 0 : kTmaFreeRun;
-              return launch_variant<T, CT, HD, true, 3, kCvtIntV, 128, 0, true, true>(p, stream, flags | run, maps);
+              return launch_variant<T, CT, HD, true, 3, kCvtIntV, 128, 0, true, true>(p, stream, flags, maps);
             }
             if (tma == 2) return cudaErrorNotSupported;
           }

@@ -167,12 +167,13 @@ def test_decode_rows_shorter_than_the_graph_plan(monkeypatch, dtype, window, fp8
     {"PAGEDCORE_DECODE_KEYS_IN_M": "1", "PAGEDCORE_DECODE_DEEP_CTAS": "0", "PAGEDCORE_FP8_CVT_MIX": "2"},
     {"PAGEDCORE_DECODE_KEYS_IN_M": "1", "PAGEDCORE_DECODE_DEEP_CTAS": "0", "PAGEDCORE_FP8_CVT_MIX": "0"},
     {"PAGEDCORE_DECODE_KEYS_IN_M": "0", "PAGEDCORE_DECODE_DEEP_CTAS": "0"},
+    {"PAGEDCORE_DECODE_TMA": "0", "PAGEDCORE_DECODE_DEEP_CTAS": "0"},
     {"PAGEDCORE_DECODE_MERGE": "0"},
     {"PAGEDCORE_DECODE_MERGE": "0", "PAGEDCORE_DECODE_DEEP_CTAS": "0"},
 ], ids=["shallow", "deep", "fp8-cvt", "early-off-narrow-fp8", "early-meta-fp8-deep", "early-l2", "two-an-sm",
         "padded", "padded-deep", "narrow-d64", "fp8-int", "fp8-all-cvt-wide", "keys-in-m", "keys-in-m-deep",
         "keys-in-m-padded", "keys-in-m-fp8-all-cvt", "keys-in-m-fp8-int",
-        "keys-in-m-off", "two-pass-merge", "two-pass-merge-shallow"])
+        "keys-in-m-off", "tma-off", "two-pass-merge", "two-pass-merge-shallow"])
 def test_decode_kernel_variants(monkeypatch, env):
     # The decode kernel's pipelines (three tiles in flight, or five for launches of few
     # CTAs), fp8 widenings (integer operations, or the cvt unit), the lengths and first
@@ -193,7 +194,8 @@ def test_decode_kernel_variants(monkeypatch, env):
     # over fp8, at head dims 64 and 128; the rows of 16 vectors, group 8 x 2 queries, take its
     # second column tile; fp8 with either widening of V, or both by integer operations;
     # the default takes it for fp8 128-key tiles at head dim 128 only, "keys-in-m-off"
-    # nowhere); "two-pass-merge*": a split row's last CTA merging by count_and_merge
+    # nowhere); "tma-off": fp8's keys-in-M tiles by cp.async (the default copies them by TMA
+    # on Hopper: test_decode_tma_fp8); "two-pass-merge*": a split row's last CTA merging by count_and_merge
     # (the default merges by count_and_merge_decode). (The split rule
     # PAGEDCORE_DECODE_BALANCE only changes a plan's split count: test_mixed_graph_plan.py.)
     for name, value in env.items():
@@ -208,19 +210,15 @@ def test_decode_kernel_variants(monkeypatch, env):
     run_cuda(mixed_rows(16), block_size=16, head_dim=64, group=3, dtype=torch.bfloat16, window=40, softcap=3.5)
 
 
-@pytest.mark.parametrize("sync", ["0", "1"], ids=["free-run", "sync"])
 @pytest.mark.parametrize("block_size", [8, 16, 32, 128])
-def test_decode_tma_fp8(monkeypatch, block_size, sync):
+def test_decode_tma_fp8(monkeypatch, block_size):
     # fp8 decode at head dim 128 with its K/V tiles brought by bulk tensor copies, one
     # per cache block (PAGEDCORE_DECODE_TMA=2: an error, not the cp.async kernel, if it
     # cannot run): a CTA's keys then start at a block boundary, so the rows' lengths,
     # sliding windows and key splits put range edges inside blocks and tiles; block
     # size 8 rows of 9000 keys cross a chunk of staged block ids (1024 blocks); rows
-    # of a few queries and group 8 x 2 queries (the second column tile). "free-run": the
-    # last warp done with a tile refills its stage (no CTA barrier a tile); "sync": warp 0
-    # after a barrier.
+    # of a few queries and group 8 x 2 queries (the second column tile).
     monkeypatch.setenv("PAGEDCORE_DECODE_TMA", "2")
-    monkeypatch.setenv("PAGEDCORE_DECODE_TMA_SYNC", sync)
     monkeypatch.setenv("PAGEDCORE_DECODE_DEEP_CTAS", "0")
     lengths = [1, 17, 255, 256, 513, 1500, 4097, 9000]
     for window in (0, 300):
