@@ -26,8 +26,6 @@ share one set of tensors, and their graphs are replayed in turn, five rounds.
   PAGEDCORE_DECODE_TMA        fp8 at head dim 128 with keys in M (not deep): K/V tiles by bulk
                               tensor copies, one per cache block (1, default on Hopper), or by
                               cp.async (0)
-  PAGEDCORE_DECODE_TMA16      16-bit caches at head dim 128 (not keys in M): K/V tiles by bulk
-                              tensor copies in 64-dim panels (1), or by cp.async (0, default)
   PAGEDCORE_ATTN_PAD          staged K/V rows swizzled (0, default over 16-bit caches at head
                               dim 128: each 32-byte sector of the cache lands whole in shared
                               memory) or padded by 16 bytes (16, as elsewhere but head dim
@@ -75,7 +73,6 @@ VARIANTS = (
     ("keys in M, fp8 all cvt", {"PAGEDCORE_DECODE_KEYS_IN_M": "1", "PAGEDCORE_FP8_CVT_MIX": "2"}),
     ("keys in M, fp8 int", {"PAGEDCORE_DECODE_KEYS_IN_M": "1", "PAGEDCORE_FP8_CVT_MIX": "0"}),
     ("tma off", {"PAGEDCORE_DECODE_TMA": "0"}),
-    ("tma16", {"PAGEDCORE_DECODE_TMA16": "1"}),
 )
 # (name, batch, keys, heads, kv heads, head dim, fp8, graph plan length or 0)
 CASES = (

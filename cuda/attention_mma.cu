@@ -349,16 +349,9 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
   constexpr int SROW = staged_row_bytes<CT, HD, PAD>();
   static_assert(PAD != 0 || can_swizzle<CT, HD>(), "swizzled rows hold whole eights of chunks");
   static_assert(!KM || (DECODE && HD % 32 == 0), "keys in M: decode, head dims of whole 32s");
-  static_assert(!TMA || (DECODE && HD == 128 && PAD == 0 && (FP8 ? KM && (CVT & kCvtIntV) != 0 && KT <= 128 : !KM)),
-                "TMA: decode at head dim 128, swizzled rows; fp8: keys in M, V widened by integer operations");
-  // TMA over a 16-bit cache: a stage's rows as two panels of 64 dims (K's
-  // panel 0, K's panel 1, then V's), 128-byte rows in each, swizzled alike
-  // (a TMA box is at most 128 bytes wide): byte b of row r at panel b / 128.
-  constexpr bool PANEL = TMA && !FP8;
-  constexpr int RB = PANEL ? 128 : SROW;  // bytes from a staged row to the next
-  auto soff = [](int r, int b) {
-    return PANEL ? r * RB + ((b & 127) ^ ((r & 7) << 4)) + (b >> 7) * KT * 128 : staged_offset<PAD>(r, b, SROW);
-  };
+  static_assert(!TMA || (KM && FP8 && HD == 128 && PAD == 0 && (CVT & kCvtIntV) != 0 && KT <= 128),
+                "TMA: fp8 keys in M at head dim 128, swizzled rows, V widened by integer operations");
+  auto soff = [](int r, int b) { return staged_offset<PAD>(r, b, SROW); };
   constexpr int WK = DECODE ? KT / kWarps : KT;                      // keys per warp per tile
   constexpr int KSTEPS = HD / 16;
   constexpr int NT = HD / 8;   // output fragments (8 dims each)
@@ -418,9 +411,7 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
   const int k_hi = last_pos + 1;
   // TMA: from k_lo's block on, in shares of whole tiles (keys before k_lo:
   // the sliding window's mask).
-  // TMA's copies: pieces of tma_rows rows, a block or a tile's part of one.
-  const int tma_rows = min(p.block_size, KT);
-  const int k_first = TMA ? k_lo & ~(tma_rows - 1) : k_lo;
+  const int k_first = TMA ? k_lo & ~(p.block_size - 1) : k_lo;
   const int per_split = TMA ? (k_hi - k_first + splits * KT - 1) / (splits * KT) * KT
                             : (k_hi - k_lo + splits - 1) / splits;
   const int s_lo = k_first + split * per_split;
@@ -525,11 +516,8 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
   // bc + bl, where rb is a multiple of 8, rl and bl depend on the lane, bc is a
   // compile-time offset whose bits are apart from bl's. The lane's part is
   // computed once; each read adds (padded rows) or XORs (swizzled) bc to it.
-  // (PANEL: bl < 128, and bc's chunks lie in one panel.)
-  auto lane_part = [](int rl, int bl) { return PAD == 0 ? rl * RB + (bl ^ ((rl & 7) << 4)) : rl * SROW + bl; };
-  auto at = [](int rb, int lp, int bc) {
-    return PANEL ? rb * RB + (lp ^ (bc & 127)) + (bc >> 7) * KT * 128 : rb * SROW + (PAD == 0 ? lp ^ bc : lp + bc);
-  };
+  auto lane_part = [](int rl, int bl) { return PAD == 0 ? rl * SROW + (bl ^ ((rl & 7) << 4)) : rl * SROW + bl; };
+  auto at = [](int rb, int lp, int bc) { return rb * SROW + (PAD == 0 ? lp ^ bc : lp + bc); };
   const int k_lane = FP8 ? lane_part(lane / 4, 4 * qd) : lane_part(lane % 8, 16 * (lane / 8));
   const int v_lane = lane_part(lane % 8 + 8 * ((lane / 8) % 2), 16 * (lane / 16));
   // KM over a 16-bit cache: V^T's A fragments (16 dims x 16 keys) by ldmatrix.trans.
@@ -596,29 +584,24 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
       }
     };
 
-    // TMA: tile t's pieces (blocks, or the tile's rows of blocks larger than a
-    // tile: tma_rows) by warp 0 (the caller), lane j piece j (those holding keys
-    // of the chunk), lane 0 arming the stage's mbarrier with their K and V bytes.
+    // TMA: tile t's blocks by warp 0 (the caller), lane j block j (those holding
+    // keys of the chunk), lane 0 arming the stage's mbarrier with their K and V bytes.
     auto tma_tile = [&](int t) {
-      const int kb = c0 + t * KT + lane * tma_rows;  // (c0: a piece boundary)
-      const bool load = lane * tma_rows < KT && kb < c1;
+      const int kb = c0 + t * KT + lane * bs;  // (c0: a block boundary)
+      const bool load = lane * bs < KT && kb < c1;
       const uint32_t bar = tma_bars + 8 * (t % kStages);
-      const int pieces = __popc(__ballot_sync(0xffffffffu, load));
+      const int blocks = __popc(__ballot_sync(0xffffffffu, load));
       if (lane == 0) {
         tma_fence_proxy();  // (the stage's reads by the generic proxy, then the async writes)
-        tma_expect_bytes(bar, pieces * tma_rows * HD * static_cast<int>(sizeof(CT)) * 2);
+        tma_expect_bytes(bar, blocks * bs * HD * 2);
       }
       __syncwarp();
       if constexpr (TMA) {
         if (load) {
-          const uint32_t dst = smem_addr(stages + (t % kStages) * 2 * KT * SROW) + lane * tma_rows * RB;
-          const int b = bs_shift >= 0 ? kb >> bs_shift : kb / bs;
-          const int block = s_table[b - b0];
-#pragma unroll
-          for (int h = 0; h < (PANEL ? 2 : 1); ++h) {  // (PANEL: the 64-dim halves)
-            tma_load_box(dst + h * KT * 128, &maps.k, 64 * h, kv_head, kb - b * bs, block, bar);
-            tma_load_box(dst + KT * SROW + h * KT * 128, &maps.v, 64 * h, kv_head, kb - b * bs, block, bar);
-          }
+          const uint32_t dst = smem_addr(stages + (t % kStages) * 2 * KT * SROW) + lane * bs * SROW;
+          const int block = s_table[(bs_shift >= 0 ? kb >> bs_shift : kb / bs) - b0];
+          tma_load_box(dst, &maps.k, 0, kv_head, 0, block, bar);
+          tma_load_box(dst + KT * SROW, &maps.v, 0, kv_head, 0, block, bar);
         }
       }
     };
@@ -637,19 +620,6 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
         const int st = t % kStages;
         tma_wait(tma_bars + 8 * st, (tma_phase >> st) & 1u);
         tma_phase ^= 1u << st;
-        if constexpr (PANEL) {
-          // 16-bit V is read as it is: its rows past the chunk (unwritten slots,
-          // stale rows past the last piece) are zeroed, since P = 0 times NaN is NaN.
-          const int from = c1 - (c0 + t * KT);
-          if (from < KT) {
-            unsigned char* const vrows = stages + st * 2 * KT * SROW + KT * SROW;
-            for (int i = threadIdx.x; i < (KT - from) * (SROW / 16); i += THREADS) {
-              const int r = from + i / (SROW / 16), b = i % (SROW / 16) * 16;
-              *reinterpret_cast<uint4*>(vrows + soff(r, b)) = make_uint4(0u, 0u, 0u, 0u);
-            }
-            tma_fence_proxy();  // (these writes before the async proxy's next ones)
-          }
-        }
         __syncthreads();  // tile t-1 is consumed
         if (warp == 0 && t + kStages - 1 < n_tiles) tma_tile(t + kStages - 1);
       } else {
@@ -1212,48 +1182,41 @@ bool decode_tma_serves(const PagedAttentionParams& p) {
          device_has_tma();
 }
 
-// The K and V tensor maps of a cache of CT at head dim HD for tiles of KT
-// keys: dims (HD, kv heads, block_size, num_blocks), box (128 bytes of dims,
-// 1, min(block_size, KT) rows, 1) — a block's (or a tile's part of a block's)
-// rows of one kv head, one 64-dim panel of them over a 16-bit cache — 128-byte
-// swizzle. Encoded once per cache (a per-thread cache of the last 64 caches
-// seen; an eager decode step asks once per layer). False if the driver cannot.
-template <typename CT, int HD, int KT>
+// The K and V tensor maps of an fp8 cache at head dim HD (bytes): dims (HD,
+// kv heads, block_size, num_blocks), box (HD, 1, block_size, 1) — one block's
+// rows of one kv head — 128-byte swizzle. Encoded once per cache (a per-thread
+// cache of the last 64 caches seen; an eager decode step asks once per layer).
+// False if the driver cannot.
+template <int HD>
 bool encode_decode_maps(const PagedAttentionParams& p, DecodeMaps<true>& maps) {
-  static_assert(HD * sizeof(CT) % 128 == 0, "rows of whole 128-byte swizzle spans");
-  constexpr int kBoxDims = 128 / static_cast<int>(sizeof(CT));
-  const CUtensorMapDataType type = sizeof(CT) == 1 ? CU_TENSOR_MAP_DATA_TYPE_UINT8
-                                   : std::is_same_v<CT, __nv_bfloat16> ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
-                                                                       : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+  static_assert(HD == 128, "a row of 128 bytes: one swizzle span");
   struct Entry {
     const void* k = nullptr;
     const void* v = nullptr;
     int64_t blocks = 0;
-    int bs = 0, kv_heads = 0, box_rows = 0;
-    CUtensorMapDataType type = CU_TENSOR_MAP_DATA_TYPE_UINT8;
+    int bs = 0, kv_heads = 0;
     DecodeMaps<true> maps;
   };
-  const int box_rows = p.block_size < KT ? p.block_size : KT;
   constexpr int kEntries = 64;
   thread_local Entry cache[kEntries];
   thread_local int next = 0;
   for (const Entry& e : cache) {
     if (e.k == p.key_cache && e.v == p.value_cache && e.blocks == p.num_blocks && e.bs == p.block_size &&
-        e.kv_heads == p.num_kv_heads && e.box_rows == box_rows && e.type == type) {
+        e.kv_heads == p.num_kv_heads) {
       maps = e.maps;
       return true;
     }
   }
   const EncodeTiledFn encode = tensor_map_encoder();
   if (encode == nullptr) return false;
-  const cuuint64_t row = HD * sizeof(CT);  // bytes
+  const cuuint64_t row = HD;  // bytes
   const cuuint64_t dims[4] = {static_cast<cuuint64_t>(HD), static_cast<cuuint64_t>(p.num_kv_heads),
                               static_cast<cuuint64_t>(p.block_size), static_cast<cuuint64_t>(p.num_blocks)};
   const cuuint64_t strides[3] = {row, row * p.num_kv_heads, row * p.num_kv_heads * p.block_size};  // dims 1..3
-  const cuuint32_t box[4] = {static_cast<cuuint32_t>(kBoxDims), 1, static_cast<cuuint32_t>(box_rows), 1};
+  const cuuint32_t box[4] = {static_cast<cuuint32_t>(HD), 1, static_cast<cuuint32_t>(p.block_size), 1};
   const cuuint32_t elem_strides[4] = {1, 1, 1, 1};
   auto one = [&](CUtensorMap* map, const void* base) {
-    return encode(map, type, 4, const_cast<void*>(base), dims, strides, box, elem_strides,
+    return encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 4, const_cast<void*>(base), dims, strides, box, elem_strides,
                   CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                   CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
   };
@@ -1267,8 +1230,6 @@ bool encode_decode_maps(const PagedAttentionParams& p, DecodeMaps<true>& maps) {
   e.blocks = p.num_blocks;
   e.bs = p.block_size;
   e.kv_heads = p.num_kv_heads;
-  e.box_rows = box_rows;
-  e.type = type;
   next = (next + 1) % kEntries;
   maps = e.maps;
   return true;
@@ -1405,7 +1366,7 @@ int launch_decode(const PagedAttentionParams& p, cudaStream_t stream, int flags,
           const int tma = env_int("PAGEDCORE_DECODE_TMA", 1);
           if (tma != 0) {
             DecodeMaps<true> maps;
-            if (mix == 1 && decode_tma_serves(p) && encode_decode_maps<CT, HD, 128>(p, maps)) {
+            if (mix == 1 && decode_tma_serves(p) && encode_decode_maps<HD>(p, maps)) {
               return launch_variant<T, CT, HD, true, 3, kCvtIntV, 128, 0, true, true>(p, stream, flags, maps);
             }
             if (tma == 2) return cudaErrorNotSupported;
@@ -1421,21 +1382,6 @@ int launch_decode(const PagedAttentionParams& p, cudaStream_t stream, int flags,
       } else {
         return launch_variant<T, CT, HD, true, num_stages<HD, true>(), 0, kTileKeys, 16, true>(p, stream, flags);
       }
-    }
-  }
-  if constexpr (!FP8 && HD == 128) {
-    // PAGEDCORE_DECODE_TMA16=1: 16-bit tiles by TMA in panels (the kernel's
-    // PANEL) where served, else as without it; =2: an error where not (tests).
-    const int tma = env_int("PAGEDCORE_DECODE_TMA16", 0);
-    if (tma != 0) {
-      DecodeMaps<true> maps;
-      if (decode_tma_serves(p) && encode_decode_maps<CT, HD, kTileKeys>(p, maps)) {
-        return deep ? launch_variant<T, CT, HD, true, deep_stages<HD>(), 0, kTileKeys, 0, false, true>(p, stream, flags,
-                                                                                                   maps)
-                    : launch_variant<T, CT, HD, true, num_stages<HD, true>(), 0, kTileKeys, 0, false, true>(
-                          p, stream, flags, maps);
-      }
-      if (tma == 2) return cudaErrorNotSupported;
     }
   }
   if (deep) {

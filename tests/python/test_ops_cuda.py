@@ -232,28 +232,6 @@ def test_decode_tma_fp8(monkeypatch, block_size):
              dtype=torch.bfloat16, fp8_scales=(0.5, 2.0))
 
 
-@pytest.mark.parametrize("deep", ["0", "100000"], ids=["shallow", "deep"])
-@pytest.mark.parametrize("block_size", [8, 16, 32, 128])
-def test_decode_tma_16bit(monkeypatch, block_size, deep):
-    # Decode over a 16-bit cache at head dim 128 with K/V tiles by bulk tensor copies in
-    # 64-dim panels (PAGEDCORE_DECODE_TMA16=2: an error if it cannot run), in the shallow
-    # and the deep pipeline: range edges inside blocks and tiles (block size 128: a
-    # tile's half of a block a copy), V rows past a range zeroed (the cache's unwritten
-    # slots hold NaN), block size 8 rows of 9000 keys across chunks of staged block ids.
-    monkeypatch.setenv("PAGEDCORE_DECODE_TMA16", "2")
-    monkeypatch.setenv("PAGEDCORE_DECODE_DEEP_CTAS", deep)
-    lengths = [1, 17, 255, 256, 513, 1500, 4097, 9000]
-    for window in (0, 300):
-        run_cuda([(1, n) for n in lengths], block_size=block_size, head_dim=128, group=4, dtype=torch.bfloat16,
-                 window=window, graph_plan_len=16384, repeat=2)
-    run_cuda([(1, 3000), (1, 9000)], block_size=block_size, head_dim=128, group=4, dtype=torch.float16,
-             unsplit=True)
-    run_cuda(mixed_rows(block_size), block_size=block_size, head_dim=128, group=8, dtype=torch.bfloat16, window=40,
-             softcap=3.5)
-    run_cuda([(2, 100), (4, 3000), (3, 6000), (1, 20)], block_size=block_size, head_dim=128, group=4,
-             dtype=torch.float16)
-
-
 @pytest.mark.parametrize("block_size", [8, 16, 128])
 @pytest.mark.parametrize("group", [1, 4, 8])
 @pytest.mark.parametrize("head_dim", [64, 128])
