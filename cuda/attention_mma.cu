@@ -1299,7 +1299,11 @@ bool encode_decode_maps(const PagedAttentionParams& p, DecodeMaps<true>& maps) {
 //     bf16's 246.0); fp8 B=64 L=1k, SmolLM2 fp8, the deep launches within 0.2.
 //     Deleted after that run: refilling a stage by the last warp done with its
 //     tile (a shared counter, no CTA barrier a tile, all three stages ahead):
-//     148.2.
+//     148.2. Reverted after its one run (8816492): 16-bit tiles by TMA in two
+//     64-dim panels a row (four boxes a block piece, V rows past a range
+//     zeroed), deep and shallow: B=1 L=256 5.4 -> 7.8, L=4k 9.3 -> 11.3, B=64
+//     L=4k 247.0 -> 258.0, 8B B=1 L=160 graph plan 4.8 -> 6.6; and NaN outputs in
+//     its tests on split rows, cause not found.
 //   PAGEDCORE_DECODE_MERGE  how a split row's last CTA merges. Unset (or 1):
 //     merge::count_and_merge_decode, one thread's fences instead of every
 //     thread's, the (max, sum) pairs and partials loaded in one pass; =0:
