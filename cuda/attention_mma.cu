@@ -30,7 +30,6 @@
 
 #include <cfloat>
 #include <cstdint>
-#include <cstdio>
 #include <cstdlib>
 #include <type_traits>
 
