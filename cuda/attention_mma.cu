@@ -40,6 +40,7 @@
 #include "pagedcore/cuda/kernels.h"
 #include "pdl.cuh"
 #include "tensor_map.cuh"
+#include "wgmma_ops.cuh"  // (its mbarrier and TMA pieces; the wgmma ones, unused here, emit no code)
 
 namespace pagedcore::cuda {
 
@@ -156,46 +157,34 @@ struct DecodeMaps<true> {
   CUtensorMap v;
 };
 
-// mbarrier and bulk tensor copies: Hopper instructions, compiled out of the
-// sm_80 build (the host never launches a TMA kernel there: decode_tma_serves).
+// mbarrier and bulk tensor copies (wgmma_ops.cuh's): Hopper instructions,
+// compiled out of the sm_80 build (the host never launches a TMA kernel there:
+// decode_tma_serves).
 __device__ __forceinline__ void tma_mbar_init(uint32_t bar, uint32_t count) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  wgmma::mbar_init(bar, count);
+  wgmma::mbar_init_fence();
 #endif
 }
 __device__ __forceinline__ void tma_expect_bytes(uint32_t bar, uint32_t bytes) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+  wgmma::mbar_arrive_expect_tx(bar, bytes);
 #endif
 }
 __device__ __forceinline__ void tma_wait(uint32_t bar, uint32_t parity) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile(
-      "{\n"
-      ".reg .pred done;\n"
-      "WAIT_%=:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra WAIT_%=;\n"
-      "}\n" ::"r"(bar),
-      "r"(parity)
-      : "memory");
+  wgmma::mbar_wait(bar, parity);
 #endif
 }
-// One box of a 4-d tensor map (coordinates c0 innermost) -> dst, completing on bar.
 __device__ __forceinline__ void tma_load_box(uint32_t dst, const CUtensorMap* map, int c0, int c1, int c2, int c3,
                                              uint32_t bar) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile(
-      "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], "
-      "[%6];\n" ::"r"(dst),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar)
-      : "memory");
+  wgmma::tma_load_4d(dst, map, c0, c1, c2, c3, bar);
 #endif
 }
 __device__ __forceinline__ void tma_fence_proxy() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+  wgmma::fence_proxy_async();
 #endif
 }
 
@@ -1153,24 +1142,6 @@ int launch_variant(const PagedAttentionParams& p, cudaStream_t stream, int flags
 
 // ---- TMA decode, the host's part ----
 
-// Compute capability 9.0 or later (bulk tensor copies), per device, asked once.
-bool device_has_tma() {
-  constexpr int kMaxDevices = 64;
-  static int cached[kMaxDevices] = {};  // 0 unknown, 1 yes, 2 no
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= kMaxDevices) {
-    cudaGetLastError();
-    return false;
-  }
-  if (cached[dev] == 0) {
-    int major = 0;
-    const bool ok = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess;
-    if (!ok) cudaGetLastError();
-    cached[dev] = ok && major >= 9 ? 1 : 2;
-  }
-  return cached[dev] == 1;
-}
-
 // What the TMA decode needs of a launch: a Hopper device, block sizes that are
 // powers of two 8..128 (a box is one block, at most 16 boxes a 128-key tile),
 // caches 16-byte aligned (the tensor map's base).
@@ -1178,7 +1149,7 @@ bool decode_tma_serves(const PagedAttentionParams& p) {
   const int bs = p.block_size;
   return bs >= 8 && bs <= 128 && (bs & (bs - 1)) == 0 && p.num_blocks > 0 &&
          reinterpret_cast<uintptr_t>(p.key_cache) % 16 == 0 && reinterpret_cast<uintptr_t>(p.value_cache) % 16 == 0 &&
-         device_has_tma();
+         compute_capability() >= 90;
 }
 
 // The K and V tensor maps of an fp8 cache at head dim HD (bytes): dims (HD,
@@ -1461,25 +1432,41 @@ int dispatch_cache(const PagedAttentionParams& p, cudaStream_t s) {
 
 }  // namespace
 
-// Multiprocessors of the current device (asked once per device; 132, an
-// H100/H200's, where the device cannot be asked).
-int multiprocessor_count() {
+namespace {
+
+// A device attribute of the current device, asked once per device (`fallback`
+// where it cannot be asked).
+template <cudaDeviceAttr A>
+int cached_device_attribute(int fallback) {
   constexpr int kMaxDevices = 64;
   static int cached[kMaxDevices] = {};
+  static bool asked[kMaxDevices] = {};
   int dev = 0;
   if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= kMaxDevices) {
     cudaGetLastError();
-    return 132;
+    return fallback;
   }
-  if (cached[dev] == 0) {
+  if (!asked[dev]) {
     int n = 0;
-    if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || n <= 0) {
+    if (cudaDeviceGetAttribute(&n, A, dev) != cudaSuccess) {
       cudaGetLastError();
-      n = 132;
+      n = fallback;
     }
     cached[dev] = n;
+    asked[dev] = true;
   }
   return cached[dev];
+}
+
+}  // namespace
+
+// Multiprocessors of the current device (132, an H100/H200's, where the device
+// cannot be asked).
+int multiprocessor_count() { return cached_device_attribute<cudaDevAttrMultiProcessorCount>(132); }
+
+int compute_capability() {
+  const int major = cached_device_attribute<cudaDevAttrComputeCapabilityMajor>(0);
+  return major <= 0 ? 0 : 10 * major + cached_device_attribute<cudaDevAttrComputeCapabilityMinor>(0);
 }
 
 int paged_attention_mma(const PagedAttentionParams& p, cudaStream_t stream) {

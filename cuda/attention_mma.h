@@ -14,6 +14,10 @@ int paged_attention_mma(const PagedAttentionParams& p, cudaStream_t stream);
 // Multiprocessors of the current device (asked once per device).
 int multiprocessor_count();
 
+// The current device's compute capability as 10 * major + minor (asked once
+// per device; 0 where it cannot be asked).
+int compute_capability();
+
 // Combines the key splits' partial outputs (decode rows or work items).
 int merge_attention_splits(const PagedAttentionParams& p, bool decode, cudaStream_t stream);
 

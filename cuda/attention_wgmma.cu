@@ -638,24 +638,8 @@ int kernel_choice(const PagedAttentionParams& p) {
 
 bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0; }
 
-// Compute capability 9.0 (what sm_90a code runs on), per device, asked once.
-bool device_is_sm90() {
-  constexpr int kMaxDevices = 64;
-  static int cached[kMaxDevices] = {};  // 0 unknown, 1 yes, 2 no
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= kMaxDevices) {
-    cudaGetLastError();
-    return false;
-  }
-  if (cached[dev] == 0) {
-    int major = 0, minor = 0;
-    const bool ok = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess &&
-                    cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) == cudaSuccess;
-    if (!ok) cudaGetLastError();
-    cached[dev] = ok && major == 9 && minor == 0 ? 1 : 2;
-  }
-  return cached[dev] == 1;
-}
+// Compute capability 9.0 (what sm_90a code runs on).
+bool device_is_sm90() { return compute_capability() == 90; }
 
 }  // namespace
 

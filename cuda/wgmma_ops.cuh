@@ -1,8 +1,9 @@
 // Internal: the sm_90a primitives of the wgmma attention kernel — warpgroup
 // MMAs (wgmma.mma_async) with their fences, shared-memory matrix descriptors
 // for the 128-byte swizzled layout, and cp.async with the proxy fence that
-// makes its writes visible to wgmma. Raw PTX; include only from code compiled
-// for sm_90a (the asm does not assemble for other targets).
+// makes its writes visible to wgmma. Raw PTX for sm_90a (the wgmma asm does
+// not assemble for other targets); attention_mma.cu, built for sm_80 too, calls
+// only its mbarrier and TMA pieces, under an architecture guard.
 //
 // Shared-memory tiles (Q, K, V) are rows of head_dim 2-byte elements, stored
 // as panels of 64 elements (128 bytes per row): panel p of a tile of R rows
