@@ -73,7 +73,6 @@ VARIANTS = (
     ("keys in M, fp8 all cvt", {"PAGEDCORE_DECODE_KEYS_IN_M": "1", "PAGEDCORE_FP8_CVT_MIX": "2"}),
     ("keys in M, fp8 int", {"PAGEDCORE_DECODE_KEYS_IN_M": "1", "PAGEDCORE_FP8_CVT_MIX": "0"}),
     ("tma off", {"PAGEDCORE_DECODE_TMA": "0"}),
-    ("fp8 mma off", {"PAGEDCORE_DECODE_FP8_MMA": "0"}),
 )
 # (name, batch, keys, heads, kv heads, head dim, fp8, graph plan length or 0)
 CASES = (

@@ -290,47 +290,8 @@ __device__ __forceinline__ void ldmatrix_x2_trans(uint32_t addr, uint32_t (&r)[2
 }
 
 // How an fp8 cache is widened (the kernel's CVT): K and V by the conversion
-// unit (0), or each by fp8x2_to_half2_scaled's integer operations (the bits);
-// kCvtMma: not widened at all, the cache's bytes the operands of e4m3 mma
-// (keys in M only; sm_89 and later: below).
-constexpr int kCvtIntK = 1, kCvtIntV = 2, kCvtInt = kCvtIntK | kCvtIntV, kCvtMma = 4;
-
-// ---- e4m3 tensor-core math (kCvtMma) ----
-// mma.m16n8k32 over e4m3 A and B, float accumulators (sm_89 and later; the
-// host launches kCvtMma only there).
-__device__ __forceinline__ void mma_e4m3(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-  asm volatile(
-      "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-#else
-  __trap();
-#endif
-}
-// Two floats -> two e4m3 bytes (x the low one), to nearest, saturated.
-__device__ __forceinline__ uint32_t e4m3x2(float x, float y) {
-  return __nv_cvt_float2_to_fp8x2(make_float2(x, y), __NV_SATFINITE, __NV_E4M3);
-}
-// A half2 (low half first) -> two e4m3 bytes, the low half the low byte.
-__device__ __forceinline__ uint32_t e4m3x2_of_half2(uint32_t h) {
-  __half2_raw r;
-  r.x = static_cast<unsigned short>(h & 0xffffu);
-  r.y = static_cast<unsigned short>(h >> 16);
-  return __nv_cvt_halfraw2_to_fp8x2(r, __NV_SATFINITE, __NV_E4M3);
-}
-// A half2 as N e4m3 terms (each of what the ones before leave), each a pair
-// of bytes in the low half of its word: about 4 N significant bits (of the
-// half's 11) where one e4m3 has 4.
-template <int N>
-__device__ __forceinline__ void e4m3x2_terms(uint32_t h, uint32_t (&term)[N]) {
-#pragma unroll
-  for (int i = 0; i < N; ++i) {
-    term[i] = e4m3x2_of_half2(h);
-    if (i + 1 < N) asm("sub.f16x2 %0, %0, %1;" : "+r"(h) : "r"(fp8x2_to_half2(term[i])));
-  }
-}
+// unit (0), or each by fp8x2_to_half2_scaled's integer operations (the bits).
+constexpr int kCvtIntK = 1, kCvtIntV = 2, kCvtInt = kCvtIntK | kCvtIntV;
 
 // STAGES: tiles in flight (num_stages or, for small decode launches,
 // deep_stages); CVT: fp8's widening (kCvtInt...); KT: keys per tile (fp8
@@ -348,23 +309,6 @@ __device__ __forceinline__ void e4m3x2_terms(uint32_t h, uint32_t (&term)[N]) {
 // those of P V; K is the A operand (ldmatrix, or fp8 words widened as now), V^T
 // comes by ldmatrix.trans, and P^T moves from the score fragments to B
 // fragments by movmatrix.trans.
-//
-// KM over fp8 with CVT kCvtMma (MMA8; the default on sm_89 and later): no
-// widening. S^T = K Q^T and O^T += V^T P^T by e4m3 mma (m16n8k32): K's A
-// fragments by ldmatrix as they are; V^T's by ldmatrix.trans of byte pairs
-// (a pair: two dims of one key; rows = 32 consecutive keys) and two prmt a
-// register, which gather one dim's four keys (keys 2q, 2q + 1, 2q + 8, 2q + 9
-// of a 16-key half, q = lane % 4: the order movmatrix leaves P^T in, so the
-// B fragments of P^T are its halves converted, no shuffle). Q and P enter as
-// e4m3 terms each (kTerms: two for bf16 queries, whose 8 significant bits they
-// hold exactly, three for fp16's 11; Q per vector scaled by a power of two to
-// put its largest |q| at 128-256, undone in the score scale; P, an fp16 as in
-// the widened kernel, then to bf16's 8 bits or exactly): no rounding beyond the
-// widened kernel's but e4m3's subnormal floor, 2^-17 of a vector's largest |q|. P is taken 2^kPOff larger
-// (kSlack smaller) so that its small values stay above e4m3's subnormals; m
-// gives the offset back at the end. V bytes of keys outside the row's range
-// (the TMA's whole blocks, unwritten slots: anything, NaN too) are zeroed
-// before the mma, where 0 x NaN would be NaN.
 //
 // TMA (decode over fp8 at head dim 128 with keys in M, PAGEDCORE_DECODE_TMA):
 // each tile's K and V rows come by one bulk tensor copy per cache block (a
@@ -389,15 +333,12 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
   constexpr int kStages = STAGES;
   static_assert(CVT == 0 || FP8, "the integer widening is fp8's");
   constexpr bool KINT = (CVT & kCvtIntK) != 0, VINT = (CVT & kCvtIntV) != 0;
-  constexpr bool MMA8 = (CVT & kCvtMma) != 0;
-  constexpr int kTerms = std::is_same_v<T, __half> ? 3 : 2;  // MMA8: e4m3 terms of Q and of P
-  static_assert(!MMA8 || (KM && FP8 && (CVT & kCvtInt) == 0), "e4m3 mma: fp8 keys in M, nothing widened");
   constexpr int CHUNKS = HD * static_cast<int>(sizeof(CT)) / 16;  // 16-byte pieces of a cache row
   constexpr int SROW = staged_row_bytes<CT, HD, PAD>();
   static_assert(PAD != 0 || can_swizzle<CT, HD>(), "swizzled rows hold whole eights of chunks");
   static_assert(!KM || (DECODE && HD % 32 == 0), "keys in M: decode, head dims of whole 32s");
-  static_assert(!TMA || (KM && FP8 && HD == 128 && PAD == 0 && (VINT || MMA8) && KT <= 128),
-                "TMA: fp8 keys in M at head dim 128, swizzled rows, V widened by integer operations or masked (MMA8)");
+  static_assert(!TMA || (KM && FP8 && HD == 128 && PAD == 0 && (CVT & kCvtIntV) != 0 && KT <= 128),
+                "TMA: fp8 keys in M at head dim 128, swizzled rows, V widened by integer operations");
   auto soff = [](int r, int b) { return staged_offset<PAD>(r, b, SROW); };
   constexpr int WK = DECODE ? KT / kWarps : KT;                      // keys per warp per tile
   constexpr int KSTEPS = HD / 16;
@@ -405,7 +346,6 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
   constexpr int SUB = WK < 32 ? WK : 32;  // keys per compute pass
   constexpr int ST = SUB / 8;  // score fragments (8 keys each)
   static_assert(HD % 16 == 0 && SUB % 16 == 0 && WK % SUB == 0, "tile shape");
-  static_assert(!MMA8 || SUB == 32, "e4m3 mma: 32 keys a pass (one k step of P V)");
   // NOTE: 128-byte aligned, so that staged rows' 32-byte sectors and swizzled
   // 128-byte lines sit where the layout puts them (a 16-byte aligned base after
   // any static shared variable shifted every row by 16 bytes).
@@ -510,64 +450,7 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
 
   // Q as A fragments: [k step][4 registers].
   uint32_t qf[KSTEPS][4];
-  // MMA8: Q^T's e4m3 B fragments instead, [column tile][32-dim k step][dims
-  // + 0 / + 16][term] (vector lane / 4 + 8 nt, dims 32 s + 16 h + 4 qd .. + 3),
-  // and in q_unscale the scale each column tile's vector was taken at, undone.
-  uint32_t q8[2][MMA8 ? HD / 32 : 1][2][kTerms];
-  float q_unscale[2] = {1.f, 1.f};
-  if constexpr (MMA8) {
-    const T* query = static_cast<const T*>(p.query);
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
-      const int64_t tok = q_begin + t0 + (vvalid[nt] ? vr[nt] / group : 0);
-      const int head = kv_head * group + (vvalid[nt] ? vr[nt] % group : 0);
-      const T* qrow = query + tok * p.query_stride + static_cast<int64_t>(head) * HD;
-      float x[HD / 32][2][4];
-      float amax = 0.f;
-#pragma unroll
-      for (int s = 0; s < HD / 32; ++s) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int d = 32 * s + 16 * h + 4 * qd;
-#pragma unroll
-          for (int j = 0; j < 4; j += 2) {
-            const float2 f = vvalid[nt] ? to_float2(*reinterpret_cast<const Pair<T>*>(qrow + d + j))
-                                        : make_float2(0.f, 0.f);
-            x[s][h][j] = f.x;
-            x[s][h][j + 1] = f.y;
-            amax = fmaxf(amax, fmaxf(fabsf(f.x), fabsf(f.y)));
-          }
-        }
-      }
-      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
-      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
-      int e;
-      frexpf(amax, &e);  // amax in [2^(e-1), 2^e): times 2^(8-e) in [128, 256)
-      const float up = ldexpf(1.f, 8 - e);
-      q_unscale[nt] = ldexpf(1.f, e - 8);
-#pragma unroll
-      for (int s = 0; s < HD / 32; ++s) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          uint32_t term[2][kTerms];  // [dims 4 qd + (0, 1) / (2, 3)][term]
-#pragma unroll
-          for (int j = 0; j < 2; ++j) {
-            float a = x[s][h][2 * j] * up, b = x[s][h][2 * j + 1] * up;  // (exact: a power of two)
-#pragma unroll
-            for (int i = 0; i < kTerms; ++i) {
-              term[j][i] = e4m3x2(a, b);
-              const uint32_t hb = fp8x2_to_half2(term[j][i]);
-              const float2 back = __half22float2(*reinterpret_cast<const __half2*>(&hb));
-              a -= back.x;  // (exact)
-              b -= back.y;
-            }
-          }
-#pragma unroll
-          for (int i = 0; i < kTerms; ++i) q8[nt][s][h][i] = term[0][i] | (term[1][i] << 16);
-        }
-      }
-    }
-  } else {
+  {
     const T* query = static_cast<const T*>(p.query);
     const T* qrow[2];
 #pragma unroll
@@ -606,17 +489,6 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
     m[r] = -INFINITY;  // running max, log2 units
     l[r] = 0.f;        // this thread's share of the running sum
   }
-  // MMA8: the score factor of each of the thread's columns (KM: vector 8 (r / 2)
-  // + 2 qd + r % 2, whose q_unscale lane 4 (2 qd + r % 2) holds).
-  float col_unscale[4] = {1.f, 1.f, 1.f, 1.f};
-  if constexpr (MMA8) {
-#pragma unroll
-    for (int r = 0; r < 4; ++r) col_unscale[r] = __shfl_sync(0xffffffffu, q_unscale[r / 2], 4 * (2 * qd + r % 2));
-  }
-  // MMA8: P is taken 2^kPOff times larger (the max lets it grow 2^kSlack
-  // before a rescale): at most 2^8 of e4m3's 448, and the smallest kept value
-  // 2^-16 of the row's largest rather than 2^-10.
-  constexpr float kPOff = MMA8 ? 6.f : 0.f;
 
   const CT* key_cache = static_cast<const CT*>(p.key_cache);
   const CT* value_cache = static_cast<const CT*>(p.value_cache);
@@ -638,8 +510,6 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
   const int v_lane = lane_part(lane % 8 + 8 * ((lane / 8) % 2), 16 * (lane / 16));
   // KM over a 16-bit cache: V^T's A fragments (16 dims x 16 keys) by ldmatrix.trans.
   const int vt_lane = lane_part(lane % 8 + 8 * (lane / 16), 16 * ((lane / 8) % 2));
-  // MMA8's V^T: lane j addresses key row j of a 32-key pass.
-  const int vt8_lane = lane_part(lane, 0);
   // fp8 V: byte pairs (dims 2e, 2e+1) of keys 2q, 2q+1, as ldmatrix.trans gives
   // them; even dims and odd dims, each as the two keys' half2.
   auto even_dims = [](uint32_t x) {
@@ -772,29 +642,8 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
             }
           }
           const uint32_t kaddr = smem_addr(ks);
-          if constexpr (MMA8) {
-            // 32 dims a k step: K's bytes by ldmatrix as they are (16 keys x 32
-            // bytes), Q's first term into st, the rest into st2 (two chains).
 #pragma unroll
-            for (int kb = 0; kb < KB; ++kb) {
-#pragma unroll
-              for (int s = 0; s < HD / 32; ++s) {
-                uint32_t a[4];
-                ldmatrix_x4(kaddr + at(wk + 16 * kb, v_lane, 32 * s), a);
-#pragma unroll
-                for (int nt = 0; nt < 2; ++nt) {
-                  if (nt < col_tiles) {
-#pragma unroll
-                    for (int i = 0; i < kTerms; ++i) {
-                      mma_e4m3(i == 0 ? st[nt][kb] : st2[nt][kb], a, q8[nt][s][0][i], q8[nt][s][1][i]);
-                    }
-                  }
-                }
-              }
-            }
-          }
-#pragma unroll
-          for (int kb = 0; kb < (MMA8 ? 0 : KB); ++kb) {
+          for (int kb = 0; kb < KB; ++kb) {
 #pragma unroll
             for (int s = 0; s < KSTEPS; ++s) {
               uint32_t a[4];  // keys wk + 16 kb + (lane / 4, + 8) x the k step's dims
@@ -836,7 +685,7 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
 #pragma unroll
               for (int i = 0; i < 4; ++i) {
                 const int r = 2 * nt + i % 2;
-                const float v = (st[nt][kb][i] + st2[nt][kb][i]) * col_unscale[r];  // (MMA8's; else 1)
+                const float v = st[nt][kb][i] + st2[nt][kb][i];
                 float x = softcap > 0.f ? softcap_log2 * tanhf(v * cap_scale) : v * score_log2;
                 if (!whole) {
                   const int key = kbase + 16 * kb + lane / 4 + 8 * (i / 2);
@@ -847,7 +696,7 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
               }
             }
           }
-          constexpr float kSlack = MMA8 ? 2.f : 8.f;  // (as below; MMA8: kPOff)
+          constexpr float kSlack = 8.f;  // (as below)
           bool grow = false;
 #pragma unroll
           for (int r = 0; r < 4; ++r) {
@@ -886,7 +735,7 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
 #pragma unroll
               for (int i = 0; i < 4; ++i) {
                 const int r = 2 * nt + i % 2;
-                e[i] = fast_exp2(st[nt][kb][i] - ((m[r] == -INFINITY ? 0.f : m[r]) - kPOff));
+                e[i] = fast_exp2(st[nt][kb][i] - (m[r] == -INFINITY ? 0.f : m[r]));
                 l[r] += e[i];
               }
               pb[nt][kb][0] = movmatrix_trans(pack2<MT>(e[0], e[1]));
@@ -896,56 +745,6 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
           // O^T += V^T P^T: row tile t of O^T is head dims 16 t + (lane / 4, + 8)
           // (fp8: 16 t + 2 (lane / 4) + (0, 1): even and odd dims of a byte pair).
           const uint32_t vaddr = smem_addr(vs);
-          if constexpr (MMA8) {
-            // P^T's B fragments: movmatrix left this thread keys 16 kb + 2 qd
-            // + (0, 1) and + 8 of vector lane / 4; converted, the two halves
-            // make the four keys of one register (b0: kb 0, b1: kb 1).
-            uint32_t p8[2][2][kTerms];  // [column tile][kb][term]
-#pragma unroll
-            for (int nt = 0; nt < 2; ++nt) {
-              if (nt >= col_tiles) continue;
-#pragma unroll
-              for (int kb = 0; kb < 2; ++kb) {
-                uint32_t near[kTerms], far[kTerms];  // keys 16 kb + 2 qd + (0, 1), and + 8
-                e4m3x2_terms(pb[nt][kb][0], near);
-                e4m3x2_terms(pb[nt][kb][1], far);
-#pragma unroll
-                for (int i = 0; i < kTerms; ++i) p8[nt][kb][i] = near[i] | (far[i] << 16);
-              }
-            }
-            // The bytes this thread's V^T fragments hold are keys kbase + 16 j
-            // + 2 qd + (i & 1) + 8 (i >> 1) (byte i, j = 0 for a0 / a1, 1 for
-            // a2 / a3): zero those outside [k_lo, c1).
-            uint32_t keep[2] = {0xffffffffu, 0xffffffffu};
-            if (kbase < k_lo || kbase + SUB > c1) {
-#pragma unroll
-              for (int j = 0; j < 2; ++j) {
-#pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                  const int key = kbase + 16 * j + 2 * qd + (i & 1) + 8 * (i >> 1);
-                  if (key < k_lo || key >= c1) keep[j] &= ~(0xffu << (8 * i));
-                }
-              }
-            }
-#pragma unroll
-            for (int t = 0; t < HT; ++t) {
-              // Matrix j (lanes 8j..8j+7 address it): keys wk + 8 j .. + 7, the
-              // byte pairs of dims 16 t .. + 15; register j: keys 8 j + 2 qd + (0, 1),
-              // dims 16 t + 2 (lane / 4) + (0, 1).
-              uint32_t b[4];
-              ldmatrix_x4_trans(vaddr + at(wk, vt8_lane, 16 * t), b);
-              const uint32_t a[4] = {__byte_perm(b[0], b[1], 0x6420) & keep[0], __byte_perm(b[0], b[1], 0x7531) & keep[0],
-                                     __byte_perm(b[2], b[3], 0x6420) & keep[1], __byte_perm(b[2], b[3], 0x7531) & keep[1]};
-#pragma unroll
-              for (int nt = 0; nt < 2; ++nt) {
-                if (nt < col_tiles) {
-#pragma unroll
-                  for (int i = 0; i < kTerms; ++i) mma_e4m3(acc[nt * HT + t], a, p8[nt][0][i], p8[nt][1][i]);
-                }
-              }
-            }
-            continue;
-          }
 #pragma unroll
           for (int kb = 0; kb < KB; ++kb) {
             if constexpr (FP8) {
@@ -1143,9 +942,6 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
 
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
-    if constexpr (MMA8) {  // (l is 2^kPOff too large: the max gives it back)
-      if (m[r] != -INFINITY) m[r] -= kPOff;
-    }
     if constexpr (KM) {  // (a vector's keys are spread over the lanes of one qd)
       l[r] += __shfl_xor_sync(0xffffffffu, l[r], 4);
       l[r] += __shfl_xor_sync(0xffffffffu, l[r], 8);
@@ -1538,9 +1334,6 @@ int launch_decode(const PagedAttentionParams& p, cudaStream_t stream, int flags,
       if constexpr (FP8) {
         const int mix = env_int("PAGEDCORE_FP8_CVT_MIX", 1);
         if constexpr (HD == 128) {
-          // e4m3 mma instead of widening (the kernel's kCvtMma) with the
-          // default mix, on sm_89 and later; PAGEDCORE_DECODE_FP8_MMA=0: never.
-          const bool mma8 = mix == 1 && env_int("PAGEDCORE_DECODE_FP8_MMA", 1) != 0 && compute_capability() >= 89;
           // K/V tiles by bulk tensor copies (the kernel's TMA) where served,
           // with the default mix (else by cp.async); PAGEDCORE_DECODE_TMA=0:
           // never; =2: an error where not served (tests).
@@ -1548,12 +1341,10 @@ int launch_decode(const PagedAttentionParams& p, cudaStream_t stream, int flags,
           if (tma != 0) {
             DecodeMaps<true> maps;
             if (mix == 1 && decode_tma_serves(p) && encode_decode_maps<HD>(p, maps)) {
-              return mma8 ? launch_variant<T, CT, HD, true, 3, kCvtMma, 128, 0, true, true>(p, stream, flags, maps)
-                          : launch_variant<T, CT, HD, true, 3, kCvtIntV, 128, 0, true, true>(p, stream, flags, maps);
+              return launch_variant<T, CT, HD, true, 3, kCvtIntV, 128, 0, true, true>(p, stream, flags, maps);
             }
             if (tma == 2) return cudaErrorNotSupported;
           }
-          if (mma8) return launch_variant<T, CT, HD, true, 3, kCvtMma, 128, 16, true>(p, stream, flags);
         }
         switch (mix) {  // (as below)
           case 0: return launch_variant<T, CT, HD, true, 3, kCvtInt, 128, 16, true>(p, stream, flags);

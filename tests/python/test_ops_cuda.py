@@ -25,13 +25,11 @@ TOLERANCE = {
 
 
 def run_cuda(rows, *, block_size, head_dim, group, dtype, window=0, softcap=0.0, num_kv_heads=2, seed=0,
-             fp8_scales=None, unsplit=False, graph_plan_len=0, repeat=1, head_scales=None):
+             fp8_scales=None, unsplit=False, graph_plan_len=0, repeat=1):
     query, kc, vc, bt, seq_lens, qsl = make_batch(
         rows, block_size=block_size, head_dim=head_dim, num_kv_heads=num_kv_heads, group=group,
         dtype=dtype, window=window, seed=seed,
     )
-    if head_scales is not None:  # each query head times its factor (the reference sees the same values)
-        query = (query.float() * torch.tensor(head_scales).view(1, -1, 1)).to(dtype)
     # Garbage table entries past a row's blocks must not be read; on the GPU keep
     # them in range so that a stray read shows as NaN rather than a fault.
     bt = bt.clamp(0, kc.shape[0] - 1)
@@ -170,15 +168,12 @@ def test_decode_rows_shorter_than_the_graph_plan(monkeypatch, dtype, window, fp8
     {"PAGEDCORE_DECODE_KEYS_IN_M": "1", "PAGEDCORE_DECODE_DEEP_CTAS": "0", "PAGEDCORE_FP8_CVT_MIX": "0"},
     {"PAGEDCORE_DECODE_KEYS_IN_M": "0", "PAGEDCORE_DECODE_DEEP_CTAS": "0"},
     {"PAGEDCORE_DECODE_TMA": "0", "PAGEDCORE_DECODE_DEEP_CTAS": "0"},
-    {"PAGEDCORE_DECODE_FP8_MMA": "0", "PAGEDCORE_DECODE_DEEP_CTAS": "0"},
-    {"PAGEDCORE_DECODE_FP8_MMA": "0", "PAGEDCORE_DECODE_TMA": "0", "PAGEDCORE_DECODE_DEEP_CTAS": "0"},
     {"PAGEDCORE_DECODE_MERGE": "0"},
     {"PAGEDCORE_DECODE_MERGE": "0", "PAGEDCORE_DECODE_DEEP_CTAS": "0"},
 ], ids=["shallow", "deep", "fp8-cvt", "early-off-narrow-fp8", "early-meta-fp8-deep", "early-l2", "two-an-sm",
         "padded", "padded-deep", "narrow-d64", "fp8-int", "fp8-all-cvt-wide", "keys-in-m", "keys-in-m-deep",
         "keys-in-m-padded", "keys-in-m-fp8-all-cvt", "keys-in-m-fp8-int",
-        "keys-in-m-off", "tma-off", "fp8-mma-off", "fp8-mma-off-tma-off", "two-pass-merge",
-        "two-pass-merge-shallow"])
+        "keys-in-m-off", "tma-off", "two-pass-merge", "two-pass-merge-shallow"])
 def test_decode_kernel_variants(monkeypatch, env):
     # The decode kernel's pipelines (three tiles in flight, or five for launches of few
     # CTAs), fp8 widenings (integer operations, or the cvt unit), the lengths and first
@@ -200,9 +195,7 @@ def test_decode_kernel_variants(monkeypatch, env):
     # second column tile; fp8 with either widening of V, or both by integer operations;
     # the default takes it for fp8 128-key tiles at head dim 128 only, "keys-in-m-off"
     # nowhere); "tma-off": fp8's keys-in-M tiles by cp.async (the default copies them by TMA
-    # on Hopper: test_decode_tma_fp8), with e4m3 mma as by default; "fp8-mma-off*": those
-    # tiles widened to fp16 (V by integer operations, K by the cvt unit) instead of e4m3
-    # mma, by TMA and by cp.async; "two-pass-merge*": a split row's last CTA merging by count_and_merge
+    # on Hopper: test_decode_tma_fp8); "two-pass-merge*": a split row's last CTA merging by count_and_merge
     # (the default merges by count_and_merge_decode). (The split rule
     # PAGEDCORE_DECODE_BALANCE only changes a plan's split count: test_mixed_graph_plan.py.)
     for name, value in env.items():
@@ -237,21 +230,6 @@ def test_decode_tma_fp8(monkeypatch, block_size):
              softcap=3.5, fp8_scales=(0.25, 0.75))
     run_cuda([(2, 100), (4, 3000), (3, 6000), (1, 20)], block_size=block_size, head_dim=128, group=4,
              dtype=torch.bfloat16, fp8_scales=(0.5, 2.0))
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_decode_fp8_mma_query_magnitudes(dtype):
-    # fp8 decode at head dim 128 by e4m3 mma takes each query vector at its own power-of-two
-    # scale (its largest |q| to 128-256) as two or three e4m3 terms (bf16's 8 or fp16's 11
-    # significant bits): heads of one kv head 2^-12 .. 2^6 apart (tiny, ordinary, and sharp
-    # scores that leave most keys' P near e4m3's subnormals), against the float64 reference
-    # at the query dtype's tolerance.
-    lengths = [1, 17, 255, 256, 513, 1500, 4097]
-    scales = [2.0**-12, 1.0, 8.0, 64.0, 0.01, 3.0, 0.5, 20.0]  # 2 kv heads x group 4
-    run_cuda([(1, n) for n in lengths], block_size=16, head_dim=128, group=4, dtype=dtype, graph_plan_len=8192,
-             fp8_scales=(0.5, 1.5), head_scales=scales)
-    run_cuda([(1, 3000), (2, 700), (4, 900)], block_size=32, head_dim=128, group=4, dtype=dtype, fp8_scales=(1.0, 1.0),
-             head_scales=scales)
 
 
 @pytest.mark.parametrize("block_size", [8, 16, 128])
