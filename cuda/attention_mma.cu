@@ -1334,6 +1334,21 @@ int launch_decode(const PagedAttentionParams& p, cudaStream_t stream, int flags,
       if constexpr (FP8) {
         const int mix = env_int("PAGEDCORE_FP8_CVT_MIX", 1);
         if constexpr (HD == 128) {
+#ifdef PAGEDCORE_WITH_WGMMA
+          // e4m3 wgmma, the cache's bytes never widened (attention_decode_wgmma.cu),
+          // where it serves, on compute capability 9.0 with the default mix;
+          // PAGEDCORE_DECODE_WGMMA=0: never; =2: an error where it does not serve (tests).
+          const int wg = env_int("PAGEDCORE_DECODE_WGMMA", 1);
+          if (wg != 0 && mix == 1 && ((flags & kOnePassMerge) != 0 || p.decode_splits == 1) &&
+              compute_capability() == 90) {
+            DecodeMaps<true> maps;
+            if (decode_tma_serves(p) && encode_decode_maps<HD>(p, maps)) {
+              const int e = decode_fp8_wgmma(p, DecodeFp8Maps{maps.k, maps.v}, stream);
+              if (e != cudaErrorNotSupported) return e;
+            }
+          }
+          if (wg == 2) return cudaErrorNotSupported;
+#endif
           // K/V tiles by bulk tensor copies (the kernel's TMA) where served,
           // with the default mix (else by cp.async); PAGEDCORE_DECODE_TMA=0:
           // never; =2: an error where not served (tests).

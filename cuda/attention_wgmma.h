@@ -1,6 +1,7 @@
 // Internal: the Hopper (sm_90a) prefill attention kernel on wgmma (not installed).
 #pragma once
 
+#include <cuda.h>  // CUtensorMap
 #include <cuda_runtime.h>
 
 #include "pagedcore/cuda/kernels.h"
@@ -26,5 +27,20 @@ bool wgmma_prefill_serves(const PagedAttentionParams& p);
 // merging key splits like the mma.sync kernel. Call only when
 // wgmma_prefill_serves(p).
 int paged_attention_wgmma(const PagedAttentionParams& p, cudaStream_t stream);
+
+// The K and V tensor maps of an fp8 cache at head dim 128 (attention_mma.cu's
+// encode_decode_maps: dims (128 bytes, kv heads, block_size, num_blocks), box
+// one block of one kv head, 128-byte swizzle).
+struct DecodeFp8Maps {
+  CUtensorMap k;
+  CUtensorMap v;
+};
+
+// The decode rows of `p` over an fp8 e4m3 cache on e4m3 wgmma
+// (attention_decode_wgmma.cu): head dim 128, bf16 or fp16 queries, at most 16
+// query vectors a row, block sizes 8..128 that are powers of two, split rows
+// merged by their last CTA (decode_split_counters set). cudaErrorNotSupported
+// where it does not serve; call only on a compute capability 9.0 device.
+int decode_fp8_wgmma(const PagedAttentionParams& p, const DecodeFp8Maps& maps, cudaStream_t stream);
 
 }  // namespace pagedcore::cuda

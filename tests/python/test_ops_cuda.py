@@ -25,11 +25,13 @@ TOLERANCE = {
 
 
 def run_cuda(rows, *, block_size, head_dim, group, dtype, window=0, softcap=0.0, num_kv_heads=2, seed=0,
-             fp8_scales=None, unsplit=False, graph_plan_len=0, repeat=1):
+             fp8_scales=None, unsplit=False, graph_plan_len=0, repeat=1, head_scales=None):
     query, kc, vc, bt, seq_lens, qsl = make_batch(
         rows, block_size=block_size, head_dim=head_dim, num_kv_heads=num_kv_heads, group=group,
         dtype=dtype, window=window, seed=seed,
     )
+    if head_scales is not None:  # each query head times its factor (the reference sees the same values)
+        query = (query.float() * torch.tensor(head_scales).view(1, -1, 1)).to(dtype)
     # Garbage table entries past a row's blocks must not be read; on the GPU keep
     # them in range so that a stray read shows as NaN rather than a fault.
     bt = bt.clamp(0, kc.shape[0] - 1)
@@ -167,13 +169,14 @@ def test_decode_rows_shorter_than_the_graph_plan(monkeypatch, dtype, window, fp8
     {"PAGEDCORE_DECODE_KEYS_IN_M": "1", "PAGEDCORE_DECODE_DEEP_CTAS": "0", "PAGEDCORE_FP8_CVT_MIX": "2"},
     {"PAGEDCORE_DECODE_KEYS_IN_M": "1", "PAGEDCORE_DECODE_DEEP_CTAS": "0", "PAGEDCORE_FP8_CVT_MIX": "0"},
     {"PAGEDCORE_DECODE_KEYS_IN_M": "0", "PAGEDCORE_DECODE_DEEP_CTAS": "0"},
-    {"PAGEDCORE_DECODE_TMA": "0", "PAGEDCORE_DECODE_DEEP_CTAS": "0"},
+    {"PAGEDCORE_DECODE_TMA": "0", "PAGEDCORE_DECODE_WGMMA": "0", "PAGEDCORE_DECODE_DEEP_CTAS": "0"},
+    {"PAGEDCORE_DECODE_WGMMA": "0", "PAGEDCORE_DECODE_DEEP_CTAS": "0"},
     {"PAGEDCORE_DECODE_MERGE": "0"},
     {"PAGEDCORE_DECODE_MERGE": "0", "PAGEDCORE_DECODE_DEEP_CTAS": "0"},
 ], ids=["shallow", "deep", "fp8-cvt", "early-off-narrow-fp8", "early-meta-fp8-deep", "early-l2", "two-an-sm",
         "padded", "padded-deep", "narrow-d64", "fp8-int", "fp8-all-cvt-wide", "keys-in-m", "keys-in-m-deep",
         "keys-in-m-padded", "keys-in-m-fp8-all-cvt", "keys-in-m-fp8-int",
-        "keys-in-m-off", "tma-off", "two-pass-merge", "two-pass-merge-shallow"])
+        "keys-in-m-off", "tma-off", "wgmma-off", "two-pass-merge", "two-pass-merge-shallow"])
 def test_decode_kernel_variants(monkeypatch, env):
     # The decode kernel's pipelines (three tiles in flight, or five for launches of few
     # CTAs), fp8 widenings (integer operations, or the cvt unit), the lengths and first
@@ -194,8 +197,9 @@ def test_decode_kernel_variants(monkeypatch, env):
     # over fp8, at head dims 64 and 128; the rows of 16 vectors, group 8 x 2 queries, take its
     # second column tile; fp8 with either widening of V, or both by integer operations;
     # the default takes it for fp8 128-key tiles at head dim 128 only, "keys-in-m-off"
-    # nowhere); "tma-off": fp8's keys-in-M tiles by cp.async (the default copies them by TMA
-    # on Hopper: test_decode_tma_fp8); "two-pass-merge*": a split row's last CTA merging by count_and_merge
+    # nowhere); "tma-off": fp8's keys-in-M tiles by cp.async (on Hopper the default runs them
+    # on e4m3 wgmma, "wgmma-off" by TMA in the mma.sync kernel: test_decode_tma_fp8 for
+    # both); "two-pass-merge*": a split row's last CTA merging by count_and_merge
     # (the default merges by count_and_merge_decode). (The split rule
     # PAGEDCORE_DECODE_BALANCE only changes a plan's split count: test_mixed_graph_plan.py.)
     for name, value in env.items():
@@ -210,15 +214,21 @@ def test_decode_kernel_variants(monkeypatch, env):
     run_cuda(mixed_rows(16), block_size=16, head_dim=64, group=3, dtype=torch.bfloat16, window=40, softcap=3.5)
 
 
+@pytest.mark.parametrize("kernel", ["wgmma", "mma"])
 @pytest.mark.parametrize("block_size", [8, 16, 32, 128])
-def test_decode_tma_fp8(monkeypatch, block_size):
+def test_decode_tma_fp8(monkeypatch, block_size, kernel):
     # fp8 decode at head dim 128 with its K/V tiles brought by bulk tensor copies, one
-    # per cache block (PAGEDCORE_DECODE_TMA=2: an error, not the cp.async kernel, if it
-    # cannot run): a CTA's keys then start at a block boundary, so the rows' lengths,
-    # sliding windows and key splits put range edges inside blocks and tiles; block
-    # size 8 rows of 9000 keys cross a chunk of staged block ids (1024 blocks); rows
-    # of a few queries and group 8 x 2 queries (the second column tile).
-    monkeypatch.setenv("PAGEDCORE_DECODE_TMA", "2")
+    # per cache block, on e4m3 wgmma (PAGEDCORE_DECODE_WGMMA=2) or widened in the mma.sync
+    # kernel (PAGEDCORE_DECODE_TMA=2; each =2: an error, not another kernel, if it cannot
+    # run): a CTA's keys then start at a block boundary, so the rows' lengths, sliding
+    # windows and key splits put range edges inside blocks and tiles; block size 8 rows
+    # of 9000 keys cross a chunk of staged block ids (1024 blocks); rows of a few queries
+    # and group 8 x 2 queries (the second column tile; wgmma: vectors 8-15).
+    if kernel == "wgmma":
+        monkeypatch.setenv("PAGEDCORE_DECODE_WGMMA", "2")
+    else:
+        monkeypatch.setenv("PAGEDCORE_DECODE_WGMMA", "0")
+        monkeypatch.setenv("PAGEDCORE_DECODE_TMA", "2")
     monkeypatch.setenv("PAGEDCORE_DECODE_DEEP_CTAS", "0")
     lengths = [1, 17, 255, 256, 513, 1500, 4097, 9000]
     for window in (0, 300):
@@ -230,6 +240,21 @@ def test_decode_tma_fp8(monkeypatch, block_size):
              softcap=3.5, fp8_scales=(0.25, 0.75))
     run_cuda([(2, 100), (4, 3000), (3, 6000), (1, 20)], block_size=block_size, head_dim=128, group=4,
              dtype=torch.bfloat16, fp8_scales=(0.5, 2.0))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_decode_fp8_query_magnitudes(monkeypatch, dtype):
+    # fp8 decode at head dim 128 (on Hopper: e4m3 wgmma, which takes each query vector at
+    # its own power-of-two scale as two e4m3 terms, and P as two terms 2^6 larger) with
+    # the heads of one kv head 2^-12 .. 2^6 apart: tiny, ordinary, and sharp scores that
+    # leave most keys' P far below the largest, against the float64 reference.
+    monkeypatch.setenv("PAGEDCORE_DECODE_DEEP_CTAS", "0")
+    lengths = [1, 17, 255, 256, 513, 1500, 4097]
+    scales = [2.0**-12, 1.0, 8.0, 64.0, 0.01, 3.0, 0.5, 20.0]  # 2 kv heads x group 4
+    run_cuda([(1, n) for n in lengths], block_size=16, head_dim=128, group=4, dtype=dtype, graph_plan_len=8192,
+             fp8_scales=(0.5, 1.5), head_scales=scales)
+    run_cuda([(1, 3000), (2, 700), (4, 900)], block_size=32, head_dim=128, group=4, dtype=dtype, fp8_scales=(1.0, 1.0),
+             head_scales=scales)
 
 
 @pytest.mark.parametrize("block_size", [8, 16, 128])
