@@ -223,7 +223,8 @@ def test_decode_tma_fp8(monkeypatch, block_size, kernel):
     # run): a CTA's keys then start at a block boundary, so the rows' lengths, sliding
     # windows and key splits put range edges inside blocks and tiles; block size 8 rows
     # of 9000 keys cross a chunk of staged block ids (1024 blocks); rows of a few queries
-    # and group 8 x 2 queries (the second column tile; wgmma: vectors 8-15).
+    # and group 8 x 2 queries (the second column tile; wgmma: vectors 8-15). fp16 queries
+    # only in the mma.sync kernel (wgmma serves bf16 queries: attention_decode_wgmma.cu).
     if kernel == "wgmma":
         monkeypatch.setenv("PAGEDCORE_DECODE_WGMMA", "2")
     else:
@@ -234,7 +235,8 @@ def test_decode_tma_fp8(monkeypatch, block_size, kernel):
     for window in (0, 300):
         run_cuda([(1, n) for n in lengths], block_size=block_size, head_dim=128, group=4, dtype=torch.bfloat16,
                  window=window, graph_plan_len=16384, repeat=2, fp8_scales=(0.5, 1.5))
-    run_cuda([(1, 3000), (1, 9000)], block_size=block_size, head_dim=128, group=4, dtype=torch.float16,
+    run_cuda([(1, 3000), (1, 9000)], block_size=block_size, head_dim=128, group=4,
+             dtype=torch.bfloat16 if kernel == "wgmma" else torch.float16,  # (wgmma: bf16 queries only)
              fp8_scales=(1.0, 1.0), unsplit=True)
     run_cuda(mixed_rows(block_size), block_size=block_size, head_dim=128, group=8, dtype=torch.bfloat16, window=40,
              softcap=3.5, fp8_scales=(0.25, 0.75))
@@ -244,8 +246,9 @@ def test_decode_tma_fp8(monkeypatch, block_size, kernel):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_decode_fp8_query_magnitudes(monkeypatch, dtype):
-    # fp8 decode at head dim 128 (on Hopper: e4m3 wgmma, which takes each query vector at
-    # its own power-of-two scale as two e4m3 terms, and P as two terms 2^6 larger) with
+    # fp8 decode at head dim 128 (on Hopper with bf16 queries: e4m3 wgmma, which takes each
+    # query vector at its own power-of-two scale as two e4m3 terms, and P as two terms 2^6
+    # larger; fp16 queries: the widened mma.sync kernel) with
     # the heads of one kv head 2^-12 .. 2^6 apart: tiny, ordinary, and sharp scores that
     # leave most keys' P far below the largest, against the float64 reference.
     monkeypatch.setenv("PAGEDCORE_DECODE_DEEP_CTAS", "0")
