@@ -51,7 +51,6 @@ namespace {
 
 constexpr int kHD = 128;       // head dim (bytes of a staged row)
 constexpr int kKT = 128;       // keys a tile
-constexpr int kStages = 3;     // tiles in flight
 constexpr int kThreads = 128;  // one warpgroup
 constexpr int kTableIds = 1024;  // block ids staged at once
 constexpr int kVectors = 16;   // query vectors a row at most (a decode item)
@@ -67,13 +66,16 @@ constexpr float kSlack = 2.f;  // the max may lag the scores by this (log2 units
 // block ids, the warps' maxima [warp][vector], the vectors' unscales, the
 // stages' mbarriers.
 constexpr int kTileBytes = kKT * kHD;
-constexpr int kQOff = kStages * 2 * kTileBytes;
-constexpr int kPOffset = kQOff + kN * kHD;
-constexpr int kTableOff = kPOffset + kN * kKT;
-constexpr int kMaxOff = kTableOff + kTableIds * 4;
-constexpr int kUnscaleOff = kMaxOff + 4 * kVectors * 4;
-constexpr int kBarOff = kUnscaleOff + kVectors * 4;
-constexpr size_t kSmemBytes = kBarOff + 8 * kStages + 1024;  // (+ the base's alignment)
+template <int STAGES>
+struct Layout {
+  static constexpr int kQOff = STAGES * 2 * kTileBytes;
+  static constexpr int kPOffset = kQOff + kN * kHD;
+  static constexpr int kTableOff = kPOffset + kN * kKT;
+  static constexpr int kMaxOff = kTableOff + kTableIds * 4;
+  static constexpr int kUnscaleOff = kMaxOff + 4 * kVectors * 4;
+  static constexpr int kBarOff = kUnscaleOff + kVectors * 4;
+  static constexpr size_t kSmemBytes = kBarOff + 8 * STAGES + 1024;  // (+ the base's alignment)
+};
 
 // Byte b of row r of a 128-byte-row swizzled tile (TMA's SWIZZLE_128B, wgmma's
 // 128-byte swizzle): 16-byte chunk c at c ^ (r % 8).
@@ -151,10 +153,15 @@ __device__ __forceinline__ void store_pair(__half* dst, float x, float y) {
 // is vector 8 (r / 2) + 2 q + r % 2.
 __device__ __forceinline__ int vector_of(int r, int q) { return 8 * (r / 2) + 2 * q + r % 2; }
 
-template <typename T>
+// STAGES: tiles in flight (3: two CTAs an SM; 2: three).
+template <typename T, int STAGES>
 __global__ void __launch_bounds__(kThreads)
     decode_fp8_wgmma_kernel(PagedAttentionParams p, const __grid_constant__ DecodeFp8Maps maps) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  constexpr int kStages = STAGES;
+  using L = Layout<STAGES>;
+  constexpr int kQOff = L::kQOff, kPOffset = L::kPOffset, kTableOff = L::kTableOff, kMaxOff = L::kMaxOff,
+                kUnscaleOff = L::kUnscaleOff, kBarOff = L::kBarOff;
   extern __shared__ __align__(128) unsigned char smem_raw[];
   unsigned char* smem = smem_raw + ((1024 - (wgmma::smem_addr(smem_raw) & 1023)) & 1023);
   const uint32_t base = wgmma::smem_addr(smem);
@@ -334,9 +341,11 @@ __global__ void __launch_bounds__(kThreads)
         }
       }
       wgmma::commit();
-      wgmma::wait<0>();
+      wgmma::wait<0>();  // (this S, and the tile before's P V)
       wgmma::pin(s[0]);
       wgmma::pin(s[1]);
+      wgmma::pin(o[0]);
+      wgmma::pin(o[1]);
 
       // Scores (log2 units), masked: x[mb][h][r], key kbase + 64 mb + 16 w + g + 8 h.
       const bool whole = kbase >= k_lo && kbase + kKT <= c1 && kbase + kKT - 1 <= first_pos &&
@@ -456,12 +465,16 @@ __global__ void __launch_bounds__(kThreads)
         for (int mb = 0; mb < 2; ++mb) mma_rs(o[mb], a[ks][mb], wgmma::desc(base + kPOffset + 32 * ks, 16, 1024));
       }
       wgmma::commit();
-      wgmma::wait<0>();
-      wgmma::pin(o[0]);
-      wgmma::pin(o[1]);
+      // NOTE: not awaited here: the next tile's S wait retires it (the group
+      // before), so that its latency passes under the next tile's barrier, TMA
+      // wait and S issue; until then nothing touches o, a or P^T (the stage's V
+      // is in registers already).
     }
     c0 = c1;
   }
+  wgmma::wait<0>();
+  wgmma::pin(o[0]);
+  wgmma::pin(o[1]);
 
   // l per vector: over g, then the warps (s_max reused; its last readers
   // passed the tile's second barrier).
@@ -515,9 +528,10 @@ __global__ void __launch_bounds__(kThreads)
 #endif
 }
 
-template <typename T>
+template <typename T, int STAGES>
 int launch(const PagedAttentionParams& p, const DecodeFp8Maps& maps, cudaStream_t stream) {
-  auto* kernel = decode_fp8_wgmma_kernel<T>;
+  auto* kernel = decode_fp8_wgmma_kernel<T, STAGES>;
+  constexpr size_t kSmemBytes = Layout<STAGES>::kSmemBytes;
   static bool configured = false;  // NOTE: per instantiation; raising the limit is idempotent
   if (!configured) {
     const cudaError_t e =
@@ -543,7 +557,10 @@ int decode_fp8_wgmma(const PagedAttentionParams& p, const DecodeFp8Maps& maps, c
   // fp16's 11 (measured: fp16 queries 2^-12 .. 2^6 apart missed fp16's tolerance,
   // 0.019 against 0.002), so fp16 keeps the widened kernel.
   if (p.dtype != DType::kBFloat16) return cudaErrorNotSupported;
-  return launch<__nv_bfloat16>(p, maps, stream);
+  // PAGEDCORE_DECODE_WGMMA_STAGES=2: two tiles in flight, three CTAs an SM.
+  const char* stages = std::getenv("PAGEDCORE_DECODE_WGMMA_STAGES");
+  if (stages != nullptr && std::atoi(stages) == 2) return launch<__nv_bfloat16, 2>(p, maps, stream);
+  return launch<__nv_bfloat16, 3>(p, maps, stream);
 }
 
 }  // namespace pagedcore::cuda
