@@ -72,9 +72,8 @@ VARIANTS = (
     ("split chunk 256", {"PAGEDCORE_DECODE_SPLIT_KEYS": "256"}),
     ("keys in M, fp8 all cvt", {"PAGEDCORE_DECODE_KEYS_IN_M": "1", "PAGEDCORE_FP8_CVT_MIX": "2"}),
     ("keys in M, fp8 int", {"PAGEDCORE_DECODE_KEYS_IN_M": "1", "PAGEDCORE_FP8_CVT_MIX": "0"}),
-    ("tma off", {"PAGEDCORE_DECODE_TMA": "0", "PAGEDCORE_DECODE_WGMMA": "0"}),
-    ("wgmma off", {"PAGEDCORE_DECODE_WGMMA": "0"}),
-    ("wgmma 2 stages", {"PAGEDCORE_DECODE_WGMMA_STAGES": "2"}),
+    ("tma off", {"PAGEDCORE_DECODE_TMA": "0"}),
+    ("fp8 wgmma", {"PAGEDCORE_DECODE_WGMMA": "1"}),
 )
 # (name, batch, keys, heads, kv heads, head dim, fp8, graph plan length or 0)
 CASES = (

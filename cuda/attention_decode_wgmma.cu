@@ -1,5 +1,6 @@
 // Decode attention over an fp8 (e4m3) KV cache on Hopper's fp8 tensor cores
-// (sm_90a): the cache's bytes are the wgmma operands, never widened.
+// (sm_90a): the cache's bytes are the wgmma operands, never widened. Opt-in
+// (PAGEDCORE_DECODE_WGMMA=1; attention_mma.cu's launch_decode says why).
 //
 // One CTA (one warpgroup, 128 threads) takes a (decode row, kv head, key split),
 // like the mma.sync decode kernel; its keys arrive in 128-key tiles by TMA,
@@ -37,7 +38,6 @@
 
 #include <cfloat>
 #include <cstdint>
-#include <cstdlib>
 #include <type_traits>
 
 #include "attention_merge.cuh"
@@ -153,7 +153,7 @@ __device__ __forceinline__ void store_pair(__half* dst, float x, float y) {
 // is vector 8 (r / 2) + 2 q + r % 2.
 __device__ __forceinline__ int vector_of(int r, int q) { return 8 * (r / 2) + 2 * q + r % 2; }
 
-// STAGES: tiles in flight (3: two CTAs an SM; 2: three).
+// STAGES: tiles in flight (3: two CTAs an SM).
 template <typename T, int STAGES>
 __global__ void __launch_bounds__(kThreads)
     decode_fp8_wgmma_kernel(PagedAttentionParams p, const __grid_constant__ DecodeFp8Maps maps) {
@@ -557,9 +557,8 @@ int decode_fp8_wgmma(const PagedAttentionParams& p, const DecodeFp8Maps& maps, c
   // fp16's 11 (measured: fp16 queries 2^-12 .. 2^6 apart missed fp16's tolerance,
   // 0.019 against 0.002), so fp16 keeps the widened kernel.
   if (p.dtype != DType::kBFloat16) return cudaErrorNotSupported;
-  // PAGEDCORE_DECODE_WGMMA_STAGES=2: two tiles in flight, three CTAs an SM.
-  const char* stages = std::getenv("PAGEDCORE_DECODE_WGMMA_STAGES");
-  if (stages != nullptr && std::atoi(stages) == 2) return launch<__nv_bfloat16, 2>(p, maps, stream);
+  // NOTE: two stages (three CTAs an SM) measured 150.1 against 148.7 us at fp8
+  // B=64 L=4k (decode_variants.py at aa83e2a): three.
   return launch<__nv_bfloat16, 3>(p, maps, stream);
 }
 

@@ -1335,10 +1335,15 @@ int launch_decode(const PagedAttentionParams& p, cudaStream_t stream, int flags,
         const int mix = env_int("PAGEDCORE_FP8_CVT_MIX", 1);
         if constexpr (HD == 128) {
 #ifdef PAGEDCORE_WITH_WGMMA
-          // e4m3 wgmma, the cache's bytes never widened (attention_decode_wgmma.cu),
-          // where it serves, on compute capability 9.0 with the default mix;
-          // PAGEDCORE_DECODE_WGMMA=0: never; =2: an error where it does not serve (tests).
-          const int wg = env_int("PAGEDCORE_DECODE_WGMMA", 1);
+          // PAGEDCORE_DECODE_WGMMA=1: e4m3 wgmma, the cache's bytes never widened
+          // (attention_decode_wgmma.cu), where it serves, on compute capability 9.0
+          // with the default mix; =2: an error where it does not serve (tests).
+          // Off by default: measured on the H200 (decode_variants.py, us, widened
+          // by TMA -> wgmma): at d9d598b fp8 B=64 L=4k 147.2 -> 149.4, B=64 L=1k
+          // 48.0 -> 49.5; at aa83e2a (P V retired by the next tile's S wait) 146.1
+          // -> 148.7, 48.4 -> 49.9. A third of the widened kernel's instructions
+          // and the same time: neither kernel is bound by its instructions.
+          const int wg = env_int("PAGEDCORE_DECODE_WGMMA", 0);
           if (wg != 0 && mix == 1 && ((flags & kOnePassMerge) != 0 || p.decode_splits == 1) &&
               compute_capability() == 90) {
             DecodeMaps<true> maps;

@@ -169,14 +169,14 @@ def test_decode_rows_shorter_than_the_graph_plan(monkeypatch, dtype, window, fp8
     {"PAGEDCORE_DECODE_KEYS_IN_M": "1", "PAGEDCORE_DECODE_DEEP_CTAS": "0", "PAGEDCORE_FP8_CVT_MIX": "2"},
     {"PAGEDCORE_DECODE_KEYS_IN_M": "1", "PAGEDCORE_DECODE_DEEP_CTAS": "0", "PAGEDCORE_FP8_CVT_MIX": "0"},
     {"PAGEDCORE_DECODE_KEYS_IN_M": "0", "PAGEDCORE_DECODE_DEEP_CTAS": "0"},
-    {"PAGEDCORE_DECODE_TMA": "0", "PAGEDCORE_DECODE_WGMMA": "0", "PAGEDCORE_DECODE_DEEP_CTAS": "0"},
-    {"PAGEDCORE_DECODE_WGMMA": "0", "PAGEDCORE_DECODE_DEEP_CTAS": "0"},
+    {"PAGEDCORE_DECODE_TMA": "0", "PAGEDCORE_DECODE_DEEP_CTAS": "0"},
+    {"PAGEDCORE_DECODE_WGMMA": "1", "PAGEDCORE_DECODE_DEEP_CTAS": "0"},
     {"PAGEDCORE_DECODE_MERGE": "0"},
     {"PAGEDCORE_DECODE_MERGE": "0", "PAGEDCORE_DECODE_DEEP_CTAS": "0"},
 ], ids=["shallow", "deep", "fp8-cvt", "early-off-narrow-fp8", "early-meta-fp8-deep", "early-l2", "two-an-sm",
         "padded", "padded-deep", "narrow-d64", "fp8-int", "fp8-all-cvt-wide", "keys-in-m", "keys-in-m-deep",
         "keys-in-m-padded", "keys-in-m-fp8-all-cvt", "keys-in-m-fp8-int",
-        "keys-in-m-off", "tma-off", "wgmma-off", "two-pass-merge", "two-pass-merge-shallow"])
+        "keys-in-m-off", "tma-off", "fp8-wgmma", "two-pass-merge", "two-pass-merge-shallow"])
 def test_decode_kernel_variants(monkeypatch, env):
     # The decode kernel's pipelines (three tiles in flight, or five for launches of few
     # CTAs), fp8 widenings (integer operations, or the cvt unit), the lengths and first
@@ -197,9 +197,9 @@ def test_decode_kernel_variants(monkeypatch, env):
     # over fp8, at head dims 64 and 128; the rows of 16 vectors, group 8 x 2 queries, take its
     # second column tile; fp8 with either widening of V, or both by integer operations;
     # the default takes it for fp8 128-key tiles at head dim 128 only, "keys-in-m-off"
-    # nowhere); "tma-off": fp8's keys-in-M tiles by cp.async (on Hopper the default runs them
-    # on e4m3 wgmma, "wgmma-off" by TMA in the mma.sync kernel: test_decode_tma_fp8 for
-    # both); "two-pass-merge*": a split row's last CTA merging by count_and_merge
+    # nowhere); "tma-off": fp8's keys-in-M tiles by cp.async (the default copies them by TMA
+    # on Hopper: test_decode_tma_fp8); "fp8-wgmma": fp8 decode at head dim 128 with bf16
+    # queries on e4m3 wgmma (attention_decode_wgmma.cu; opt-in); "two-pass-merge*": a split row's last CTA merging by count_and_merge
     # (the default merges by count_and_merge_decode). (The split rule
     # PAGEDCORE_DECODE_BALANCE only changes a plan's split count: test_mixed_graph_plan.py.)
     for name, value in env.items():
@@ -245,13 +245,15 @@ def test_decode_tma_fp8(monkeypatch, block_size, kernel):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_decode_fp8_query_magnitudes(monkeypatch, dtype):
-    # fp8 decode at head dim 128 (on Hopper with bf16 queries: e4m3 wgmma, which takes each
-    # query vector at its own power-of-two scale as two e4m3 terms, and P as two terms 2^6
-    # larger; fp16 queries: the widened mma.sync kernel) with
+@pytest.mark.parametrize("wgmma", ["0", "1"], ids=["widened", "wgmma"])
+def test_decode_fp8_query_magnitudes(monkeypatch, dtype, wgmma):
+    # fp8 decode at head dim 128 (widened to fp16 in the mma.sync kernel, or, with bf16
+    # queries on Hopper, e4m3 wgmma, which takes each query vector at its own power-of-two
+    # scale as two e4m3 terms, and P as two terms 2^6 larger) with
     # the heads of one kv head 2^-12 .. 2^6 apart: tiny, ordinary, and sharp scores that
     # leave most keys' P far below the largest, against the float64 reference.
     monkeypatch.setenv("PAGEDCORE_DECODE_DEEP_CTAS", "0")
+    monkeypatch.setenv("PAGEDCORE_DECODE_WGMMA", wgmma)
     lengths = [1, 17, 255, 256, 513, 1500, 4097]
     scales = [2.0**-12, 1.0, 8.0, 64.0, 0.01, 3.0, 0.5, 20.0]  # 2 kv heads x group 4
     run_cuda([(1, n) for n in lengths], block_size=16, head_dim=128, group=4, dtype=dtype, graph_plan_len=8192,
