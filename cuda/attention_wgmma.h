@@ -1,4 +1,5 @@
-// Internal: the Hopper (sm_90a) prefill attention kernel on wgmma (not installed).
+// Internal: the Hopper (sm_90a) kernels on wgmma: prefill attention, and the
+// opt-in fp8 decode (not installed).
 #pragma once
 
 #include <cuda.h>  // CUtensorMap
@@ -37,7 +38,7 @@ struct DecodeFp8Maps {
 };
 
 // The decode rows of `p` over an fp8 e4m3 cache on e4m3 wgmma
-// (attention_decode_wgmma.cu): head dim 128, bf16 or fp16 queries, at most 16
+// (attention_decode_wgmma.cu): head dim 128, bf16 queries, at most 16
 // query vectors a row, block sizes 8..128 that are powers of two, split rows
 // merged by their last CTA (decode_split_counters set). cudaErrorNotSupported
 // where it does not serve; call only on a compute capability 9.0 device.

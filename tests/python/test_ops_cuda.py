@@ -199,9 +199,10 @@ def test_decode_kernel_variants(monkeypatch, env):
     # the default takes it for fp8 128-key tiles at head dim 128 only, "keys-in-m-off"
     # nowhere); "tma-off": fp8's keys-in-M tiles by cp.async (the default copies them by TMA
     # on Hopper: test_decode_tma_fp8); "fp8-wgmma": fp8 decode at head dim 128 with bf16
-    # queries on e4m3 wgmma (attention_decode_wgmma.cu; opt-in); "two-pass-merge*": a split row's last CTA merging by count_and_merge
-    # (the default merges by count_and_merge_decode). (The split rule
-    # PAGEDCORE_DECODE_BALANCE only changes a plan's split count: test_mixed_graph_plan.py.)
+    # queries on e4m3 wgmma (attention_decode_wgmma.cu; opt-in); "two-pass-merge*": a split
+    # row's last CTA merging by count_and_merge (the default merges by count_and_merge_decode).
+    # (The split rule PAGEDCORE_DECODE_BALANCE only changes a plan's split count:
+    # test_mixed_graph_plan.py.)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     lengths = [1, 17, 255, 256, 513, 1500, 4097, 9000]
@@ -249,9 +250,10 @@ def test_decode_tma_fp8(monkeypatch, block_size, kernel):
 def test_decode_fp8_query_magnitudes(monkeypatch, dtype, wgmma):
     # fp8 decode at head dim 128 (widened to fp16 in the mma.sync kernel, or, with bf16
     # queries on Hopper, e4m3 wgmma, which takes each query vector at its own power-of-two
-    # scale as two e4m3 terms, and P as two terms 2^6 larger) with
-    # the heads of one kv head 2^-12 .. 2^6 apart: tiny, ordinary, and sharp scores that
-    # leave most keys' P far below the largest, against the float64 reference.
+    # scale as two e4m3 terms, and P as two terms 2^6 larger; fp16 queries fall back to the
+    # widened kernel) with the heads of one kv head 2^-12 .. 2^6 apart: tiny, ordinary, and
+    # sharp scores that leave most keys' P far below the largest, against the float64
+    # reference.
     monkeypatch.setenv("PAGEDCORE_DECODE_DEEP_CTAS", "0")
     monkeypatch.setenv("PAGEDCORE_DECODE_WGMMA", wgmma)
     lengths = [1, 17, 255, 256, 513, 1500, 4097]
