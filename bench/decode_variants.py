@@ -74,6 +74,7 @@ VARIANTS = (
     ("keys in M, fp8 int", {"PAGEDCORE_DECODE_KEYS_IN_M": "1", "PAGEDCORE_FP8_CVT_MIX": "0"}),
     ("tma off", {"PAGEDCORE_DECODE_TMA": "0"}),
     ("fp8 wgmma", {"PAGEDCORE_DECODE_WGMMA": "1"}),
+    ("fp8 wgmma 6 stages", {"PAGEDCORE_DECODE_WGMMA": "1", "PAGEDCORE_DECODE_WGMMA_STAGES": "6"}),
 )
 # (name, batch, keys, heads, kv heads, head dim, fp8, graph plan length or 0)
 CASES = (
