@@ -26,6 +26,7 @@ share one set of tensors, and their graphs are replayed in turn, five rounds.
   PAGEDCORE_DECODE_TMA        fp8 at head dim 128 with keys in M (not deep): K/V tiles by bulk
                               tensor copies, one per cache block (1, default on Hopper), or by
                               cp.async (0)
+  PAGEDCORE_DECODE_TMA_L2     those TMA boxes' L2 promotion in bytes (256, default; 0, 64, 128)
   PAGEDCORE_ATTN_PAD          staged K/V rows swizzled (0, default over 16-bit caches at head
                               dim 128: each 32-byte sector of the cache lands whole in shared
                               memory) or padded by 16 bytes (16, as elsewhere but head dim
@@ -74,7 +75,8 @@ VARIANTS = (
     ("keys in M, fp8 int", {"PAGEDCORE_DECODE_KEYS_IN_M": "1", "PAGEDCORE_FP8_CVT_MIX": "0"}),
     ("tma off", {"PAGEDCORE_DECODE_TMA": "0"}),
     ("fp8 wgmma", {"PAGEDCORE_DECODE_WGMMA": "1"}),
-    ("fp8 wgmma 6 stages", {"PAGEDCORE_DECODE_WGMMA": "1", "PAGEDCORE_DECODE_WGMMA_STAGES": "6"}),
+    ("tma L2 none", {"PAGEDCORE_DECODE_TMA_L2": "0"}),
+    ("tma L2 128B", {"PAGEDCORE_DECODE_TMA_L2": "128"}),
 )
 # (name, batch, keys, heads, kv heads, head dim, fp8, graph plan length or 0)
 CASES = (

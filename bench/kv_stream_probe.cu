@@ -176,7 +176,8 @@ void run(const Params& p0, const Maps& maps, int row_bytes, int ctas_per_sm, int
               bytes / (us[us.size() / 2] * 1e-6) / 1e12);
 }
 
-bool encode(CUtensorMap* map, const void* base, int num_blocks) {
+bool encode(CUtensorMap* map, const void* base, int num_blocks,
+            CUtensorMapL2promotion promotion = CU_TENSOR_MAP_L2_PROMOTION_L2_256B) {
   const EncodeTiledFn fn = tensor_map_encoder();
   if (fn == nullptr) return false;
   const cuuint64_t dims[4] = {128, kKvHeads, kBs, static_cast<cuuint64_t>(num_blocks)};
@@ -184,7 +185,7 @@ bool encode(CUtensorMap* map, const void* base, int num_blocks) {
   const cuuint32_t box[4] = {128, 1, kBs, 1};
   const cuuint32_t elem[4] = {1, 1, 1, 1};
   return fn(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 4, const_cast<void*>(base), dims, strides, box, elem,
-            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, promotion,
             CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
@@ -225,6 +226,26 @@ int main() {
   run<0, 64, 6>(p, maps, 128, 2, 0);
   run<0, 32, 8>(p, maps, 128, 3, 0);
   for (int work : {64, 256, 1024}) run<0, 128, 3>(p, maps, 128, 2, work);
+  // The boxes' L2 promotion (the kernels ask for 256 bytes: a 128-byte row and
+  // the next kv head's), then cp.async deeper or at three CTAs an SM.
+  const struct {
+    CUtensorMapL2promotion value;
+    const char* name;
+  } promotions[] = {{CU_TENSOR_MAP_L2_PROMOTION_NONE, "none"},
+                    {CU_TENSOR_MAP_L2_PROMOTION_L2_64B, "64B"},
+                    {CU_TENSOR_MAP_L2_PROMOTION_L2_128B, "128B"}};
+  for (const auto& promo : promotions) {
+    Maps other;
+    if (!encode(&other.k, k, num_blocks, promo.value) || !encode(&other.v, v, num_blocks, promo.value)) return 1;
+    std::printf("L2 promotion %s:\n", promo.name);
+    run<0, 128, 3>(p, other, 128, 2, 0);
+    run<0, 128, 4>(p, other, 128, 1, 0);
+    run<0, 128, 3>(p, other, 128, 2, 256);
+  }
+  run<1, 128, 4>(p, maps, 128, 2, 0);
+  run<1, 128, 3>(p, maps, 128, 3, 0);
+  run<1, 64, 4>(p, maps, 128, 3, 0);
+  run<1, 128, 3>(p, maps, 128, 2, 256);
   // bf16 rows (256 bytes) by cp.async: the 16-bit decode kernel's shape (64-key tiles, 3 stages).
   run<1, 64, 3>(p, maps, 256, 2, 0);
   run<1, 64, 3>(p, maps, 256, 2, 256);

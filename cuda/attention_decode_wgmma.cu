@@ -38,7 +38,6 @@
 
 #include <cfloat>
 #include <cstdint>
-#include <cstdlib>
 #include <type_traits>
 
 #include "attention_merge.cuh"
@@ -154,7 +153,7 @@ __device__ __forceinline__ void store_pair(__half* dst, float x, float y) {
 // is vector 8 (r / 2) + 2 q + r % 2.
 __device__ __forceinline__ int vector_of(int r, int q) { return 8 * (r / 2) + 2 * q + r % 2; }
 
-// STAGES: tiles in flight (3: two CTAs an SM; 6: one).
+// STAGES: tiles in flight (3: two CTAs an SM).
 template <typename T, int STAGES>
 __global__ void __launch_bounds__(kThreads)
     decode_fp8_wgmma_kernel(PagedAttentionParams p, const __grid_constant__ DecodeFp8Maps maps) {
@@ -559,11 +558,10 @@ int decode_fp8_wgmma(const PagedAttentionParams& p, const DecodeFp8Maps& maps, c
   // 0.019 against 0.002), so fp16 keeps the widened kernel.
   if (p.dtype != DType::kBFloat16) return cudaErrorNotSupported;
   // NOTE: two stages (three CTAs an SM) measured 150.1 against 148.7 us at fp8
-  // B=64 L=4k (decode_variants.py at aa83e2a): three. PAGEDCORE_DECODE_WGMMA_STAGES=6
-  // (read per launch; benchmarks): six (one CTA an SM, five tiles ahead; built
-  // after that run, not yet measured).
-  const char* stages = std::getenv("PAGEDCORE_DECODE_WGMMA_STAGES");
-  if (stages != nullptr && std::atoi(stages) == 6) return launch<__nv_bfloat16, 6>(p, maps, stream);
+  // B=64 L=4k (decode_variants.py at aa83e2a): three. Six (one CTA an SM, five
+  // tiles ahead) took 245.1 us there (e657f39, deleted): one warpgroup an SM
+  // cannot keep up with the math, though bench/kv_stream_probe.cu streams the
+  // same tiles at one CTA an SM and six stages in 131.8 us.
   return launch<__nv_bfloat16, 3>(p, maps, stream);
 }
 

@@ -1164,15 +1164,26 @@ bool encode_decode_maps(const PagedAttentionParams& p, DecodeMaps<true>& maps) {
     const void* k = nullptr;
     const void* v = nullptr;
     int64_t blocks = 0;
-    int bs = 0, kv_heads = 0;
+    int bs = 0, kv_heads = 0, l2 = 0;
     DecodeMaps<true> maps;
   };
+  // The boxes' L2 promotion in bytes (PAGEDCORE_DECODE_TMA_L2: 0, 64, 128 or
+  // 256, the default): a 128-byte row of one kv head and, at 256, its neighbour's.
+  const int l2 = env_int("PAGEDCORE_DECODE_TMA_L2", 256);
+  CUtensorMapL2promotion promotion = CU_TENSOR_MAP_L2_PROMOTION_L2_256B;
+  switch (l2) {
+    case 0: promotion = CU_TENSOR_MAP_L2_PROMOTION_NONE; break;
+    case 64: promotion = CU_TENSOR_MAP_L2_PROMOTION_L2_64B; break;
+    case 128: promotion = CU_TENSOR_MAP_L2_PROMOTION_L2_128B; break;
+    case 256: break;
+    default: return false;
+  }
   constexpr int kEntries = 64;
   thread_local Entry cache[kEntries];
   thread_local int next = 0;
   for (const Entry& e : cache) {
     if (e.k == p.key_cache && e.v == p.value_cache && e.blocks == p.num_blocks && e.bs == p.block_size &&
-        e.kv_heads == p.num_kv_heads) {
+        e.kv_heads == p.num_kv_heads && e.l2 == l2) {
       maps = e.maps;
       return true;
     }
@@ -1187,7 +1198,7 @@ bool encode_decode_maps(const PagedAttentionParams& p, DecodeMaps<true>& maps) {
   const cuuint32_t elem_strides[4] = {1, 1, 1, 1};
   auto one = [&](CUtensorMap* map, const void* base) {
     return encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 4, const_cast<void*>(base), dims, strides, box, elem_strides,
-                  CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                  CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, promotion,
                   CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
   };
   Entry& e = cache[next];
@@ -1200,6 +1211,7 @@ bool encode_decode_maps(const PagedAttentionParams& p, DecodeMaps<true>& maps) {
   e.blocks = p.num_blocks;
   e.bs = p.block_size;
   e.kv_heads = p.num_kv_heads;
+  e.l2 = l2;
   next = (next + 1) % kEntries;
   maps = e.maps;
   return true;

@@ -171,13 +171,12 @@ def test_decode_rows_shorter_than_the_graph_plan(monkeypatch, dtype, window, fp8
     {"PAGEDCORE_DECODE_KEYS_IN_M": "0", "PAGEDCORE_DECODE_DEEP_CTAS": "0"},
     {"PAGEDCORE_DECODE_TMA": "0", "PAGEDCORE_DECODE_DEEP_CTAS": "0"},
     {"PAGEDCORE_DECODE_WGMMA": "1", "PAGEDCORE_DECODE_DEEP_CTAS": "0"},
-    {"PAGEDCORE_DECODE_WGMMA": "1", "PAGEDCORE_DECODE_WGMMA_STAGES": "6", "PAGEDCORE_DECODE_DEEP_CTAS": "0"},
     {"PAGEDCORE_DECODE_MERGE": "0"},
     {"PAGEDCORE_DECODE_MERGE": "0", "PAGEDCORE_DECODE_DEEP_CTAS": "0"},
 ], ids=["shallow", "deep", "fp8-cvt", "early-off-narrow-fp8", "early-meta-fp8-deep", "early-l2", "two-an-sm",
         "padded", "padded-deep", "narrow-d64", "fp8-int", "fp8-all-cvt-wide", "keys-in-m", "keys-in-m-deep",
         "keys-in-m-padded", "keys-in-m-fp8-all-cvt", "keys-in-m-fp8-int",
-        "keys-in-m-off", "tma-off", "fp8-wgmma", "fp8-wgmma-six-stages", "two-pass-merge", "two-pass-merge-shallow"])
+        "keys-in-m-off", "tma-off", "fp8-wgmma", "two-pass-merge", "two-pass-merge-shallow"])
 def test_decode_kernel_variants(monkeypatch, env):
     # The decode kernel's pipelines (three tiles in flight, or five for launches of few
     # CTAs), fp8 widenings (integer operations, or the cvt unit), the lengths and first
@@ -200,8 +199,7 @@ def test_decode_kernel_variants(monkeypatch, env):
     # the default takes it for fp8 128-key tiles at head dim 128 only, "keys-in-m-off"
     # nowhere); "tma-off": fp8's keys-in-M tiles by cp.async (the default copies them by TMA
     # on Hopper: test_decode_tma_fp8); "fp8-wgmma": fp8 decode at head dim 128 with bf16
-    # queries on e4m3 wgmma (attention_decode_wgmma.cu; opt-in; "-six-stages": six tiles in
-    # flight, one CTA an SM); "two-pass-merge*": a split
+    # queries on e4m3 wgmma (attention_decode_wgmma.cu; opt-in); "two-pass-merge*": a split
     # row's last CTA merging by count_and_merge (the default merges by count_and_merge_decode).
     # (The split rule PAGEDCORE_DECODE_BALANCE only changes a plan's split count:
     # test_mixed_graph_plan.py.)
