@@ -125,6 +125,11 @@ constexpr int kEarlyPrefetch = 2;
 // kOnePassMerge (the default; PAGEDCORE_DECODE_MERGE=0 turns it off): a split
 // row's last CTA merges by merge::count_and_merge_decode.
 constexpr int kOnePassMerge = 4;
+// kTmaRefillFirst (TMA tiles; PAGEDCORE_DECODE_TMA_REFILL_FIRST): each turn
+// of the tile loop refills the stage its last tile freed before it waits for
+// its own tile (else after), so that the stages' tiles are all in flight
+// while the warps wait.
+constexpr int kTmaRefillFirst = 8;
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -296,8 +301,8 @@ constexpr int kCvtIntK = 1, kCvtIntV = 2, kCvtInt = kCvtIntK | kCvtIntV;
 // STAGES: tiles in flight (num_stages or, for small decode launches,
 // deep_stages); CVT: fp8's widening (kCvtInt...); KT: keys per tile (fp8
 // decode: 128 where not deep); PAD: staged rows' layout; KM: keys in the mma's
-// M (decode only; below). flags: kEarlyMeta, kEarlyPrefetch, kOnePassMerge
-// (decode only).
+// M (decode only; below). flags: kEarlyMeta, kEarlyPrefetch, kOnePassMerge,
+// kTmaRefillFirst (decode only).
 //
 // KM (the default for fp8's 128-key tiles at head dim 128; elsewhere a trial
 // that lost: launch_decode's notes): the decode warps compute S^T = K Q^T and
@@ -364,6 +369,7 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
     // (the chunk loop's first __syncthreads orders the inits before any use)
   }
   const bool early = DECODE && (flags & kEarlyMeta) != 0;
+  const bool refill_first = TMA && (flags & kTmaRefillFirst) != 0;
   if (!early) pdl_wait();  // (the queries and this step's keys come from the kernel before)
   pdl_launch_dependents();
 
@@ -606,10 +612,17 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
     for (int t = 0; t < n_tiles; ++t) {
       if constexpr (TMA) {
         const int st = t % kStages;
-        tma_wait(tma_bars + 8 * st, (tma_phase >> st) & 1u);
-        tma_phase ^= 1u << st;
-        __syncthreads();  // tile t-1 is consumed
-        if (warp == 0 && t + kStages - 1 < n_tiles) tma_tile(t + kStages - 1);
+        if (refill_first) {
+          __syncthreads();  // tile t-1 is consumed (its mbarrier passed by every thread)
+          if (warp == 0 && t + kStages - 1 < n_tiles) tma_tile(t + kStages - 1);
+          tma_wait(tma_bars + 8 * st, (tma_phase >> st) & 1u);
+          tma_phase ^= 1u << st;
+        } else {
+          tma_wait(tma_bars + 8 * st, (tma_phase >> st) & 1u);
+          tma_phase ^= 1u << st;
+          __syncthreads();  // tile t-1 is consumed
+          if (warp == 0 && t + kStages - 1 < n_tiles) tma_tile(t + kStages - 1);
+        }
       } else {
         cp_async_wait<kStages - 2>();
         __syncthreads();  // tile t has landed for every thread; tile t-1 is consumed
@@ -1419,7 +1432,8 @@ int launch_kernel(const PagedAttentionParams& p, cudaStream_t stream) {
   if constexpr (DECODE) {
     const int early = env_int("PAGEDCORE_DECODE_EARLY_META", FP8 ? 0 : 1);
     const int flags = (early == 0 ? 0 : (early == 2 ? kEarlyMeta | kEarlyPrefetch : kEarlyMeta)) |
-                      (env_int("PAGEDCORE_DECODE_MERGE", 1) != 0 ? kOnePassMerge : 0);
+                      (env_int("PAGEDCORE_DECODE_MERGE", 1) != 0 ? kOnePassMerge : 0) |
+                      (env_int("PAGEDCORE_DECODE_TMA_REFILL_FIRST", 0) != 0 ? kTmaRefillFirst : 0);
     const int64_t ctas = static_cast<int64_t>(p.num_kv_heads) * p.num_decode * p.decode_splits;
     const bool deep = ctas <= env_int("PAGEDCORE_DECODE_DEEP_CTAS", multiprocessor_count());
     const bool fast = FP8 && env_int("PAGEDCORE_FP8_FAST_CVT", 1) != 0;

@@ -215,9 +215,10 @@ def test_decode_kernel_variants(monkeypatch, env):
     run_cuda(mixed_rows(16), block_size=16, head_dim=64, group=3, dtype=torch.bfloat16, window=40, softcap=3.5)
 
 
+@pytest.mark.parametrize("refill", ["0", "1"], ids=["refill-after", "refill-first"])
 @pytest.mark.parametrize("kernel", ["wgmma", "mma"])
 @pytest.mark.parametrize("block_size", [8, 16, 32, 128])
-def test_decode_tma_fp8(monkeypatch, block_size, kernel):
+def test_decode_tma_fp8(monkeypatch, block_size, kernel, refill):
     # fp8 decode at head dim 128 with its K/V tiles brought by bulk tensor copies, one
     # per cache block, on e4m3 wgmma (PAGEDCORE_DECODE_WGMMA=2) or widened in the mma.sync
     # kernel (PAGEDCORE_DECODE_TMA=2; each =2: an error, not another kernel, if it cannot
@@ -226,6 +227,8 @@ def test_decode_tma_fp8(monkeypatch, block_size, kernel):
     # of 9000 keys cross a chunk of staged block ids (1024 blocks); rows of a few queries
     # and group 8 x 2 queries (the second column tile; wgmma: vectors 8-15). fp16 queries
     # only in the mma.sync kernel (wgmma serves bf16 queries: attention_decode_wgmma.cu).
+    # Both orders of a tile's refill and wait (PAGEDCORE_DECODE_TMA_REFILL_FIRST).
+    monkeypatch.setenv("PAGEDCORE_DECODE_TMA_REFILL_FIRST", refill)
     if kernel == "wgmma":
         monkeypatch.setenv("PAGEDCORE_DECODE_WGMMA", "2")
     else:
