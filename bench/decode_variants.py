@@ -26,10 +26,8 @@ share one set of tensors, and their graphs are replayed in turn, five rounds.
   PAGEDCORE_DECODE_TMA        fp8 at head dim 128 with keys in M (not deep): K/V tiles by bulk
                               tensor copies, one per cache block (1, default on Hopper), or by
                               cp.async (0)
-  PAGEDCORE_DECODE_TMA_L2     those TMA boxes' L2 promotion in bytes (256, default; 0, 64, 128)
-  PAGEDCORE_DECODE_TMA_REFILL_FIRST  those TMA tiles: each turn of the tile loop refills
-                              the stage its last tile freed before it waits for its own (1),
-                              or after (0, default)
+  PAGEDCORE_DECODE_TMA_L2     those TMA boxes' L2 promotion in bytes (128, default; 0, 64,
+                              256; the wgmma kernel's default 256)
   PAGEDCORE_ATTN_PAD          staged K/V rows swizzled (0, default over 16-bit caches at head
                               dim 128: each 32-byte sector of the cache lands whole in shared
                               memory) or padded by 16 bytes (16, as elsewhere but head dim
@@ -79,12 +77,7 @@ VARIANTS = (
     ("tma off", {"PAGEDCORE_DECODE_TMA": "0"}),
     ("fp8 wgmma", {"PAGEDCORE_DECODE_WGMMA": "1"}),
     ("tma L2 none", {"PAGEDCORE_DECODE_TMA_L2": "0"}),
-    ("tma L2 128B", {"PAGEDCORE_DECODE_TMA_L2": "128"}),
-    ("tma refill first", {"PAGEDCORE_DECODE_TMA_REFILL_FIRST": "1"}),
-    ("tma L2 128B refill first", {"PAGEDCORE_DECODE_TMA_L2": "128", "PAGEDCORE_DECODE_TMA_REFILL_FIRST": "1"}),
-    ("wgmma L2 128B", {"PAGEDCORE_DECODE_WGMMA": "1", "PAGEDCORE_DECODE_TMA_L2": "128"}),
-    ("wgmma L2 128B refill first", {"PAGEDCORE_DECODE_WGMMA": "1", "PAGEDCORE_DECODE_TMA_L2": "128",
-                                    "PAGEDCORE_DECODE_TMA_REFILL_FIRST": "1"}),
+    ("tma L2 256B", {"PAGEDCORE_DECODE_TMA_L2": "256"}),
 )
 # (name, batch, keys, heads, kv heads, head dim, fp8, graph plan length or 0)
 CASES = (

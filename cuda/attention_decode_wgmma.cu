@@ -38,7 +38,6 @@
 
 #include <cfloat>
 #include <cstdint>
-#include <cstdlib>
 #include <type_traits>
 
 #include "attention_merge.cuh"
@@ -154,12 +153,10 @@ __device__ __forceinline__ void store_pair(__half* dst, float x, float y) {
 // is vector 8 (r / 2) + 2 q + r % 2.
 __device__ __forceinline__ int vector_of(int r, int q) { return 8 * (r / 2) + 2 * q + r % 2; }
 
-// STAGES: tiles in flight (3: two CTAs an SM). refill_first: each turn of the
-// tile loop refills the stage its last tile freed before it waits for its own
-// tile (else after; attention_mma.cu's kTmaRefillFirst).
+// STAGES: tiles in flight (3: two CTAs an SM).
 template <typename T, int STAGES>
 __global__ void __launch_bounds__(kThreads)
-    decode_fp8_wgmma_kernel(PagedAttentionParams p, const __grid_constant__ DecodeFp8Maps maps, int refill_first) {
+    decode_fp8_wgmma_kernel(PagedAttentionParams p, const __grid_constant__ DecodeFp8Maps maps) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   constexpr int kStages = STAGES;
   using L = Layout<STAGES>;
@@ -317,17 +314,10 @@ __global__ void __launch_bounds__(kThreads)
     }
     for (int t = 0; t < n_tiles; ++t) {
       const int st = t % kStages;
-      if (refill_first) {
-        __syncthreads();  // tile t-1 is consumed (its stage, P^T and the maxima free)
-        if (warp == 0 && t + kStages - 1 < n_tiles) issue_tile(t + kStages - 1);
-        wgmma::mbar_wait(bars + 8 * st, (phase >> st) & 1u);
-        phase ^= 1u << st;
-      } else {
-        wgmma::mbar_wait(bars + 8 * st, (phase >> st) & 1u);
-        phase ^= 1u << st;
-        __syncthreads();  // tile t-1 is consumed (its stage, P^T and the maxima free)
-        if (warp == 0 && t + kStages - 1 < n_tiles) issue_tile(t + kStages - 1);
-      }
+      wgmma::mbar_wait(bars + 8 * st, (phase >> st) & 1u);
+      phase ^= 1u << st;
+      __syncthreads();  // tile t-1 is consumed (its stage, P^T and the maxima free)
+      if (warp == 0 && t + kStages - 1 < n_tiles) issue_tile(t + kStages - 1);
       const uint32_t kt = base + st * 2 * kTileBytes;
       const uint32_t vt = kt + kTileBytes;
       const int kbase = c0 + t * kKT;
@@ -550,10 +540,8 @@ int launch(const PagedAttentionParams& p, const DecodeFp8Maps& maps, cudaStream_
     configured = true;
   }
   if (p.num_decode > 65535) return cudaErrorInvalidConfiguration;
-  const char* refill = std::getenv("PAGEDCORE_DECODE_TMA_REFILL_FIRST");
-  const int refill_first = refill != nullptr && std::atoi(refill) != 0 ? 1 : 0;
   return launch_pdl(kernel, dim3(p.num_kv_heads, p.num_decode, p.decode_splits), dim3(kThreads), kSmemBytes, stream,
-                    p, maps, refill_first);
+                    p, maps);
 }
 
 }  // namespace

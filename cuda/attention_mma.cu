@@ -125,11 +125,9 @@ constexpr int kEarlyPrefetch = 2;
 // kOnePassMerge (the default; PAGEDCORE_DECODE_MERGE=0 turns it off): a split
 // row's last CTA merges by merge::count_and_merge_decode.
 constexpr int kOnePassMerge = 4;
-// kTmaRefillFirst (TMA tiles; PAGEDCORE_DECODE_TMA_REFILL_FIRST): each turn
-// of the tile loop refills the stage its last tile freed before it waits for
-// its own tile (else after), so that the stages' tiles are all in flight
-// while the warps wait.
-constexpr int kTmaRefillFirst = 8;
+// NOTE: TMA tiles: a refill of the stage the last tile freed before the wait
+// for the next tile (not after it; 73c4263, both kernels) measured 145.8 / 142.2
+// against 146.1 / 140.4 us at fp8 B=64 L=4k (L2 promotion 256 / 128): deleted.
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -301,8 +299,8 @@ constexpr int kCvtIntK = 1, kCvtIntV = 2, kCvtInt = kCvtIntK | kCvtIntV;
 // STAGES: tiles in flight (num_stages or, for small decode launches,
 // deep_stages); CVT: fp8's widening (kCvtInt...); KT: keys per tile (fp8
 // decode: 128 where not deep); PAD: staged rows' layout; KM: keys in the mma's
-// M (decode only; below). flags: kEarlyMeta, kEarlyPrefetch, kOnePassMerge,
-// kTmaRefillFirst (decode only).
+// M (decode only; below). flags: kEarlyMeta, kEarlyPrefetch, kOnePassMerge
+// (decode only).
 //
 // KM (the default for fp8's 128-key tiles at head dim 128; elsewhere a trial
 // that lost: launch_decode's notes): the decode warps compute S^T = K Q^T and
@@ -369,7 +367,6 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
     // (the chunk loop's first __syncthreads orders the inits before any use)
   }
   const bool early = DECODE && (flags & kEarlyMeta) != 0;
-  const bool refill_first = TMA && (flags & kTmaRefillFirst) != 0;
   if (!early) pdl_wait();  // (the queries and this step's keys come from the kernel before)
   pdl_launch_dependents();
 
@@ -612,17 +609,10 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
     for (int t = 0; t < n_tiles; ++t) {
       if constexpr (TMA) {
         const int st = t % kStages;
-        if (refill_first) {
-          __syncthreads();  // tile t-1 is consumed (its mbarrier passed by every thread)
-          if (warp == 0 && t + kStages - 1 < n_tiles) tma_tile(t + kStages - 1);
-          tma_wait(tma_bars + 8 * st, (tma_phase >> st) & 1u);
-          tma_phase ^= 1u << st;
-        } else {
-          tma_wait(tma_bars + 8 * st, (tma_phase >> st) & 1u);
-          tma_phase ^= 1u << st;
-          __syncthreads();  // tile t-1 is consumed
-          if (warp == 0 && t + kStages - 1 < n_tiles) tma_tile(t + kStages - 1);
-        }
+        tma_wait(tma_bars + 8 * st, (tma_phase >> st) & 1u);
+        tma_phase ^= 1u << st;
+        __syncthreads();  // tile t-1 is consumed
+        if (warp == 0 && t + kStages - 1 < n_tiles) tma_tile(t + kStages - 1);
       } else {
         cp_async_wait<kStages - 2>();
         __syncthreads();  // tile t has landed for every thread; tile t-1 is consumed
@@ -1171,7 +1161,7 @@ bool decode_tma_serves(const PagedAttentionParams& p) {
 // cache of the last 64 caches seen; an eager decode step asks once per layer).
 // False if the driver cannot.
 template <int HD>
-bool encode_decode_maps(const PagedAttentionParams& p, DecodeMaps<true>& maps) {
+bool encode_decode_maps(const PagedAttentionParams& p, DecodeMaps<true>& maps, int default_l2) {
   static_assert(HD == 128, "a row of 128 bytes: one swizzle span");
   struct Entry {
     const void* k = nullptr;
@@ -1181,8 +1171,15 @@ bool encode_decode_maps(const PagedAttentionParams& p, DecodeMaps<true>& maps) {
     DecodeMaps<true> maps;
   };
   // The boxes' L2 promotion in bytes (PAGEDCORE_DECODE_TMA_L2: 0, 64, 128 or
-  // 256, the default): a 128-byte row of one kv head and, at 256, its neighbour's.
-  const int l2 = env_int("PAGEDCORE_DECODE_TMA_L2", 256);
+  // 256; `default_l2` without it): 128 is a box row, one kv head's 128 bytes;
+  // 256 also brings the neighbouring kv head's row into L2.
+  // NOTE: measured on the H200 (decode_variants.py, us, 256 -> 128 -> none):
+  // fp8 B=64 L=4k 146.0 -> 139.5 -> 139.4 (c126ef9), 146.1 -> 140.4 / 141.1
+  // (73c4263, twice), B=64 L=1k 47.9 -> 44.8 -> 44.9, B=512 L=4k one kv head
+  // 145.1 -> 139.4 -> 139.5; bench/kv_stream_probe.cu, the same tiles copied
+  // without math: 130.0 -> 122.9 (4.13 -> 4.37 TB/s). The wgmma decode kernel
+  // went the other way, 147.6 -> 152.3: it keeps 256.
+  const int l2 = env_int("PAGEDCORE_DECODE_TMA_L2", default_l2);
   CUtensorMapL2promotion promotion = CU_TENSOR_MAP_L2_PROMOTION_L2_256B;
   switch (l2) {
     case 0: promotion = CU_TENSOR_MAP_L2_PROMOTION_NONE; break;
@@ -1372,7 +1369,7 @@ int launch_decode(const PagedAttentionParams& p, cudaStream_t stream, int flags,
           if (wg != 0 && mix == 1 && ((flags & kOnePassMerge) != 0 || p.decode_splits == 1) &&
               compute_capability() == 90) {
             DecodeMaps<true> maps;
-            if (decode_tma_serves(p) && encode_decode_maps<HD>(p, maps)) {
+            if (decode_tma_serves(p) && encode_decode_maps<HD>(p, maps, 256)) {
               const int e = decode_fp8_wgmma(p, DecodeFp8Maps{maps.k, maps.v}, stream);
               if (e != cudaErrorNotSupported) return e;
             }
@@ -1385,7 +1382,7 @@ int launch_decode(const PagedAttentionParams& p, cudaStream_t stream, int flags,
           const int tma = env_int("PAGEDCORE_DECODE_TMA", 1);
           if (tma != 0) {
             DecodeMaps<true> maps;
-            if (mix == 1 && decode_tma_serves(p) && encode_decode_maps<HD>(p, maps)) {
+            if (mix == 1 && decode_tma_serves(p) && encode_decode_maps<HD>(p, maps, 128)) {
               return launch_variant<T, CT, HD, true, 3, kCvtIntV, 128, 0, true, true>(p, stream, flags, maps);
             }
             if (tma == 2) return cudaErrorNotSupported;
@@ -1432,8 +1429,7 @@ int launch_kernel(const PagedAttentionParams& p, cudaStream_t stream) {
   if constexpr (DECODE) {
     const int early = env_int("PAGEDCORE_DECODE_EARLY_META", FP8 ? 0 : 1);
     const int flags = (early == 0 ? 0 : (early == 2 ? kEarlyMeta | kEarlyPrefetch : kEarlyMeta)) |
-                      (env_int("PAGEDCORE_DECODE_MERGE", 1) != 0 ? kOnePassMerge : 0) |
-                      (env_int("PAGEDCORE_DECODE_TMA_REFILL_FIRST", 0) != 0 ? kTmaRefillFirst : 0);
+                      (env_int("PAGEDCORE_DECODE_MERGE", 1) != 0 ? kOnePassMerge : 0);
     const int64_t ctas = static_cast<int64_t>(p.num_kv_heads) * p.num_decode * p.decode_splits;
     const bool deep = ctas <= env_int("PAGEDCORE_DECODE_DEEP_CTAS", multiprocessor_count());
     const bool fast = FP8 && env_int("PAGEDCORE_FP8_FAST_CVT", 1) != 0;
