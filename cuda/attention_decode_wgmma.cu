@@ -42,12 +42,19 @@
 
 #include "attention_merge.cuh"
 #include "attention_wgmma.h"
+#include "device_ops.cuh"
 #include "pdl.cuh"
 #include "wgmma_ops.cuh"
 
 namespace pagedcore::cuda {
 
 namespace {
+
+using dev::fast_exp2;
+using dev::ldmatrix_x4_trans;
+using dev::Pair;
+using dev::store_pair;
+using dev::to_float2;
 
 constexpr int kHD = 128;       // head dim (bytes of a staged row)
 constexpr int kKT = 128;       // keys a tile
@@ -81,12 +88,6 @@ struct Layout {
 // 128-byte swizzle): 16-byte chunk c at c ^ (r % 8).
 __device__ __forceinline__ uint32_t sw(int r, int b) { return r * 128 + (b ^ ((r & 7) << 4)); }
 
-__device__ __forceinline__ float fast_exp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-
 // Two floats -> two e4m3 bytes (x the low one), to nearest, saturated.
 __device__ __forceinline__ uint32_t e4m3x2(float x, float y) {
   return __nv_cvt_float2_to_fp8x2(make_float2(x, y), __NV_SATFINITE, __NV_E4M3);
@@ -104,12 +105,6 @@ __device__ __forceinline__ void e4m3x4_terms(float x0, float x1, float x2, float
   const float2 b01 = e4m3x2_value(h01), b23 = e4m3x2_value(h23);
   hi = h01 | (h23 << 16);
   lo = e4m3x2(x0 - b01.x, x1 - b01.y) | (e4m3x2(x2 - b23.x, x3 - b23.y) << 16);
-}
-
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t addr, uint32_t (&r)[4]) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
 }
 
 // D[64 x 32] (+)= A[64 x 32] B[32 x 32], e4m3, float accumulators; A and B
@@ -133,18 +128,6 @@ __device__ __forceinline__ void mma_rs(float (&d)[16], const uint32_t (&a)[4], u
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
         "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
-}
-
-template <typename T>
-using Pair = std::conditional_t<std::is_same_v<T, __nv_bfloat16>, __nv_bfloat162, __half2>;
-__device__ __forceinline__ float2 to_float2(__nv_bfloat162 v) { return __bfloat1622float2(v); }
-__device__ __forceinline__ float2 to_float2(__half2 v) { return __half22float2(v); }
-// Two consecutive outputs, as one 4-byte store.
-__device__ __forceinline__ void store_pair(__nv_bfloat16* dst, float x, float y) {
-  *reinterpret_cast<__nv_bfloat162*>(dst) = __floats2bfloat162_rn(x, y);
-}
-__device__ __forceinline__ void store_pair(__half* dst, float x, float y) {
-  *reinterpret_cast<__half2*>(dst) = __floats2half2_rn(x, y);
 }
 
 // Accumulator element e of a thread (wgmma m64n32: rows 16 w + g + 8 (e % 4 / 2),

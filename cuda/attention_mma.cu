@@ -46,7 +46,12 @@ namespace pagedcore::cuda {
 
 namespace {
 
+using dev::fast_exp2;
+using dev::ldmatrix_x4_trans;
 using dev::mma16816;
+using dev::Pair;
+using dev::store_pair;
+using dev::to_float2;
 
 constexpr int kPrefillWarps = kAttentionMmaTileVectors / 16;  // prefill CTAs: 16 query vectors per warp
 constexpr int kTable = 1024;  // block ids staged in shared memory at once
@@ -136,12 +141,6 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
 }
-// 2^x on the special-function unit (flush-to-zero; the inputs here are <= 8).
-__device__ __forceinline__ float fast_exp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
 
 __device__ __forceinline__ void prefetch_l2(const void* p) {
   asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p));
@@ -207,11 +206,6 @@ __device__ __forceinline__ void ldmatrix_x2(uint32_t addr, uint32_t (&r)[2]) {
                : "=r"(r[0]), "=r"(r[1])
                : "r"(addr));
 }
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t addr, uint32_t (&r)[4]) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
 
 template <typename MT>
 __device__ __forceinline__ uint32_t pack2(float x, float y) {
@@ -224,12 +218,6 @@ __device__ __forceinline__ uint32_t pack2(float x, float y) {
   }
 }
 
-__device__ __forceinline__ float2 to_float2(__nv_bfloat162 v) { return __bfloat1622float2(v); }
-__device__ __forceinline__ float2 to_float2(__half2 v) { return __half22float2(v); }
-
-template <typename T>
-using Pair = std::conditional_t<std::is_same_v<T, __nv_bfloat16>, __nv_bfloat162, __half2>;
-
 // Two consecutive T of the query, re-packed for the mma type.
 template <typename T, typename MT>
 __device__ __forceinline__ uint32_t load_pair(const T* src) {
@@ -238,15 +226,6 @@ __device__ __forceinline__ uint32_t load_pair(const T* src) {
   } else {
     const float2 f = to_float2(*reinterpret_cast<const Pair<T>*>(src));
     return pack2<MT>(f.x, f.y);
-  }
-}
-
-template <typename T>
-__device__ __forceinline__ void store_pair(T* dst, float x, float y) {
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    *reinterpret_cast<__nv_bfloat162*>(dst) = __floats2bfloat162_rn(x, y);
-  } else {
-    *reinterpret_cast<__half2*>(dst) = __floats2half2_rn(x, y);
   }
 }
 

@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "device_ops.cuh"
 #include "pagedcore/cuda/kernels.h"
 #include "wgmma_ops.cuh"
 
@@ -38,11 +39,7 @@ __host__ __device__ constexpr size_t smem_bytes() {
   return 1024 + tile_bytes<HD>(kRows) + 2 * kStages * tile_bytes<HD>(kKeys);
 }
 
-__device__ __forceinline__ float fast_exp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
+using dev::fast_exp2;
 
 template <typename T>
 __device__ __forceinline__ uint32_t pack2(float x, float y) {

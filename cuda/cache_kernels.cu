@@ -7,6 +7,7 @@
 
 #include <cstdint>
 
+#include "device_ops.cuh"
 #include "pagedcore/cuda/kernels.h"
 
 namespace pagedcore::cuda {
@@ -37,8 +38,7 @@ __global__ void reshape_and_cache_kernel(const char* __restrict__ key, const cha
   }
 }
 
-__device__ __forceinline__ float2 to_float2(__nv_bfloat162 v) { return __bfloat1622float2(v); }
-__device__ __forceinline__ float2 to_float2(__half2 v) { return __half22float2(v); }
+using dev::to_float2;
 
 // 8 elements (16 bytes) -> 8 e4m3 bytes of x * inv_scale, saturated to +-448.
 template <typename Pair>
