@@ -53,6 +53,7 @@ namespace {
 using dev::fast_exp2;
 using dev::ldmatrix_x4_trans;
 using dev::Pair;
+using dev::raise_max;
 using dev::store_pair;
 using dev::to_float2;
 
@@ -372,12 +373,7 @@ __global__ void __launch_bounds__(kThreads)
       if (__any_sync(0xffffffffu, grow)) {
         float corr[4];
 #pragma unroll
-        for (int r = 0; r < 4; ++r) {
-          const float new_m = fmaxf(m[r], tmax[r]);
-          corr[r] = fast_exp2(m[r] - (new_m == -INFINITY ? 0.f : new_m));
-          m[r] = new_m;
-          l[r] *= corr[r];
-        }
+        for (int r = 0; r < 4; ++r) corr[r] = raise_max(m[r], l[r], tmax[r]);
 #pragma unroll
         for (int mb = 0; mb < 2; ++mb) {
 #pragma unroll

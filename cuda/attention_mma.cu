@@ -50,6 +50,7 @@ using dev::fast_exp2;
 using dev::ldmatrix_x4_trans;
 using dev::mma16816;
 using dev::Pair;
+using dev::raise_max;
 using dev::store_pair;
 using dev::to_float2;
 
@@ -691,12 +692,7 @@ __global__ void __launch_bounds__(DECODE ? 32 * WARPS : 32 * kPrefillWarps)
           if (__any_sync(0xffffffffu, grow)) {
             float corr[4];
 #pragma unroll
-            for (int r = 0; r < 4; ++r) {
-              const float new_m = fmaxf(m[r], tmax[r]);
-              corr[r] = fast_exp2(m[r] - (new_m == -INFINITY ? 0.f : new_m));
-              m[r] = new_m;
-              l[r] *= corr[r];
-            }
+            for (int r = 0; r < 4; ++r) corr[r] = raise_max(m[r], l[r], tmax[r]);
 #pragma unroll
             for (int nt = 0; nt < 2; ++nt) {
 #pragma unroll
@@ -850,12 +846,7 @@ __global__ void __launch_bounds__(DECODE ? 32 * WARPS : 32 * kPrefillWarps)
         if (__any_sync(0xffffffffu, grow)) {
           float corr[2];
 #pragma unroll
-          for (int r = 0; r < 2; ++r) {
-            const float new_m = fmaxf(m[r], tile_max[r]);
-            corr[r] = fast_exp2(m[r] - (new_m == -INFINITY ? 0.f : new_m));
-            m[r] = new_m;
-            l[r] *= corr[r];
-          }
+          for (int r = 0; r < 2; ++r) corr[r] = raise_max(m[r], l[r], tile_max[r]);
 #pragma unroll
           for (int n = 0; n < NT; ++n) {
             acc[n][0] *= corr[0];

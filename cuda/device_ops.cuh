@@ -6,6 +6,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <cmath>  // INFINITY
 #include <cstdint>
 #include <type_traits>
 
@@ -51,6 +52,17 @@ __device__ __forceinline__ float fast_exp2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
+}
+
+// Online softmax: the running max m (log2 units) raised to cover tmax, the
+// running sum l rescaled to it; returns the factor for what else was summed
+// under the old max (1 when it stays; an all -inf max stays finite).
+__device__ __forceinline__ float raise_max(float& m, float& l, float tmax) {
+  const float new_m = fmaxf(m, tmax);
+  const float corr = fast_exp2(m - (new_m == -INFINITY ? 0.f : new_m));
+  m = new_m;
+  l *= corr;
+  return corr;
 }
 
 // 16 bytes read once: non-coherent, not kept in L1 (a weight byte is read by one warp).
