@@ -28,8 +28,6 @@ share one set of tensors, and their graphs are replayed in turn, five rounds.
                               cp.async (0)
   PAGEDCORE_DECODE_TMA_L2     those TMA boxes' L2 promotion in bytes (128, default; 0, 64,
                               256; the wgmma kernel's default 256)
-  PAGEDCORE_DECODE_TMA_WARPS  those TMA tiles in CTAs of 4 warps, 3 stages, two CTAs an SM
-                              (default) or of 8 warps, 6 stages, one CTA an SM (8, a trial)
   PAGEDCORE_ATTN_PAD          staged K/V rows swizzled (0, default over 16-bit caches at head
                               dim 128: each 32-byte sector of the cache lands whole in shared
                               memory) or padded by 16 bytes (16, as elsewhere but head dim
@@ -80,7 +78,6 @@ VARIANTS = (
     ("fp8 wgmma", {"PAGEDCORE_DECODE_WGMMA": "1"}),
     ("tma L2 none", {"PAGEDCORE_DECODE_TMA_L2": "0"}),
     ("tma L2 256B", {"PAGEDCORE_DECODE_TMA_L2": "256"}),
-    ("tma 8 warps", {"PAGEDCORE_DECODE_TMA_WARPS": "8"}),
 )
 # (name, batch, keys, heads, kv heads, head dim, fp8, graph plan length or 0)
 CASES = (

@@ -116,8 +116,7 @@ __host__ __device__ constexpr size_t tma_smem_bytes() {
   return smem_bytes<CT, HD, STAGES, KT, 0>() + 1024 + 8 * STAGES;
 }
 
-// Decode CTAs' warps: four, each a quarter of a tile's keys (the kernel's
-// WARPS; eight in a trial of fp8's TMA tiles).
+// Decode CTAs' warps: four, each a quarter of a tile's keys.
 constexpr int kDecodeWarps = 4;
 
 // Run-time switches of a decode launch (the kernel's second argument).
@@ -305,10 +304,10 @@ constexpr int kCvtIntK = 1, kCvtIntV = 2, kCvtInt = kCvtIntK | kCvtIntV;
 // make every byte finite, so that P = 0 times them is 0. Rows past the
 // range's last block are left as they were (stale bytes, masked alike).
 template <typename T, typename CT, int HD, bool DECODE, int STAGES, int CVT, int KT = kTileKeys, int PAD = 16,
-          bool KM = false, bool TMA = false, int WARPS = kDecodeWarps>
-__global__ void __launch_bounds__(DECODE ? 32 * WARPS : 32 * kPrefillWarps)
+          bool KM = false, bool TMA = false>
+__global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarps)
     mma_attention_kernel(PagedAttentionParams p, int flags, const __grid_constant__ DecodeMaps<TMA> maps) {
-  constexpr int kWarps = DECODE ? WARPS : kPrefillWarps;
+  constexpr int kWarps = DECODE ? kDecodeWarps : kPrefillWarps;
   constexpr int kThreads = 32 * kWarps;
   constexpr int THREADS = kThreads;
   constexpr bool FP8 = std::is_same_v<CT, uint8_t>;
@@ -933,7 +932,7 @@ __global__ void __launch_bounds__(DECODE ? 32 * WARPS : 32 * kPrefillWarps)
   };
 
   if constexpr (DECODE) {
-    // Merge the warps' key shares: [warp][16 rows][HD] plus (max, sum).
+    // Merge the four warps' key shares: [warp][16 rows][HD] plus (max, sum).
     float* s_acc = reinterpret_cast<float*>(stages);
     float* s_m = s_acc + kWarps * 16 * HD;
     float* s_l = s_m + kWarps * 16;
@@ -1080,7 +1079,7 @@ int env_int(const char* name, int fallback) {
 }
 
 template <typename T, typename CT, int HD, bool DECODE, int STAGES, int CVT, int KT = kTileKeys, int PAD = 16,
-          bool KM = false, bool TMA = false, int WARPS = kDecodeWarps>
+          bool KM = false, bool TMA = false>
 int launch_variant(const PagedAttentionParams& p, cudaStream_t stream, int flags = 0,
                    const DecodeMaps<TMA>& maps = DecodeMaps<TMA>{}) {
   if constexpr (DECODE && PAD == 16 && HD == 128 && sizeof(CT) == 2) {
@@ -1089,16 +1088,16 @@ int launch_variant(const PagedAttentionParams& p, cudaStream_t stream, int flags
     // benchmarks): padded rows instead. (The warps' merge must fit the stages.)
     constexpr bool kSwizzleFits =
         can_swizzle<CT, HD>() &&
-        smem_bytes<CT, HD, STAGES, KT, 0>() - kTable * 4 >= (WARPS * 16 * HD + 2 * WARPS * 16) * 4;
+        smem_bytes<CT, HD, STAGES, KT, 0>() - kTable * 4 >= (kDecodeWarps * 16 * HD + 2 * kDecodeWarps * 16) * 4;
     if constexpr (kSwizzleFits) {
       if (env_int("PAGEDCORE_ATTN_PAD", 0) == 0) {
-        return launch_variant<T, CT, HD, DECODE, STAGES, CVT, KT, 0, KM, false, WARPS>(p, stream, flags);
+        return launch_variant<T, CT, HD, DECODE, STAGES, CVT, KT, 0, KM>(p, stream, flags);
       }
     }
   }
   constexpr size_t smem = TMA ? tma_smem_bytes<CT, HD, STAGES, KT>() : smem_bytes<CT, HD, STAGES, KT, PAD>();
-  constexpr int threads = DECODE ? 32 * WARPS : 32 * kPrefillWarps;
-  auto* kernel = mma_attention_kernel<T, CT, HD, DECODE, STAGES, CVT, KT, PAD, KM, TMA, WARPS>;
+  constexpr int threads = DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarps;
+  auto* kernel = mma_attention_kernel<T, CT, HD, DECODE, STAGES, CVT, KT, PAD, KM, TMA>;
   static bool configured = false;  // NOTE: per instantiation; raising the limit is idempotent
   if (!configured) {
     const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
@@ -1354,12 +1353,6 @@ int launch_decode(const PagedAttentionParams& p, cudaStream_t stream, int flags,
           if (tma != 0) {
             DecodeMaps<true> maps;
             if (mix == 1 && decode_tma_serves(p) && encode_decode_maps<HD>(p, maps, 128)) {
-              // PAGEDCORE_DECODE_TMA_WARPS=8 (a trial): eight warps a CTA, 16
-              // keys each a tile (half a warp's chain a tile), six stages, one
-              // CTA an SM; four warps, three stages, two CTAs an SM otherwise.
-              if (env_int("PAGEDCORE_DECODE_TMA_WARPS", 4) == 8) {
-                return launch_variant<T, CT, HD, true, 6, kCvtIntV, 128, 0, true, true, 8>(p, stream, flags, maps);
-              }
               return launch_variant<T, CT, HD, true, 3, kCvtIntV, 128, 0, true, true>(p, stream, flags, maps);
             }
             if (tma == 2) return cudaErrorNotSupported;
