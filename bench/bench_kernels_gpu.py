@@ -47,9 +47,24 @@ def time_eager(fn, iters: int = 5, repeats: int = 7) -> float:
     return statistics.median(times)
 
 
-def time_graph(fn, iters: int = 20, repeats: int = 7) -> float:
-    """Median microseconds of one call, replaying a CUDA graph of `iters` calls."""
-    return statistics.median(replay_us(graph_of(fn, iters), iters, repeats))
+def time_graph(fn, iters: int = 20, repeats: int = 7, warm_ms: float = 50.0) -> float:
+    """Median microseconds of one call, replaying a CUDA graph of `iters` calls after
+    `warm_ms` of warm replays (the GPU's clocks settle after a heavier case before it)."""
+    graph = graph_of(fn, iters)
+    warm(graph, warm_ms)
+    return statistics.median(replay_us(graph, iters, repeats))
+
+
+def warm(graph: torch.cuda.CUDAGraph, ms: float) -> None:
+    """Replays `graph` for about `ms` milliseconds of GPU time (at most 2,000 times)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    graph.replay()
+    end.record()
+    end.synchronize()
+    for _ in range(min(2000, int(ms / max(start.elapsed_time(end), 1e-3)))):
+        graph.replay()
+    torch.cuda.synchronize()
 
 
 def graph_of(fn, iters: int = 20) -> torch.cuda.CUDAGraph:
@@ -185,6 +200,45 @@ def decode_case(batch: int, ctx: int, heads: int, kv_heads: int, head_dim: int, 
         else:
             FLASHINFER["error"] = fi_out
     return ours, theirs, kv_bytes, float(err)
+
+
+def after_cache_write_case(batch: int, ctx: int, heads: int = 32, kv_heads: int = 8, head_dim: int = 128,
+                           block_size: int = 16) -> tuple[float, float]:
+    """A decode step's attention as the model launches it: behind the rotary kernel that
+    writes the step's keys and values into the cache (both with PDL). Returns the graph
+    times of rotary + attention and of the rotary alone (us): their difference is what
+    the attention adds to a layer."""
+    dtype = torch.bfloat16
+    g = torch.Generator(device="cuda").manual_seed(3)
+    blocks_per_seq = -(-ctx // block_size)
+    num_blocks = batch * blocks_per_seq + 1
+    kc = torch.randn((num_blocks, block_size, kv_heads, head_dim), generator=g, device="cuda", dtype=dtype)
+    vc = torch.randn_like(kc)
+    tables = (torch.randperm(num_blocks - 1, generator=g, device="cuda").to(torch.int32) + 1)[
+        : batch * blocks_per_seq].view(batch, blocks_per_seq).contiguous()
+    qkv = torch.randn((batch, (heads + 2 * kv_heads) * head_dim), generator=g, device="cuda", dtype=dtype)
+    q = qkv[:, : heads * head_dim].view(batch, heads, head_dim)
+    k = qkv[:, heads * head_dim: (heads + kv_heads) * head_dim].view(batch, kv_heads, head_dim)
+    v = qkv[:, (heads + kv_heads) * head_dim:].view(batch, kv_heads, head_dim)
+    positions = torch.full((batch,), ctx - 1, dtype=torch.int64, device="cuda")
+    last = tables[:, (ctx - 1) // block_size].long()
+    slots = last * block_size + (ctx - 1) % block_size
+    inv_freq = 1.0 / (500000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device="cuda") / head_dim))
+    table = ops.cos_sin_cache(inv_freq.float(), 8192)
+    seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+    qsl_np = np.arange(batch + 1, dtype=np.int32)
+    qsl = torch.from_numpy(qsl_np).cuda()
+    plan = ops.plan_attention(qsl_np, np.full(batch, ctx), heads, kv_heads, torch.device("cuda"), head_dim, dtype)
+    out = torch.empty_like(q)
+
+    def rotary():
+        ops.rotary_embedding(positions, q, k, table, value=v, key_cache=kc, value_cache=vc, slot_mapping=slots)
+
+    def both():
+        rotary()
+        ops.paged_attention(q, kc, vc, tables, seq_lens, qsl, scale=head_dim**-0.5, out=out, plan=plan)
+
+    return time_graph(both), time_graph(rotary)
 
 
 def multi_query_case(batch: int, queries: int, ctx: int, heads: int, kv_heads: int, head_dim: int) -> tuple:
@@ -466,6 +520,11 @@ def run(args) -> None:
             rows.append((f"decode B={batch} L={ctx} bs={block_size} (32/8, d128)", ours, theirs, nbytes / ours / 1e3, err))
     ours, theirs, nbytes, err = decode_case(64, 1024, 9, 3, 64, 16, label="decode SmolLM2 B=64 L=1k (9/3, d64)")
     rows.append(("decode SmolLM2 B=64 L=1k (9/3, d64)", ours, theirs, nbytes / ours / 1e3, err))
+    # The batch-1 attention as a layer runs it: behind the rotary's cache write (PDL).
+    for ctx in (256, 4096):
+        pair_us, rotary_us = after_cache_write_case(1, ctx)
+        rows.append((f"decode B=1 L={ctx} bs=16 behind the rotary's cache write (rotary alone {rotary_us:.1f} us)",
+                     pair_us - rotary_us, None, 2 * ctx * 8 * 128 * 2 / (pair_us - rotary_us) / 1e3, 0.0))
     # A batch-1 decode step early in a generation, under the decode graphs' plan (max_model_len 8192).
     for name, shape in (("8B", (32, 8, 128)), ("SmolLM2", (9, 3, 64))):
         label = f"decode {name} B=1 L=160, graph plan (max 8192)"

@@ -16,6 +16,8 @@ pytestmark = pytest.mark.cuda
 
 from test_ops_cpu import DTYPES, NAN, make_batch, mixed_rows, reference  # noqa: E402
 
+DEV = "cuda"
+
 # __expf and float32 accumulation on the GPU.
 TOLERANCE = {
     torch.float32: (1e-4, 1e-4),
@@ -174,10 +176,12 @@ def test_decode_rows_shorter_than_the_graph_plan(monkeypatch, dtype, window, fp8
     {"PAGEDCORE_DECODE_WGMMA": "1", "PAGEDCORE_DECODE_DEEP_CTAS": "0"},
     {"PAGEDCORE_DECODE_MERGE": "0"},
     {"PAGEDCORE_DECODE_MERGE": "0", "PAGEDCORE_DECODE_DEEP_CTAS": "0"},
+    {"PAGEDCORE_DECODE_EARLY_KV": "0"},
 ], ids=["shallow", "deep", "fp8-cvt", "early-off-narrow-fp8", "early-meta-fp8-deep", "early-l2", "two-an-sm",
         "padded", "padded-deep", "narrow-d64", "fp8-int", "fp8-all-cvt-wide", "keys-in-m", "keys-in-m-deep",
         "keys-in-m-padded", "keys-in-m-fp8-all-cvt", "keys-in-m-fp8-int",
-        "keys-in-m-off", "tma-off", "tma-l2-256", "fp8-wgmma", "two-pass-merge", "two-pass-merge-shallow"])
+        "keys-in-m-off", "tma-off", "tma-l2-256", "fp8-wgmma", "two-pass-merge", "two-pass-merge-shallow",
+        "early-kv-off"])
 def test_decode_kernel_variants(monkeypatch, env):
     # The decode kernel's pipelines (three tiles in flight, or five for launches of few
     # CTAs), fp8 widenings (integer operations, or the cvt unit), the lengths and first
@@ -202,7 +206,9 @@ def test_decode_kernel_variants(monkeypatch, env):
     # on Hopper: test_decode_tma_fp8; "tma-l2-256": their boxes' L2 promotion 256 bytes, not 128);
     # "fp8-wgmma": fp8 decode at head dim 128 with bf16
     # queries on e4m3 wgmma (attention_decode_wgmma.cu; opt-in); "two-pass-merge*": a split
-    # row's last CTA merging by count_and_merge (the default merges by count_and_merge_decode).
+    # row's last CTA merging by count_and_merge (the default merges by count_and_merge_decode);
+    # "early-kv-off": every K/V copy after the PDL wait (the default copies the first tiles'
+    # older keys before it over 16-bit caches: test_decode_after_the_cache_write_in_flight).
     # (The split rule PAGEDCORE_DECODE_BALANCE only changes a plan's split count:
     # test_mixed_graph_plan.py.)
     for name, value in env.items():
@@ -215,6 +221,69 @@ def test_decode_kernel_variants(monkeypatch, env):
     run_cuda(mixed_rows(16), block_size=16, head_dim=128, group=8, dtype=torch.bfloat16, window=40, softcap=3.5,
              fp8_scales=(0.25, 0.75))
     run_cuda(mixed_rows(16), block_size=16, head_dim=64, group=3, dtype=torch.bfloat16, window=40, softcap=3.5)
+
+
+@pytest.mark.parametrize("early_kv", ["1", "0"], ids=["early-kv", "early-kv-off"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_decode_after_the_cache_write_in_flight(monkeypatch, dtype, early_kv):
+    # The model's order within a layer: the rotary kernel writes this step's key and
+    # value into the cache, the decode attention reads them, both launched with PDL and
+    # queued behind a busy GPU, eight steps in a row without a host wait. The decode
+    # kernel copies its first tiles' older keys before its PDL wait (kEarlyKV), while the
+    # rotary may still run: this step's slot must be read after the wait. Every slot a
+    # later step writes holds a key of 8.0 (a stale read dominates the softmax) and a
+    # value of 1e4 until then. Rows whose new key lands in the prologue's tiles (deep
+    # pipeline: five stages of 64 keys, one CTA per row and kv head) and later ones.
+    monkeypatch.setenv("PAGEDCORE_DECODE_EARLY_KV", early_kv)
+    heads, kv_heads, hd, bs, steps = 32, 8, 128, 16, 8
+    lengths = [1, 15, 63, 64, 200, 250, 700]
+    g = torch.Generator().manual_seed(7)
+    max_blocks = (max(lengths) + steps + bs - 1) // bs
+    num_blocks = len(lengths) * max_blocks + 1
+    tables = torch.randperm(num_blocks - 1, generator=g)[: len(lengths) * max_blocks].view(len(lengths), -1)
+    tables = (tables + 1).to(torch.int32)
+    kc = torch.full((num_blocks, bs, kv_heads, hd), 8.0, dtype=dtype)
+    vc = torch.full((num_blocks, bs, kv_heads, hd), 1e4, dtype=dtype)
+    for r, n in enumerate(lengths):  # the older keys
+        for pos in range(n):
+            b, o = tables[r, pos // bs], pos % bs
+            kc[b, o] = torch.randn(kv_heads, hd, generator=g).to(dtype)
+            vc[b, o] = torch.randn(kv_heads, hd, generator=g).to(dtype)
+    kc, vc, tables = kc.to(DEV), vc.to(DEV), tables.to(DEV)
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
+    table = ops.cos_sin_cache(inv_freq.float().to(DEV), 4096)
+    rows = len(lengths)
+    qs = [torch.randn(rows, heads, hd, generator=g).to(dtype).to(DEV) for _ in range(steps)]
+    ks = [torch.randn(rows, kv_heads, hd, generator=g).to(dtype).to(DEV) for _ in range(steps)]
+    vs = [torch.randn(rows, kv_heads, hd, generator=g).to(dtype).to(DEV) for _ in range(steps)]
+    pos = [torch.tensor([n + s for n in lengths], dtype=torch.int64, device=DEV) for s in range(steps)]
+    slots = [torch.tensor([int(tables[r, (n + s) // bs]) * bs + (n + s) % bs for r, n in enumerate(lengths)],
+                          dtype=torch.int64, device=DEV) for s in range(steps)]
+    seq_lens = [(p + 1).to(torch.int32) for p in pos]
+    qsl = torch.arange(rows + 1, dtype=torch.int32, device=DEV)
+    outs = [torch.full((rows, heads, hd), NAN, dtype=dtype, device=DEV) for _ in range(steps)]
+    torch.cuda.synchronize()
+    torch.cuda._sleep(20_000_000)  # (the launches below queue up behind it)
+    for s in range(steps):
+        ops.rotary_embedding(pos[s], qs[s], ks[s], table, value=vs[s], key_cache=kc, value_cache=vc,
+                             slot_mapping=slots[s])
+        ops.paged_attention(qs[s], kc, vc, tables, seq_lens[s], qsl, scale=hd**-0.5, out=outs[s])
+    torch.cuda.synchronize()
+    k_all, v_all = kc.double().cpu(), vc.double().cpu()
+    for s in range(steps):
+        q = qs[s].double().cpu()
+        for r, n in enumerate(lengths):
+            blocks = tables[r].cpu().long()
+            keys = k_all[blocks].reshape(-1, kv_heads, hd)[: n + s + 1]
+            vals = v_all[blocks].reshape(-1, kv_heads, hd)[: n + s + 1]
+            kh = keys.repeat_interleave(heads // kv_heads, dim=1)
+            vh = vals.repeat_interleave(heads // kv_heads, dim=1)
+            w = torch.softmax(torch.einsum("hd,khd->hk", q[r], kh) * hd**-0.5, dim=-1)
+            want = torch.einsum("hk,khd->hd", w, vh)
+            got = outs[s][r].double().cpu()
+            atol, rtol = TOLERANCE[dtype]
+            assert torch.allclose(got, want, atol=atol, rtol=rtol), (
+                f"step {s} row {r} (length {n + s + 1}): max error {(got - want).abs().max().item():.3g}")
 
 
 @pytest.mark.parametrize("kernel", ["wgmma", "mma"])
