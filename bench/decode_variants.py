@@ -10,8 +10,6 @@ share one set of tensors, and their graphs are replayed in turn, five rounds.
   PAGEDCORE_DECODE_EARLY_META lengths and first block ids read before the PDL wait (1, the
                               default over 16-bit caches; 0 off), and the first tiles' K/V rows
                               prefetched into L2 there too (2)
-  PAGEDCORE_DECODE_EARLY_KV   with early metadata, the first tiles' older keys copied before the
-                              PDL wait too (1, default; 0 after it)
   PAGEDCORE_FP8_WIDE_TILES    fp8 launches that are not deep: 128-key tiles (1, default; 0: 64)
   PAGEDCORE_DECODE_ONE_WAVE   decode key splits planned for one CTA an SM where that fills
                               >= 80% of them, so that the launch is deep (1, default); two
@@ -62,7 +60,6 @@ VARIANTS = (
     ("fp8 cvt", {"PAGEDCORE_FP8_FAST_CVT": "0"}),
     ("early off", {"PAGEDCORE_DECODE_EARLY_META": "0"}),
     ("early + L2", {"PAGEDCORE_DECODE_EARLY_META": "2"}),
-    ("early kv off", {"PAGEDCORE_DECODE_EARLY_KV": "0"}),
     ("fp8 narrow", {"PAGEDCORE_FP8_WIDE_TILES": "0"}),
     ("two an SM", {"PAGEDCORE_DECODE_ONE_WAVE": "0"}),
     ("padded", {"PAGEDCORE_ATTN_PAD": "16"}),

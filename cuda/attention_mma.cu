@@ -131,15 +131,6 @@ constexpr int kEarlyPrefetch = 2;
 // kOnePassMerge (the default; PAGEDCORE_DECODE_MERGE=0 turns it off): a split
 // row's last CTA merges by merge::count_and_merge_decode.
 constexpr int kOnePassMerge = 4;
-// kEarlyKV (with kEarlyMeta; 16-bit caches, K/V by cp.async): the first
-// chunk's prologue tiles are copied before the wait as well, all but the rows
-// of this step's keys (a decode row's last q_len positions, which the kernel
-// before, the rotary's cache write, may still be writing): those rows go out
-// after the wait, with the queries, and the tiles that hold them wait for every
-// copy. (Older keys are written by earlier steps; every other kernel of a step
-// calls pdl_launch_dependents after its own wait, so when the attention starts
-// the kernels before the cache write have completed, block copies included.)
-constexpr int kEarlyKV = 8;
 // NOTE: TMA tiles: a refill of the stage the last tile freed before the wait
 // for the next tile (not after it; 73c4263, both kernels) measured 145.8 / 142.2
 // against 146.1 / 140.4 us at fp8 B=64 L=4k (L2 promotion 256 / 128): deleted.
@@ -356,7 +347,6 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
     // (the chunk loop's first __syncthreads orders the inits before any use)
   }
   const bool early = DECODE && (flags & kEarlyMeta) != 0;
-  const bool early_kv = DECODE && !FP8 && !TMA && early && (flags & kEarlyKV) != 0;
   if (!early) pdl_wait();  // (the queries and this step's keys come from the kernel before)
   pdl_launch_dependents();
 
@@ -423,7 +413,7 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
         }
       }
     }
-    if (!early_kv) pdl_wait();  // (early_kv: in the first chunk, after its older keys' copies)
+    pdl_wait();
   }
 
   // This thread's two fragment rows (vectors) and their query positions.
@@ -443,7 +433,7 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
 
   // Q as A fragments: [k step][4 registers].
   uint32_t qf[KSTEPS][4];
-  auto load_queries = [&] {
+  {
     const T* query = static_cast<const T*>(p.query);
     const T* qrow[2];
 #pragma unroll
@@ -462,8 +452,7 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
       qf[s][2] = vvalid[0] ? load_pair<T, MT>(qrow[0] + d_hi) : 0u;
       qf[s][3] = vvalid[1] ? load_pair<T, MT>(qrow[1] + d_hi) : 0u;
     }
-  };
-  if (!early_kv) load_queries();
+  }
   const float score_scale = p.scale * (FP8 ? p.k_scale * (KINT ? kFastFp8Scale : 1.f) : 1.f);
   const float softcap = p.softcap;
   const float score_log2 = score_scale * kLog2e;       // no cap: scores in log2 units at once
@@ -542,9 +531,7 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
     // the head (fixed) plus the block's and the slot's offsets: two wide
     // multiply-adds on 32-bit factors, the V row a fixed distance away, and
     // the thread's later chunks immediates (cp.async's address offset).
-    // part (early_kv): 0 every row; 1 the rows of keys before this step's
-    // (first_pos on: none of them; before the wait), 2 only this step's (after it).
-    auto load_tile = [&](int t, int part) {
+    auto load_tile = [&](int t) {
       if (threadIdx.x >= kCopyRows * kTpr) return;
       unsigned char* ks = stages + (t % kStages) * 2 * KT * SROW;
       const uint32_t kdst = smem_addr(ks);
@@ -553,8 +540,6 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
       for (int pass = 0; pass < KT / kCopyRows; ++pass) {
         const int key = c0 + t * KT + pass * kCopyRows + copy_row;
         const bool valid = key < c1;
-        if (part == 1 && valid && key >= first_pos) continue;
-        if (part == 2 && (!valid || key < first_pos)) continue;
         const int kc = valid ? key : c1 - 1;  // (a key of the chunk: its block id is staged)
         const int b = bs_shift >= 0 ? kc >> bs_shift : kc / bs;
         const uint64_t src = copy_src + static_cast<uint64_t>(static_cast<uint32_t>(s_table[b - b0])) * block_bytes +
@@ -592,26 +577,14 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
       }
     };
 
-    const bool kv_first = early_kv && c0 == s_lo;  // this chunk's prologue goes out before the wait
 #pragma unroll
     for (int t = 0; t < kStages - 1; ++t) {
       if constexpr (TMA) {
         if (warp == 0 && t < n_tiles) tma_tile(t);
       } else {
-        if (t < n_tiles) load_tile(t, kv_first ? 1 : 0);
+        if (t < n_tiles) load_tile(t);
         cp_async_commit();
       }
-    }
-    // early_kv: the prologue's tiles from fresh_tile on hold keys of this step.
-    int fresh_tile = kStages;
-    if (kv_first) {
-      pdl_wait();
-      load_queries();
-      if (first_pos < c1) {
-        fresh_tile = max(0, first_pos - c0) / KT;
-        for (int t = fresh_tile; t < min(kStages - 1, n_tiles); ++t) load_tile(t, 2);
-      }
-      cp_async_commit();
     }
     for (int t = 0; t < n_tiles; ++t) {
       if constexpr (TMA) {
@@ -621,15 +594,9 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
         __syncthreads();  // tile t-1 is consumed
         if (warp == 0 && t + kStages - 1 < n_tiles) tma_tile(t + kStages - 1);
       } else {
-        // (one group more after the prologue's under early_kv: the count still
-        // covers tile t; the tiles with this step's keys wait for all)
-        if (t >= fresh_tile && t < kStages - 1) {
-          cp_async_wait<0>();
-        } else {
-          cp_async_wait<kStages - 2>();
-        }
+        cp_async_wait<kStages - 2>();
         __syncthreads();  // tile t has landed for every thread; tile t-1 is consumed
-        if (t + kStages - 1 < n_tiles) load_tile(t + kStages - 1, 0);
+        if (t + kStages - 1 < n_tiles) load_tile(t + kStages - 1);
         cp_async_commit();
       }
       const unsigned char* const ks = stages + (t % kStages) * 2 * KT * SROW;
@@ -945,7 +912,6 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
     if constexpr (!TMA) cp_async_wait<0>();  // (TMA: every tile issued was awaited)
     c0 = c1;
   }
-  if (early_kv && s_lo >= s_hi) pdl_wait();  // (no chunk waited: nothing is written before it)
 
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
@@ -1251,9 +1217,6 @@ bool encode_decode_maps(const PagedAttentionParams& p, DecodeMaps<true>& maps, i
 //     B=16 10.0 -> 8.9, SmolLM2 B=1 5.8 -> 5.0, B=16 6.2 -> 5.4; one loss,
 //     SmolLM2 B=64 L=1k 20.3 -> 21.4. fp8: B=64 L=4k 198.6 -> 193.2 but B=1 L=4k
 //     15.0 -> 16.0, so off there. =2 (L2 prefetch) gained nothing more.
-//   PAGEDCORE_DECODE_EARLY_KV=1  kEarlyKV (with kEarlyMeta, so 16-bit
-//     caches): the first chunk's prologue tiles, this step's keys aside, copied
-//     before the PDL wait. Default; =0 off.
 //   PAGEDCORE_FP8_WIDE_TILES=1  fp8 launches that are not deep, integer
 //     widening, head dim 64 or 128: 128-key tiles (the bytes of a 64-key bf16
 //     tile), three stages, two CTAs an SM at d128: half the tiles' fixed
@@ -1314,6 +1277,19 @@ bool encode_decode_maps(const PagedAttentionParams& p, DecodeMaps<true>& maps, i
 //     L=4k 13.2 -> 12.0, 8B B=1 L=32k graph plan 40.4 -> 39.2; every launch
 //     without splits within 0.1. A split still costs batch 1 ~2.5 us (B=1 L=512
 //     in two splits of 256: 8.0; one split of 256: 5.5), ~3.5 before.
+// Deleted after its one run (c3399c4, PAGEDCORE_DECODE_EARLY_KV): over 16-bit
+// caches with early metadata, the first chunk's prologue K/V copies issued
+// before the PDL wait (this step's keys, which the rotary may still be writing,
+// after it; then the queries). It gains only where the kernel before is long,
+// which in a layer it is not. Measured on the H200 (us, off -> on): graphs of 20
+// decode launches (decode_variants.py), each launch's copies overlapping the
+// launch before: B=1 L=256 6.3 -> 4.7, L=32k 39.2 -> 36.8, B=64 L=1k 67.9 ->
+// 65.3, L=4k 245.0 -> 242.7, SmolLM2 B=64 L=1k 17.4 -> 15.8, under the decode
+// graphs' plan 8B B=1 L=160 5.4 -> 4.2 but B=16 L=160 / 256 6.2 -> 6.6 / 7.1 ->
+// 7.6. Behind the rotary's cache write, as a layer runs it (bench_kernels_gpu.py's
+// after_cache_write_case: the pair's time less the rotary's, two rounds): B=1
+// L=256 6.35 / 6.35 -> 6.57 / 6.72, L=4k 9.76 / 9.80 -> 10.05 / 10.12 (the
+// rotary's ~1 us hides little, and issuing the copies first delays the queries).
 // Deleted after the nineteenth session's run (decode_variants.py at f4ff310, us,
 // default -> variant): the deep pipeline in 128-key tiles, three stages, swizzled
 // (16-bit caches at head dims 64 and 128): B=1 L=256 5.4 -> 5.0, L=512 8.9 ->
@@ -1438,8 +1414,7 @@ int launch_kernel(const PagedAttentionParams& p, cudaStream_t stream) {
   if constexpr (DECODE) {
     const int early = env_int("PAGEDCORE_DECODE_EARLY_META", FP8 ? 0 : 1);
     const int flags = (early == 0 ? 0 : (early == 2 ? kEarlyMeta | kEarlyPrefetch : kEarlyMeta)) |
-                      (env_int("PAGEDCORE_DECODE_MERGE", 1) != 0 ? kOnePassMerge : 0) |
-                      (env_int("PAGEDCORE_DECODE_EARLY_KV", 1) != 0 ? kEarlyKV : 0);
+                      (env_int("PAGEDCORE_DECODE_MERGE", 1) != 0 ? kOnePassMerge : 0);
     const int64_t ctas = static_cast<int64_t>(p.num_kv_heads) * p.num_decode * p.decode_splits;
     const bool deep = ctas <= env_int("PAGEDCORE_DECODE_DEEP_CTAS", multiprocessor_count());
     const bool fast = FP8 && env_int("PAGEDCORE_FP8_FAST_CVT", 1) != 0;

@@ -176,12 +176,10 @@ def test_decode_rows_shorter_than_the_graph_plan(monkeypatch, dtype, window, fp8
     {"PAGEDCORE_DECODE_WGMMA": "1", "PAGEDCORE_DECODE_DEEP_CTAS": "0"},
     {"PAGEDCORE_DECODE_MERGE": "0"},
     {"PAGEDCORE_DECODE_MERGE": "0", "PAGEDCORE_DECODE_DEEP_CTAS": "0"},
-    {"PAGEDCORE_DECODE_EARLY_KV": "0"},
 ], ids=["shallow", "deep", "fp8-cvt", "early-off-narrow-fp8", "early-meta-fp8-deep", "early-l2", "two-an-sm",
         "padded", "padded-deep", "narrow-d64", "fp8-int", "fp8-all-cvt-wide", "keys-in-m", "keys-in-m-deep",
         "keys-in-m-padded", "keys-in-m-fp8-all-cvt", "keys-in-m-fp8-int",
-        "keys-in-m-off", "tma-off", "tma-l2-256", "fp8-wgmma", "two-pass-merge", "two-pass-merge-shallow",
-        "early-kv-off"])
+        "keys-in-m-off", "tma-off", "tma-l2-256", "fp8-wgmma", "two-pass-merge", "two-pass-merge-shallow"])
 def test_decode_kernel_variants(monkeypatch, env):
     # The decode kernel's pipelines (three tiles in flight, or five for launches of few
     # CTAs), fp8 widenings (integer operations, or the cvt unit), the lengths and first
@@ -206,9 +204,7 @@ def test_decode_kernel_variants(monkeypatch, env):
     # on Hopper: test_decode_tma_fp8; "tma-l2-256": their boxes' L2 promotion 256 bytes, not 128);
     # "fp8-wgmma": fp8 decode at head dim 128 with bf16
     # queries on e4m3 wgmma (attention_decode_wgmma.cu; opt-in); "two-pass-merge*": a split
-    # row's last CTA merging by count_and_merge (the default merges by count_and_merge_decode);
-    # "early-kv-off": every K/V copy after the PDL wait (the default copies the first tiles'
-    # older keys before it over 16-bit caches: test_decode_after_the_cache_write_in_flight).
+    # row's last CTA merging by count_and_merge (the default merges by count_and_merge_decode).
     # (The split rule PAGEDCORE_DECODE_BALANCE only changes a plan's split count:
     # test_mixed_graph_plan.py.)
     for name, value in env.items():
@@ -223,18 +219,16 @@ def test_decode_kernel_variants(monkeypatch, env):
     run_cuda(mixed_rows(16), block_size=16, head_dim=64, group=3, dtype=torch.bfloat16, window=40, softcap=3.5)
 
 
-@pytest.mark.parametrize("early_kv", ["1", "0"], ids=["early-kv", "early-kv-off"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_decode_after_the_cache_write_in_flight(monkeypatch, dtype, early_kv):
+def test_decode_after_the_cache_write_in_flight(dtype):
     # The model's order within a layer: the rotary kernel writes this step's key and
     # value into the cache, the decode attention reads them, both launched with PDL and
     # queued behind a busy GPU, eight steps in a row without a host wait. The decode
-    # kernel copies its first tiles' older keys before its PDL wait (kEarlyKV), while the
-    # rotary may still run: this step's slot must be read after the wait. Every slot a
-    # later step writes holds a key of 8.0 (a stale read dominates the softmax) and a
-    # value of 1e4 until then. Rows whose new key lands in the prologue's tiles (deep
-    # pipeline: five stages of 64 keys, one CTA per row and kv head) and later ones.
-    monkeypatch.setenv("PAGEDCORE_DECODE_EARLY_KV", early_kv)
+    # kernel reads the row's lengths and first block ids before its PDL wait (early
+    # metadata), while the rotary may still run: this step's slot must be read after the
+    # wait. Every slot a later step writes holds a key of 8.0 (a stale read dominates the
+    # softmax) and a value of 1e4 until then. Rows whose new key lands in the first tiles
+    # (deep pipeline: five stages of 64 keys, one CTA per row and kv head) and later ones.
     heads, kv_heads, hd, bs, steps = 32, 8, 128, 16, 8
     lengths = [1, 15, 63, 64, 200, 250, 700]
     g = torch.Generator().manual_seed(7)
