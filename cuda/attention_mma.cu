@@ -131,6 +131,13 @@ constexpr int kEarlyPrefetch = 2;
 // kOnePassMerge (the default; PAGEDCORE_DECODE_MERGE=0 turns it off): a split
 // row's last CTA merges by merge::count_and_merge_decode.
 constexpr int kOnePassMerge = 4;
+// kTmaSpread (TMA tiles; PAGEDCORE_DECODE_TMA_SPREAD=1, a trial): a tile's
+// boxes issued by the four warps (lane j of warp w: block 4 j + w), not by
+// warp 0 alone, whose serial issue (a box an instruction, ~16 a tile at block
+// size 16) made the other warps wait for it at each tile's barrier (ncu: 23% of
+// the stall samples at that barrier); warp 0's lane 0 arms the stage's
+// mbarrier with the tile's bytes before the barrier the issue follows.
+constexpr int kTmaSpread = 16;
 // NOTE: TMA tiles: a refill of the stage the last tile freed before the wait
 // for the next tile (not after it; 73c4263, both kernels) measured 145.8 / 142.2
 // against 146.1 / 140.4 us at fp8 B=64 L=4k (L2 promotion 256 / 128): deleted.
@@ -347,6 +354,7 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
     // (the chunk loop's first __syncthreads orders the inits before any use)
   }
   const bool early = DECODE && (flags & kEarlyMeta) != 0;
+  const bool spread = TMA && (flags & kTmaSpread) != 0;
   if (!early) pdl_wait();  // (the queries and this step's keys come from the kernel before)
   pdl_launch_dependents();
 
@@ -519,9 +527,16 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
     const int b0 = c0 / bs;
     const int c1 = min(s_hi, (b0 + kTable) * bs);
     const int n_tiles = (c1 - c0 + KT - 1) / KT;
+    // kTmaSpread: tile t's bytes (K and V of the blocks holding keys of the chunk).
+    auto tma_bytes = [&](int t) {
+      return static_cast<uint32_t>(min(KT / bs, (c1 - c0 - t * KT + bs - 1) / bs) * bs * HD * 2);
+    };
     __syncthreads();  // the previous chunk's table and stages are consumed
     if (!early || c0 != s_lo) {
       for (int i = threadIdx.x; i <= (c1 - 1) / bs - b0; i += THREADS) s_table[i] = table[b0 + i];
+    }
+    if (spread && threadIdx.x == 0) {
+      for (int t = 0; t < min(kStages - 1, n_tiles); ++t) tma_expect_bytes(tma_bars + 8 * t, tma_bytes(t));
     }
     __syncthreads();
 
@@ -557,6 +572,21 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
 
     // TMA: tile t's blocks by warp 0 (the caller), lane j block j (those holding
     // keys of the chunk), lane 0 arming the stage's mbarrier with their K and V bytes.
+    // kTmaSpread: tile t's blocks by every warp, the stage armed before.
+    auto tma_spread = [&](int t) {
+      const int j = lane * kWarps + warp;
+      const int kb = c0 + t * KT + j * bs;  // (c0: a block boundary)
+      if (lane == 0) tma_fence_proxy();
+      __syncwarp();
+      if constexpr (TMA) {
+        if (j * bs < KT && kb < c1) {
+          const uint32_t dst = smem_addr(stages + (t % kStages) * 2 * KT * SROW) + j * bs * SROW;
+          const int block = s_table[(bs_shift >= 0 ? kb >> bs_shift : kb / bs) - b0];
+          tma_load_box(dst, &maps.k, 0, kv_head, 0, block, tma_bars + 8 * (t % kStages));
+          tma_load_box(dst + KT * SROW, &maps.v, 0, kv_head, 0, block, tma_bars + 8 * (t % kStages));
+        }
+      }
+    };
     auto tma_tile = [&](int t) {
       const int kb = c0 + t * KT + lane * bs;  // (c0: a block boundary)
       const bool load = lane * bs < KT && kb < c1;
@@ -580,7 +610,11 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
 #pragma unroll
     for (int t = 0; t < kStages - 1; ++t) {
       if constexpr (TMA) {
-        if (warp == 0 && t < n_tiles) tma_tile(t);
+        if (spread) {
+          if (t < n_tiles) tma_spread(t);
+        } else if (warp == 0 && t < n_tiles) {
+          tma_tile(t);
+        }
       } else {
         if (t < n_tiles) load_tile(t);
         cp_async_commit();
@@ -591,8 +625,18 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
         const int st = t % kStages;
         tma_wait(tma_bars + 8 * st, (tma_phase >> st) & 1u);
         tma_phase ^= 1u << st;
+        // (spread: tile t + kStages - 1's stage held tile t - 1, whose phase
+        // every warp has waited for: armed before the barrier, filled after it)
+        const bool refill = t + kStages - 1 < n_tiles;
+        if (spread && refill && threadIdx.x == 0) {
+          tma_expect_bytes(tma_bars + 8 * ((t + kStages - 1) % kStages), tma_bytes(t + kStages - 1));
+        }
         __syncthreads();  // tile t-1 is consumed
-        if (warp == 0 && t + kStages - 1 < n_tiles) tma_tile(t + kStages - 1);
+        if (spread) {
+          if (refill) tma_spread(t + kStages - 1);
+        } else if (warp == 0 && refill) {
+          tma_tile(t + kStages - 1);
+        }
       } else {
         cp_async_wait<kStages - 2>();
         __syncthreads();  // tile t has landed for every thread; tile t-1 is consumed
@@ -1414,7 +1458,8 @@ int launch_kernel(const PagedAttentionParams& p, cudaStream_t stream) {
   if constexpr (DECODE) {
     const int early = env_int("PAGEDCORE_DECODE_EARLY_META", FP8 ? 0 : 1);
     const int flags = (early == 0 ? 0 : (early == 2 ? kEarlyMeta | kEarlyPrefetch : kEarlyMeta)) |
-                      (env_int("PAGEDCORE_DECODE_MERGE", 1) != 0 ? kOnePassMerge : 0);
+                      (env_int("PAGEDCORE_DECODE_MERGE", 1) != 0 ? kOnePassMerge : 0) |
+                      (env_int("PAGEDCORE_DECODE_TMA_SPREAD", 0) != 0 ? kTmaSpread : 0);
     const int64_t ctas = static_cast<int64_t>(p.num_kv_heads) * p.num_decode * p.decode_splits;
     const bool deep = ctas <= env_int("PAGEDCORE_DECODE_DEEP_CTAS", multiprocessor_count());
     const bool fast = FP8 && env_int("PAGEDCORE_FP8_FAST_CVT", 1) != 0;
