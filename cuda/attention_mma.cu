@@ -131,12 +131,15 @@ constexpr int kEarlyPrefetch = 2;
 // kOnePassMerge (the default; PAGEDCORE_DECODE_MERGE=0 turns it off): a split
 // row's last CTA merges by merge::count_and_merge_decode.
 constexpr int kOnePassMerge = 4;
-// kTmaSpread (TMA tiles; PAGEDCORE_DECODE_TMA_SPREAD=1, a trial): a tile's
-// boxes issued by the four warps (lane j of warp w: block 4 j + w), not by
-// warp 0 alone, whose serial issue (a box an instruction, ~16 a tile at block
-// size 16) made the other warps wait for it at each tile's barrier (ncu: 23% of
-// the stall samples at that barrier); warp 0's lane 0 arms the stage's
-// mbarrier with the tile's bytes before the barrier the issue follows.
+// kTmaSpread (TMA tiles; the default, PAGEDCORE_DECODE_TMA_SPREAD=0 turns it
+// off): a tile's boxes issued by the four warps (lane j of warp w: block 4 j +
+// w), not by warp 0 alone, whose serial issue (a box an instruction, ~16 a tile
+// at block size 16) made the other warps wait for it at each tile's barrier
+// (ncu at af338c9, fp8 B=64 L=4k: 23% of the stall samples at that barrier);
+// warp 0's lane 0 arms the stage's mbarrier with the tile's bytes before the
+// barrier the issue follows. NOTE: measured on the H200 (decode_variants.py at
+// f9d4d41, one alternating run, us, warp 0 -> every warp): fp8 B=64 L=4k 143.9
+// -> 141.8, B=512 L=4k one kv head 143.2 -> 138.9.
 constexpr int kTmaSpread = 16;
 // NOTE: TMA tiles: a refill of the stage the last tile freed before the wait
 // for the next tile (not after it; 73c4263, both kernels) measured 145.8 / 142.2
@@ -1300,6 +1303,7 @@ bool encode_decode_maps(const PagedAttentionParams& p, DecodeMaps<true>& maps, i
 //   PAGEDCORE_DECODE_TMA  fp8 128-key tiles with keys in M at head dim 128: K
 //     and V by bulk tensor copies, one per cache block (the kernel's TMA), on
 //     Hopper at block sizes 8..128 (powers of two). Default; =0: by cp.async.
+//     PAGEDCORE_DECODE_TMA_SPREAD=0: the boxes issued by warp 0 alone (kTmaSpread).
 //     NOTE: measured on the H200 (decode_variants.py, us, cp.async -> TMA): at
 //     c4367ca fp8 B=64 L=4k 153.6 -> 147.1, at 5064502 152.9 -> 146.4 (0.60x of
 //     bf16's 246.0); fp8 B=64 L=1k, SmolLM2 fp8, the deep launches within 0.2.
@@ -1459,7 +1463,7 @@ int launch_kernel(const PagedAttentionParams& p, cudaStream_t stream) {
     const int early = env_int("PAGEDCORE_DECODE_EARLY_META", FP8 ? 0 : 1);
     const int flags = (early == 0 ? 0 : (early == 2 ? kEarlyMeta | kEarlyPrefetch : kEarlyMeta)) |
                       (env_int("PAGEDCORE_DECODE_MERGE", 1) != 0 ? kOnePassMerge : 0) |
-                      (env_int("PAGEDCORE_DECODE_TMA_SPREAD", 0) != 0 ? kTmaSpread : 0);
+                      (env_int("PAGEDCORE_DECODE_TMA_SPREAD", 1) != 0 ? kTmaSpread : 0);
     const int64_t ctas = static_cast<int64_t>(p.num_kv_heads) * p.num_decode * p.decode_splits;
     const bool deep = ctas <= env_int("PAGEDCORE_DECODE_DEEP_CTAS", multiprocessor_count());
     const bool fast = FP8 && env_int("PAGEDCORE_FP8_FAST_CVT", 1) != 0;
