@@ -203,11 +203,12 @@ def decode_case(batch: int, ctx: int, heads: int, kv_heads: int, head_dim: int, 
 
 
 def after_cache_write_case(batch: int, ctx: int, heads: int = 32, kv_heads: int = 8, head_dim: int = 128,
-                           block_size: int = 16) -> tuple[float, float]:
+                           block_size: int = 16) -> tuple[float, float, float]:
     """A decode step's attention as the model launches it: behind the rotary kernel that
     writes the step's keys and values into the cache (both with PDL). Returns the graph
     times of rotary + attention and of the rotary alone (us): their difference is what
-    the attention adds to a layer."""
+    the attention adds to a layer; and the attention's relative error against SDPA on the
+    last replay's queries and cache (each replay rotates q and k in place again)."""
     dtype = torch.bfloat16
     g = torch.Generator(device="cuda").manual_seed(3)
     blocks_per_seq = -(-ctx // block_size)
@@ -238,7 +239,12 @@ def after_cache_write_case(batch: int, ctx: int, heads: int = 32, kv_heads: int 
         rotary()
         ops.paged_attention(q, kc, vc, tables, seq_lens, qsl, scale=head_dim**-0.5, out=out, plan=plan)
 
-    return time_graph(both), time_graph(rotary)
+    pair_us = time_graph(both)
+    k_all, v_all = contiguous_kv(kc, vc, tables, ctx, dtype)
+    ref = F.scaled_dot_product_attention(q.reshape(batch, heads, 1, head_dim), k_all, v_all, enable_gqa=True,
+                                         scale=head_dim**-0.5)
+    err = (out.float().view_as(ref) - ref.float()).norm() / ref.float().norm()
+    return pair_us, time_graph(rotary), float(err)
 
 
 def multi_query_case(batch: int, queries: int, ctx: int, heads: int, kv_heads: int, head_dim: int) -> tuple:
@@ -522,9 +528,9 @@ def run(args) -> None:
     rows.append(("decode SmolLM2 B=64 L=1k (9/3, d64)", ours, theirs, nbytes / ours / 1e3, err))
     # The batch-1 attention as a layer runs it: behind the rotary's cache write (PDL).
     for ctx in (256, 4096):
-        pair_us, rotary_us = after_cache_write_case(1, ctx)
+        pair_us, rotary_us, err = after_cache_write_case(1, ctx)
         rows.append((f"decode B=1 L={ctx} bs=16 behind the rotary's cache write (rotary alone {rotary_us:.1f} us)",
-                     pair_us - rotary_us, None, 2 * ctx * 8 * 128 * 2 / (pair_us - rotary_us) / 1e3, 0.0))
+                     pair_us - rotary_us, None, 2 * ctx * 8 * 128 * 2 / (pair_us - rotary_us) / 1e3, err))
     # A batch-1 decode step early in a generation, under the decode graphs' plan (max_model_len 8192).
     for name, shape in (("8B", (32, 8, 128)), ("SmolLM2", (9, 3, 64))):
         label = f"decode {name} B=1 L=160, graph plan (max 8192)"
