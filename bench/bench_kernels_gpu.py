@@ -162,18 +162,26 @@ def contiguous_kv(kc, vc, tables, ctx: int, dtype: torch.dtype):
                  for c in (kc, vc))
 
 
-def decode_case(batch: int, ctx: int, heads: int, kv_heads: int, head_dim: int, block_size: int,
-                fp8: bool = False, graph_plan_len: int = 0, label: str = ""):
-    dtype = torch.bfloat16
-    g = torch.Generator(device="cuda").manual_seed(0)
+def random_paged_cache(batch: int, ctx: int, kv_heads: int, head_dim: int, block_size: int,
+                       dtype: torch.dtype, g: torch.Generator):
+    """Random K and V caches [blocks, block_size, kv heads, head dim] (block 0 unused) and
+    `batch` rows' block tables over shuffled blocks, for rows of `ctx` keys."""
     blocks_per_seq = -(-ctx // block_size)
     num_blocks = batch * blocks_per_seq + 1
     kc = torch.randn((num_blocks, block_size, kv_heads, head_dim), generator=g, device="cuda", dtype=dtype)
     vc = torch.randn_like(kc)
+    tables = (torch.randperm(num_blocks - 1, generator=g, device="cuda").to(torch.int32) + 1)[
+        : batch * blocks_per_seq].view(batch, blocks_per_seq).contiguous()
+    return kc, vc, tables
+
+
+def decode_case(batch: int, ctx: int, heads: int, kv_heads: int, head_dim: int, block_size: int,
+                fp8: bool = False, graph_plan_len: int = 0, label: str = ""):
+    dtype = torch.bfloat16
+    g = torch.Generator(device="cuda").manual_seed(0)
+    kc, vc, tables = random_paged_cache(batch, ctx, kv_heads, head_dim, block_size, dtype, g)
     if fp8:  # the cache in e4m3 (scale 1); the peer reads the same values in bf16
         kc, vc = kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn)
-    perm = torch.randperm(num_blocks - 1, generator=g, device="cuda").to(torch.int32) + 1
-    tables = perm[: batch * blocks_per_seq].view(batch, blocks_per_seq).contiguous()
     q = torch.randn((batch, heads, head_dim), generator=g, device="cuda", dtype=dtype)
     seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
     qsl_np = np.arange(batch + 1, dtype=np.int32)
@@ -211,12 +219,7 @@ def after_cache_write_case(batch: int, ctx: int, heads: int = 32, kv_heads: int 
     last replay's queries and cache (each replay rotates q and k in place again)."""
     dtype = torch.bfloat16
     g = torch.Generator(device="cuda").manual_seed(3)
-    blocks_per_seq = -(-ctx // block_size)
-    num_blocks = batch * blocks_per_seq + 1
-    kc = torch.randn((num_blocks, block_size, kv_heads, head_dim), generator=g, device="cuda", dtype=dtype)
-    vc = torch.randn_like(kc)
-    tables = (torch.randperm(num_blocks - 1, generator=g, device="cuda").to(torch.int32) + 1)[
-        : batch * blocks_per_seq].view(batch, blocks_per_seq).contiguous()
+    kc, vc, tables = random_paged_cache(batch, ctx, kv_heads, head_dim, block_size, dtype, g)
     qkv = torch.randn((batch, (heads + 2 * kv_heads) * head_dim), generator=g, device="cuda", dtype=dtype)
     q = qkv[:, : heads * head_dim].view(batch, heads, head_dim)
     k = qkv[:, heads * head_dim: (heads + kv_heads) * head_dim].view(batch, kv_heads, head_dim)
@@ -252,12 +255,7 @@ def multi_query_case(batch: int, queries: int, ctx: int, heads: int, kv_heads: i
     the prefill kernel's on the same rows (the plan without the decode path)."""
     dtype, block_size = torch.bfloat16, 16
     g = torch.Generator(device="cuda").manual_seed(2)
-    blocks_per_seq = -(-ctx // block_size)
-    num_blocks = batch * blocks_per_seq + 1
-    kc = torch.randn((num_blocks, block_size, kv_heads, head_dim), generator=g, device="cuda", dtype=dtype)
-    vc = torch.randn_like(kc)
-    tables = (torch.randperm(num_blocks - 1, generator=g, device="cuda").to(torch.int32) + 1)[
-        : batch * blocks_per_seq].view(batch, blocks_per_seq).contiguous()
+    kc, vc, tables = random_paged_cache(batch, ctx, kv_heads, head_dim, block_size, dtype, g)
     q = torch.randn((batch * queries, heads, head_dim), generator=g, device="cuda", dtype=dtype)
     seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
     qsl_np = np.arange(batch + 1, dtype=np.int32) * queries
