@@ -575,21 +575,6 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
 
     // TMA: tile t's blocks by warp 0 (the caller), lane j block j (those holding
     // keys of the chunk), lane 0 arming the stage's mbarrier with their K and V bytes.
-    // kTmaSpread: tile t's blocks by every warp, the stage armed before.
-    auto tma_spread = [&](int t) {
-      const int j = lane * kWarps + warp;
-      const int kb = c0 + t * KT + j * bs;  // (c0: a block boundary)
-      if (lane == 0) tma_fence_proxy();
-      __syncwarp();
-      if constexpr (TMA) {
-        if (j * bs < KT && kb < c1) {
-          const uint32_t dst = smem_addr(stages + (t % kStages) * 2 * KT * SROW) + j * bs * SROW;
-          const int block = s_table[(bs_shift >= 0 ? kb >> bs_shift : kb / bs) - b0];
-          tma_load_box(dst, &maps.k, 0, kv_head, 0, block, tma_bars + 8 * (t % kStages));
-          tma_load_box(dst + KT * SROW, &maps.v, 0, kv_head, 0, block, tma_bars + 8 * (t % kStages));
-        }
-      }
-    };
     auto tma_tile = [&](int t) {
       const int kb = c0 + t * KT + lane * bs;  // (c0: a block boundary)
       const bool load = lane * bs < KT && kb < c1;
@@ -606,6 +591,22 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
           const int block = s_table[(bs_shift >= 0 ? kb >> bs_shift : kb / bs) - b0];
           tma_load_box(dst, &maps.k, 0, kv_head, 0, block, bar);
           tma_load_box(dst + KT * SROW, &maps.v, 0, kv_head, 0, block, bar);
+        }
+      }
+    };
+    // kTmaSpread: tile t's blocks by every warp (lane j of warp w: block 4 j +
+    // w), the stage armed before.
+    auto tma_spread = [&](int t) {
+      const int j = lane * kWarps + warp;
+      const int kb = c0 + t * KT + j * bs;  // (c0: a block boundary)
+      if (lane == 0) tma_fence_proxy();
+      __syncwarp();
+      if constexpr (TMA) {
+        if (j * bs < KT && kb < c1) {
+          const uint32_t dst = smem_addr(stages + (t % kStages) * 2 * KT * SROW) + j * bs * SROW;
+          const int block = s_table[(bs_shift >= 0 ? kb >> bs_shift : kb / bs) - b0];
+          tma_load_box(dst, &maps.k, 0, kv_head, 0, block, tma_bars + 8 * (t % kStages));
+          tma_load_box(dst + KT * SROW, &maps.v, 0, kv_head, 0, block, tma_bars + 8 * (t % kStages));
         }
       }
     };
