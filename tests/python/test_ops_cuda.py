@@ -180,7 +180,8 @@ def test_decode_rows_shorter_than_the_graph_plan(monkeypatch, dtype, window, fp8
 ], ids=["shallow", "deep", "fp8-cvt", "early-off-narrow-fp8", "early-meta-fp8-deep", "early-l2", "two-an-sm",
         "padded", "padded-deep", "narrow-d64", "fp8-int", "fp8-all-cvt-wide", "keys-in-m", "keys-in-m-deep",
         "keys-in-m-padded", "keys-in-m-fp8-all-cvt", "keys-in-m-fp8-int",
-        "keys-in-m-off", "tma-off", "tma-l2-256", "tma-warp0-issue", "fp8-wgmma", "two-pass-merge", "two-pass-merge-shallow"])
+        "keys-in-m-off", "tma-off", "tma-l2-256", "tma-warp0-issue", "fp8-wgmma", "two-pass-merge",
+        "two-pass-merge-shallow"])
 def test_decode_kernel_variants(monkeypatch, env):
     # The decode kernel's pipelines (three tiles in flight, or five for launches of few
     # CTAs), fp8 widenings (integer operations, or the cvt unit), the lengths and first
