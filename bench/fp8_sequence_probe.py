@@ -5,6 +5,10 @@ us, after the bench's whole sequence 147)? Each group of earlier cases runs in a
 process, then the fp8 case four times, alternating the TMA boxes' L2 promotion (128 bytes,
 the default, and 256), with the process's CUDA memory beside it.
 
+Found in the twenty-fourth session (bench/RESULTS.md): only the first measurement after the
+4-query rows (multi_query_case) is slow, 154.7-157.4 us, and the ones after it are not: a
+transient of the GPU, so bench_kernels_gpu.time_graph now warms each graph ~50 ms first.
+
 Usage (on the GPU machine, pagedcore built): python3 bench/fp8_sequence_probe.py [group ...]
 """
 
