@@ -113,7 +113,7 @@ __host__ __device__ constexpr size_t smem_bytes() {
 // after them.
 template <typename CT, int HD, int STAGES, int KT>
 __host__ __device__ constexpr size_t tma_smem_bytes() {
-  return smem_bytes<CT, HD, STAGES, KT, 0>() + 1024 + 8 * STAGES;
+  return smem_bytes<CT, HD, STAGES, KT, 0>() + 1024 + 2 * 8 * STAGES;  // (full and empty mbarriers)
 }
 
 // Decode CTAs' warps: four, each a quarter of a tile's keys.
@@ -141,6 +141,15 @@ constexpr int kOnePassMerge = 4;
 // f9d4d41, one alternating run, us, warp 0 -> every warp): fp8 B=64 L=4k 143.9
 // -> 141.8, B=512 L=4k one kv head 143.2 -> 138.9.
 constexpr int kTmaSpread = 16;
+// The kernel's TMA: 0 (cp.async), 1 (the boxes issued by the computing warps,
+// every tile behind a barrier of the CTA) or kTmaProducer (a trial,
+// PAGEDCORE_DECODE_TMA_PRODUCER=1): a fifth warp issues every tile's boxes,
+// each stage freed by an empty mbarrier that the four computing warps arrive on
+// once they have read it, so that the computing warps never wait for each
+// other within a chunk and all kStages tiles are in flight (not kStages - 1).
+// Two CTAs an SM of five warps (__launch_bounds__) put three warps on some
+// scheduler: 168 registers a thread at most, where the four-warp kernel takes ~200.
+constexpr int kTmaProducer = 2;
 // NOTE: TMA tiles: a refill of the stage the last tile freed before the wait
 // for the next tile (not after it; 73c4263, both kernels) measured 145.8 / 142.2
 // against 146.1 / 140.4 us at fp8 B=64 L=4k (L2 promotion 256 / 128): deleted.
@@ -193,6 +202,11 @@ __device__ __forceinline__ void tma_load_box(uint32_t dst, const CUtensorMap* ma
                                              uint32_t bar) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   wgmma::tma_load_4d(dst, map, c0, c1, c2, c3, bar);
+#endif
+}
+__device__ __forceinline__ void tma_arrive(uint32_t bar) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  wgmma::mbar_arrive(bar);
 #endif
 }
 __device__ __forceinline__ void tma_fence_proxy() {
@@ -314,11 +328,13 @@ constexpr int kCvtIntK = 1, kCvtIntV = 2, kCvtInt = kCvtIntK | kCvtIntV;
 // make every byte finite, so that P = 0 times them is 0. Rows past the
 // range's last block are left as they were (stale bytes, masked alike).
 template <typename T, typename CT, int HD, bool DECODE, int STAGES, int CVT, int KT = kTileKeys, int PAD = 16,
-          bool KM = false, bool TMA = false>
-__global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarps)
-    mma_attention_kernel(PagedAttentionParams p, int flags, const __grid_constant__ DecodeMaps<TMA> maps) {
-  constexpr int kWarps = DECODE ? kDecodeWarps : kPrefillWarps;
-  constexpr int kThreads = 32 * kWarps;
+          bool KM = false, int TMA = 0>
+__global__ void __launch_bounds__(DECODE ? 32 * (kDecodeWarps + (TMA == kTmaProducer ? 1 : 0)) : 32 * kPrefillWarps,
+                                  TMA == kTmaProducer ? 2 : 0)  // (0: no minimum, as without it)
+    mma_attention_kernel(PagedAttentionParams p, int flags, const __grid_constant__ DecodeMaps<TMA != 0> maps) {
+  constexpr int kWarps = DECODE ? kDecodeWarps : kPrefillWarps;  // (the warps that compute)
+  constexpr bool kProducer = TMA == kTmaProducer;
+  constexpr int kThreads = 32 * (kWarps + (kProducer ? 1 : 0));
   constexpr int THREADS = kThreads;
   constexpr bool FP8 = std::is_same_v<CT, uint8_t>;
   using MT = std::conditional_t<FP8, __half, T>;
@@ -350,14 +366,23 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
   // its next wait expects.
   const uint32_t tma_bars = smem_addr(stages + kStages * 2 * KT * SROW);
   uint32_t tma_phase = 0;
+  // kProducer: stage s's empty mbarrier (after the full ones; the four
+  // computing warps arrive once they have read the stage); bit s of
+  // empty_phase, the parity of the producer's next wait on it.
+  const uint32_t empty_bars = tma_bars + 8 * kStages;
+  uint32_t empty_phase = 0;
+  const bool producer_warp = kProducer && static_cast<int>(threadIdx.x) / 32 == kWarps;
   if constexpr (TMA) {
     if (threadIdx.x == 0) {
       for (int s = 0; s < kStages; ++s) tma_mbar_init(tma_bars + 8 * s, 1);
+      if constexpr (kProducer) {
+        for (int s = 0; s < kStages; ++s) tma_mbar_init(empty_bars + 8 * s, kWarps);
+      }
     }
     // (the chunk loop's first __syncthreads orders the inits before any use)
   }
   const bool early = DECODE && (flags & kEarlyMeta) != 0;
-  const bool spread = TMA && (flags & kTmaSpread) != 0;
+  const bool spread = TMA == 1 && (flags & kTmaSpread) != 0;
   if (!early) pdl_wait();  // (the queries and this step's keys come from the kernel before)
   pdl_launch_dependents();
 
@@ -516,7 +541,8 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
   // The copies' shape and each thread's fixed part of them (load_tile below).
   constexpr int kTpr = CHUNKS >= 8 ? 8 : (CHUNKS >= 4 ? 4 : (CHUNKS >= 2 ? 2 : 1));  // threads a key row
   constexpr int kCopyPer = (CHUNKS + kTpr - 1) / kTpr;                               // copies a thread a row
-  constexpr int kCopyRows = THREADS / kTpr < KT ? THREADS / kTpr : KT;               // key rows a pass
+  constexpr int kCopyThreads = 32 * kWarps;                                          // (cp.async: no producer)
+  constexpr int kCopyRows = kCopyThreads / kTpr < KT ? kCopyThreads / kTpr : KT;     // key rows a pass
   static_assert(KT % kCopyRows == 0 && kCopyRows % 8 == 0, "copy shape");
   const int copy_row = threadIdx.x / kTpr % kCopyRows;
   const int copy_chunk = threadIdx.x % kTpr;
@@ -611,9 +637,29 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
       }
     };
 
+    if constexpr (kProducer) {
+      if (producer_warp) {
+        // Every tile of the chunk, each into a stage the computing warps have
+        // read (its tile kStages before, the empty mbarrier's phase); the
+        // chunk's first kStages tiles into stages the barrier above freed.
+        for (int t = 0; t < n_tiles; ++t) {
+          const int st = t % kStages;
+          if (t >= kStages) {
+            tma_wait(empty_bars + 8 * st, (empty_phase >> st) & 1u);
+            empty_phase ^= 1u << st;
+          }
+          tma_tile(t);
+        }
+        // The chunk's last tiles' reads complete phases not waited for here
+        // (the next chunk's first barrier orders them).
+        for (int t = max(0, n_tiles - kStages); t < n_tiles; ++t) empty_phase ^= 1u << (t % kStages);
+      }
+    }
 #pragma unroll
     for (int t = 0; t < kStages - 1; ++t) {
-      if constexpr (TMA) {
+      if constexpr (kProducer) {
+        break;  // (the producer warp issues them)
+      } else if constexpr (TMA) {
         if (spread) {
           if (t < n_tiles) tma_spread(t);
         } else if (warp == 0 && t < n_tiles) {
@@ -624,8 +670,12 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
         cp_async_commit();
       }
     }
-    for (int t = 0; t < n_tiles; ++t) {
-      if constexpr (TMA) {
+    for (int t = 0; t < (producer_warp ? 0 : n_tiles); ++t) {
+      if constexpr (kProducer) {
+        const int st = t % kStages;
+        tma_wait(tma_bars + 8 * st, (tma_phase >> st) & 1u);
+        tma_phase ^= 1u << st;
+      } else if constexpr (TMA) {
         const int st = t % kStages;
         tma_wait(tma_bars + 8 * st, (tma_phase >> st) & 1u);
         tma_phase ^= 1u << st;
@@ -956,6 +1006,10 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
           }
         }
       }
+      if constexpr (kProducer) {
+        __syncwarp();  // (every lane's reads of the stage are done)
+        if (lane == 0) tma_arrive(empty_bars + 8 * (t % kStages));
+      }
     }
     if constexpr (!TMA) cp_async_wait<0>();  // (TMA: every tile issued was awaited)
     c0 = c1;
@@ -988,7 +1042,9 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
                   "merge space");
     static_assert(smem_bytes<CT, HD, STAGES, KT, PAD>() - kTable * 4 >= merge::kScratchFloats * 4, "split merge space");
     __syncthreads();
-    if constexpr (KM) {
+    if (producer_warp) {
+      // (no share of the keys)
+    } else if constexpr (KM) {
       // acc[nt * HD / 16 + t][i]: vector 8 nt + 2 qd + i % 2, head dim 16 t + lane / 4
       // + 8 (i / 2) (fp8: 16 t + 2 (lane / 4) + i / 2).
 #pragma unroll
@@ -1127,9 +1183,9 @@ int env_int(const char* name, int fallback) {
 }
 
 template <typename T, typename CT, int HD, bool DECODE, int STAGES, int CVT, int KT = kTileKeys, int PAD = 16,
-          bool KM = false, bool TMA = false>
+          bool KM = false, int TMA = 0>
 int launch_variant(const PagedAttentionParams& p, cudaStream_t stream, int flags = 0,
-                   const DecodeMaps<TMA>& maps = DecodeMaps<TMA>{}) {
+                   const DecodeMaps<TMA != 0>& maps = DecodeMaps<TMA != 0>{}) {
   if constexpr (DECODE && PAD == 16 && HD == 128 && sizeof(CT) == 2) {
     // Decode stages swizzled rows at head dim 128 over a 16-bit cache (the
     // layouts: above can_swizzle); PAGEDCORE_ATTN_PAD=16 (read per launch;
@@ -1144,7 +1200,7 @@ int launch_variant(const PagedAttentionParams& p, cudaStream_t stream, int flags
     }
   }
   constexpr size_t smem = TMA ? tma_smem_bytes<CT, HD, STAGES, KT>() : smem_bytes<CT, HD, STAGES, KT, PAD>();
-  constexpr int threads = DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarps;
+  constexpr int threads = DECODE ? 32 * (kDecodeWarps + (TMA == kTmaProducer ? 1 : 0)) : 32 * kPrefillWarps;
   auto* kernel = mma_attention_kernel<T, CT, HD, DECODE, STAGES, CVT, KT, PAD, KM, TMA>;
   static bool configured = false;  // NOTE: per instantiation; raising the limit is idempotent
   if (!configured) {
@@ -1417,7 +1473,10 @@ int launch_decode(const PagedAttentionParams& p, cudaStream_t stream, int flags,
           if (tma != 0) {
             DecodeMaps<true> maps;
             if (mix == 1 && decode_tma_serves(p) && encode_decode_maps<HD>(p, maps, 128)) {
-              return launch_variant<T, CT, HD, true, 3, kCvtIntV, 128, 0, true, true>(p, stream, flags, maps);
+              if (env_int("PAGEDCORE_DECODE_TMA_PRODUCER", 0) != 0) {
+                return launch_variant<T, CT, HD, true, 3, kCvtIntV, 128, 0, true, kTmaProducer>(p, stream, flags, maps);
+              }
+              return launch_variant<T, CT, HD, true, 3, kCvtIntV, 128, 0, true, 1>(p, stream, flags, maps);
             }
             if (tma == 2) return cudaErrorNotSupported;
           }
