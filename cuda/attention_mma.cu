@@ -150,6 +150,12 @@ constexpr int kTmaSpread = 16;
 // Two CTAs an SM of five warps (__launch_bounds__) put three warps on some
 // scheduler: 168 registers a thread at most, where the four-warp kernel takes ~200.
 constexpr int kTmaProducer = 2;
+// kTmaSkew (a trial, PAGEDCORE_DECODE_TMA_SKEW=1): the four warps issue the
+// boxes as with kTmaSpread, but without each tile's barrier: a warp arrives on
+// the stage's empty mbarrier once it has read the tile, and refills the stage
+// of the tile before (once every warp arrived there) after its own compute of
+// this one, so that the warps may drift apart by a tile.
+constexpr int kTmaSkew = 3;
 // NOTE: TMA tiles: a refill of the stage the last tile freed before the wait
 // for the next tile (not after it; 73c4263, both kernels) measured 145.8 / 142.2
 // against 146.1 / 140.4 us at fp8 B=64 L=4k (L2 promotion 256 / 128): deleted.
@@ -372,17 +378,18 @@ __global__ void __launch_bounds__(DECODE ? 32 * (kDecodeWarps + (TMA == kTmaProd
   const uint32_t empty_bars = tma_bars + 8 * kStages;
   uint32_t empty_phase = 0;
   const bool producer_warp = kProducer && static_cast<int>(threadIdx.x) / 32 == kWarps;
+  constexpr bool kSkew = TMA == kTmaSkew;
   if constexpr (TMA) {
     if (threadIdx.x == 0) {
       for (int s = 0; s < kStages; ++s) tma_mbar_init(tma_bars + 8 * s, 1);
-      if constexpr (kProducer) {
+      if constexpr (kProducer || kSkew) {
         for (int s = 0; s < kStages; ++s) tma_mbar_init(empty_bars + 8 * s, kWarps);
       }
     }
     // (the chunk loop's first __syncthreads orders the inits before any use)
   }
   const bool early = DECODE && (flags & kEarlyMeta) != 0;
-  const bool spread = TMA == 1 && (flags & kTmaSpread) != 0;
+  const bool spread = (TMA == 1 && (flags & kTmaSpread) != 0) || kSkew;
   if (!early) pdl_wait();  // (the queries and this step's keys come from the kernel before)
   pdl_launch_dependents();
 
@@ -675,6 +682,15 @@ __global__ void __launch_bounds__(DECODE ? 32 * (kDecodeWarps + (TMA == kTmaProd
         const int st = t % kStages;
         tma_wait(tma_bars + 8 * st, (tma_phase >> st) & 1u);
         tma_phase ^= 1u << st;
+      } else if constexpr (kSkew) {
+        const int st = t % kStages;
+        tma_wait(tma_bars + 8 * st, (tma_phase >> st) & 1u);
+        tma_phase ^= 1u << st;
+        // (tile t + kStages - 1's stage held tile t - 1, whose phase this
+        // thread has waited for: armed now, filled after this tile)
+        if (t + kStages - 1 < n_tiles && threadIdx.x == 0) {
+          tma_expect_bytes(tma_bars + 8 * ((t + kStages - 1) % kStages), tma_bytes(t + kStages - 1));
+        }
       } else if constexpr (TMA) {
         const int st = t % kStages;
         tma_wait(tma_bars + 8 * st, (tma_phase >> st) & 1u);
@@ -1006,9 +1022,20 @@ __global__ void __launch_bounds__(DECODE ? 32 * (kDecodeWarps + (TMA == kTmaProd
           }
         }
       }
-      if constexpr (kProducer) {
+      if constexpr (kProducer || kSkew) {
         __syncwarp();  // (every lane's reads of the stage are done)
         if (lane == 0) tma_arrive(empty_bars + 8 * (t % kStages));
+      }
+      if constexpr (kSkew) {
+        // Bit s of empty_phase: the parity of stage s's next empty phase.
+        empty_phase ^= 1u << (t % kStages);
+        if (t + kStages - 1 < n_tiles) {
+          if (t >= 1) {  // (tile t - 1's phase: its bit was toggled once since)
+            const int sp = (t - 1) % kStages;
+            tma_wait(empty_bars + 8 * sp, ((empty_phase >> sp) & 1u) ^ 1u);
+          }
+          tma_spread(t + kStages - 1);
+        }
       }
     }
     if constexpr (!TMA) cp_async_wait<0>();  // (TMA: every tile issued was awaited)
@@ -1475,6 +1502,9 @@ int launch_decode(const PagedAttentionParams& p, cudaStream_t stream, int flags,
             if (mix == 1 && decode_tma_serves(p) && encode_decode_maps<HD>(p, maps, 128)) {
               if (env_int("PAGEDCORE_DECODE_TMA_PRODUCER", 0) != 0) {
                 return launch_variant<T, CT, HD, true, 3, kCvtIntV, 128, 0, true, kTmaProducer>(p, stream, flags, maps);
+              }
+              if (env_int("PAGEDCORE_DECODE_TMA_SKEW", 0) != 0) {
+                return launch_variant<T, CT, HD, true, 3, kCvtIntV, 128, 0, true, kTmaSkew>(p, stream, flags, maps);
               }
               return launch_variant<T, CT, HD, true, 3, kCvtIntV, 128, 0, true, 1>(p, stream, flags, maps);
             }
