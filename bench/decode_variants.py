@@ -28,11 +28,11 @@ share one set of tensors, and their graphs are replayed in turn, five rounds.
                               cp.async (0)
   PAGEDCORE_DECODE_TMA_L2     those TMA boxes' L2 promotion in bytes (128, default; 0, 64,
                               256; the wgmma kernel's default 256)
-  PAGEDCORE_DECODE_TMA_SPREAD those TMA boxes issued by every warp (1, default) or by warp 0 (0)
-  PAGEDCORE_DECODE_TMA_PRODUCER those TMA boxes issued by a fifth warp, each stage freed by an
-                              mbarrier once the four computing warps read it (1; a trial)
-  PAGEDCORE_DECODE_TMA_SKEW   those TMA boxes issued by every warp without each tile's barrier,
-                              a stage refilled once every warp has read it (1; a trial)
+  PAGEDCORE_DECODE_TMA_SPREAD those TMA boxes issued by every warp (1, default) or by warp 0 (0;
+                              behind each tile's barrier)
+  PAGEDCORE_DECODE_TMA_SKEW   every warp's boxes without each tile's barrier, a stage refilled
+                              once every warp arrived on its empty mbarrier (1, default), or
+                              behind each tile's barrier (0)
   PAGEDCORE_ATTN_PAD          staged K/V rows swizzled (0, default over 16-bit caches at head
                               dim 128: each 32-byte sector of the cache lands whole in shared
                               memory) or padded by 16 bytes (16, as elsewhere but head dim
@@ -84,8 +84,7 @@ VARIANTS = (
     ("tma L2 none", {"PAGEDCORE_DECODE_TMA_L2": "0"}),
     ("tma L2 256B", {"PAGEDCORE_DECODE_TMA_L2": "256"}),
     ("tma warp 0 issue", {"PAGEDCORE_DECODE_TMA_SPREAD": "0"}),
-    ("tma producer", {"PAGEDCORE_DECODE_TMA_PRODUCER": "1"}),
-    ("tma skew", {"PAGEDCORE_DECODE_TMA_SKEW": "1"}),
+    ("tma tile barrier", {"PAGEDCORE_DECODE_TMA_SKEW": "0"}),
 )
 # (name, batch, keys, heads, kv heads, head dim, fp8, graph plan length or 0)
 CASES = (

@@ -141,21 +141,23 @@ constexpr int kOnePassMerge = 4;
 // f9d4d41, one alternating run, us, warp 0 -> every warp): fp8 B=64 L=4k 143.9
 // -> 141.8, B=512 L=4k one kv head 143.2 -> 138.9.
 constexpr int kTmaSpread = 16;
-// The kernel's TMA: 0 (cp.async), 1 (the boxes issued by the computing warps,
-// every tile behind a barrier of the CTA) or kTmaProducer (a trial,
-// PAGEDCORE_DECODE_TMA_PRODUCER=1): a fifth warp issues every tile's boxes,
-// each stage freed by an empty mbarrier that the four computing warps arrive on
-// once they have read it, so that the computing warps never wait for each
-// other within a chunk and all kStages tiles are in flight (not kStages - 1).
-// Two CTAs an SM of five warps (__launch_bounds__) put three warps on some
-// scheduler: 168 registers a thread at most, where the four-warp kernel takes ~200.
-constexpr int kTmaProducer = 2;
-// kTmaSkew (a trial, PAGEDCORE_DECODE_TMA_SKEW=1): the four warps issue the
-// boxes as with kTmaSpread, but without each tile's barrier: a warp arrives on
-// the stage's empty mbarrier once it has read the tile, and refills the stage
-// of the tile before (once every warp arrived there) after its own compute of
-// this one, so that the warps may drift apart by a tile.
-constexpr int kTmaSkew = 3;
+// The kernel's TMA: 0 (cp.async), 1 (the boxes issued by warp 0 or, with
+// kTmaSpread, by every warp, each tile behind a barrier of the CTA) or
+// kTmaSkew (the default; PAGEDCORE_DECODE_TMA_SKEW=0 for 1): the four warps
+// issue the boxes as with kTmaSpread, but no barrier orders the tiles: a warp
+// arrives on the stage's empty mbarrier once it has read the tile, and after
+// its own compute of tile t refills the stage of tile t - 1 (waiting on its
+// empty mbarrier, which every warp has usually passed by then) with tile t +
+// kStages - 1, so that the warps may drift apart by a tile instead of meeting
+// at each tile. NOTE: measured on the H200 (decode_variants.py at c4f57cf, us,
+// barrier -> skew, two runs in one call): fp8 B=64 L=4k 141.8 -> 138.0 and
+// 142.0 -> 138.3, B=64 L=1k 46.2 -> 44.8, B=512 L=4k one kv head 138.4 ->
+// 136.7. Also measured there and deleted: a fifth (producer) warp issuing
+// every tile, the stages freed by the same empty mbarriers and all kStages
+// tiles in flight (9827bfd): 141.8 -> 142.2, 46.2 -> 47.2, 138.4 -> 139.8 —
+// two CTAs an SM of five warps put three warps on some scheduler, which caps
+// the registers at 168 (spilling) where the four-warp kernel takes ~205.
+constexpr int kTmaSkew = 2;
 // NOTE: TMA tiles: a refill of the stage the last tile freed before the wait
 // for the next tile (not after it; 73c4263, both kernels) measured 145.8 / 142.2
 // against 146.1 / 140.4 us at fp8 B=64 L=4k (L2 promotion 256 / 128): deleted.
@@ -335,12 +337,10 @@ constexpr int kCvtIntK = 1, kCvtIntV = 2, kCvtInt = kCvtIntK | kCvtIntV;
 // range's last block are left as they were (stale bytes, masked alike).
 template <typename T, typename CT, int HD, bool DECODE, int STAGES, int CVT, int KT = kTileKeys, int PAD = 16,
           bool KM = false, int TMA = 0>
-__global__ void __launch_bounds__(DECODE ? 32 * (kDecodeWarps + (TMA == kTmaProducer ? 1 : 0)) : 32 * kPrefillWarps,
-                                  TMA == kTmaProducer ? 2 : 0)  // (0: no minimum, as without it)
+__global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarps)
     mma_attention_kernel(PagedAttentionParams p, int flags, const __grid_constant__ DecodeMaps<TMA != 0> maps) {
-  constexpr int kWarps = DECODE ? kDecodeWarps : kPrefillWarps;  // (the warps that compute)
-  constexpr bool kProducer = TMA == kTmaProducer;
-  constexpr int kThreads = 32 * (kWarps + (kProducer ? 1 : 0));
+  constexpr int kWarps = DECODE ? kDecodeWarps : kPrefillWarps;
+  constexpr int kThreads = 32 * kWarps;
   constexpr int THREADS = kThreads;
   constexpr bool FP8 = std::is_same_v<CT, uint8_t>;
   using MT = std::conditional_t<FP8, __half, T>;
@@ -372,17 +372,16 @@ __global__ void __launch_bounds__(DECODE ? 32 * (kDecodeWarps + (TMA == kTmaProd
   // its next wait expects.
   const uint32_t tma_bars = smem_addr(stages + kStages * 2 * KT * SROW);
   uint32_t tma_phase = 0;
-  // kProducer: stage s's empty mbarrier (after the full ones; the four
-  // computing warps arrive once they have read the stage); bit s of
-  // empty_phase, the parity of the producer's next wait on it.
+  // kTmaSkew: stage s's empty mbarrier (after the full ones; each warp
+  // arrives once it has read the stage's tile); bit s of empty_phase, the
+  // parity of stage s's next empty phase.
+  constexpr bool kSkew = TMA == kTmaSkew;
   const uint32_t empty_bars = tma_bars + 8 * kStages;
   uint32_t empty_phase = 0;
-  const bool producer_warp = kProducer && static_cast<int>(threadIdx.x) / 32 == kWarps;
-  constexpr bool kSkew = TMA == kTmaSkew;
   if constexpr (TMA) {
     if (threadIdx.x == 0) {
       for (int s = 0; s < kStages; ++s) tma_mbar_init(tma_bars + 8 * s, 1);
-      if constexpr (kProducer || kSkew) {
+      if constexpr (kSkew) {
         for (int s = 0; s < kStages; ++s) tma_mbar_init(empty_bars + 8 * s, kWarps);
       }
     }
@@ -548,8 +547,7 @@ __global__ void __launch_bounds__(DECODE ? 32 * (kDecodeWarps + (TMA == kTmaProd
   // The copies' shape and each thread's fixed part of them (load_tile below).
   constexpr int kTpr = CHUNKS >= 8 ? 8 : (CHUNKS >= 4 ? 4 : (CHUNKS >= 2 ? 2 : 1));  // threads a key row
   constexpr int kCopyPer = (CHUNKS + kTpr - 1) / kTpr;                               // copies a thread a row
-  constexpr int kCopyThreads = 32 * kWarps;                                          // (cp.async: no producer)
-  constexpr int kCopyRows = kCopyThreads / kTpr < KT ? kCopyThreads / kTpr : KT;     // key rows a pass
+  constexpr int kCopyRows = THREADS / kTpr < KT ? THREADS / kTpr : KT;               // key rows a pass
   static_assert(KT % kCopyRows == 0 && kCopyRows % 8 == 0, "copy shape");
   const int copy_row = threadIdx.x / kTpr % kCopyRows;
   const int copy_chunk = threadIdx.x % kTpr;
@@ -644,29 +642,9 @@ __global__ void __launch_bounds__(DECODE ? 32 * (kDecodeWarps + (TMA == kTmaProd
       }
     };
 
-    if constexpr (kProducer) {
-      if (producer_warp) {
-        // Every tile of the chunk, each into a stage the computing warps have
-        // read (its tile kStages before, the empty mbarrier's phase); the
-        // chunk's first kStages tiles into stages the barrier above freed.
-        for (int t = 0; t < n_tiles; ++t) {
-          const int st = t % kStages;
-          if (t >= kStages) {
-            tma_wait(empty_bars + 8 * st, (empty_phase >> st) & 1u);
-            empty_phase ^= 1u << st;
-          }
-          tma_tile(t);
-        }
-        // The chunk's last tiles' reads complete phases not waited for here
-        // (the next chunk's first barrier orders them).
-        for (int t = max(0, n_tiles - kStages); t < n_tiles; ++t) empty_phase ^= 1u << (t % kStages);
-      }
-    }
 #pragma unroll
     for (int t = 0; t < kStages - 1; ++t) {
-      if constexpr (kProducer) {
-        break;  // (the producer warp issues them)
-      } else if constexpr (TMA) {
+      if constexpr (TMA) {
         if (spread) {
           if (t < n_tiles) tma_spread(t);
         } else if (warp == 0 && t < n_tiles) {
@@ -677,12 +655,8 @@ __global__ void __launch_bounds__(DECODE ? 32 * (kDecodeWarps + (TMA == kTmaProd
         cp_async_commit();
       }
     }
-    for (int t = 0; t < (producer_warp ? 0 : n_tiles); ++t) {
-      if constexpr (kProducer) {
-        const int st = t % kStages;
-        tma_wait(tma_bars + 8 * st, (tma_phase >> st) & 1u);
-        tma_phase ^= 1u << st;
-      } else if constexpr (kSkew) {
+    for (int t = 0; t < n_tiles; ++t) {
+      if constexpr (kSkew) {
         const int st = t % kStages;
         tma_wait(tma_bars + 8 * st, (tma_phase >> st) & 1u);
         tma_phase ^= 1u << st;
@@ -1022,12 +996,9 @@ __global__ void __launch_bounds__(DECODE ? 32 * (kDecodeWarps + (TMA == kTmaProd
           }
         }
       }
-      if constexpr (kProducer || kSkew) {
+      if constexpr (kSkew) {
         __syncwarp();  // (every lane's reads of the stage are done)
         if (lane == 0) tma_arrive(empty_bars + 8 * (t % kStages));
-      }
-      if constexpr (kSkew) {
-        // Bit s of empty_phase: the parity of stage s's next empty phase.
         empty_phase ^= 1u << (t % kStages);
         if (t + kStages - 1 < n_tiles) {
           if (t >= 1) {  // (tile t - 1's phase: its bit was toggled once since)
@@ -1069,9 +1040,7 @@ __global__ void __launch_bounds__(DECODE ? 32 * (kDecodeWarps + (TMA == kTmaProd
                   "merge space");
     static_assert(smem_bytes<CT, HD, STAGES, KT, PAD>() - kTable * 4 >= merge::kScratchFloats * 4, "split merge space");
     __syncthreads();
-    if (producer_warp) {
-      // (no share of the keys)
-    } else if constexpr (KM) {
+    if constexpr (KM) {
       // acc[nt * HD / 16 + t][i]: vector 8 nt + 2 qd + i % 2, head dim 16 t + lane / 4
       // + 8 (i / 2) (fp8: 16 t + 2 (lane / 4) + i / 2).
 #pragma unroll
@@ -1227,7 +1196,7 @@ int launch_variant(const PagedAttentionParams& p, cudaStream_t stream, int flags
     }
   }
   constexpr size_t smem = TMA ? tma_smem_bytes<CT, HD, STAGES, KT>() : smem_bytes<CT, HD, STAGES, KT, PAD>();
-  constexpr int threads = DECODE ? 32 * (kDecodeWarps + (TMA == kTmaProducer ? 1 : 0)) : 32 * kPrefillWarps;
+  constexpr int threads = DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarps;
   auto* kernel = mma_attention_kernel<T, CT, HD, DECODE, STAGES, CVT, KT, PAD, KM, TMA>;
   static bool configured = false;  // NOTE: per instantiation; raising the limit is idempotent
   if (!configured) {
@@ -1387,7 +1356,8 @@ bool encode_decode_maps(const PagedAttentionParams& p, DecodeMaps<true>& maps, i
 //   PAGEDCORE_DECODE_TMA  fp8 128-key tiles with keys in M at head dim 128: K
 //     and V by bulk tensor copies, one per cache block (the kernel's TMA), on
 //     Hopper at block sizes 8..128 (powers of two). Default; =0: by cp.async.
-//     PAGEDCORE_DECODE_TMA_SPREAD=0: the boxes issued by warp 0 alone (kTmaSpread).
+//     PAGEDCORE_DECODE_TMA_SPREAD=0: the boxes issued by warp 0 alone (kTmaSpread),
+//     PAGEDCORE_DECODE_TMA_SKEW=0: by every warp behind each tile's barrier (kTmaSkew).
 //     NOTE: measured on the H200 (decode_variants.py, us, cp.async -> TMA): at
 //     c4367ca fp8 B=64 L=4k 153.6 -> 147.1, at 5064502 152.9 -> 146.4 (0.60x of
 //     bf16's 246.0); fp8 B=64 L=1k, SmolLM2 fp8, the deep launches within 0.2.
@@ -1500,10 +1470,8 @@ int launch_decode(const PagedAttentionParams& p, cudaStream_t stream, int flags,
           if (tma != 0) {
             DecodeMaps<true> maps;
             if (mix == 1 && decode_tma_serves(p) && encode_decode_maps<HD>(p, maps, 128)) {
-              if (env_int("PAGEDCORE_DECODE_TMA_PRODUCER", 0) != 0) {
-                return launch_variant<T, CT, HD, true, 3, kCvtIntV, 128, 0, true, kTmaProducer>(p, stream, flags, maps);
-              }
-              if (env_int("PAGEDCORE_DECODE_TMA_SKEW", 0) != 0) {
+              // (PAGEDCORE_DECODE_TMA_SPREAD=0, warp 0's issue, keeps each tile's barrier)
+              if ((flags & kTmaSpread) != 0 && env_int("PAGEDCORE_DECODE_TMA_SKEW", 1) != 0) {
                 return launch_variant<T, CT, HD, true, 3, kCvtIntV, 128, 0, true, kTmaSkew>(p, stream, flags, maps);
               }
               return launch_variant<T, CT, HD, true, 3, kCvtIntV, 128, 0, true, 1>(p, stream, flags, maps);
