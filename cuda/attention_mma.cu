@@ -158,6 +158,14 @@ constexpr int kTmaSpread = 16;
 // two CTAs an SM of five warps put three warps on some scheduler, which caps
 // the registers at 168 (spilling) where the four-warp kernel takes ~205.
 constexpr int kTmaSkew = 2;
+// kTmaLast (a trial, PAGEDCORE_DECODE_TMA_LAST=1; not yet measured): no barrier
+// and no empty mbarrier either: the warp that is the last of the four to have
+// read tile t (a shared counter a stage) refills its stage with tile t +
+// kStages at once (a box per lane, as warp 0's issue), and a chunk starts with
+// all kStages tiles in flight (warp w issuing tile w), so that every tile
+// goes out as early as the barrier's schedule sends it and one tile earlier
+// than the skew's, without any warp waiting for another.
+constexpr int kTmaLast = 3;
 // NOTE: TMA tiles: a refill of the stage the last tile freed before the wait
 // for the next tile (not after it; 73c4263, both kernels) measured 145.8 / 142.2
 // against 146.1 / 140.4 us at fp8 B=64 L=4k (L2 promotion 256 / 128): deleted.
@@ -378,11 +386,18 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
   constexpr bool kSkew = TMA == kTmaSkew;
   const uint32_t empty_bars = tma_bars + 8 * kStages;
   uint32_t empty_phase = 0;
+  // kTmaLast: stage s's count of the warps that have read its tile (in the
+  // empty mbarriers' room).
+  constexpr bool kLast = TMA == kTmaLast;
+  int* const read_count = reinterpret_cast<int*>(stages + kStages * 2 * KT * SROW + 8 * kStages);
   if constexpr (TMA) {
     if (threadIdx.x == 0) {
       for (int s = 0; s < kStages; ++s) tma_mbar_init(tma_bars + 8 * s, 1);
       if constexpr (kSkew) {
         for (int s = 0; s < kStages; ++s) tma_mbar_init(empty_bars + 8 * s, kWarps);
+      }
+      if constexpr (kLast) {
+        for (int s = 0; s < kStages; ++s) read_count[s] = 0;
       }
     }
     // (the chunk loop's first __syncthreads orders the inits before any use)
@@ -642,9 +657,14 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
       }
     };
 
+    if constexpr (kLast) {
+      if (warp < min(kStages, n_tiles)) tma_tile(warp);  // (all stages: the barrier above freed them)
+    }
 #pragma unroll
     for (int t = 0; t < kStages - 1; ++t) {
-      if constexpr (TMA) {
+      if constexpr (kLast) {
+        // (issued above)
+      } else if constexpr (TMA) {
         if (spread) {
           if (t < n_tiles) tma_spread(t);
         } else if (warp == 0 && t < n_tiles) {
@@ -656,13 +676,13 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
       }
     }
     for (int t = 0; t < n_tiles; ++t) {
-      if constexpr (kSkew) {
+      if constexpr (kSkew || kLast) {
         const int st = t % kStages;
         tma_wait(tma_bars + 8 * st, (tma_phase >> st) & 1u);
         tma_phase ^= 1u << st;
-        // (tile t + kStages - 1's stage held tile t - 1, whose phase this
-        // thread has waited for: armed now, filled after this tile)
-        if (t + kStages - 1 < n_tiles && threadIdx.x == 0) {
+        // (skew: tile t + kStages - 1's stage held tile t - 1, whose phase
+        // this thread has waited for: armed now, filled after this tile)
+        if (kSkew && t + kStages - 1 < n_tiles && threadIdx.x == 0) {
           tma_expect_bytes(tma_bars + 8 * ((t + kStages - 1) % kStages), tma_bytes(t + kStages - 1));
         }
       } else if constexpr (TMA) {
@@ -1006,6 +1026,21 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
             tma_wait(empty_bars + 8 * sp, ((empty_phase >> sp) & 1u) ^ 1u);
           }
           tma_spread(t + kStages - 1);
+        }
+      }
+      if constexpr (kLast) {
+        // The last warp to have read tile t refills its stage with tile t + kStages.
+        __syncwarp();
+        int before = 0;
+        if (lane == 0) {
+          __threadfence_block();  // (this warp's reads of the stage, before the count)
+          before = atomicAdd(read_count + t % kStages, 1);
+        }
+        before = __shfl_sync(0xffffffffu, before, 0);
+        if (before == kWarps - 1) {
+          __threadfence_block();  // (every warp's reads, before the refill)
+          if (lane == 0) read_count[t % kStages] = 0;
+          if (t + kStages < n_tiles) tma_tile(t + kStages);
         }
       }
     }
@@ -1471,6 +1506,9 @@ int launch_decode(const PagedAttentionParams& p, cudaStream_t stream, int flags,
             DecodeMaps<true> maps;
             if (mix == 1 && decode_tma_serves(p) && encode_decode_maps<HD>(p, maps, 128)) {
               // (PAGEDCORE_DECODE_TMA_SPREAD=0, warp 0's issue, keeps each tile's barrier)
+              if (env_int("PAGEDCORE_DECODE_TMA_LAST", 0) != 0) {
+                return launch_variant<T, CT, HD, true, 3, kCvtIntV, 128, 0, true, kTmaLast>(p, stream, flags, maps);
+              }
               if ((flags & kTmaSpread) != 0 && env_int("PAGEDCORE_DECODE_TMA_SKEW", 1) != 0) {
                 return launch_variant<T, CT, HD, true, 3, kCvtIntV, 128, 0, true, kTmaSkew>(p, stream, flags, maps);
               }
