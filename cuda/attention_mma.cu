@@ -1505,10 +1505,10 @@ int launch_decode(const PagedAttentionParams& p, cudaStream_t stream, int flags,
           if (tma != 0) {
             DecodeMaps<true> maps;
             if (mix == 1 && decode_tma_serves(p) && encode_decode_maps<HD>(p, maps, 128)) {
-              // (PAGEDCORE_DECODE_TMA_SPREAD=0, warp 0's issue, keeps each tile's barrier)
               if (env_int("PAGEDCORE_DECODE_TMA_LAST", 0) != 0) {
                 return launch_variant<T, CT, HD, true, 3, kCvtIntV, 128, 0, true, kTmaLast>(p, stream, flags, maps);
               }
+              // (PAGEDCORE_DECODE_TMA_SPREAD=0, warp 0's issue, keeps each tile's barrier)
               if ((flags & kTmaSpread) != 0 && env_int("PAGEDCORE_DECODE_TMA_SKEW", 1) != 0) {
                 return launch_variant<T, CT, HD, true, 3, kCvtIntV, 128, 0, true, kTmaSkew>(p, stream, flags, maps);
               }
