@@ -676,30 +676,24 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
       }
     }
     for (int t = 0; t < n_tiles; ++t) {
-      if constexpr (kSkew || kLast) {
+      if constexpr (TMA) {
         const int st = t % kStages;
         tma_wait(tma_bars + 8 * st, (tma_phase >> st) & 1u);
         tma_phase ^= 1u << st;
-        // (skew: tile t + kStages - 1's stage held tile t - 1, whose phase
-        // this thread has waited for: armed now, filled after this tile)
-        if (kSkew && t + kStages - 1 < n_tiles && threadIdx.x == 0) {
-          tma_expect_bytes(tma_bars + 8 * ((t + kStages - 1) % kStages), tma_bytes(t + kStages - 1));
-        }
-      } else if constexpr (TMA) {
-        const int st = t % kStages;
-        tma_wait(tma_bars + 8 * st, (tma_phase >> st) & 1u);
-        tma_phase ^= 1u << st;
-        // (spread: tile t + kStages - 1's stage held tile t - 1, whose phase
-        // every warp has waited for: armed before the barrier, filled after it)
+        // (spread and skew: tile t + kStages - 1's stage held tile t - 1, whose
+        // phase this thread has waited for: armed now, filled after the
+        // barrier below or, skew, after this tile)
         const bool refill = t + kStages - 1 < n_tiles;
         if (spread && refill && threadIdx.x == 0) {
           tma_expect_bytes(tma_bars + 8 * ((t + kStages - 1) % kStages), tma_bytes(t + kStages - 1));
         }
-        __syncthreads();  // tile t-1 is consumed
-        if (spread) {
-          if (refill) tma_spread(t + kStages - 1);
-        } else if (warp == 0 && refill) {
-          tma_tile(t + kStages - 1);
+        if constexpr (TMA == 1) {
+          __syncthreads();  // tile t-1 is consumed
+          if (spread) {
+            if (refill) tma_spread(t + kStages - 1);
+          } else if (warp == 0 && refill) {
+            tma_tile(t + kStages - 1);
+          }
         }
       } else {
         cp_async_wait<kStages - 2>();
