@@ -140,8 +140,15 @@ def mixed_graph_tokens() -> int:
     return tokens
 
 # Rows cut into tiles (prefill chunks) a step may have to replay them: each one adds
-# padding CTAs to every layer's attention, and a mixed step has few.
+# padding CTAs to every layer's attention, and a mixed step has few. Graphs over
+# 1024 tokens (PAGEDCORE_MIXED_GRAPHS above it) hold one a 128 tokens: a step the
+# mixed-prefill cap lifts admits a prompt every ~200 tokens (SmolLM2 serving).
 MIXED_GRAPH_TILE_ROWS = 8
+
+
+def mixed_graph_tile_rows(tokens: int) -> int:
+    """Rows cut into tiles that the whole mixed graph of ``tokens`` tokens holds."""
+    return max(MIXED_GRAPH_TILE_ROWS, tokens // 128)
 
 # Sizes up to this many tokens also get a whole graph whose tiles split their keys
 # (ops.planning.padded_tile_splits), for the steps whose chunks hold more keys than
@@ -459,7 +466,7 @@ class ModelRunner:
                     tile_splits = ops.planning.padded_tile_splits(t, spec.num_heads, spec.num_kv_heads,
                                                                   self.model.dtype, dev, config.max_model_len)
                 padded = ops.planning.PaddedPlan(
-                    t, rows, MIXED_GRAPH_TILE_ROWS, spec.num_heads, spec.num_kv_heads, spec.head_dim,
+                    t, rows, mixed_graph_tile_rows(t), spec.num_heads, spec.num_kv_heads, spec.head_dim,
                     self.model.dtype, dev, config.max_model_len, tile_splits=tile_splits)
                 if split:  # (its decode scratch is the unsplit graph's of this size, captured just before)
                     padded.plan.share_scratch(self.mixed_graphs[t].plan.plan)
