@@ -692,7 +692,8 @@ def _mixed_steps(path: Path, fields: dict, args, mixed_graphs: str) -> None:
           f"tokens arrives (max_tokens 1); PAGEDCORE_MIXED_GRAPHS={mixed_graphs}; medians, ms per step")
     print(f"{'P':>5}{'step':>8}{'wall':>8}{'host in execute':>17}{'GPU span':>10}{'kernels':>9}{'launches':>10}")
     base_ms = base_n = float("nan")
-    for prompt in (0, 16, 64, 256, 512):
+    prompts = [0] + [int(x) for x in args.mixed_prompts.split(",") if int(x) > 0]
+    for prompt in prompts:
         rounds(prompt, 2)  # warm-up
         walls = rounds(prompt, 12)
         ms, n = kernels(prompt)
@@ -711,11 +712,11 @@ def _mixed_steps(path: Path, fields: dict, args, mixed_graphs: str) -> None:
         import pstats
 
         host_prof[0] = cProfile.Profile()
-        rounds(256, 8)
+        rounds(prompts[-1], 8)
         host_prof[0], prof = None, host_prof[0]
         text = io.StringIO()
         pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(25)
-        print(f"\nhost time inside execute() of 8 steps with 256 prompt tokens (cProfile, by own time):")
+        print(f"\nhost time inside execute() of 8 steps with {prompts[-1]} prompt tokens (cProfile, by own time):")
         print("\n".join(line for line in text.getvalue().splitlines() if line.strip())[:6000])
     runner = engine.runner
     print("(wall: the engine.step() call that launched the step; with async scheduling it also waits for the "
@@ -764,8 +765,10 @@ def main() -> None:
     parser.add_argument("--mixed", action="store_true", help="steps with prompt tokens against decode-only steps")
     parser.add_argument("--mixed-rows", type=int, default=40, help="--mixed: the rows decoding meanwhile")
     parser.add_argument("--host-profile", action="store_true",
-                        help="--mixed: also cProfile the host work inside execute() of steps with prompt tokens")
+                        help="--mixed: also cProfile the host work inside execute() of steps with the longest P")
     parser.add_argument("--mixed-graphs", default="0,1024", help="--mixed: PAGEDCORE_MIXED_GRAPHS values to run, comma list")
+    parser.add_argument("--mixed-prompts", default="16,64,256,512",
+                        help="--mixed: the prompt lengths P, comma list (the last one's steps are --host-profile's)")
     args = parser.parse_args()
     fields, n, mean_prompt, out = SHAPES[args.shape]
     n = args.requests or n

@@ -865,6 +865,10 @@ def offline_run(args: argparse.Namespace, prompts: list[list[int]], warmup: list
             kw["mixed_prefill_waiting_per_cap"] = int(flag.split("=", 1)[1])
         elif flag.startswith("--mixed-prefill-max-waiting="):
             kw["mixed_prefill_max_waiting"] = int(flag.split("=", 1)[1])
+        elif flag.startswith("--mixed-prefill-lift-tokens="):
+            kw["mixed_prefill_lift_tokens"] = int(flag.split("=", 1)[1])
+        elif flag.startswith("--mixed-prefill-lift-max-waiting="):
+            kw["mixed_prefill_lift_max_waiting"] = int(flag.split("=", 1)[1])
     llm = LLM(**kw)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     if warmup:

@@ -50,7 +50,8 @@ EngineConfig make_config(int32_t num_blocks, int32_t block_size, int32_t max_num
                          std::optional<int32_t> sliding_window, int32_t vocab_size,
                          int32_t prefix_hash_bits, bool reserve_max_model_len,
                          int32_t max_num_mixed_prefill_tokens, int32_t mixed_prefill_waiting_per_cap,
-                         int32_t mixed_prefill_max_waiting) {
+                         int32_t mixed_prefill_max_waiting, int32_t mixed_prefill_lift_tokens,
+                         int32_t mixed_prefill_lift_max_waiting) {
   EngineConfig c;
   c.num_blocks = num_blocks;
   c.block_size = block_size;
@@ -68,6 +69,8 @@ EngineConfig make_config(int32_t num_blocks, int32_t block_size, int32_t max_num
   c.max_num_mixed_prefill_tokens = max_num_mixed_prefill_tokens;
   c.mixed_prefill_waiting_per_cap = mixed_prefill_waiting_per_cap;
   c.mixed_prefill_max_waiting = mixed_prefill_max_waiting;
+  c.mixed_prefill_lift_tokens = mixed_prefill_lift_tokens;
+  c.mixed_prefill_lift_max_waiting = mixed_prefill_lift_max_waiting;
   c.validate();
   return c;
 }
@@ -145,7 +148,8 @@ PYBIND11_MODULE(_C, m) {
            "scheduling_policy"_a = "fcfs", "num_cpu_blocks"_a = 0, "sliding_window"_a = py::none(),
            "vocab_size"_a = 0, "prefix_hash_bits"_a = 64,
            "reserve_max_model_len"_a = false, "max_num_mixed_prefill_tokens"_a = 0,
-           "mixed_prefill_waiting_per_cap"_a = 0, "mixed_prefill_max_waiting"_a = 8)
+           "mixed_prefill_waiting_per_cap"_a = 0, "mixed_prefill_max_waiting"_a = 8,
+           "mixed_prefill_lift_tokens"_a = 0, "mixed_prefill_lift_max_waiting"_a = 64)
       .def_readonly("num_blocks", &EngineConfig::num_blocks)
       .def_readonly("block_size", &EngineConfig::block_size)
       .def_readonly("max_num_seqs", &EngineConfig::max_num_seqs)
@@ -164,6 +168,8 @@ PYBIND11_MODULE(_C, m) {
       .def_readonly("max_num_mixed_prefill_tokens", &EngineConfig::max_num_mixed_prefill_tokens)
       .def_readonly("mixed_prefill_waiting_per_cap", &EngineConfig::mixed_prefill_waiting_per_cap)
       .def_readonly("mixed_prefill_max_waiting", &EngineConfig::mixed_prefill_max_waiting)
+      .def_readonly("mixed_prefill_lift_tokens", &EngineConfig::mixed_prefill_lift_tokens)
+      .def_readonly("mixed_prefill_lift_max_waiting", &EngineConfig::mixed_prefill_lift_max_waiting)
       .def_property_readonly("max_blocks_per_seq", &EngineConfig::max_blocks_per_seq);
 
   py::class_<RequestParams>(m, "RequestParams")

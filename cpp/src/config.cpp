@@ -79,6 +79,10 @@ void EngineConfig::validate() const {
           mixed_prefill_waiting_per_cap, ">= 0 (0: no share for the queue)");
   require(mixed_prefill_max_waiting >= 0, "mixed_prefill_max_waiting", mixed_prefill_max_waiting,
           ">= 0");
+  require(mixed_prefill_lift_tokens >= 0, "mixed_prefill_lift_tokens", mixed_prefill_lift_tokens,
+          ">= 0 (0: a lifted cap takes the whole budget)");
+  require(mixed_prefill_lift_max_waiting >= 0, "mixed_prefill_lift_max_waiting",
+          mixed_prefill_lift_max_waiting, ">= 0");
   require(max_model_len >= 1, "max_model_len", max_model_len, ">= 1");
   require(num_cpu_blocks >= 0, "num_cpu_blocks", num_cpu_blocks, ">= 0");
   if (preemption_mode == PreemptionMode::kSwap && num_cpu_blocks == 0) {

@@ -171,9 +171,14 @@ void Scheduler::schedule(int64_t step) {
   // Prompt tokens (chunks of more than one token, admissions) this step may
   // still take: see EngineConfig::max_num_mixed_prefill_tokens.
   int32_t prefill_budget = budget;
-  const int32_t cap = config_.max_num_mixed_prefill_tokens;
-  const int32_t per_cap = config_.mixed_prefill_waiting_per_cap;
-  if (cap > 0 && waiting_.size() <= static_cast<size_t>(config_.mixed_prefill_max_waiting)) {
+  const size_t waiting = waiting_.size();
+  const bool capped = waiting <= static_cast<size_t>(config_.mixed_prefill_max_waiting);
+  // (a queue over max_waiting: the lifted cap, while it holds, else the whole budget)
+  const int32_t cap = !capped && waiting <= static_cast<size_t>(config_.mixed_prefill_lift_max_waiting)
+                          ? config_.mixed_prefill_lift_tokens
+                          : capped ? config_.max_num_mixed_prefill_tokens : 0;
+  const int32_t per_cap = capped ? config_.mixed_prefill_waiting_per_cap : 0;
+  if (config_.max_num_mixed_prefill_tokens > 0 && cap > 0) {
     const auto decode_rows = static_cast<int32_t>(
         std::count_if(running_.begin(), running_.end(), [](const Sequence* s) {
           return !s->finish_pending && s->num_uncomputed() == 1;
@@ -201,7 +206,7 @@ void Scheduler::schedule(int64_t step) {
     // 2.15-2.30 (eleventh session): the lifted steps ran in graphs, the p99 stayed.
     if (decode_rows > 0) {
       const int64_t extra =
-          per_cap > 0 ? static_cast<int64_t>(cap) * static_cast<int64_t>(waiting_.size()) / per_cap : 0;
+          per_cap > 0 ? static_cast<int64_t>(cap) * static_cast<int64_t>(waiting) / per_cap : 0;
       const int64_t share =
           std::max<int64_t>(std::max(cap - decode_rows, decode_rows / 2), 1) + extra;
       prefill_budget = static_cast<int32_t>(std::min<int64_t>(budget, share));

@@ -130,6 +130,8 @@ def _serve_on(sock, args: argparse.Namespace) -> int:
         max_num_mixed_prefill_tokens=args.max_num_mixed_prefill_tokens,
         mixed_prefill_waiting_per_cap=args.mixed_prefill_waiting_per_cap,
         mixed_prefill_max_waiting=args.mixed_prefill_max_waiting,
+        mixed_prefill_lift_tokens=args.mixed_prefill_lift_tokens,
+        mixed_prefill_lift_max_waiting=args.mixed_prefill_lift_max_waiting,
     )
     engine_args.validate()
     if args.dtype.strip().lower() != "auto":
@@ -324,7 +326,14 @@ def build_parser() -> argparse.ArgumentParser:
                           "(and none without the cap)")
     srv.add_argument("--mixed-prefill-max-waiting", type=int, default=8,
                      help="a longer queue lifts the cap of --max-num-mixed-prefill-tokens: the step admits with "
-                          "the whole --max-num-batched-tokens (a burst: throughput)")
+                          "the whole --max-num-batched-tokens (a burst: throughput), or see "
+                          "--mixed-prefill-lift-tokens")
+    srv.add_argument("--mixed-prefill-lift-tokens", type=int, default=0,
+                     help="the lifted cap: steps of at most this many tokens, rows included, while at most "
+                          "--mixed-prefill-lift-max-waiting requests wait (a burst at moderate load in a few "
+                          "mid-sized steps); 0: the whole --max-num-batched-tokens")
+    srv.add_argument("--mixed-prefill-lift-max-waiting", type=int, default=64,
+                     help="a longer queue than this takes the whole --max-num-batched-tokens a step")
     srv.add_argument("--shutdown-timeout", type=float, default=30.0,
                      help="seconds SIGTERM or Ctrl-C lets in-flight requests finish before ending them")
     return parser

@@ -19,7 +19,8 @@ class Engine(_C.Engine):
         ``preemption_mode``, ``scheduling_policy``, ``num_cpu_blocks``,
         ``sliding_window``, ``vocab_size``, ``prefix_hash_bits``,
         ``reserve_max_model_len``, ``max_num_mixed_prefill_tokens``,
-        ``mixed_prefill_waiting_per_cap``, ``mixed_prefill_max_waiting``).
+        ``mixed_prefill_waiting_per_cap``, ``mixed_prefill_max_waiting``,
+        ``mixed_prefill_lift_tokens``, ``mixed_prefill_lift_max_waiting``).
 
     Examples
     --------

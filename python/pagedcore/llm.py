@@ -54,8 +54,12 @@ class LLM:
         default: no share for the queue), while at most
         ``mixed_prefill_max_waiting`` (8) requests wait; None (default): no cap
         but ``max_num_batched_tokens``. For the inter-token latency of streams
-        (``pagedcore serve`` sets 256).
+        (``pagedcore serve`` sets 256). A longer queue lifts the cap: to
+        ``mixed_prefill_lift_tokens`` (0, the default: to the whole
+        ``max_num_batched_tokens``) while at most ``mixed_prefill_lift_max_waiting``
+        (64) requests wait, to the whole budget beyond.
     mixed_prefill_waiting_per_cap, mixed_prefill_max_waiting : int
+    mixed_prefill_lift_tokens, mixed_prefill_lift_max_waiting : int
         See ``max_num_mixed_prefill_tokens``.
     enable_prefix_caching : bool
         Reuse the KV of common prompt prefixes.
@@ -136,6 +140,8 @@ class LLM:
         max_num_mixed_prefill_tokens: int | None = None,
         mixed_prefill_waiting_per_cap: int = 0,
         mixed_prefill_max_waiting: int = 8,
+        mixed_prefill_lift_tokens: int = 0,
+        mixed_prefill_lift_max_waiting: int = 64,
     ) -> None:
         configure_default_logging()
         if model is None:
@@ -155,6 +161,8 @@ class LLM:
                 calculate_kv_scales=calculate_kv_scales, max_num_mixed_prefill_tokens=max_num_mixed_prefill_tokens,
                 mixed_prefill_waiting_per_cap=mixed_prefill_waiting_per_cap,
                 mixed_prefill_max_waiting=mixed_prefill_max_waiting,
+                mixed_prefill_lift_tokens=mixed_prefill_lift_tokens,
+                mixed_prefill_lift_max_waiting=mixed_prefill_lift_max_waiting,
             )
         )
 

@@ -93,6 +93,10 @@ class EngineArgs:
     max_num_mixed_prefill_tokens: int | None = None
     mixed_prefill_waiting_per_cap: int = 0
     mixed_prefill_max_waiting: int = 8
+    # A queue over mixed_prefill_max_waiting lifts the cap to this many tokens
+    # (0: the whole budget) while at most mixed_prefill_lift_max_waiting wait.
+    mixed_prefill_lift_tokens: int = 0
+    mixed_prefill_lift_max_waiting: int = 64
     enable_prefix_caching: bool = True
     preemption_mode: str = "recompute"
     swap_space: float = 4
@@ -143,7 +147,8 @@ class EngineArgs:
         positive("max_num_seqs", self.max_num_seqs)
         positive("tensor_parallel_size", self.tensor_parallel_size)
         positive("max_num_batched_tokens", self.max_num_batched_tokens, allow_none=True)
-        for name in ("max_num_mixed_prefill_tokens", "mixed_prefill_waiting_per_cap", "mixed_prefill_max_waiting"):
+        for name in ("max_num_mixed_prefill_tokens", "mixed_prefill_waiting_per_cap", "mixed_prefill_max_waiting",
+                     "mixed_prefill_lift_tokens", "mixed_prefill_lift_max_waiting"):
             value = getattr(self, name)
             if value is None and name == "max_num_mixed_prefill_tokens":
                 continue
@@ -626,6 +631,8 @@ class LLMEngine:
             max_num_mixed_prefill_tokens=a.max_num_mixed_prefill_tokens or 0,
             mixed_prefill_waiting_per_cap=a.mixed_prefill_waiting_per_cap,
             mixed_prefill_max_waiting=a.mixed_prefill_max_waiting,
+            mixed_prefill_lift_tokens=a.mixed_prefill_lift_tokens,
+            mixed_prefill_lift_max_waiting=a.mixed_prefill_lift_max_waiting,
         )
         if self.tp is not None:
             self.tp.group.broadcast_object(fields)

@@ -198,6 +198,33 @@ TEST(Scheduler, MixedPrefillCapIsLiftedWhileMoreThanMaxWaitingWait) {
   e.check_invariants();
 }
 
+TEST(Scheduler, MixedPrefillLiftTokensCapALiftedStepUntilTheQueuePassesLiftMaxWaiting) {
+  EngineConfig c = small_config();
+  c.max_num_batched_tokens = 64;
+  c.max_num_mixed_prefill_tokens = 10;
+  c.mixed_prefill_max_waiting = 1;
+  c.mixed_prefill_lift_tokens = 20;
+  c.mixed_prefill_lift_max_waiting = 2;
+  Engine e(c);
+  e.add_request("r0", iota_tokens(12, 1), params_max_tokens(8));
+  e.schedule();
+  update_with(e, {100});
+  for (int i = 0; i < 2; ++i) e.add_request("a" + std::to_string(i), iota_tokens(15, 101 + 20 * i), params_max_tokens(2));
+  // Two waiting (over 1, not over 2): the lifted cap, r0's row and 20 - 1 prompt tokens:
+  // a0 whole, a1's first 4.
+  const StepBatch& b2 = e.schedule();
+  EXPECT_EQ(b2.num_decode_seqs, 1);
+  EXPECT_EQ(b2.num_tokens, 20);
+  EXPECT_EQ(vec(b2.seq_lens, 3), (std::vector<int32_t>{13, 15, 4}));
+  update_with(e, {101, 200});
+  // Three more wait (over 2): the whole budget, a1's last 11 and every prompt beside two rows.
+  for (int i = 0; i < 3; ++i) e.add_request("b" + std::to_string(i), iota_tokens(15, 301 + 20 * i), params_max_tokens(2));
+  const StepBatch& b3 = e.schedule();
+  EXPECT_EQ(b3.num_decode_seqs, 2);
+  EXPECT_EQ(b3.num_tokens, 2 + 11 + 3 * 15);
+  e.check_invariants();
+}
+
 TEST(Scheduler, MixedPrefillCapLeavesAFloorOfPromptTokensWhileRowsFillIt) {
   // cap 32: at least half as many prompt tokens as decode rows (and at least 1).
   EngineConfig c = small_config();

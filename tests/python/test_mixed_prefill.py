@@ -106,7 +106,9 @@ def test_the_cap_grows_with_the_waiting_queue_and_a_long_queue_lifts_it(checkpoi
                                           ("max_num_mixed_prefill_tokens", True),
                                           ("mixed_prefill_waiting_per_cap", None),
                                           ("mixed_prefill_waiting_per_cap", -1),
-                                          ("mixed_prefill_max_waiting", None)])
+                                          ("mixed_prefill_max_waiting", None),
+                                          ("mixed_prefill_lift_tokens", -1),
+                                          ("mixed_prefill_lift_max_waiting", 2.5)])
 def test_a_bad_value_is_refused_before_anything_loads(field, value) -> None:
     from pagedcore.llm_engine import EngineArgs, LLMEngine
 
@@ -117,7 +119,9 @@ def test_a_bad_value_is_refused_before_anything_loads(field, value) -> None:
 def test_serve_passes_its_flags_to_the_engine_and_refuses_a_bad_api_server_count(monkeypatch, capsys,
                                                                                  tmp_path) -> None:
     # `pagedcore serve` builds EngineArgs with --max-num-mixed-prefill-tokens (default
-    # 256), --mixed-prefill-waiting-per-cap (0) and --mixed-prefill-max-waiting (8); the engine is a stub that keeps them and stops the command.
+    # 256), --mixed-prefill-waiting-per-cap (0), --mixed-prefill-max-waiting (8),
+    # --mixed-prefill-lift-tokens (0) and --mixed-prefill-lift-max-waiting (64); the
+    # engine is a stub that keeps them and stops the command.
     import pagedcore.llm_engine as llm_engine
     from pagedcore import cli
 
@@ -131,12 +135,14 @@ def test_serve_passes_its_flags_to_the_engine_and_refuses_a_bad_api_server_count
         raise Stop("stub engine")
 
     monkeypatch.setattr(llm_engine, "LLMEngine", stub)
-    for flags, want in (([], (256, 0, 8)), (["--max-num-mixed-prefill-tokens", "64"], (64, 0, 8)),
+    for flags, want in (([], (256, 0, 8, 0, 64)), (["--max-num-mixed-prefill-tokens", "64"], (64, 0, 8, 0, 64)),
                         (["--max-num-mixed-prefill-tokens", "0", "--mixed-prefill-waiting-per-cap", "4",
-                          "--mixed-prefill-max-waiting", "32"], (0, 4, 32))):
+                          "--mixed-prefill-max-waiting", "32", "--mixed-prefill-lift-tokens", "2048",
+                          "--mixed-prefill-lift-max-waiting", "128"], (0, 4, 32, 2048, 128))):
         assert cli.main(["serve", "--model", str(tmp_path), "--port", "0", *flags]) == 2
         a = seen[-1]
-        assert (a.max_num_mixed_prefill_tokens, a.mixed_prefill_waiting_per_cap, a.mixed_prefill_max_waiting) == want
+        assert (a.max_num_mixed_prefill_tokens, a.mixed_prefill_waiting_per_cap, a.mixed_prefill_max_waiting,
+                a.mixed_prefill_lift_tokens, a.mixed_prefill_lift_max_waiting) == want
     assert cli.main(["serve", "--model", str(tmp_path), "--port", "0", "--api-server-count", "0"]) == 2
     assert "--api-server-count must be >= 1, got 0" in capsys.readouterr().err
     assert len(seen) == 3  # (refused before anything loads)

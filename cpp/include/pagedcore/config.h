@@ -32,10 +32,16 @@ struct EngineConfig {
   // add N * W / U prompt tokens (another N for every U waiting: a step grows
   // with the queue in proportion). The cap holds only while at most
   // mixed_prefill_max_waiting sequences wait: a longer queue (a burst,
-  // saturation) is admitted with the whole budget.
+  // saturation) is admitted with the whole budget, or, with
+  // mixed_prefill_lift_tokens L > 0, with steps of at most L tokens (rows
+  // included, the same floor) while at most mixed_prefill_lift_max_waiting
+  // wait: a burst at moderate load then takes a few steps of a mid-sized
+  // graph instead of one of the whole budget (the streams' latency tail).
   int32_t max_num_mixed_prefill_tokens = 0;
   int32_t mixed_prefill_waiting_per_cap = 0;
   int32_t mixed_prefill_max_waiting = 8;
+  int32_t mixed_prefill_lift_tokens = 0;
+  int32_t mixed_prefill_lift_max_waiting = 64;
   // Longest sequence (prompt + output) in tokens.
   int32_t max_model_len = 2048;
   // Reuse full blocks whose content (the whole prefix up to them) was computed before.
