@@ -16,7 +16,7 @@ write no cache slot and read the null block), unless ``enforce_eager``. Other st
 (prefill chunks, mixed) replay piecewise graphs for a ladder of token counts: one
 graph per layer boundary holding everything but attention, which runs eagerly
 between them with the step's own plan (padding tokens write no cache slot).
-Steps of up to ``PAGEDCORE_MIXED_GRAPHS`` tokens (default 1024; 0: off) instead
+Steps of up to ``PAGEDCORE_MIXED_GRAPHS`` tokens (default 8192; 0: off) instead
 replay one whole graph with attention inside, over a plan of fixed size
 (:class:`pagedcore.ops.planning.PaddedPlan`).
 """
@@ -122,7 +122,13 @@ class _PrefillGraphs:
 # NOTE: measured on the H200 at 73b39de (bench_e2e_gpu.py --mixed, SmolLM2, 40 rows
 # decoding): steps with 16-512 prompt tokens took 5.1-6.3 ms (4.0-5.4 of host time in
 # execute) in pieces and 1.8-3.9 ms (1.2-3.7) as whole graphs; decode steps ~1.2-1.9 both.
-DEFAULT_MIXED_GRAPH_TOKENS = 1024
+# 1024 until the twenty-sixth session; then (bench_serving.py, SmolLM2, four HTTP
+# processes, at 8f61536 with 1,024 against 8,192, the whole budget): the steps that
+# the mixed-prefill cap's lift fills (~2,500 tokens at half load) took 5.5-5.9 ms of
+# device time in pieces, 2.6 (p50) in the whole graphs; ITL p99 over p50 at half load
+# 4.74 and 3.34 against 2.55 and 2.25 (two runs each, alternating); offline
+# LLM.generate on the same requests 102-105k output tok/s against 108-120k.
+DEFAULT_MIXED_GRAPH_TOKENS = 8192
 
 
 def mixed_graph_tokens() -> int:

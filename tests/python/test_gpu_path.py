@@ -305,3 +305,23 @@ def test_mixed_graphs_equal_the_pieces_in_bfloat16(tiny, monkeypatch) -> None:
         del llm
     assert replays["0"] == 0 and replays["64"] >= 4
     assert runs["64"] == runs["0"]
+
+
+def test_a_whole_graph_over_1024_tokens_takes_more_than_eight_prompts(tiny, monkeypatch) -> None:
+    # The whole graphs above 1024 tokens hold a tiled row every 128 tokens
+    # (model_runner.mixed_graph_tile_rows): 14 prompts of 100 tokens, all admitted
+    # in the first step (1,400 tokens, 14 rows cut into tiles), replay the graph of
+    # 2048 tokens, and the pieces never run. float32 tokens equal transformers'.
+    from pagedcore.model_runner import mixed_graph_tile_rows
+
+    monkeypatch.setenv("PAGEDCORE_MIXED_GRAPHS", "2048")
+    gen = torch.Generator().manual_seed(8)
+    ps = [torch.randint(3, 384, (100,), generator=gen).tolist() for _ in range(14)]
+    llm = LLM(model=str(tiny), device="cuda", dtype="float32", num_kv_blocks=256, max_model_len=256,
+              max_num_batched_tokens=2048)
+    runner = llm.llm_engine.runner
+    assert mixed_graph_tile_rows(1024) == 8 and mixed_graph_tile_rows(2048) == 16
+    assert max(runner.mixed_graphs) == 2048
+    assert generate(llm, ps, 8) == hf_greedy_gpu(tiny, ps, 8)
+    assert runner.mixed_graph_replays >= 1 and runner.prefill_graph_replays == 0
+    assert llm.stats()["num_free_blocks"] == llm.stats()["num_blocks"]

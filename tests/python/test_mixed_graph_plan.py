@@ -91,9 +91,9 @@ def test_a_step_with_more_tiles_than_the_plan_holds_is_refused_untouched() -> No
     assert {k: v for k, v in count.items() if k[0] != 22} == {(r, i): 1 for r in range(22) for i in range(17)}
 
 
-@pytest.mark.parametrize("value, expected", [(None, 1024), ("", 1024), ("0", 0), ("512", 512)])
+@pytest.mark.parametrize("value, expected", [(None, 8192), ("", 8192), ("0", 0), ("512", 512)])
 def test_the_switch_reads_a_token_count(monkeypatch, value, expected) -> None:
-    # unset or empty: the default (on, up to 1024 tokens); 0: off.
+    # unset or empty: the default (on, up to 8192 tokens: every size up to CUDA's budget); 0: off.
     from pagedcore.model_runner import mixed_graph_tokens
 
     if value is None:
