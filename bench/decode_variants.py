@@ -33,8 +33,6 @@ share one set of tensors, and their graphs are replayed in turn, five rounds.
   PAGEDCORE_DECODE_TMA_SKEW   every warp's boxes without each tile's barrier, a stage refilled
                               once every warp arrived on its empty mbarrier (1, default), or
                               behind each tile's barrier (0)
-  PAGEDCORE_DECODE_TMA_LAST   a stage's boxes issued by the last warp to have read it, all
-                              stages in flight (1; a trial)
   PAGEDCORE_ATTN_PAD          staged K/V rows swizzled (0, default over 16-bit caches at head
                               dim 128: each 32-byte sector of the cache lands whole in shared
                               memory) or padded by 16 bytes (16, as elsewhere but head dim
@@ -87,7 +85,6 @@ VARIANTS = (
     ("tma L2 256B", {"PAGEDCORE_DECODE_TMA_L2": "256"}),
     ("tma warp 0 issue", {"PAGEDCORE_DECODE_TMA_SPREAD": "0"}),
     ("tma tile barrier", {"PAGEDCORE_DECODE_TMA_SKEW": "0"}),
-    ("tma last", {"PAGEDCORE_DECODE_TMA_LAST": "1"}),
 )
 # (name, batch, keys, heads, kv heads, head dim, fp8, graph plan length or 0)
 CASES = (

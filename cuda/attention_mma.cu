@@ -158,14 +158,6 @@ constexpr int kTmaSpread = 16;
 // two CTAs an SM of five warps put three warps on some scheduler, which caps
 // the registers at 168 (spilling) where the four-warp kernel takes ~205.
 constexpr int kTmaSkew = 2;
-// kTmaLast (a trial, PAGEDCORE_DECODE_TMA_LAST=1; not yet measured): no barrier
-// and no empty mbarrier either: the warp that is the last of the four to have
-// read tile t (a shared counter a stage) refills its stage with tile t +
-// kStages at once (a box per lane, as warp 0's issue), and a chunk starts with
-// all kStages tiles in flight (warp w issuing tile w), so that every tile
-// goes out as early as the barrier's schedule sends it and one tile earlier
-// than the skew's, without any warp waiting for another.
-constexpr int kTmaLast = 3;
 // NOTE: TMA tiles: a refill of the stage the last tile freed before the wait
 // for the next tile (not after it; 73c4263, both kernels) measured 145.8 / 142.2
 // against 146.1 / 140.4 us at fp8 B=64 L=4k (L2 promotion 256 / 128): deleted.
@@ -386,18 +378,11 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
   constexpr bool kSkew = TMA == kTmaSkew;
   const uint32_t empty_bars = tma_bars + 8 * kStages;
   uint32_t empty_phase = 0;
-  // kTmaLast: stage s's count of the warps that have read its tile (in the
-  // empty mbarriers' room).
-  constexpr bool kLast = TMA == kTmaLast;
-  int* const read_count = reinterpret_cast<int*>(stages + kStages * 2 * KT * SROW + 8 * kStages);
   if constexpr (TMA) {
     if (threadIdx.x == 0) {
       for (int s = 0; s < kStages; ++s) tma_mbar_init(tma_bars + 8 * s, 1);
       if constexpr (kSkew) {
         for (int s = 0; s < kStages; ++s) tma_mbar_init(empty_bars + 8 * s, kWarps);
-      }
-      if constexpr (kLast) {
-        for (int s = 0; s < kStages; ++s) read_count[s] = 0;
       }
     }
     // (the chunk loop's first __syncthreads orders the inits before any use)
@@ -657,14 +642,9 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
       }
     };
 
-    if constexpr (kLast) {
-      if (warp < min(kStages, n_tiles)) tma_tile(warp);  // (all stages: the barrier above freed them)
-    }
 #pragma unroll
     for (int t = 0; t < kStages - 1; ++t) {
-      if constexpr (kLast) {
-        // (issued above)
-      } else if constexpr (TMA) {
+      if constexpr (TMA) {
         if (spread) {
           if (t < n_tiles) tma_spread(t);
         } else if (warp == 0 && t < n_tiles) {
@@ -1022,21 +1002,6 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
           tma_spread(t + kStages - 1);
         }
       }
-      if constexpr (kLast) {
-        // The last warp to have read tile t refills its stage with tile t + kStages.
-        __syncwarp();
-        int before = 0;
-        if (lane == 0) {
-          __threadfence_block();  // (this warp's reads of the stage, before the count)
-          before = atomicAdd(read_count + t % kStages, 1);
-        }
-        before = __shfl_sync(0xffffffffu, before, 0);
-        if (before == kWarps - 1) {
-          __threadfence_block();  // (every warp's reads, before the refill)
-          if (lane == 0) read_count[t % kStages] = 0;
-          if (t + kStages < n_tiles) tma_tile(t + kStages);
-        }
-      }
     }
     if constexpr (!TMA) cp_async_wait<0>();  // (TMA: every tile issued was awaited)
     c0 = c1;
@@ -1392,7 +1357,9 @@ bool encode_decode_maps(const PagedAttentionParams& p, DecodeMaps<true>& maps, i
 //     bf16's 246.0); fp8 B=64 L=1k, SmolLM2 fp8, the deep launches within 0.2.
 //     Deleted after that run: refilling a stage by the last warp done with its
 //     tile (a shared counter, no CTA barrier a tile, all three stages ahead):
-//     148.2. Deleted after its one run (633d88f): eight warps a CTA, 16 keys
+//     148.2; again against the skew (cc3293b, measured at 8f61536): fp8 B=64
+//     L=4k 138.8 -> 146.3 and 138.4 -> 146.6, B=64 L=1k 45.1 -> 49.2, B=512
+//     L=4k one kv head 137.2 -> 146.3. Deleted after its one run (633d88f): eight warps a CTA, 16 keys
 //     a warp a tile, six stages, one CTA an SM: fp8 B=64 L=4k 141.2 -> 222.7,
 //     B=64 L=1k 45.7 -> 71.0. Reverted after its one run (8816492): 16-bit tiles by TMA in two
 //     64-dim panels a row (four boxes a block piece, V rows past a range
@@ -1499,9 +1466,6 @@ int launch_decode(const PagedAttentionParams& p, cudaStream_t stream, int flags,
           if (tma != 0) {
             DecodeMaps<true> maps;
             if (mix == 1 && decode_tma_serves(p) && encode_decode_maps<HD>(p, maps, 128)) {
-              if (env_int("PAGEDCORE_DECODE_TMA_LAST", 0) != 0) {
-                return launch_variant<T, CT, HD, true, 3, kCvtIntV, 128, 0, true, kTmaLast>(p, stream, flags, maps);
-              }
               // (PAGEDCORE_DECODE_TMA_SPREAD=0, warp 0's issue, keeps each tile's barrier)
               if ((flags & kTmaSpread) != 0 && env_int("PAGEDCORE_DECODE_TMA_SKEW", 1) != 0) {
                 return launch_variant<T, CT, HD, true, 3, kCvtIntV, 128, 0, true, kTmaSkew>(p, stream, flags, maps);

@@ -175,15 +175,14 @@ def test_decode_rows_shorter_than_the_graph_plan(monkeypatch, dtype, window, fp8
     {"PAGEDCORE_DECODE_TMA_L2": "256", "PAGEDCORE_DECODE_DEEP_CTAS": "0"},
     {"PAGEDCORE_DECODE_TMA_SPREAD": "0", "PAGEDCORE_DECODE_DEEP_CTAS": "0"},
     {"PAGEDCORE_DECODE_TMA_SKEW": "0", "PAGEDCORE_DECODE_DEEP_CTAS": "0"},
-    {"PAGEDCORE_DECODE_TMA_LAST": "1", "PAGEDCORE_DECODE_DEEP_CTAS": "0"},
     {"PAGEDCORE_DECODE_WGMMA": "1", "PAGEDCORE_DECODE_DEEP_CTAS": "0"},
     {"PAGEDCORE_DECODE_MERGE": "0"},
     {"PAGEDCORE_DECODE_MERGE": "0", "PAGEDCORE_DECODE_DEEP_CTAS": "0"},
 ], ids=["shallow", "deep", "fp8-cvt", "early-off-narrow-fp8", "early-meta-fp8-deep", "early-l2", "two-an-sm",
         "padded", "padded-deep", "narrow-d64", "fp8-int", "fp8-all-cvt-wide", "keys-in-m", "keys-in-m-deep",
         "keys-in-m-padded", "keys-in-m-fp8-all-cvt", "keys-in-m-fp8-int",
-        "keys-in-m-off", "tma-off", "tma-l2-256", "tma-warp0-issue", "tma-tile-barrier", "tma-last",
-        "fp8-wgmma", "two-pass-merge", "two-pass-merge-shallow"])
+        "keys-in-m-off", "tma-off", "tma-l2-256", "tma-warp0-issue", "tma-tile-barrier", "fp8-wgmma",
+        "two-pass-merge", "two-pass-merge-shallow"])
 def test_decode_kernel_variants(monkeypatch, env):
     # The decode kernel's pipelines (three tiles in flight, or five for launches of few
     # CTAs), fp8 widenings (integer operations, or the cvt unit), the lengths and first
@@ -208,8 +207,7 @@ def test_decode_kernel_variants(monkeypatch, env):
     # on Hopper: test_decode_tma_fp8; "tma-l2-256": their boxes' L2 promotion 256 bytes, not 128;
     # "tma-warp0-issue": their boxes issued by warp 0 alone, not by every warp, behind each
     # tile's barrier; "tma-tile-barrier": by every warp behind each tile's barrier, where the
-    # default refills a stage once every warp arrived on its empty mbarrier; "tma-last": by the
-    # last warp to have read a stage, a shared count a stage);
+    # default refills a stage once every warp arrived on its empty mbarrier);
     # "fp8-wgmma": fp8 decode at head dim 128 with bf16
     # queries on e4m3 wgmma (attention_decode_wgmma.cu; opt-in); "two-pass-merge*": a split
     # row's last CTA merging by count_and_merge (the default merges by count_and_merge_decode).
@@ -288,7 +286,7 @@ def test_decode_after_the_cache_write_in_flight(dtype):
                 f"step {s} row {r} (length {n + s + 1}): max error {(got - want).abs().max().item():.3g}")
 
 
-@pytest.mark.parametrize("kernel", ["wgmma", "mma", "mma-warp0-issue", "mma-tile-barrier", "mma-last"])
+@pytest.mark.parametrize("kernel", ["wgmma", "mma", "mma-warp0-issue", "mma-tile-barrier"])
 @pytest.mark.parametrize("block_size", [8, 16, 32, 128])
 def test_decode_tma_fp8(monkeypatch, block_size, kernel):
     # fp8 decode at head dim 128 with its K/V tiles brought by bulk tensor copies, one
@@ -301,8 +299,7 @@ def test_decode_tma_fp8(monkeypatch, block_size, kernel):
     # only in the mma.sync kernel (wgmma serves bf16 queries: attention_decode_wgmma.cu), its
     # boxes issued by every warp, each stage refilled once every warp arrived on its empty
     # mbarrier (the default), by every warp behind each tile's barrier (PAGEDCORE_DECODE_TMA_SKEW=0),
-    # by warp 0 alone behind it (PAGEDCORE_DECODE_TMA_SPREAD=0), or a stage's by the last warp to
-    # have read it (PAGEDCORE_DECODE_TMA_LAST=1).
+    # or by warp 0 alone behind it (PAGEDCORE_DECODE_TMA_SPREAD=0).
     if kernel == "wgmma":
         monkeypatch.setenv("PAGEDCORE_DECODE_WGMMA", "2")
     else:
@@ -310,7 +307,6 @@ def test_decode_tma_fp8(monkeypatch, block_size, kernel):
         monkeypatch.setenv("PAGEDCORE_DECODE_TMA", "2")
         monkeypatch.setenv("PAGEDCORE_DECODE_TMA_SPREAD", "0" if kernel == "mma-warp0-issue" else "1")
         monkeypatch.setenv("PAGEDCORE_DECODE_TMA_SKEW", "0" if kernel == "mma-tile-barrier" else "1")
-        monkeypatch.setenv("PAGEDCORE_DECODE_TMA_LAST", "1" if kernel == "mma-last" else "0")
     monkeypatch.setenv("PAGEDCORE_DECODE_DEEP_CTAS", "0")
     lengths = [1, 17, 255, 256, 513, 1500, 4097, 9000]
     for window in (0, 300):
