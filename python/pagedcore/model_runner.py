@@ -123,11 +123,12 @@ class _PrefillGraphs:
 # decoding): steps with 16-512 prompt tokens took 5.1-6.3 ms (4.0-5.4 of host time in
 # execute) in pieces and 1.8-3.9 ms (1.2-3.7) as whole graphs; decode steps ~1.2-1.9 both.
 # 1024 until the twenty-sixth session; then (bench_serving.py, SmolLM2, four HTTP
-# processes, at 8f61536 with 1,024 against 8,192, the whole budget): the steps that
+# processes, at c4615e7 with 1,024 against 8,192, the whole budget): the steps that
 # the mixed-prefill cap's lift fills (~2,500 tokens at half load) took 5.5-5.9 ms of
 # device time in pieces, 2.6 (p50) in the whole graphs; ITL p99 over p50 at half load
 # 4.74 and 3.34 against 2.55 and 2.25 (two runs each, alternating); offline
-# LLM.generate on the same requests 102-105k output tok/s against 108-120k.
+# LLM.generate, three calls in one process each, 102-105k output tok/s against
+# 108-120k (the first call paying the whole graphs' first replays).
 DEFAULT_MIXED_GRAPH_TOKENS = 8192
 
 
