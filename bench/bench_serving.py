@@ -1143,8 +1143,11 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"warning: the server exited with {code} (log: {server_log})", file=sys.stderr)
 
     # ---- the closing lines: what the targets read ----
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE,
-                            check=False).stdout.strip() or os.environ.get("PAGEDCORE_COMMIT", "?")
+    # (PAGEDCORE_COMMIT first, as the run scripts read it: a copy of the tree run
+    # elsewhere may sit inside another checkout, whose HEAD is not the code's)
+    commit = os.environ.get("PAGEDCORE_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE,
+        check=False).stdout.strip() or "?"
     summary["commit"] = commit
     print(f"\ncommit {commit}; {platform.machine()}, {os.cpu_count()} CPUs; python {platform.python_version()}; "
           f"{args.shape or args.model_path or 'default model'}; {args.num_requests} requests, own part "

@@ -1,0 +1,95 @@
+#!/usr/bin/env bash
+# Issue 14's two serving figures for two server settings, alternated, in one device
+# call: bench/bench_serving.py's --api-server-count run (the SmolLM2 shape by default,
+# four HTTP processes, saturation with its own offline LLM.generate, then 0.5x of that
+# saturation), REPEATS times for setting A and for setting B in turn (A B A B ...),
+# then a table of each run's online/offline ratio and ITL p99 over median at half
+# load, with each setting's median. One run of 512 SmolLM2 requests varies by ~0.1 in
+# the ratio and by up to ~1 in p99 / p50 (bench/RESULTS.md, the twenty-sixth
+# session), so a setting is judged by several runs, never by one.
+#
+#   SERVING_AB_A / SERVING_AB_B   extra bench_serving.py arguments of each setting
+#                                 (default: none / --server-arg=--mixed-prefill-lift-tokens=2048);
+#                                 an environment variable for the server goes in as
+#                                 ENV:NAME=VALUE (e.g. ENV:PAGEDCORE_MIXED_GRAPHS=1024)
+#   REPEATS                       runs of each setting (3)
+#   SERVING_REQUESTS              requests a run (512, as run_serving_gpu.sh)
+#   SKIP_SETUP=1                  the build and the wheels are already there (a warm machine)
+#
+# Here, once:   bench/fetch_serving_wheels.sh
+# On the H200:  run with carry=[".gpuwheels"]:  bash bench/run_serving_ab.sh [smollm2|llama3-8b]
+# (~90 s a SmolLM2 run after a ~3 min build: REPEATS=3 fits one 10-minute call.)
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+out="${OUT:-/tmp/pagedcore-serving-ab}"
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+shape="${1:-smollm2}"
+py="${PYTHON:-python3}"
+repeats="${REPEATS:-3}"
+requests="${SERVING_REQUESTS:-512}"
+t0=$SECONDS
+if [[ -x /usr/bin/g++ ]]; then
+  export CC=/usr/bin/gcc CXX=/usr/bin/g++ CUDAHOSTCXX=/usr/bin/g++
+fi
+if [[ -z "${SKIP_SETUP:-}" ]]; then
+  compgen -G ".gpuwheels/*.whl" >/dev/null || { echo "no .gpuwheels/*.whl: run bench/fetch_serving_wheels.sh"; exit 1; }
+  "$py" -m pip install -q --no-index --no-deps --target /tmp/pagedcore-site .gpuwheels/*.whl >"$out/wheels.log" 2>&1 \
+    || { tail -20 "$out/wheels.log"; exit 1; }
+  PAGEDCORE_CUDA=ON CMAKE_BUILD_PARALLEL_LEVEL=16 "$py" -m pip install -v --no-build-isolation --no-deps \
+    --break-system-packages -C cmake.define.PAGEDCORE_CUDA_ARCHITECTURES=90 . >"$out/build.log" 2>&1 \
+    || { tail -30 "$out/build.log"; exit 1; }
+  echo "built in $((SECONDS - t0)) s"
+fi
+export PYTHONPATH="/tmp/pagedcore-site${PYTHONPATH:+:$PYTHONPATH}"
+
+case "$shape" in
+  smollm2) flags=(--num-requests "$requests" --max-tokens 128 --prompt-len-median 200 --max-num-seqs 512); api=4 ;;
+  llama3-8b) flags=(--num-requests "$requests" --max-tokens 256 --prompt-len-median 300 --max-num-seqs 256); api=2 ;;
+  tiny) flags=(--num-requests "$requests" --max-tokens 16 --prompt-len-median 64 --max-num-seqs 64 --device cpu
+               --dtype float32); api=2 ;;
+  *) echo "unknown shape $shape"; exit 1 ;;
+esac
+base=(--shape "$shape" --dtype bfloat16 "${flags[@]}" --max-model-len 2048 --shared-prefix-len 512
+      --shared-prefix-fraction 0.5 --num-shared-prefixes 4 --client raw --client-processes 8
+      --request-rate 0.5x inf --server-arg=--api-server-count="$api" --offline)
+
+declare -A setting=([A]="${SERVING_AB_A-}" [B]="${SERVING_AB_B---server-arg=--mixed-prefill-lift-tokens=2048}")
+for ((i = 1; i <= repeats; i++)); do
+  for name in A B; do
+    args=() envs=()
+    for word in ${setting[$name]}; do
+      if [[ "$word" == ENV:* ]]; then envs+=("${word#ENV:}"); else args+=("$word"); fi
+    done
+    log="$out/${shape}_${name}_$i"
+    env ${envs[@]+"${envs[@]}"} timeout 300 "$py" bench/bench_serving.py "${base[@]}" ${args[@]+"${args[@]}"} \
+      --json "$log.json" >"$log.log" 2>&1
+    echo "== $name run $i (${setting[$name]:-defaults}): rc=$? at $((SECONDS - t0)) s"
+    grep -v "^INFO\|^DEBUG" "$log.log" | tail -n 2
+  done
+done
+
+"$py" - "$out" "$shape" "$repeats" "${setting[A]}" "${setting[B]}" <<'EOF'
+import json, os, statistics, sys
+
+out, shape, repeats, *names = sys.argv[1:]
+print(f"\n{shape}: online/offline at saturation, ITL p99 / median at 0.5x (targets >= 0.9, <= 2)")
+for label, name in zip("AB", names):
+    rows = []
+    for i in range(1, int(repeats) + 1):
+        path = os.path.join(out, f"{shape}_{label}_{i}.json")
+        if os.path.exists(path):
+            d = json.load(open(path))
+            half = d["runs"].get("0.5x", {})
+            rows.append((d.get("online_offline_ratio"), d.get("itl_p99_over_median_at_half"),
+                         half.get("median_itl_ms"), half.get("p99_itl_ms")))
+    if not rows:
+        print(f"  {label} ({name or 'defaults'}): no run finished")
+        continue
+    cells = ", ".join(f"{r:.3f} / {q:.2f} ({m:.2f} / {p:.2f} ms)" for r, q, m, p in rows if None not in (r, q, m, p))
+    ok = [r for r in rows if None not in r]
+    med = (f"; medians {statistics.median(r[0] for r in ok):.3f} / {statistics.median(r[1] for r in ok):.2f}"
+           if ok else "")
+    print(f"  {label} ({name or 'defaults'}): {cells}{med}")
+EOF
+echo "commit ${PAGEDCORE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo '?')}; $((SECONDS - t0)) s in all"
