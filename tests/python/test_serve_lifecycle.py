@@ -251,7 +251,7 @@ def test_serve_help_gives_every_flag_a_help_text_and_its_default(capsys) -> None
             current = None
     serve = next(a for a in cli.build_parser()._actions if isinstance(a, cli.argparse._SubParsersAction))
     actions = [a for a in serve.choices["serve"]._actions if a.option_strings and a.dest != "help"]
-    assert len(actions) == 34
+    assert len(actions) == 36
     for action in actions:
         block = re.sub(r"\s+", " ", blocks.get(action.option_strings[0], ""))
         # (a flag without a help text shows no default either)
