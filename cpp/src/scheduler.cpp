@@ -173,10 +173,11 @@ void Scheduler::schedule(int64_t step) {
   int32_t prefill_budget = budget;
   const size_t waiting = waiting_.size();
   const bool capped = waiting <= static_cast<size_t>(config_.mixed_prefill_max_waiting);
-  // (a queue over max_waiting: the lifted cap, while it holds, else the whole budget)
-  const int32_t cap = !capped && waiting <= static_cast<size_t>(config_.mixed_prefill_lift_max_waiting)
+  // (a queue over max_waiting: the lifted cap while it holds, else none: the whole budget)
+  const int32_t cap = capped ? config_.max_num_mixed_prefill_tokens
+                      : waiting <= static_cast<size_t>(config_.mixed_prefill_lift_max_waiting)
                           ? config_.mixed_prefill_lift_tokens
-                          : capped ? config_.max_num_mixed_prefill_tokens : 0;
+                          : 0;
   const int32_t per_cap = capped ? config_.mixed_prefill_waiting_per_cap : 0;
   if (config_.max_num_mixed_prefill_tokens > 0 && cap > 0) {
     const auto decode_rows = static_cast<int32_t>(
