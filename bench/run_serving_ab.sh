@@ -13,7 +13,7 @@
 #                                 an environment variable for the server goes in as
 #                                 ENV:NAME=VALUE (e.g. ENV:PAGEDCORE_MIXED_GRAPHS=1024)
 #   REPEATS                       runs of each setting (3)
-#   SERVING_REQUESTS              requests a run (512, as run_serving_gpu.sh)
+#   SERVING_REQUESTS              requests a run (default: the shape's, as run_serving_gpu.sh)
 #   SKIP_SETUP=1                  the build and the wheels are already there (a warm machine)
 #
 # Here, once:   bench/fetch_serving_wheels.sh
@@ -27,7 +27,7 @@ export PYTHONUNBUFFERED=1
 shape="${1:-smollm2}"
 py="${PYTHON:-python3}"
 repeats="${REPEATS:-3}"
-requests="${SERVING_REQUESTS:-512}"
+requests="${SERVING_REQUESTS:-}"
 t0=$SECONDS
 if [[ -x /usr/bin/g++ ]]; then
   export CC=/usr/bin/gcc CXX=/usr/bin/g++ CUDAHOSTCXX=/usr/bin/g++
@@ -43,16 +43,12 @@ if [[ -z "${SKIP_SETUP:-}" ]]; then
 fi
 export PYTHONPATH="/tmp/pagedcore-site${PYTHONPATH:+:$PYTHONPATH}"
 
-case "$shape" in
-  smollm2) flags=(--num-requests "$requests" --max-tokens 128 --prompt-len-median 200 --max-num-seqs 512); api=4 ;;
-  llama3-8b) flags=(--num-requests "$requests" --max-tokens 256 --prompt-len-median 300 --max-num-seqs 256); api=2 ;;
-  tiny) flags=(--num-requests "$requests" --max-tokens 16 --prompt-len-median 64 --max-num-seqs 64 --device cpu
-               --dtype float32); api=2 ;;
-  *) echo "unknown shape $shape"; exit 1 ;;
-esac
-base=(--shape "$shape" --dtype bfloat16 "${flags[@]}" --max-model-len 2048 --shared-prefix-len 512
-      --shared-prefix-fraction 0.5 --num-shared-prefixes 4 --client raw --client-processes 8
-      --request-rate 0.5x inf --server-arg=--api-server-count="$api" --offline)
+source bench/serving_workload.sh
+serving_workload "$shape" || { echo "unknown shape $shape"; exit 1; }
+# (run_serving_gpu.sh's several-process run; 8 client processes, as there; the last
+# --num-requests wins)
+base+=(--client-processes 8 --request-rate 0.5x inf --server-arg=--api-server-count="$api" --offline
+       ${requests:+--num-requests "$requests"})
 
 declare -A setting=([A]="${SERVING_AB_A-}" [B]="${SERVING_AB_B---server-arg=--mixed-prefill-lift-tokens=2048}")
 for ((i = 1; i <= repeats; i++)); do

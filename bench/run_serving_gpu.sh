@@ -68,22 +68,10 @@ for name in ('uvloop', 'httptools'):
   echo "built in $((SECONDS - t0)) s"
 fi
 
+source bench/serving_workload.sh
 declare -A status
 for shape in "${shapes[@]}"; do
-  streams=512
-  case "$shape" in
-    smollm2)  # 512 requests, own parts ~200 tokens, half behind 4 system prompts of 512; 128 out
-      flags=(--num-requests 512 --max-tokens 128 --prompt-len-median 200 --max-num-seqs 512) ;;
-    llama3-8b)  # 256 requests, own parts ~300 tokens, half behind 4 system prompts of 512; 256 out
-      flags=(--num-requests 256 --max-tokens 256 --prompt-len-median 300 --max-num-seqs 256) ;;
-    tiny)  # the script's own dry run on a CPU
-      flags=(--num-requests 32 --max-tokens 16 --prompt-len-median 64 --max-num-seqs 64 --device cpu
-             --dtype float32)
-      streams=32 ;;
-    *) echo "unknown shape $shape"; continue ;;
-  esac
-  base=(--shape "$shape" --dtype bfloat16 "${flags[@]}" --max-model-len 2048 --shared-prefix-len 512
-        --shared-prefix-fraction 0.5 --num-shared-prefixes 4 --client raw --client-processes 4)
+  serving_workload "$shape" || { echo "unknown shape $shape"; continue; }
   common=("${base[@]}" --request-rate 0.5x inf)
   # The server with its engine in a process of its own: every check.
   echo "== $shape, --engine-process ($((SECONDS - t0)) s)"
@@ -100,8 +88,7 @@ for shape in "${shapes[@]}"; do
     # reused), then half of that saturation: one HTTP process is the bound of the SmolLM2 shape's
     # saturation, and at half of it that process is 80-90% busy (its loop's lag, not the engine,
     # is the rest of the inter-token tail at 9f29c1f).
-    api="${SERVING_API_SERVERS:-}"
-    [[ -z "$api" ]] && { [[ "$shape" == llama3-8b ]] && api=2 || api=4; }
+    api="${SERVING_API_SERVERS:-$api}"
     if [[ "$api" != 0 ]]; then
       echo "== $shape, --api-server-count $api, saturation and 0.5x ($((SECONDS - t0)) s)"
       # (8 client processes: at SmolLM2's rate 4 of them would be the bottleneck, ~44 us of CPU a token)
