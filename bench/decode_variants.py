@@ -33,6 +33,10 @@ share one set of tensors, and their graphs are replayed in turn, five rounds.
   PAGEDCORE_DECODE_TMA_SKEW   every warp's boxes without each tile's barrier, a stage refilled
                               once every warp arrived on its empty mbarrier (1, default), or
                               behind each tile's barrier (0)
+  PAGEDCORE_DECODE_CLUSTER    (a trial) rows under 512 keys shared by clusters of 4 or 8 CTAs,
+                              merged through distributed shared memory, in deep launches over
+                              16-bit caches that fit one wave with them (0: off, default);
+                              PAGEDCORE_DECODE_CLUSTER_ASYNC=1: the merge's stores by st.async
   PAGEDCORE_ATTN_PAD          staged K/V rows swizzled (0, default over 16-bit caches at head
                               dim 128: each 32-byte sector of the cache lands whole in shared
                               memory) or padded by 16 bytes (16, as elsewhere but head dim
@@ -85,10 +89,17 @@ VARIANTS = (
     ("tma L2 256B", {"PAGEDCORE_DECODE_TMA_L2": "256"}),
     ("tma warp 0 issue", {"PAGEDCORE_DECODE_TMA_SPREAD": "0"}),
     ("tma tile barrier", {"PAGEDCORE_DECODE_TMA_SKEW": "0"}),
+    ("cluster 4", {"PAGEDCORE_DECODE_CLUSTER": "4"}),
+    ("cluster 8", {"PAGEDCORE_DECODE_CLUSTER": "8"}),
+    ("cluster 4 async", {"PAGEDCORE_DECODE_CLUSTER": "4", "PAGEDCORE_DECODE_CLUSTER_ASYNC": "1"}),
+    ("cluster 8 async", {"PAGEDCORE_DECODE_CLUSTER": "8", "PAGEDCORE_DECODE_CLUSTER_ASYNC": "1"}),
 )
 # (name, batch, keys, heads, kv heads, head dim, fp8, graph plan length or 0)
 CASES = (
+    ("B=1 L=16", 1, 16, 32, 8, 128, False, 0),
+    ("B=1 L=128", 1, 128, 32, 8, 128, False, 0),
     ("B=1 L=256", 1, 256, 32, 8, 128, False, 0),
+    ("B=1 L=400", 1, 400, 32, 8, 128, False, 0),
     ("B=1 L=512", 1, 512, 32, 8, 128, False, 0),
     ("B=1 L=1k", 1, 1024, 32, 8, 128, False, 0),
     ("B=1 L=4k", 1, 4096, 32, 8, 128, False, 0),

@@ -141,6 +141,12 @@ constexpr int kOnePassMerge = 4;
 // f9d4d41, one alternating run, us, warp 0 -> every warp): fp8 B=64 L=4k 143.9
 // -> 141.8, B=512 L=4k one kv head 143.2 -> 138.9.
 constexpr int kTmaSpread = 16;
+// kClusterAsync (CLUSTER launches; PAGEDCORE_DECODE_CLUSTER_ASYNC=1): the
+// pushes by st.async, each completing its bytes on the owner's mbarrier, which
+// the owner waits for, instead of the cluster barrier's release (a GPU-scope
+// MEMBAR in every thread on sm_90) and acquire; a relaxed cluster barrier
+// before the exit keeps every CTA until the last push has landed.
+constexpr int kClusterAsync = 32;
 // The kernel's TMA: 0 (cp.async), 1 (the boxes issued by warp 0 or, with
 // kTmaSpread, by every warp, each tile behind a barrier of the CTA) or
 // kTmaSkew (the default; PAGEDCORE_DECODE_TMA_SKEW=0 for 1): the four warps
@@ -172,6 +178,95 @@ __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool v
 
 __device__ __forceinline__ void prefetch_l2(const void* p) {
   asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p));
+}
+
+// ---- Thread-block clusters for short decode rows (the kernel's CLUSTER; sm_90) ----
+//
+// A decode row that one CTA would take alone (merge::decode_active_splits
+// gives 1: under 512 keys) is shared by the CLUSTER CTAs of one cluster along
+// the grid's z (cluster dims 1 x 1 x CLUSTER): each takes a CLUSTER-th of the
+// keys, merges its warps as an unsplit CTA does, then pushes each (vector,
+// four dims) item's partial, and each vector's (max, sum), into the shared
+// memory of the CTA that owns the item (rank item % CLUSTER) with remote
+// stores; one cluster barrier later every owner folds its items' CLUSTER
+// partials and writes them out. No partials in global memory, no counter, no
+// fence: a split of batch 1 costs ~2.5 us that way (the one-pass merge). The
+// receive buffer lies past the stages, which a peer may still be using when
+// the pushes arrive. (A cluster merge tried at 5afe504 lost, 9.2 / 11.6 against
+// 8.5 us at B=1 L=256: one CTA pulled every peer's warp shares by remote loads,
+// a loop of dependent round trips, while the others waited.)
+__device__ __forceinline__ void cluster_arrive_relaxed() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void cluster_arrive() {  // (release: this CTA's stores before)
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.arrive.aligned;\n" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void cluster_wait() {  // (acquire: the peers' stores before their arrive)
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");
+#endif
+}
+
+// The address of the shared variable at `addr` in the CTA of cluster rank `rank`.
+__device__ __forceinline__ uint32_t cluster_map(uint32_t addr, int rank) {
+  uint32_t out = addr;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(out) : "r"(addr), "r"(rank));
+#endif
+  return out;
+}
+
+__device__ __forceinline__ void cluster_store(uint32_t addr, float4 v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("st.shared::cluster.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "f"(v.x), "f"(v.y), "f"(v.z),
+               "f"(v.w)
+               : "memory");
+#endif
+}
+
+__device__ __forceinline__ void cluster_store(uint32_t addr, float2 v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("st.shared::cluster.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(v.x), "f"(v.y) : "memory");
+#endif
+}
+
+// st.async: the store completes its bytes on the mbarrier at `bar` (a
+// mapped address of the destination CTA's barrier).
+__device__ __forceinline__ void cluster_store_async(uint32_t addr, float4 v, uint32_t bar) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [%0], {%1, %2, %3, %4}, [%5];\n" ::"r"(addr),
+               "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w), "r"(bar)
+               : "memory");
+#endif
+}
+
+__device__ __forceinline__ void cluster_store_async(uint32_t addr, float2 v, uint32_t bar) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.f32 [%0], {%1, %2}, [%3];\n" ::"r"(addr),
+               "f"(v.x), "f"(v.y), "r"(bar)
+               : "memory");
+#endif
+}
+
+// Items (a vector's four dims) of a decode row that each owner receives from
+// each CTA of its cluster, and the receive buffer's bytes: those items'
+// float4s from every CTA, then every CTA's (max, sum) per vector, then the
+// mbarrier of kClusterAsync (16 bytes).
+template <int HD, int CLUSTER>
+__host__ __device__ constexpr int cluster_slots() {
+  return kAttentionDecodeVectors * (HD / 4) / CLUSTER;
+}
+template <int HD, int CLUSTER>
+__host__ __device__ constexpr size_t cluster_recv_bytes() {
+  return CLUSTER > 1
+             ? static_cast<size_t>(CLUSTER) * (cluster_slots<HD, CLUSTER>() * 16 + kAttentionDecodeVectors * 8) + 16
+             : 0;
 }
 
 // ---- TMA for decode (PAGEDCORE_DECODE_TMA; sm_90 and later) ----
@@ -335,8 +430,12 @@ constexpr int kCvtIntK = 1, kCvtIntV = 2, kCvtInt = kCvtIntK | kCvtIntV;
 // hold anything there), and V is widened by integer operations (VINT), which
 // make every byte finite, so that P = 0 times them is 0. Rows past the
 // range's last block are left as they were (stale bytes, masked alike).
+//
+// CLUSTER (a trial, PAGEDCORE_DECODE_CLUSTER; decode, not TMA): launched in
+// clusters of CLUSTER CTAs along z, which share each row that would run
+// unsplit (above, "Thread-block clusters").
 template <typename T, typename CT, int HD, bool DECODE, int STAGES, int CVT, int KT = kTileKeys, int PAD = 16,
-          bool KM = false, int TMA = 0>
+          bool KM = false, int TMA = 0, int CLUSTER = 1>
 __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarps)
     mma_attention_kernel(PagedAttentionParams p, int flags, const __grid_constant__ DecodeMaps<TMA != 0> maps) {
   constexpr int kWarps = DECODE ? kDecodeWarps : kPrefillWarps;
@@ -354,6 +453,8 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
   static_assert(!KM || (DECODE && HD % 32 == 0), "keys in M: decode, head dims of whole 32s");
   static_assert(!TMA || (KM && FP8 && HD == 128 && PAD == 0 && (CVT & kCvtIntV) != 0 && KT <= 128),
                 "TMA: fp8 keys in M at head dim 128, swizzled rows, V widened by integer operations");
+  static_assert(CLUSTER == 1 || (DECODE && !TMA && (CLUSTER & (CLUSTER - 1)) == 0 && CLUSTER <= 8),
+                "clusters: decode without TMA, 2, 4 or 8 CTAs");
   auto soff = [](int r, int b) { return staged_offset<PAD>(r, b, SROW); };
   constexpr int WK = DECODE ? KT / kWarps : KT;                      // keys per warp per tile
   constexpr int KSTEPS = HD / 16;
@@ -387,6 +488,15 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
     }
     // (the chunk loop's first __syncthreads orders the inits before any use)
   }
+  // CLUSTER: the receive buffer past the stages. Item i's partial goes to rank
+  // i % CLUSTER, slot i / CLUSTER (from this CTA: row `split` of slots), each
+  // vector's (max in log2 units, sum) to every rank (row `split` of pairs);
+  // kClusterAsync: the mbarrier their bytes complete on.
+  constexpr int kSlots = cluster_slots<HD, CLUSTER>();
+  float4* s_recv = reinterpret_cast<float4*>(stages + kStages * 2 * KT * SROW);
+  float2* s_pairs = reinterpret_cast<float2*>(s_recv + CLUSTER * kSlots);
+  const uint32_t recv_bar = smem_addr(s_pairs + CLUSTER * kAttentionDecodeVectors);
+  const bool cluster_async = CLUSTER > 1 && (flags & kClusterAsync) != 0;
   const bool early = DECODE && (flags & kEarlyMeta) != 0;
   const bool spread = (TMA == 1 && (flags & kTmaSpread) != 0) || kSkew;
   if (!early) pdl_wait();  // (the queries and this step's keys come from the kernel before)
@@ -402,11 +512,33 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
   const int lane = threadIdx.x % 32;
   const int group = p.num_heads / p.num_kv_heads;
   int row, t0, tile_tokens, splits;
+  bool in_cluster = false;  // (CLUSTER) the row's keys shared by the cluster's CTAs
   if constexpr (DECODE) {
     row = p.decode_seq[work];
     t0 = 0;
     splits = merge::decode_active_splits(p, merge::decode_keys(p, row));
+    // (CLUSTER: a row of one split takes the first cluster's CTAs, each a
+    // CLUSTER-th of its keys; what the merges outside see of it is unchanged,
+    // one split that wrote its output itself)
+    if constexpr (CLUSTER > 1) {
+      in_cluster = splits == 1;
+      if (in_cluster) splits = CLUSTER;
+    }
     if (split >= splits) return;  // a short row: fewer splits than planned
+    if (in_cluster) {
+      if (cluster_async && threadIdx.x == 0) {
+        // The bytes this CTA receives: its items' partials and every vector's
+        // pair, from each CTA of the cluster.
+        const int vectors = (p.query_start_loc[row + 1] - p.query_start_loc[row]) * (p.num_heads / p.num_kv_heads);
+        const int items = vectors * (HD / 4);
+        const int owned = items > split ? (items - split + CLUSTER - 1) / CLUSTER : 0;
+        tma_mbar_init(recv_bar, 1);  // (with the fence that shows its init to the cluster)
+        tma_expect_bytes(recv_bar, static_cast<uint32_t>(CLUSTER * (owned * 16 + vectors * 8)));
+      }
+      // (every CTA of the cluster has started, and its mbarrier is set, before
+      // the first remote store: the wait before the pushes)
+      cluster_arrive_relaxed();
+    }
   } else {
     row = p.work_seq[work];
     t0 = p.work_q_start[work];
@@ -1076,6 +1208,9 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
       }
     }
     __syncthreads();
+    if constexpr (CLUSTER > 1) {
+      if (in_cluster) cluster_wait();
+    }
     // Four consecutive dims of one vector a thread: the warps' weights once per
     // four outputs, 16-byte shared loads.
     static_assert(HD % 4 == 0, "four dims a thread");
@@ -1106,6 +1241,26 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
                  (static_cast<int64_t>(q_begin + h / group) * p.num_heads + kv_head * group + h % group) * HD + d;
         store_pair(dst, num[0] * inv, num[1] * inv);
         store_pair(dst + 2, num[2] * inv, num[3] * inv);
+      } else if (CLUSTER > 1 && in_cluster) {
+        const int owner = i % CLUSTER;
+        const uint32_t dst = cluster_map(smem_addr(s_recv + split * kSlots + i / CLUSTER), owner);
+        const float4 part = make_float4(num[0] * inv, num[1] * inv, num[2] * inv, num[3] * inv);
+        if (cluster_async) {
+          cluster_store_async(dst, part, cluster_map(recv_bar, owner));
+        } else {
+          cluster_store(dst, part);
+        }
+        if (d == 0) {
+#pragma unroll
+          for (int r = 0; r < CLUSTER; ++r) {
+            const uint32_t pair = cluster_map(smem_addr(s_pairs + split * kAttentionDecodeVectors + h), r);
+            if (cluster_async) {
+              cluster_store_async(pair, make_float2(gmax, den), cluster_map(recv_bar, r));
+            } else {
+              cluster_store(pair, make_float2(gmax, den));
+            }
+          }
+        }
       } else {
         const int64_t slot =
             ((static_cast<int64_t>(work) * p.num_kv_heads + kv_head) * p.decode_splits + split) *
@@ -1116,6 +1271,52 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
           p.decode_partial_lse[2 * slot] = gmax * kLn2;
           p.decode_partial_lse[2 * slot + 1] = den;
         }
+      }
+    }
+    if constexpr (CLUSTER > 1) {
+      if (in_cluster) {
+        if (cluster_async) {
+          tma_wait(recv_bar, 0);     // every CTA's pushes into this one have landed
+          cluster_arrive_relaxed();  // (the exit's barrier, awaited after the merge)
+        } else {
+          cluster_arrive();  // this CTA's pushes are done
+          cluster_wait();    // every CTA's pushes into this one have landed
+        }
+        // This CTA's items (i = CLUSTER j + split): the CLUSTER partials folded
+        // by a running maximum; a partial without keys (sum 0) dropped by
+        // selects, in case it holds anything but a finite number.
+        const int items = num_vectors * (HD / 4);
+        for (int j = threadIdx.x; j * CLUSTER + split < items; j += kThreads) {
+          const int i = j * CLUSTER + split;
+          const int h = i / (HD / 4);
+          const int d = i % (HD / 4) * 4;
+          float mx = -FLT_MAX, total = 0.f;
+          float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+          for (int r = 0; r < CLUSTER; ++r) {
+            const float2 ml = s_pairs[r * kAttentionDecodeVectors + h];
+            const float4 x = s_recv[r * kSlots + j];
+            const bool use = ml.y > 0.f;
+            const float m_new = use ? fmaxf(mx, ml.x) : mx;
+            const float c = exp2f(mx - m_new);
+            const float w = use ? ml.y * exp2f(ml.x - m_new) : 0.f;
+            acc.x = acc.x * c + (use ? w * x.x : 0.f);
+            acc.y = acc.y * c + (use ? w * x.y : 0.f);
+            acc.z = acc.z * c + (use ? w * x.z : 0.f);
+            acc.w = acc.w * c + (use ? w * x.w : 0.f);
+            total = total * c + w;
+            mx = m_new;
+          }
+          const float inv = total > 0.f ? 1.f / total : 0.f;
+          T* dst = static_cast<T*>(p.out) +
+                   (static_cast<int64_t>(q_begin + h / group) * p.num_heads + kv_head * group + h % group) * HD + d;
+          store_pair(dst, acc.x * inv, acc.y * inv);
+          store_pair(dst + 2, acc.z * inv, acc.w * inv);
+        }
+        // (kClusterAsync: no CTA leaves before every CTA has received all its
+        // pushes, so that no st.async is in flight from or to an exited CTA)
+        if (cluster_async) cluster_wait();
+        return;  // (no peer reads or writes this CTA's shared memory after the barrier)
       }
     }
   } else {
@@ -1173,7 +1374,7 @@ int env_int(const char* name, int fallback) {
 }
 
 template <typename T, typename CT, int HD, bool DECODE, int STAGES, int CVT, int KT = kTileKeys, int PAD = 16,
-          bool KM = false, int TMA = 0>
+          bool KM = false, int TMA = 0, int CLUSTER = 1>
 int launch_variant(const PagedAttentionParams& p, cudaStream_t stream, int flags = 0,
                    const DecodeMaps<TMA != 0>& maps = DecodeMaps<TMA != 0>{}) {
   if constexpr (DECODE && PAD == 16 && HD == 128 && sizeof(CT) == 2) {
@@ -1185,13 +1386,14 @@ int launch_variant(const PagedAttentionParams& p, cudaStream_t stream, int flags
         smem_bytes<CT, HD, STAGES, KT, 0>() - kTable * 4 >= (kDecodeWarps * 16 * HD + 2 * kDecodeWarps * 16) * 4;
     if constexpr (kSwizzleFits) {
       if (env_int("PAGEDCORE_ATTN_PAD", 0) == 0) {
-        return launch_variant<T, CT, HD, DECODE, STAGES, CVT, KT, 0, KM>(p, stream, flags);
+        return launch_variant<T, CT, HD, DECODE, STAGES, CVT, KT, 0, KM, TMA, CLUSTER>(p, stream, flags);
       }
     }
   }
-  constexpr size_t smem = TMA ? tma_smem_bytes<CT, HD, STAGES, KT>() : smem_bytes<CT, HD, STAGES, KT, PAD>();
+  constexpr size_t smem = (TMA ? tma_smem_bytes<CT, HD, STAGES, KT>() : smem_bytes<CT, HD, STAGES, KT, PAD>()) +
+                          cluster_recv_bytes<HD, CLUSTER>();
   constexpr int threads = DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarps;
-  auto* kernel = mma_attention_kernel<T, CT, HD, DECODE, STAGES, CVT, KT, PAD, KM, TMA>;
+  auto* kernel = mma_attention_kernel<T, CT, HD, DECODE, STAGES, CVT, KT, PAD, KM, TMA, CLUSTER>;
   static bool configured = false;  // NOTE: per instantiation; raising the limit is idempotent
   if (!configured) {
     const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
@@ -1201,8 +1403,14 @@ int launch_variant(const PagedAttentionParams& p, cudaStream_t stream, int flags
   const int items = DECODE ? p.num_decode : p.num_work;
   const int splits = DECODE ? p.decode_splits : p.num_splits;
   if (items > 65535) return cudaErrorInvalidConfiguration;
-  const cudaError_t e =
-      launch_pdl(kernel, dim3(p.num_kv_heads, items, splits), dim3(threads), smem, stream, p, flags, maps);
+  cudaError_t e;
+  if constexpr (CLUSTER > 1) {  // (the splits rounded up to whole clusters)
+    const int z = ((splits > 1 ? splits : 1) + CLUSTER - 1) / CLUSTER * CLUSTER;
+    e = launch_pdl_cluster(kernel, dim3(p.num_kv_heads, items, z), dim3(1, 1, CLUSTER), dim3(threads), smem, stream,
+                           p, flags, maps);
+  } else {
+    e = launch_pdl(kernel, dim3(p.num_kv_heads, items, splits), dim3(threads), smem, stream, p, flags, maps);
+  }
   if (e != cudaSuccess || splits == 1 || (DECODE ? p.decode_split_counters : p.split_counters) != nullptr) return e;
   return merge_attention_splits(p, DECODE, stream);
 }
@@ -1366,6 +1574,14 @@ bool encode_decode_maps(const PagedAttentionParams& p, DecodeMaps<true>& maps, i
 //     zeroed), deep and shallow: B=1 L=256 5.4 -> 7.8, L=4k 9.3 -> 11.3, B=64
 //     L=4k 247.0 -> 258.0, 8B B=1 L=160 graph plan 4.8 -> 6.6; and NaN outputs in
 //     its tests on split rows, cause not found.
+//   PAGEDCORE_DECODE_CLUSTER=C (4 or 8; -C: an error where not served)  deep
+//     launches over 16-bit caches at head dims 64 and 128 whose CTAs, the
+//     splits rounded up to clusters of C, fit one wave: a row that would run
+//     unsplit (under 512 keys) is shared by C CTAs of a cluster, merged through
+//     distributed shared memory ("Thread-block clusters" above); with
+//     PAGEDCORE_DECODE_CLUSTER_ASYNC=1 the pushes by st.async on the owners'
+//     mbarriers (kClusterAsync). A trial for issue 13's B=1 L=256 (5.3-5.5 us
+//     against <= 4; a row of 64 keys alone takes 3.3).
 //   PAGEDCORE_DECODE_MERGE  how a split row's last CTA merges. Unset (or 1):
 //     merge::count_and_merge_decode, one thread's fences instead of every
 //     thread's, the (max, sum) pairs and partials loaded in one pass; =0:
@@ -1488,6 +1704,24 @@ int launch_decode(const PagedAttentionParams& p, cudaStream_t stream, int flags,
     }
   }
   if (deep) {
+    if constexpr (!FP8 && (HD == 64 || HD == 128)) {
+      // PAGEDCORE_DECODE_CLUSTER=C (4 or 8; a trial, off by default): rows of one
+      // split shared by clusters of C CTAs, where the launch's CTAs (the splits
+      // rounded up to whole clusters) fit one wave of one an SM on compute
+      // capability 9.0 and up; -C: an error where it does not serve (tests).
+      const int cluster = env_int("PAGEDCORE_DECODE_CLUSTER", 0);
+      if (cluster != 0) {
+        const int c = cluster < 0 ? -cluster : cluster;
+        const int z = ((p.decode_splits > 1 ? p.decode_splits : 1) + c - 1) / c * c;
+        const int64_t ctas = static_cast<int64_t>(p.num_kv_heads) * p.num_decode * z;
+        if ((c == 4 || c == 8) && compute_capability() >= 90 && ctas <= multiprocessor_count()) {
+          const int f = flags | (env_int("PAGEDCORE_DECODE_CLUSTER_ASYNC", 0) != 0 ? kClusterAsync : 0);
+          return c == 4 ? launch_variant<T, CT, HD, true, deep_stages<HD>(), 0, kTileKeys, 16, false, 0, 4>(p, stream, f)
+                        : launch_variant<T, CT, HD, true, deep_stages<HD>(), 0, kTileKeys, 16, false, 0, 8>(p, stream, f);
+        }
+        if (cluster < 0) return cudaErrorNotSupported;
+      }
+    }
     return fast ? launch_variant<T, CT, HD, true, deep_stages<HD>(), kCvt, kTileKeys>(p, stream, flags)
                 : launch_variant<T, CT, HD, true, deep_stages<HD>(), 0, kTileKeys>(p, stream, flags);
   }

@@ -178,11 +178,13 @@ def test_decode_rows_shorter_than_the_graph_plan(monkeypatch, dtype, window, fp8
     {"PAGEDCORE_DECODE_WGMMA": "1", "PAGEDCORE_DECODE_DEEP_CTAS": "0"},
     {"PAGEDCORE_DECODE_MERGE": "0"},
     {"PAGEDCORE_DECODE_MERGE": "0", "PAGEDCORE_DECODE_DEEP_CTAS": "0"},
+    {"PAGEDCORE_DECODE_CLUSTER": "4"},
+    {"PAGEDCORE_DECODE_CLUSTER": "8", "PAGEDCORE_DECODE_CLUSTER_ASYNC": "1"},
 ], ids=["shallow", "deep", "fp8-cvt", "early-off-narrow-fp8", "early-meta-fp8-deep", "early-l2", "two-an-sm",
         "padded", "padded-deep", "narrow-d64", "fp8-int", "fp8-all-cvt-wide", "keys-in-m", "keys-in-m-deep",
         "keys-in-m-padded", "keys-in-m-fp8-all-cvt", "keys-in-m-fp8-int",
         "keys-in-m-off", "tma-off", "tma-l2-256", "tma-warp0-issue", "tma-tile-barrier", "fp8-wgmma",
-        "two-pass-merge", "two-pass-merge-shallow"])
+        "two-pass-merge", "two-pass-merge-shallow", "cluster-4", "cluster-8-async"])
 def test_decode_kernel_variants(monkeypatch, env):
     # The decode kernel's pipelines (three tiles in flight, or five for launches of few
     # CTAs), fp8 widenings (integer operations, or the cvt unit), the lengths and first
@@ -210,7 +212,9 @@ def test_decode_kernel_variants(monkeypatch, env):
     # default refills a stage once every warp arrived on its empty mbarrier);
     # "fp8-wgmma": fp8 decode at head dim 128 with bf16
     # queries on e4m3 wgmma (attention_decode_wgmma.cu; opt-in); "two-pass-merge*": a split
-    # row's last CTA merging by count_and_merge (the default merges by count_and_merge_decode).
+    # row's last CTA merging by count_and_merge (the default merges by count_and_merge_decode);
+    # "cluster-*": rows under 512 keys shared by clusters of CTAs where the launch fits
+    # (the trial PAGEDCORE_DECODE_CLUSTER; test_decode_cluster_rows forces it).
     # (The split rule PAGEDCORE_DECODE_BALANCE only changes a plan's split count:
     # test_mixed_graph_plan.py.)
     for name, value in env.items():
@@ -284,6 +288,33 @@ def test_decode_after_the_cache_write_in_flight(dtype):
             atol, rtol = TOLERANCE[dtype]
             assert torch.allclose(got, want, atol=atol, rtol=rtol), (
                 f"step {s} row {r} (length {n + s + 1}): max error {(got - want).abs().max().item():.3g}")
+
+
+@pytest.mark.parametrize("mode", ["barrier", "async"])
+@pytest.mark.parametrize("cluster", [4, 8])
+def test_decode_cluster_rows(monkeypatch, cluster, mode):
+    # The trial PAGEDCORE_DECODE_CLUSTER (-C: an error, not another kernel, where it cannot
+    # run): a decode row that one CTA would take alone (under 512 keys) shared by a
+    # cluster of C CTAs, each a C-th of its keys, merged through distributed shared memory
+    # (remote stores behind the cluster barrier, or st.async completing on the owners'
+    # mbarriers); longer rows of the same launch split as before. Rows of fewer keys than
+    # C (CTAs without keys), around the tile and split edges, windows, soft caps, rows of a
+    # few queries (8-16 vectors), head dims 64 and 128, bf16 and fp16, block sizes 16 and
+    # 128, eager plans (no split planned) and the decode graphs' (8 planned; the launch
+    # must fit one wave of one CTA an SM with its splits rounded up to whole clusters).
+    monkeypatch.setenv("PAGEDCORE_DECODE_CLUSTER", str(-cluster))
+    monkeypatch.setenv("PAGEDCORE_DECODE_CLUSTER_ASYNC", "1" if mode == "async" else "0")
+    for n in (1, 3, 7, 64, 65, 255, 256, 511, 512, 3000):
+        run_cuda([(1, n)], block_size=16, head_dim=128, group=4, dtype=torch.bfloat16, repeat=2)
+    lengths = [1, 5, 130, 256, 400, 511, 513, 1500]  # (8 rows x 2 kv heads: 8 splits planned)
+    for block_size in (16, 128):
+        for window in (0, 100):
+            run_cuda([(1, n) for n in lengths], block_size=block_size, head_dim=128, group=4, dtype=torch.bfloat16,
+                     window=window, graph_plan_len=8192, repeat=2)
+    run_cuda([(1, n) for n in (1, 9, 100, 300, 511)], block_size=16, head_dim=64, group=3, dtype=torch.float16,
+             num_kv_heads=3, softcap=3.0)
+    run_cuda([(2, 100), (4, 300), (3, 200), (1, 20)], block_size=16, head_dim=128, group=4, dtype=torch.float16)
+    run_cuda([(2, 100), (2, 40)], block_size=16, head_dim=128, group=8, dtype=torch.bfloat16, window=50)
 
 
 @pytest.mark.parametrize("kernel", ["wgmma", "mma", "mma-warp0-issue", "mma-tile-barrier"])
