@@ -287,6 +287,25 @@ def test_decode_splits_plan_one_wave_where_it_fills_the_gpu(monkeypatch, blocks,
     assert planning._decode_splits(blocks, longest, 132) == planning._splits(blocks, longest, 132, 256)
 
 
+@pytest.mark.parametrize("cluster, blocks, longest, expect", [
+    ("8", 3, 8192, 40),    # SmolLM2's one row: 44 an SM, 40 in whole clusters of 8 (48 would not fit)
+    ("4", 3, 8192, 44),
+    ("-8", 3, 8192, 40),   # (the tests' -C: the same plan)
+    ("8", 8, 8192, 16),    # the 8B shape's one row: whole clusters already
+    ("8", 8, 600, 8),      # 9 splits of >= 64 keys
+    ("8", 8, 511, 1),      # under 512 keys: unsplit (the kernel's cluster shares the row)
+    ("8", 26, 32768, 5),   # fewer than a cluster: as planned (the launch does not fit one wave)
+    ("0", 3, 8192, 44),
+])
+def test_decode_splits_of_the_cluster_trial_are_whole_clusters(monkeypatch, cluster, blocks, longest,
+                                                               expect) -> None:
+    # PAGEDCORE_DECODE_CLUSTER=C rounds a launch's splits up to whole clusters; one-wave
+    # plans are rounded down to them instead, so that such a launch still fits one wave.
+    monkeypatch.delenv("PAGEDCORE_DECODE_ONE_WAVE", raising=False)
+    monkeypatch.setenv("PAGEDCORE_DECODE_CLUSTER", cluster)
+    assert planning._decode_splits(blocks, longest, 132) == expect
+
+
 @pytest.mark.parametrize("blocks, longest, expect", [
     (192, 1024, 2),    # SmolLM2's B=64 (3 kv heads): 60 SMs would run two rows, 72 one
     (132, 8192, 2),    # one CTA an SM exactly: halves, two an SM

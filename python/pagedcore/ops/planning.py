@@ -102,6 +102,11 @@ def _decode_split_chunk() -> int:
     return int(os.environ.get("PAGEDCORE_DECODE_SPLIT_KEYS", "0") or 0) or 64
 
 
+def _decode_cluster() -> int:
+    """CTAs a cluster of the decode trial PAGEDCORE_DECODE_CLUSTER (read per call; 0: off)."""
+    return abs(int(os.environ.get("PAGEDCORE_DECODE_CLUSTER", "0") or 0))
+
+
 def _splits(blocks: int, longest: int, sms: int, split_keys: int = 256) -> int:
     # Split keys when the blocks alone leave most multiprocessors idle.
     if blocks >= sms or longest < 2 * split_keys:
@@ -134,7 +139,11 @@ def _decode_splits(blocks: int, longest: int, sms: int) -> int:
     if os.environ.get("PAGEDCORE_DECODE_ONE_WAVE", "1") != "0" and blocks < sms and longest >= 2 * _DECODE_SPLIT_KEYS:
         per_sm = sms // blocks
         if blocks * per_sm >= 0.8 * sms:
-            return int(max(1, min(per_sm, longest // _decode_split_chunk(), 64)))
+            splits = int(max(1, min(per_sm, longest // _decode_split_chunk(), 64)))
+            # (the decode trial's launch rounds its splits up to whole clusters, which
+            # must still fit one wave: a whole number of clusters here)
+            cluster = _decode_cluster()
+            return splits - splits % cluster if 1 < cluster < splits else splits
     if (os.environ.get("PAGEDCORE_DECODE_BALANCE", "0") == "1" and sms <= blocks <= 1.5 * sms
             and longest >= 2 * _DECODE_SPLIT_KEYS):
         # One to 1.5 CTAs an SM: some SMs would run two rows' CTAs where others run
