@@ -33,10 +33,12 @@ share one set of tensors, and their graphs are replayed in turn, five rounds.
   PAGEDCORE_DECODE_TMA_SKEW   every warp's boxes without each tile's barrier, a stage refilled
                               once every warp arrived on its empty mbarrier (1, default), or
                               behind each tile's barrier (0)
-  PAGEDCORE_DECODE_CLUSTER    (a trial) rows under 512 keys shared by clusters of 4 or 8 CTAs,
-                              merged through distributed shared memory, in deep launches over
-                              16-bit caches that fit one wave with them (0: off, default);
-                              PAGEDCORE_DECODE_CLUSTER_ASYNC=1: the merge's stores by st.async
+  PAGEDCORE_DECODE_CLUSTER    (a trial) rows under 512 keys, and split rows of at most
+                              C x PAGEDCORE_DECODE_CLUSTER_KEYS keys (default 128), shared by
+                              clusters of C = 4 or 8 CTAs, merged through distributed shared
+                              memory, in deep launches over 16-bit caches that fit one wave with
+                              them (0: off, default); PAGEDCORE_DECODE_CLUSTER_ASYNC=1: the
+                              merge's stores by st.async
   PAGEDCORE_ATTN_PAD          staged K/V rows swizzled (0, default over 16-bit caches at head
                               dim 128: each 32-byte sector of the cache lands whole in shared
                               memory) or padded by 16 bytes (16, as elsewhere but head dim
@@ -93,6 +95,8 @@ VARIANTS = (
     ("cluster 8", {"PAGEDCORE_DECODE_CLUSTER": "8"}),
     ("cluster 4 async", {"PAGEDCORE_DECODE_CLUSTER": "4", "PAGEDCORE_DECODE_CLUSTER_ASYNC": "1"}),
     ("cluster 8 async", {"PAGEDCORE_DECODE_CLUSTER": "8", "PAGEDCORE_DECODE_CLUSTER_ASYNC": "1"}),
+    ("cluster 8 unsplit rows", {"PAGEDCORE_DECODE_CLUSTER": "8", "PAGEDCORE_DECODE_CLUSTER_KEYS": "0"}),
+    ("cluster 8 to 2k keys", {"PAGEDCORE_DECODE_CLUSTER": "8", "PAGEDCORE_DECODE_CLUSTER_KEYS": "256"}),
 )
 # (name, batch, keys, heads, kv heads, head dim, fp8, graph plan length or 0)
 CASES = (

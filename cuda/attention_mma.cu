@@ -147,6 +147,13 @@ constexpr int kTmaSpread = 16;
 // MEMBAR in every thread on sm_90) and acquire; a relaxed cluster barrier
 // before the exit keeps every CTA until the last push has landed.
 constexpr int kClusterAsync = 32;
+// flags >> kClusterKeysShift (CLUSTER launches; PAGEDCORE_DECODE_CLUSTER_KEYS /
+// 64): a row that would run in splits (512 keys and more) is shared by the
+// cluster too while its keys are at most CLUSTER times that many 64-key tiles
+// (0: only rows that would run unsplit); where the launch merges its splits in
+// the kernel (the counters set), so that no merge kernel looks for partials
+// of it.
+constexpr int kClusterKeysShift = 8;
 // The kernel's TMA: 0 (cp.async), 1 (the boxes issued by warp 0 or, with
 // kTmaSpread, by every warp, each tile behind a barrier of the CTA) or
 // kTmaSkew (the default; PAGEDCORE_DECODE_TMA_SKEW=0 for 1): the four warps
@@ -183,14 +190,15 @@ __device__ __forceinline__ void prefetch_l2(const void* p) {
 // ---- Thread-block clusters for short decode rows (the kernel's CLUSTER; sm_90) ----
 //
 // A decode row that one CTA would take alone (merge::decode_active_splits
-// gives 1: under 512 keys) is shared by the CLUSTER CTAs of one cluster along
-// the grid's z (cluster dims 1 x 1 x CLUSTER): each takes a CLUSTER-th of the
-// keys, merges its warps as an unsplit CTA does, then pushes each (vector,
-// four dims) item's partial, and each vector's (max, sum), into the shared
-// memory of the CTA that owns the item (rank item % CLUSTER) with remote
-// stores; one cluster barrier later every owner folds its items' CLUSTER
-// partials and writes them out. No partials in global memory, no counter, no
-// fence: a split of batch 1 costs ~2.5 us that way (the one-pass merge). The
+// gives 1: under 512 keys), or in splits but of few keys (kClusterKeysShift),
+// is shared by the CLUSTER CTAs of one cluster along the grid's z (cluster
+// dims 1 x 1 x CLUSTER): each takes a CLUSTER-th of the keys, merges its warps
+// as an unsplit CTA does, then pushes each (vector, four dims) item's partial,
+// and each vector's (max, sum), into the shared memory of the CTA that owns
+// the item (rank item % CLUSTER) with remote stores; one cluster barrier later
+// every owner folds its items' CLUSTER partials and writes them out. No
+// partials in global memory, no counter, no GPU-wide fence and atomic, where a
+// split costs batch 1 ~2.5 us (the one-pass merge). The
 // receive buffer lies past the stages, which a peer may still be using when
 // the pushes arrive. (A cluster merge tried at 5afe504 lost, 9.2 / 11.6 against
 // 8.5 us at B=1 L=256: one CTA pulled every peer's warp shares by remote loads,
@@ -516,12 +524,15 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
   if constexpr (DECODE) {
     row = p.decode_seq[work];
     t0 = 0;
-    splits = merge::decode_active_splits(p, merge::decode_keys(p, row));
-    // (CLUSTER: a row of one split takes the first cluster's CTAs, each a
-    // CLUSTER-th of its keys; what the merges outside see of it is unchanged,
-    // one split that wrote its output itself)
+    const int keys = merge::decode_keys(p, row);
+    splits = merge::decode_active_splits(p, keys);
+    // (CLUSTER: a row of one split, or of up to CLUSTER x the flags' tiles where
+    // the kernel merges its splits, takes the first cluster's CTAs, each a
+    // CLUSTER-th of its keys; the merges outside see a row of one split that
+    // wrote its output itself, or, counters set, nothing: the counter untouched)
     if constexpr (CLUSTER > 1) {
-      in_cluster = splits == 1;
+      const int tiles = flags >> kClusterKeysShift;
+      in_cluster = splits == 1 || (p.decode_split_counters != nullptr && keys <= CLUSTER * tiles * kTileKeys);
       if (in_cluster) splits = CLUSTER;
     }
     if (split >= splits) return;  // a short row: fewer splits than planned
@@ -1577,11 +1588,14 @@ bool encode_decode_maps(const PagedAttentionParams& p, DecodeMaps<true>& maps, i
 //   PAGEDCORE_DECODE_CLUSTER=C (4 or 8; -C: an error where not served)  deep
 //     launches over 16-bit caches at head dims 64 and 128 whose CTAs, the
 //     splits rounded up to clusters of C, fit one wave: a row that would run
-//     unsplit (under 512 keys) is shared by C CTAs of a cluster, merged through
-//     distributed shared memory ("Thread-block clusters" above); with
-//     PAGEDCORE_DECODE_CLUSTER_ASYNC=1 the pushes by st.async on the owners'
-//     mbarriers (kClusterAsync). A trial for issue 13's B=1 L=256 (5.3-5.5 us
-//     against <= 4; a row of 64 keys alone takes 3.3).
+//     unsplit (under 512 keys), or in splits but of at most C x
+//     PAGEDCORE_DECODE_CLUSTER_KEYS keys (default 128; 0: none), is shared by C
+//     CTAs of a cluster, merged through distributed shared memory ("Thread-block
+//     clusters" above); with PAGEDCORE_DECODE_CLUSTER_ASYNC=1 the pushes by
+//     st.async on the owners' mbarriers (kClusterAsync). A trial for issue 13's
+//     B=1 L=256 (5.3-5.5 us against <= 4; a row of 64 keys alone takes 3.3) and
+//     batch 1's split rows (L=512 / 1k: 6.0 / 7.2 us, a split through global
+//     memory ~2.5 of it).
 //   PAGEDCORE_DECODE_MERGE  how a split row's last CTA merges. Unset (or 1):
 //     merge::count_and_merge_decode, one thread's fences instead of every
 //     thread's, the (max, sum) pairs and partials loaded in one pass; =0:
@@ -1715,7 +1729,8 @@ int launch_decode(const PagedAttentionParams& p, cudaStream_t stream, int flags,
         const int z = ((p.decode_splits > 1 ? p.decode_splits : 1) + c - 1) / c * c;
         const int64_t ctas = static_cast<int64_t>(p.num_kv_heads) * p.num_decode * z;
         if ((c == 4 || c == 8) && compute_capability() >= 90 && ctas <= multiprocessor_count()) {
-          const int f = flags | (env_int("PAGEDCORE_DECODE_CLUSTER_ASYNC", 0) != 0 ? kClusterAsync : 0);
+          const int f = flags | (env_int("PAGEDCORE_DECODE_CLUSTER_ASYNC", 0) != 0 ? kClusterAsync : 0) |
+                        (env_int("PAGEDCORE_DECODE_CLUSTER_KEYS", 128) / kTileKeys) << kClusterKeysShift;
           return c == 4 ? launch_variant<T, CT, HD, true, deep_stages<HD>(), 0, kTileKeys, 16, false, 0, 4>(p, stream, f)
                         : launch_variant<T, CT, HD, true, deep_stages<HD>(), 0, kTileKeys, 16, false, 0, 8>(p, stream, f);
         }

@@ -294,18 +294,22 @@ def test_decode_after_the_cache_write_in_flight(dtype):
 @pytest.mark.parametrize("cluster", [4, 8])
 def test_decode_cluster_rows(monkeypatch, cluster, mode):
     # The trial PAGEDCORE_DECODE_CLUSTER (-C: an error, not another kernel, where it cannot
-    # run): a decode row that one CTA would take alone (under 512 keys) shared by a
-    # cluster of C CTAs, each a C-th of its keys, merged through distributed shared memory
-    # (remote stores behind the cluster barrier, or st.async completing on the owners'
-    # mbarriers); longer rows of the same launch split as before. Rows of fewer keys than
+    # run): a decode row that one CTA would take alone (under 512 keys), or of at most C x
+    # 128 keys (PAGEDCORE_DECODE_CLUSTER_KEYS's default), shared by a cluster of C CTAs,
+    # each a C-th of its keys, merged through distributed shared memory (remote stores
+    # behind the cluster barrier, or st.async completing on the owners' mbarriers);
+    # longer rows of the same launch split as before. Rows of fewer keys than
     # C (CTAs without keys), around the tile and split edges, windows, soft caps, rows of a
     # few queries (8-16 vectors), head dims 64 and 128, bf16 and fp16, block sizes 16 and
     # 128, eager plans (no split planned) and the decode graphs' (8 planned; the launch
     # must fit one wave of one CTA an SM with its splits rounded up to whole clusters).
     monkeypatch.setenv("PAGEDCORE_DECODE_CLUSTER", str(-cluster))
     monkeypatch.setenv("PAGEDCORE_DECODE_CLUSTER_ASYNC", "1" if mode == "async" else "0")
-    for n in (1, 3, 7, 64, 65, 255, 256, 511, 512, 3000):
+    for n in (1, 3, 7, 64, 65, 255, 256, 511, 512, 513, 1024, 1025, 3000):
         run_cuda([(1, n)], block_size=16, head_dim=128, group=4, dtype=torch.bfloat16, repeat=2)
+    monkeypatch.setenv("PAGEDCORE_DECODE_CLUSTER_KEYS", "0")  # (rows that would run unsplit only)
+    run_cuda([(1, n) for n in (100, 600)], block_size=16, head_dim=128, group=4, dtype=torch.bfloat16, repeat=2)
+    monkeypatch.delenv("PAGEDCORE_DECODE_CLUSTER_KEYS")
     lengths = [1, 5, 130, 256, 400, 511, 513, 1500]  # (8 rows x 2 kv heads: 8 splits planned)
     for block_size in (16, 128):
         for window in (0, 100):
