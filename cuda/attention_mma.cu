@@ -448,7 +448,6 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
     mma_attention_kernel(PagedAttentionParams p, int flags, const __grid_constant__ DecodeMaps<TMA != 0> maps) {
   constexpr int kWarps = DECODE ? kDecodeWarps : kPrefillWarps;
   constexpr int kThreads = 32 * kWarps;
-  constexpr int THREADS = kThreads;
   constexpr bool FP8 = std::is_same_v<CT, uint8_t>;
   using MT = std::conditional_t<FP8, __half, T>;
   static_assert(DECODE || KT == kTileKeys, "prefill tiles are 64 keys");
@@ -580,7 +579,7 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
     if (s_lo < s_hi) {
       const int b0 = s_lo / bs;
       const int c1 = min(s_hi, (b0 + kTable) * bs);
-      for (int i = threadIdx.x; i <= (c1 - 1) / bs - b0; i += THREADS) s_table[i] = table[b0 + i];
+      for (int i = threadIdx.x; i <= (c1 - 1) / bs - b0; i += kThreads) s_table[i] = table[b0 + i];
       if (flags & kEarlyPrefetch) {
         // The prologue's tiles into L2 (a hint: no data is read, so keys the
         // kernel before may still write are no hazard).
@@ -588,7 +587,7 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
         constexpr int LINES = (HD * static_cast<int>(sizeof(CT)) + 127) / 128;  // 128-byte lines a row
         const int n = min(c1 - s_lo, (kStages - 1) * KT);
         const int64_t slot = static_cast<int64_t>(p.num_kv_heads) * HD;
-        for (int i = threadIdx.x; i < n * LINES; i += THREADS) {
+        for (int i = threadIdx.x; i < n * LINES; i += kThreads) {
           const int key = s_lo + i / LINES;
           const int b = key / bs;
           const int64_t off = s_table[b - b0] * slot * bs + (key - b * bs) * slot + kv_head * HD +
@@ -690,7 +689,7 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
   // The copies' shape and each thread's fixed part of them (load_tile below).
   constexpr int kTpr = CHUNKS >= 8 ? 8 : (CHUNKS >= 4 ? 4 : (CHUNKS >= 2 ? 2 : 1));  // threads a key row
   constexpr int kCopyPer = (CHUNKS + kTpr - 1) / kTpr;                               // copies a thread a row
-  constexpr int kCopyRows = THREADS / kTpr < KT ? THREADS / kTpr : KT;               // key rows a pass
+  constexpr int kCopyRows = kThreads / kTpr < KT ? kThreads / kTpr : KT;           // key rows a pass
   static_assert(KT % kCopyRows == 0 && kCopyRows % 8 == 0, "copy shape");
   const int copy_row = threadIdx.x / kTpr % kCopyRows;
   const int copy_chunk = threadIdx.x % kTpr;
@@ -710,7 +709,7 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
     };
     __syncthreads();  // the previous chunk's table and stages are consumed
     if (!early || c0 != s_lo) {
-      for (int i = threadIdx.x; i <= (c1 - 1) / bs - b0; i += THREADS) s_table[i] = table[b0 + i];
+      for (int i = threadIdx.x; i <= (c1 - 1) / bs - b0; i += kThreads) s_table[i] = table[b0 + i];
     }
     if (spread && threadIdx.x == 0) {
       for (int t = 0; t < min(kStages - 1, n_tiles); ++t) tma_expect_bytes(tma_bars + 8 * t, tma_bytes(t));
@@ -1370,9 +1369,9 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
     bool one_pass = false;
     if constexpr (DECODE) one_pass = (flags & kOnePassMerge) != 0;
     if (one_pass) {
-      if constexpr (DECODE) merge::count_and_merge_decode<T, HD, THREADS>(p, work, kv_head);
+      if constexpr (DECODE) merge::count_and_merge_decode<T, HD, kThreads>(p, work, kv_head);
     } else {
-      merge::count_and_merge<T, HD, THREADS, DECODE>(p, work, kv_head, reinterpret_cast<float*>(stages));
+      merge::count_and_merge<T, HD, kThreads, DECODE>(p, work, kv_head, reinterpret_cast<float*>(stages));
     }
   }
 }
