@@ -198,9 +198,9 @@ __device__ __forceinline__ void prefetch_l2(const void* p) {
 // the item (rank item % CLUSTER) with remote stores; one cluster barrier later
 // every owner folds its items' CLUSTER partials and writes them out. No
 // partials in global memory, no counter, no GPU-wide fence and atomic, where a
-// split costs batch 1 ~2.5 us (the one-pass merge). The
-// receive buffer lies past the stages, which a peer may still be using when
-// the pushes arrive. (A cluster merge tried at 5afe504 lost, 9.2 / 11.6 against
+// split costs batch 1 ~2.5 us (the one-pass merge). The receive buffer lies
+// past the stages: a peer's pushes may land while this CTA still reads its
+// tiles. (A cluster merge tried at 5afe504 lost, 9.2 / 11.6 against
 // 8.5 us at B=1 L=256: one CTA pulled every peer's warp shares by remote loads,
 // a loop of dependent round trips, while the others waited.)
 __device__ __forceinline__ void cluster_arrive_relaxed() {
