@@ -150,6 +150,26 @@ __device__ void count_and_merge(const PagedAttentionParams& p, int work, int kv_
   merge_splits<T, HD, THREADS, DECODE>(p, work, kv_head, s_w);
 }
 
+// Folds one split's partial `x` (already divided by its sum) and its (max,
+// sum) pair into a running (max, total, acc): the sums weigh the partials at
+// the running maximum. A split without keys (sum 0) is dropped by selects, not
+// products, in case its partial holds anything but a finite number. LOG2:
+// maxima in log2 units (else natural-log units). Start from mx = -FLT_MAX,
+// total = 0, acc = 0; the merged output is acc / total.
+template <bool LOG2>
+__device__ __forceinline__ void fold_split(float2 ml, float4 x, float& mx, float& total, float4& acc) {
+  const bool use = ml.y > 0.f;
+  const float m_new = use ? fmaxf(mx, ml.x) : mx;
+  const float c = LOG2 ? exp2f(mx - m_new) : __expf(mx - m_new);
+  const float w = use ? ml.y * (LOG2 ? exp2f(ml.x - m_new) : __expf(ml.x - m_new)) : 0.f;
+  acc.x = acc.x * c + (use ? w * x.x : 0.f);
+  acc.y = acc.y * c + (use ? w * x.y : 0.f);
+  acc.z = acc.z * c + (use ? w * x.z : 0.f);
+  acc.w = acc.w * c + (use ? w * x.w : 0.f);
+  total = total * c + w;
+  mx = m_new;
+}
+
 // The decode kernels' last-CTA merge in fewer round trips (the decode launch's
 // kOnePassMerge, the default; PAGEDCORE_DECODE_MERGE=0 takes count_and_merge).
 // The count: one thread's fence, relaxed atomic and (in the last CTA) fence
@@ -193,23 +213,12 @@ __device__ void count_and_merge_decode(const PagedAttentionParams& p, int work, 
     const int d = (i % Q) * 4;
     float mx = -FLT_MAX, total = 0.f;
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-    // NOTE: a split without keys (sum 0) is dropped by selects, not products,
-    // in case its partial holds anything but a finite number.
 #pragma unroll 8
     for (int s = 0; s < splits; ++s) {
       const int64_t slot = first + static_cast<int64_t>(s) * kSlots + v;
       const float2 ml = __ldcg(reinterpret_cast<const float2*>(p.decode_partial_lse + 2 * slot));
       const float4 x = __ldcg(reinterpret_cast<const float4*>(p.decode_partial_out + slot * HD + d));
-      const bool use = ml.y > 0.f;
-      const float m_new = use ? fmaxf(mx, ml.x) : mx;
-      const float c = __expf(mx - m_new);
-      const float w = use ? ml.y * __expf(ml.x - m_new) : 0.f;
-      acc.x = acc.x * c + (use ? w * x.x : 0.f);
-      acc.y = acc.y * c + (use ? w * x.y : 0.f);
-      acc.z = acc.z * c + (use ? w * x.z : 0.f);
-      acc.w = acc.w * c + (use ? w * x.w : 0.f);
-      total = total * c + w;
-      mx = m_new;
+      fold_split<false>(ml, x, mx, total, acc);
     }
     const float inv = total > 0.f ? 1.f / total : 0.f;
     T* dst = static_cast<T*>(p.out) +

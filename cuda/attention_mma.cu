@@ -1293,8 +1293,7 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
           cluster_wait();    // every CTA's pushes into this one have landed
         }
         // This CTA's items (i = CLUSTER j + split): the CLUSTER partials folded
-        // by a running maximum; a partial without keys (sum 0) dropped by
-        // selects, in case it holds anything but a finite number.
+        // by a running maximum (log2 units).
         const int items = num_vectors * (HD / 4);
         for (int j = threadIdx.x; j * CLUSTER + split < items; j += kThreads) {
           const int i = j * CLUSTER + split;
@@ -1304,18 +1303,7 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
           float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
           for (int r = 0; r < CLUSTER; ++r) {
-            const float2 ml = s_pairs[r * kAttentionDecodeVectors + h];
-            const float4 x = s_recv[r * kSlots + j];
-            const bool use = ml.y > 0.f;
-            const float m_new = use ? fmaxf(mx, ml.x) : mx;
-            const float c = exp2f(mx - m_new);
-            const float w = use ? ml.y * exp2f(ml.x - m_new) : 0.f;
-            acc.x = acc.x * c + (use ? w * x.x : 0.f);
-            acc.y = acc.y * c + (use ? w * x.y : 0.f);
-            acc.z = acc.z * c + (use ? w * x.z : 0.f);
-            acc.w = acc.w * c + (use ? w * x.w : 0.f);
-            total = total * c + w;
-            mx = m_new;
+            merge::fold_split<true>(s_pairs[r * kAttentionDecodeVectors + h], s_recv[r * kSlots + j], mx, total, acc);
           }
           const float inv = total > 0.f ? 1.f / total : 0.f;
           T* dst = static_cast<T*>(p.out) +

@@ -53,26 +53,10 @@ inline bool pdl_enabled() {
   return enabled;
 }
 
-// kernel<<<grid, block, smem, stream>>>(args...) with the programmatic attribute
-// when pdl_enabled(). Returns the launch's error.
-template <typename... Params, typename... Args>
-cudaError_t launch_pdl(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
-                       Args&&... args) {
-  cudaLaunchConfig_t config = {};
-  config.gridDim = grid;
-  config.blockDim = block;
-  config.dynamicSmemBytes = smem;
-  config.stream = stream;
-  cudaLaunchAttribute attribute[1];
-  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute[0].val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = attribute;
-  config.numAttrs = pdl_enabled() ? 1 : 0;
-  return cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
-}
-
-// The same in thread-block clusters of `cluster` CTAs (compute capability 9.0
-// and up; the grid a whole number of clusters).
+// kernel<<<grid, block, smem, stream>>>(args...) in thread-block clusters of
+// `cluster` CTAs (more than one: compute capability 9.0 and up, the grid a
+// whole number of clusters), with the programmatic attribute when
+// pdl_enabled(). Returns the launch's error.
 template <typename... Params, typename... Args>
 cudaError_t launch_pdl_cluster(void (*kernel)(Params...), dim3 grid, dim3 cluster, dim3 block, size_t smem,
                                cudaStream_t stream, Args&&... args) {
@@ -82,15 +66,29 @@ cudaError_t launch_pdl_cluster(void (*kernel)(Params...), dim3 grid, dim3 cluste
   config.dynamicSmemBytes = smem;
   config.stream = stream;
   cudaLaunchAttribute attribute[2];
-  attribute[0].id = cudaLaunchAttributeClusterDimension;
-  attribute[0].val.clusterDim.x = cluster.x;
-  attribute[0].val.clusterDim.y = cluster.y;
-  attribute[0].val.clusterDim.z = cluster.z;
-  attribute[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute[1].val.programmaticStreamSerializationAllowed = 1;
+  unsigned int n = 0;
+  if (pdl_enabled()) {
+    attribute[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attribute[n].val.programmaticStreamSerializationAllowed = 1;
+    ++n;
+  }
+  if (cluster.x * cluster.y * cluster.z > 1) {
+    attribute[n].id = cudaLaunchAttributeClusterDimension;
+    attribute[n].val.clusterDim.x = cluster.x;
+    attribute[n].val.clusterDim.y = cluster.y;
+    attribute[n].val.clusterDim.z = cluster.z;
+    ++n;
+  }
   config.attrs = attribute;
-  config.numAttrs = pdl_enabled() ? 2 : 1;
+  config.numAttrs = n;
   return cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
+}
+
+// The same without clusters: kernel<<<grid, block, smem, stream>>>(args...).
+template <typename... Params, typename... Args>
+cudaError_t launch_pdl(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                       Args&&... args) {
+  return launch_pdl_cluster(kernel, grid, dim3(1, 1, 1), block, smem, stream, std::forward<Args>(args)...);
 }
 
 }  // namespace pagedcore::cuda
