@@ -7,8 +7,9 @@ For each tensor-parallel size of ``--tp`` (one LLM at a time, same process):
   128-token prompt, medians of three;
 * throughput: the shape's workload of bench_e2e_gpu (``--requests``, lognormal
   prompts, EOS ignored), output tokens per second;
-* the driver's per-step broadcast (the step message over the gloo control
-  group): median time per step and median message size.
+* the driver's per-step send (the step message through the shared-memory ring,
+  or the gloo control group with PAGEDCORE_TP_CONTROL=gloo): median time per step
+  on the driver and median message size.
 
 Then ``--collectives``: the collectives of one decode step alone, between ``N``
 spawned ranks, at batch 1 and ``--requests``: ``2 x layers + 1`` all-reduces of
@@ -16,6 +17,11 @@ spawned ranks, at batch 1 and ``--requests``: ``2 x layers + 1`` all-reduces of
 captured in one CUDA graph on GPUs (as the decode graphs hold them), timed over
 replays; plus the bus bandwidth of a 256 MiB all-reduce, to set beside the
 physical link (``nvidia-smi nvlink``).
+
+``--control``: the step message's latency alone between two spawned processes
+(one message of ``INLINE`` ints each way, one-way time = round trip / 2, median
+of 2000): through shared-memory rings with the reader polling, with the reader
+asleep on its pipe (``PAGEDCORE_TP_SPIN_US=0``), and as gloo broadcasts.
 
 Ratios are printed last. CPU figures (gloo) say what the control plane costs;
 the CPU's tokens per second under TP say nothing about speed (the ranks share
@@ -192,6 +198,86 @@ def collectives(fields: dict, size: int, batches: list[int], args) -> dict:
     return result
 
 
+# ---- the step message's latency alone -----------------------------------------------------------
+
+CONTROL_ROUNDS = 2000
+
+
+def _control_peer(mode: str, port: int, ring_paths: tuple, wake_in, wake_out, spin_us: str) -> None:
+    """The worker's side of the ping-pong: each message back as it came."""
+    os.environ["PAGEDCORE_TP_SPIN_US"] = spin_us
+    from pagedcore.distributed import step_message as msg
+
+    buf = np.zeros(msg.INLINE, dtype=np.int32)
+    if mode == "gloo":
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=1, world_size=2)
+        t = torch.from_numpy(buf)
+        for _ in range(CONTROL_ROUNDS + 10):
+            dist.broadcast(t, 0)
+            dist.broadcast(t, 1)
+        dist.destroy_process_group()
+        return
+    from pagedcore.distributed.control_ring import ControlRing
+
+    inbound = ControlRing.attach(ring_paths[0], 1, 0)
+    outbound = ControlRing.attach(ring_paths[1], 1, 0)  # (this side writes the second ring)
+    for _ in range(CONTROL_ROUNDS + 10):
+        inbound.recv_into(buf, wake_in)
+        outbound.send(buf, [wake_out], check=lambda: None)
+
+
+def control_latency(mode: str, spin_us: str = "1000") -> float:
+    """Median one-way time (us) of an INLINE-int message between two processes."""
+    import multiprocessing
+
+    from pagedcore.distributed import step_message as msg
+    from pagedcore.distributed.control_ring import ControlRing
+    from pagedcore.distributed.group import free_port
+
+    os.environ["PAGEDCORE_TP_SPIN_US"] = spin_us
+    ctx = multiprocessing.get_context("spawn")
+    port = free_port()
+    rings = (ControlRing.create(1), ControlRing.create(1)) if mode == "shm" else (None, None)
+    to_peer_r, to_peer_w = ctx.Pipe(duplex=False)
+    to_me_r, to_me_w = ctx.Pipe(duplex=False)
+    paths = tuple(r.path for r in rings) if mode == "shm" else ()
+    peer = ctx.Process(target=_control_peer, args=(mode, port, paths, to_peer_r, to_me_w, spin_us))
+    peer.start()
+    buf = np.zeros(msg.INLINE, dtype=np.int32)
+    times = []
+    try:
+        if mode == "gloo":
+            import torch.distributed as dist
+
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=2)
+            t = torch.from_numpy(buf)
+            for i in range(CONTROL_ROUNDS + 10):
+                start = time.perf_counter()
+                dist.broadcast(t, 0)
+                dist.broadcast(t, 1)
+                times.append(time.perf_counter() - start)
+            dist.destroy_process_group()
+        else:
+            outbound, inbound = rings
+            inbound.reader = 0  # (this side reads the second ring, which it made)
+            for i in range(CONTROL_ROUNDS + 10):
+                buf[0] = i
+                start = time.perf_counter()
+                outbound.send(buf, [to_peer_w], check=lambda: None)
+                inbound.recv_into(buf, to_me_r)
+                times.append(time.perf_counter() - start)
+                if spin_us == "0":
+                    time.sleep(0.0005)  # (the peer falls asleep on its pipe before the next)
+    finally:
+        peer.join(30)
+        for r in rings:
+            if r is not None:
+                r.unlink()
+    return statistics.median(times[10:]) / 2 * 1e6
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="smollm2")
@@ -206,7 +292,14 @@ def main() -> None:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--collectives", action="store_true", help="also time one decode step's collectives")
+    parser.add_argument("--control", action="store_true",
+                        help="only the step message's latency between two processes (shared memory, gloo)")
     args = parser.parse_args()
+    if args.control:
+        polling, asleep, gloo = control_latency("shm"), control_latency("shm", "0"), control_latency("gloo")
+        print(f"step message ({4 * 4096 // 1024} KiB) one way, median of {CONTROL_ROUNDS}: shared memory "
+              f"{polling:.1f} us (reader polling), {asleep:.1f} us (reader asleep on its pipe); gloo {gloo:.1f} us")
+        return
     args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     fields = SHAPES[args.shape][0]
     sizes = [int(s) for s in args.tp.split(",")]

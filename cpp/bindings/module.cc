@@ -4,6 +4,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <cstdint>
 #include <optional>
 
 #include "grammar.h"
@@ -358,6 +359,21 @@ PYBIND11_MODULE(_C, m) {
 
   pagedcore::bindings::register_ops(m);
   pagedcore::bindings::register_grammar(m);
+
+  // Tensor parallelism's shared-memory control channel (distributed/control_ring.py):
+  // 64-bit words at raw addresses of a mapping that every rank shares, loaded and
+  // stored sequentially consistent (the payload written before a release, read
+  // after an acquire; the reader's sleep flag against the writer's sequence).
+  m.def(
+      "atomic_load_i64",
+      [](std::uintptr_t address) { return __atomic_load_n(reinterpret_cast<const int64_t*>(address), __ATOMIC_SEQ_CST); },
+      "address"_a, "The 8-byte-aligned int64 at `address`, loaded sequentially consistent.");
+  m.def(
+      "atomic_store_i64",
+      [](std::uintptr_t address, int64_t value) {
+        __atomic_store_n(reinterpret_cast<int64_t*>(address), value, __ATOMIC_SEQ_CST);
+      },
+      "address"_a, "value"_a, "Stores `value` into the 8-byte-aligned int64 at `address`, sequentially consistent.");
 
   m.def("cuda_info", &cuda_info,
         "Whether the CUDA kernels were compiled in, and the devices the driver reports.");

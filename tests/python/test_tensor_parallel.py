@@ -3,7 +3,9 @@ worker) against Hugging Face transformers on the same weights, the independent
 reference: greedy tokens (and log-probabilities) of every supported family,
 GQA with kv heads split evenly, unevenly and replicated, n > 1, beam search,
 preemption and prefix caching, prompt logprobs, async scheduling; a worker
-killed mid-run; shapes that cannot be split. The cuda-marked variant needs 2 GPUs.
+killed mid-run; shapes that cannot be split. The driver's step messages go through
+the shared-memory ring (the default) in every test, by gloo in one. The cuda-marked
+variant needs 2 GPUs.
 
 Near-ties: float32 partial sums added in another order move logits by ~1e-6;
 the prompts and seeds below were checked to have no top-2 gap that small (every
@@ -31,6 +33,7 @@ transformers = pytest.importorskip("transformers")
 
 import pagedcore  # noqa: E402
 from pagedcore import LLM, BeamSearchParams, SamplingParams  # noqa: E402
+from pagedcore.distributed import step_message as msg  # noqa: E402
 from pagedcore.distributed.driver import TensorParallelError  # noqa: E402
 from pagedcore.models import model_spec_from_config  # noqa: E402
 from pagedcore.models.parallel import TensorParallelShard  # noqa: E402
@@ -208,6 +211,31 @@ def test_async_scheduling_takes_the_previous_samples_from_the_driver(tokenizer_d
         assert llm.llm_engine.model.shard.num_kv_heads == 1
         check_greedy_against_hf(llm, hf_model(path), prompts(), "qwen3-1kv-replicated")
         assert max(deferred) > 0
+
+
+@pytest.mark.parametrize("control", ["shm", "gloo"])
+def test_steps_longer_than_one_message_by_either_control_channel(control, tokenizer_dir, tmp_path, caplog,
+                                                                  monkeypatch) -> None:
+    """The step messages through the shared-memory ring (the default) or a gloo
+    broadcast (PAGEDCORE_TP_CONTROL=gloo); a first step of four 400-token prompts
+    is longer than one message's inline part, so its rest follows on gloo."""
+    monkeypatch.setenv("PAGEDCORE_TP_CONTROL", control)
+    path = make_checkpoint("qwen2", tmp_path)
+    g = torch.Generator().manual_seed(3)
+    ps = [torch.randint(3, VOCAB, (400,), generator=g).tolist() for _ in range(4)]
+    with caplog.at_level(logging.INFO, logger="pagedcore"), \
+            tp_llm(model=str(path), tokenizer=tokenizer_dir, num_kv_blocks=160, max_model_len=512) as llm:
+        sizes = []
+        real = llm.llm_engine.runner.execute
+
+        def sizing(batch, previous=None):
+            sizes.append(batch.num_tokens)
+            return real(batch, previous)
+
+        llm.llm_engine.runner.execute = sizing
+        check_greedy_against_hf(llm, hf_model(path), ps, "qwen2")
+        assert 3 * max(sizes) > msg.INLINE, sizes  # (input ids, positions, slots alone)
+    assert ("steps by shared memory" if control == "shm" else "steps by gloo") in caplog.text
 
 
 # ---- the engine's features under tensor parallelism ----------------------------------------------

@@ -7,7 +7,7 @@ import os
 from typing import Any
 
 
-def fail_at_rendezvous(launch: Any, rank: int, conn: Any) -> None:
+def fail_at_rendezvous(launch: Any, rank: int, conn: Any, wake: Any = None) -> None:
     """Says hello, then dies before it joins the group, as a worker whose
     process-group set-up fails would."""
     conn.send(("hello",))

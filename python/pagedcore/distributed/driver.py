@@ -1,7 +1,8 @@
 """The driver's side of tensor parallelism (rank 0, the process of the LLMEngine).
 
 :class:`TensorParallelDriver` spawns the workers (ranks 1..N-1), joins the
-group with them, broadcasts each step (:mod:`.step_message`) and watches them:
+group with them, sends each step (:mod:`.step_message`; through shared memory,
+:mod:`.control_ring`, unless ``PAGEDCORE_TP_CONTROL=gloo``) and watches them:
 
 - a watchdog thread waits on the workers' process sentinels and pipes; a worker
   that exits (or reports an error) marks the group failed, and on NCCL aborts
@@ -22,6 +23,7 @@ import contextlib
 import logging
 import multiprocessing
 import multiprocessing.connection
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -31,6 +33,7 @@ import numpy as np
 import torch
 
 from . import step_message as msg
+from .control_ring import ControlRing, ring_path_allowed
 from .group import TensorParallelGroup, free_port, init_tp_group
 from .worker import WorkerLaunch, worker_main
 
@@ -41,6 +44,17 @@ logger = logging.getLogger("pagedcore")
 HELLO_TIMEOUT_S = 300.0
 # How long a failed collective waits for the watchdog to name the dead worker.
 DEATH_GRACE_S = 5.0
+# How the driver's step messages travel: "shm" (the shared-memory ring, where the
+# host has /dev/shm; the default) or "gloo" (a broadcast on the control group).
+CONTROL_ENV = "PAGEDCORE_TP_CONTROL"
+
+
+def control_channel() -> str:
+    """$PAGEDCORE_TP_CONTROL, checked: "shm" (default) or "gloo"."""
+    value = os.environ.get(CONTROL_ENV, "shm") or "shm"
+    if value not in ("shm", "gloo"):
+        raise ValueError(f"${CONTROL_ENV} must be 'shm' or 'gloo', got {value!r}")
+    return value
 
 
 class TensorParallelError(RuntimeError):
@@ -68,16 +82,30 @@ class TensorParallelDriver:
         self._lock = threading.Lock()
         self._worker_errors: dict[int, str] = {}
         launch.port = free_port()
+        # The step messages' ring (its file goes once every worker has mapped it:
+        # connect) and a wake-up pipe to each worker.
+        self._ring: ControlRing | None = None
+        if control_channel() == "shm" and ring_path_allowed():
+            try:
+                self._ring = ControlRing.create(self.size - 1)
+            except OSError as e:
+                logger.warning("tensor parallelism: no shared-memory ring (%s); the steps go by gloo", e)
+        launch.control_path = self._ring.path if self._ring is not None else None
         ctx = multiprocessing.get_context("spawn")
         self._procs: list[Any] = []
         self._conns: list[Any] = []
+        self._wakes: list[Any] = []
         start = time.perf_counter()
         for rank in range(1, self.size):
             receive, send = ctx.Pipe(duplex=False)
-            proc = ctx.Process(target=worker_main, args=(launch, rank, send), name=f"pagedcore-tp-rank{rank}",
-                               daemon=True)
+            wake_receive, wake_send = ctx.Pipe(duplex=False) if self._ring is not None else (None, None)
+            proc = ctx.Process(target=worker_main, args=(launch, rank, send, wake_receive),
+                               name=f"pagedcore-tp-rank{rank}", daemon=True)
             proc.start()
             send.close()
+            if wake_receive is not None:
+                wake_receive.close()
+                self._wakes.append(wake_send)
             self._procs.append(proc)
             self._conns.append(receive)
         atexit.register(self.shutdown)
@@ -91,15 +119,17 @@ class TensorParallelDriver:
         loads its weights between __init__ and this call) and joins the group."""
         try:
             self._await_hello()
+            if self._ring is not None:  # (every worker mapped it before its hello)
+                self._ring.unlink()
             self.group: TensorParallelGroup = self._rendezvous()
         except BaseException:
             self.shutdown()
             raise
         self._watchdog = threading.Thread(target=self._watch, name="pagedcore-tp-watchdog", daemon=True)
         self._watchdog.start()
-        logger.info("tensor parallelism: %d ranks (%s, workers %s) up in %.1f s", self.size,
+        logger.info("tensor parallelism: %d ranks (%s, workers %s; steps by %s) up in %.1f s", self.size,
                     "NCCL" if self._nccl else "gloo", [p.pid for p in self._procs],
-                    time.perf_counter() - self._started)
+                    "shared memory" if self._ring is not None else "gloo", time.perf_counter() - self._started)
 
     @property
     def worker_pids(self) -> list[int]:
@@ -277,9 +307,20 @@ class TensorParallelDriver:
 
     # ---- messages -------------------------------------------------------------------
 
-    def _send(self, buf: np.ndarray) -> None:
+    def _send(self, buf: np.ndarray, deadline: float | None = None) -> None:
+        """The message in ``buf``: its first ``INLINE`` ints through the ring (or
+        gloo), the rest on gloo. A full ring is waited for until ``deadline``
+        (time.monotonic(); None: while the workers live)."""
         total = msg.message_len(buf)
-        self.group.broadcast_host(torch.from_numpy(buf[:msg.INLINE]))
+        if self._ring is not None:
+            def check() -> None:
+                if deadline is not None and time.monotonic() > deadline:
+                    raise TimeoutError("the tensor-parallel workers did not take the last messages")
+                self.check()
+
+            self._ring.send(buf, self._wakes, check)
+        else:
+            self.group.broadcast_host(torch.from_numpy(buf[:msg.INLINE]))
         if total > msg.INLINE:
             self.group.broadcast_host(torch.from_numpy(buf[msg.INLINE:total]))
 
@@ -312,7 +353,7 @@ class TensorParallelDriver:
         if group is not None and self._failure is None and self._error is None \
                 and all(p.is_alive() for p in self._procs):
             with contextlib.suppress(Exception):
-                self._send(msg.control_message(msg.SHUTDOWN))
+                self._send(msg.control_message(msg.SHUTDOWN), deadline=time.monotonic() + timeout)
         deadline = time.monotonic() + timeout
         for proc in self._procs:
             proc.join(max(0.0, deadline - time.monotonic()))
@@ -329,6 +370,9 @@ class TensorParallelDriver:
         watchdog = getattr(self, "_watchdog", None)
         if watchdog is not None and watchdog is not threading.current_thread():
             watchdog.join(2.0)  # it ends once every worker's sentinel has fired
-        for conn in self._conns:
+        for conn in self._conns + self._wakes:
             conn.close()
+        if self._ring is not None:
+            self._ring.unlink()
+            self._ring.close()
         atexit.unregister(self.shutdown)

@@ -35,11 +35,13 @@ class WorkerLaunch:
     size: int
     port: int
     log_level: int
+    control_path: str | None = None  # the step messages' ring (None: they come by gloo)
 
 
-def worker_main(launch: WorkerLaunch, rank: int, conn: Any) -> None:
+def worker_main(launch: WorkerLaunch, rank: int, conn: Any, wake: Any = None) -> None:
     """Entry point of a spawned worker; ``conn`` sends ("hello",) once started
-    and ("error", text) before a failure ends the process."""
+    and ("error", text) before a failure ends the process; ``wake``: the driver's
+    wake-up pipe of the step messages' ring (with ``launch.control_path``)."""
     try:
         logging.basicConfig(level=launch.log_level, format=f"%(asctime)s tp-rank{rank} %(levelname)s %(message)s")
         logger.setLevel(launch.log_level)
@@ -52,9 +54,14 @@ def worker_main(launch: WorkerLaunch, rank: int, conn: Any) -> None:
             torch.cuda.set_device(device)
         from .group import init_tp_group
 
+        ring = None
+        if launch.control_path is not None:  # (mapped before the hello, after which the driver removes its file)
+            from .control_ring import ControlRing
+
+            ring = ControlRing.attach(launch.control_path, launch.size - 1, rank - 1)
         conn.send(("hello",))
         group = init_tp_group(rank, launch.size, launch.port, device)
-        _serve(launch, group, device)
+        _serve(launch, group, device, ring, wake)
         group.destroy()
     except BaseException as e:  # noqa: BLE001 - the driver must hear why
         try:
@@ -65,7 +72,7 @@ def worker_main(launch: WorkerLaunch, rank: int, conn: Any) -> None:
     os._exit(0)
 
 
-def _serve(launch: WorkerLaunch, group: Any, device: torch.device) -> None:
+def _serve(launch: WorkerLaunch, group: Any, device: torch.device, ring: Any, wake: Any) -> None:
     from .. import _C
     from ..llm_engine import load_model, local_kv_blocks, max_batched_tokens
     from ..model_runner import ModelRunner
@@ -88,7 +95,10 @@ def _serve(launch: WorkerLaunch, group: Any, device: torch.device) -> None:
     inline = np.zeros(msg.INLINE, dtype=np.int32)
     inline_t = torch.from_numpy(inline)
     while True:
-        group.broadcast_host(inline_t)
+        if ring is not None:
+            ring.recv_into(inline, wake)
+        else:
+            group.broadcast_host(inline_t)
         message, total = inline, msg.message_len(inline)
         if total > msg.INLINE:
             message = np.empty(total, dtype=np.int32)
