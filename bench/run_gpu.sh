@@ -5,7 +5,9 @@
 # /tmp/pagedcore-gpu) so that they come back from the device.
 #
 #   bench/run_gpu.sh              kernels: tests, memcheck (a kernel subset; the whole
-#                                 suite with PAGEDCORE_MEMCHECK_ALL=1), kernel benchmark
+#                                 suite with PAGEDCORE_MEMCHECK_ALL=1), kernel benchmark;
+#                                 with DECODE_VARIANTS (and DECODE_CASES) set, also
+#                                 bench/decode_variants.py's table of them
 #   bench/run_gpu.sh e2e SHAPE    end to end (smollm2 or llama3-8b): kernels per layer,
 #                                 throughput against transformers, latency, GPU idle time
 set -uo pipefail
@@ -67,6 +69,10 @@ else
     "$py" -m pytest -q -p no:cacheprovider -x tests/python/test_layer_ops_cuda.py -k "not 4096 and not 8192 and not 14336"
 fi
 step bench "$py" bench/bench_kernels_gpu.py
+if [[ -n "${DECODE_VARIANTS:-}" ]]; then  # the decode kernel's switches side by side (DECODE_CASES picks cases)
+  checks+=(decode_variants)
+  step decode_variants bash -c "cd bench && $py decode_variants.py"
+fi
 if [[ -n "${PAGEDCORE_NCU:-}" ]]; then  # a profile of the attention kernels (decode, then prefill)
   step ncu ncu --kernel-name regex:mma_attention --launch-skip 2 --launch-count 4 --section SpeedOfLight \
     --section Occupancy --section WarpStateStats --section LaunchStats --section MemoryWorkloadAnalysis \
@@ -75,6 +81,7 @@ if [[ -n "${PAGEDCORE_NCU:-}" ]]; then  # a profile of the attention kernels (de
 fi
 echo
 tail -n 90 "$out/bench.log"
+[[ -n "${DECODE_VARIANTS:-}" ]] && tail -n 60 "$out/decode_variants.log"
 fi
 echo
 echo "commit ${PAGEDCORE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo '?')}  $(cat "$out/gpu.txt")"
