@@ -96,18 +96,22 @@ class TensorParallelDriver:
         self._conns: list[Any] = []
         self._wakes: list[Any] = []
         start = time.perf_counter()
-        for rank in range(1, self.size):
-            receive, send = ctx.Pipe(duplex=False)
-            wake_receive, wake_send = ctx.Pipe(duplex=False) if self._ring is not None else (None, None)
-            proc = ctx.Process(target=worker_main, args=(launch, rank, send, wake_receive),
-                               name=f"pagedcore-tp-rank{rank}", daemon=True)
-            proc.start()
-            send.close()
-            if wake_receive is not None:
-                wake_receive.close()
-                self._wakes.append(wake_send)
-            self._procs.append(proc)
-            self._conns.append(receive)
+        try:
+            for rank in range(1, self.size):
+                receive, send = ctx.Pipe(duplex=False)
+                wake_receive, wake_send = ctx.Pipe(duplex=False) if self._ring is not None else (None, None)
+                proc = ctx.Process(target=worker_main, args=(launch, rank, send, wake_receive),
+                                   name=f"pagedcore-tp-rank{rank}", daemon=True)
+                proc.start()
+                send.close()
+                if wake_receive is not None:
+                    wake_receive.close()
+                    self._wakes.append(wake_send)
+                self._procs.append(proc)
+                self._conns.append(receive)
+        except BaseException:
+            self.shutdown()  # (the workers started so far, the ring's file)
+            raise
         atexit.register(self.shutdown)
         self._started = start
         self._port, self._device = launch.port, device
