@@ -28,7 +28,7 @@ import torch
 from . import _C
 from .compact_outputs import CompactOutputs, compact_eligible
 from .detokenizer import IncrementalDetokenizer
-from .distributed.driver import TensorParallelDriver
+from .distributed.driver import TP_ONE_GPU_ENV, TensorParallelDriver, tp_one_gpu
 from .distributed.weights import iter_safetensors_shard
 from .distributed.worker import WorkerLaunch
 from .model_loader import (
@@ -486,7 +486,19 @@ class LLMEngine:
 
     def _start_workers(self, model_path: str) -> TensorParallelDriver:
         size = self.args.tensor_parallel_size
-        if self.device.type == "cuda":
+        one_gpu = None
+        if tp_one_gpu() and self.device.type == "cuda":
+            # A test of the GPU path's sharding on one GPU (distributed/group.py's
+            # staged collectives): gloo cannot be captured in a CUDA graph, and the
+            # ranks' memory profiles would see each other's.
+            if not self.args.enforce_eager:
+                raise ValueError(f"${TP_ONE_GPU_ENV}=1 needs enforce_eager=True (its collectives go through "
+                                 f"host copies, which CUDA graphs cannot capture), got enforce_eager=False")
+            if self.args.num_kv_blocks is None:
+                raise ValueError(f"${TP_ONE_GPU_ENV}=1 needs num_kv_blocks (the ranks share one GPU's memory), "
+                                 f"got num_kv_blocks=None")
+            one_gpu = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        elif self.device.type == "cuda":
             if torch.cuda.device_count() < size:
                 raise ValueError(f"tensor_parallel_size {size} needs {size} GPUs; torch sees "
                                  f"{torch.cuda.device_count()}")
@@ -495,7 +507,7 @@ class LLMEngine:
             torch.cuda.set_device(self.device)
         launch = WorkerLaunch(args=self.args, model_path=model_path, spec=self.spec, dtype=self.dtype,
                               kv_dtype=self.kv_dtype, device_type=self.device.type, size=size, port=0,
-                              log_level=max(logger.getEffectiveLevel(), logging.WARNING))
+                              log_level=max(logger.getEffectiveLevel(), logging.WARNING), one_gpu_index=one_gpu)
         return TensorParallelDriver(launch, self.device)
 
     def _tp_guard(self) -> Any:

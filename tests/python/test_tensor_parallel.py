@@ -385,6 +385,16 @@ def test_shapes_that_cannot_be_split_are_refused_before_any_worker_starts(tmp_pa
         LLM(model=str(path), num_kv_blocks=16, tensor_parallel_size=0)
 
 
+def test_a_bad_one_gpu_switch_is_refused_before_any_worker_starts(tmp_path, monkeypatch) -> None:
+    import multiprocessing
+
+    path = make_checkpoint("qwen2", tmp_path)
+    monkeypatch.setenv("PAGEDCORE_TP_ONE_GPU", "yes")
+    with pytest.raises(ValueError, match=r"\$PAGEDCORE_TP_ONE_GPU must be '0' or '1', got 'yes'"):
+        LLM(model=str(path), num_kv_blocks=16, tensor_parallel_size=2)
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("pagedcore-tp")]
+
+
 def test_shard_arithmetic_covers_every_head_once() -> None:
     """Each q head on exactly one rank, reading the kv head it reads unsharded."""
     for heads, kv, size in [(4, 2, 2), (6, 3, 2), (9, 3, 2), (32, 8, 4), (4, 1, 2), (8, 2, 4), (12, 3, 2),
@@ -408,6 +418,46 @@ def test_shard_arithmetic_covers_every_head_once() -> None:
 
 
 # ---- GPUs ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_cuda_tp2_on_one_gpu_equals_one_rank(tokenizer_dir, tmp_path, caplog, monkeypatch) -> None:
+    """PAGEDCORE_TP_ONE_GPU=1: both ranks on one GPU, their collectives by gloo
+    through host copies (NCCL refuses two ranks on one device), so that a machine
+    of one GPU tests the GPU path's sharding (the kernels over each rank's heads,
+    the uneven kv split, the padded vocabulary's gather, the previous samples and
+    the prompt-logprob rows sent to the worker): the same greedy tokens as one
+    rank, float32, log-probabilities within 2e-4. Eager only, num_kv_blocks
+    required: both are said."""
+    monkeypatch.setenv("PAGEDCORE_TP_ONE_GPU", "1")
+    path = make_checkpoint("qwen2", tmp_path)
+    base = dict(model=str(path), tokenizer=tokenizer_dir, max_model_len=256, device="cuda", dtype="float32")
+    with pytest.raises(ValueError, match=r"PAGEDCORE_TP_ONE_GPU=1 needs enforce_eager=True .*got enforce_eager=False"):
+        LLM(tensor_parallel_size=2, num_kv_blocks=64, **base)
+    with pytest.raises(ValueError, match=r"PAGEDCORE_TP_ONE_GPU=1 needs num_kv_blocks .*got num_kv_blocks=None"):
+        LLM(tensor_parallel_size=2, enforce_eager=True, **base)
+    for name, extra in (("qwen2", {}), ("llama-3kv-uneven", {"async_scheduling": True, "async_output_proc": True})):
+        path = make_checkpoint(name, tmp_path)
+        vocab = MODELS[name][1].get("vocab_size", VOCAB)
+        kwargs = dict(base, model=str(path), num_kv_blocks=64, enforce_eager=True, **extra)
+        params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=5, prompt_logprobs=2)
+        one = LLM(**kwargs)  # (one rank: the switch does not apply)
+        want = run(one, prompts(vocab), params)
+        del one
+        with caplog.at_level(logging.INFO, logger="pagedcore"), tp_llm(**kwargs) as llm:
+            got = run(llm, prompts(vocab), params)
+            assert llm.llm_engine.model.shard.num_kv_heads == 1  # (qwen2: 1 + 1; llama-3kv-uneven: 1 + 2)
+        assert "gloo on host copies, every rank on cuda:" in caplog.text
+        for g, w in zip(got, want):
+            assert g.outputs[0].token_ids == w.outputs[0].token_ids, name
+            for a, b in zip(g.outputs[0].logprobs, w.outputs[0].logprobs):
+                assert a.keys() == b.keys(), name
+                torch.testing.assert_close(torch.tensor([a[t].logprob for t in a]),
+                                           torch.tensor([b[t].logprob for t in a]), atol=2e-4, rtol=0)
+            for a, b in zip(g.prompt_logprobs[1:], w.prompt_logprobs[1:]):
+                torch.testing.assert_close(torch.tensor([a[t].logprob for t in b]),
+                                           torch.tensor([b[t].logprob for t in b]), atol=2e-4, rtol=0)
 
 
 @pytest.mark.cuda

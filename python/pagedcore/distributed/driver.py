@@ -57,6 +57,19 @@ def control_channel() -> str:
     return value
 
 
+# "1": every rank on the driver's GPU, the device collectives by gloo on host
+# copies (a test of the GPU path's sharding on a machine of one GPU; see group.py).
+TP_ONE_GPU_ENV = "PAGEDCORE_TP_ONE_GPU"
+
+
+def tp_one_gpu() -> bool:
+    """$PAGEDCORE_TP_ONE_GPU, checked: "0" (default) or "1"."""
+    value = os.environ.get(TP_ONE_GPU_ENV, "0") or "0"
+    if value not in ("0", "1"):
+        raise ValueError(f"${TP_ONE_GPU_ENV} must be '0' or '1', got {value!r}")
+    return value == "1"
+
+
 class TensorParallelError(RuntimeError):
     """A tensor-parallel worker died or failed: the engine cannot run any more."""
 
@@ -115,7 +128,8 @@ class TensorParallelDriver:
         atexit.register(self.shutdown)
         self._started = start
         self._port, self._device = launch.port, device
-        self._nccl = device.type == "cuda"
+        self._staged = launch.one_gpu_index is not None  # (PAGEDCORE_TP_ONE_GPU: gloo on host copies)
+        self._nccl = device.type == "cuda" and not self._staged
         self._buf = np.zeros(msg.INLINE, dtype=np.int32)
 
     def connect(self) -> None:
@@ -132,7 +146,8 @@ class TensorParallelDriver:
         self._watchdog = threading.Thread(target=self._watch, name="pagedcore-tp-watchdog", daemon=True)
         self._watchdog.start()
         logger.info("tensor parallelism: %d ranks (%s, workers %s; steps by %s) up in %.1f s", self.size,
-                    "NCCL" if self._nccl else "gloo", [p.pid for p in self._procs],
+                    "NCCL" if self._nccl else f"gloo on host copies, every rank on {self._device}" if self._staged
+                    else "gloo", [p.pid for p in self._procs],
                     "shared memory" if self._ring is not None else "gloo", time.perf_counter() - self._started)
 
     @property
@@ -177,7 +192,7 @@ class TensorParallelDriver:
 
         def join() -> None:
             try:
-                joined.append(init_tp_group(0, self.size, self._port, self._device))
+                joined.append(init_tp_group(0, self.size, self._port, self._device, staged=self._staged))
             except BaseException as e:  # noqa: BLE001 - re-raised by the caller
                 joined.append(e)
 

@@ -6,7 +6,10 @@ Two torch.distributed groups over the same ranks:
   after o and down, the embedding's all-reduce, the logits' all-gather). NCCL
   between GPUs (rank r on ``cuda:r``), gloo between CPU processes. NCCL
   collectives issued while a CUDA graph is captured are captured with it (the
-  group exists, and has run a collective, before the first capture).
+  group exists, and has run a collective, before the first capture). *Staged*
+  (``PAGEDCORE_TP_ONE_GPU=1``, every rank on one GPU: NCCL refuses two ranks on
+  one device): gloo on host copies of the GPU tensors, eager steps only; a test
+  of the GPU path's sharding on a machine of one GPU, not a way to run fast.
 - the *control* group: gloo, on host tensors, for the driver's messages (each
   step's batch, shutdown). Its timeout is long: a worker waits there for as long
   as the engine is idle. A peer that dies closes its sockets, which ends a
@@ -41,18 +44,20 @@ def free_port() -> int:
 class TensorParallelGroup:
     """This process's rank in the tensor-parallel group and its collectives."""
 
-    def __init__(self, rank: int, size: int, port: int, device: torch.device) -> None:
+    def __init__(self, rank: int, size: int, port: int, device: torch.device, staged: bool = False) -> None:
         if dist.is_initialized():
             raise RuntimeError(
                 "torch.distributed is initialised already in this process: one tensor-parallel engine "
                 "per process at a time (shut the other down first: LLM.shutdown())"
             )
         self.rank, self.size, self.device = rank, size, device
-        backend = "nccl" if device.type == "cuda" else "gloo"
+        # staged: the device collectives on host copies (gloo), the results copied back
+        self.staged = staged and device.type == "cuda"
+        backend = "nccl" if device.type == "cuda" and not self.staged else "gloo"
         dist.init_process_group(
             backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
             timeout=CONTROL_TIMEOUT if backend == "gloo" else DEVICE_TIMEOUT,
-            device_id=device if device.type == "cuda" else None,
+            device_id=device if backend == "nccl" else None,
         )
         self.device_group = dist.group.WORLD
         self.control_group = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
@@ -61,17 +66,26 @@ class TensorParallelGroup:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sums ``x`` over the ranks, in place; returns ``x``."""
+        if self.staged:
+            host = x.cpu()
+            dist.all_reduce(host, group=self.device_group)
+            return x.copy_(host)
         dist.all_reduce(x, group=self.device_group)
         return x
 
     def all_gather_rows(self, x: torch.Tensor) -> torch.Tensor:
         """``[size * rows, cols]``: every rank's ``x`` ``[rows, cols]``, rank 0's first."""
-        out = torch.empty((self.size * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-        _all_gather_single(out, x.contiguous(), group=self.device_group)
-        return out
+        local = x.cpu().contiguous() if self.staged else x.contiguous()
+        out = torch.empty((self.size * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=local.device)
+        _all_gather_single(out, local, group=self.device_group)
+        return out.to(x.device) if self.staged else out
 
     def broadcast_device(self, x: torch.Tensor) -> torch.Tensor:
         """Rank 0's ``x`` on every rank, in place (a device tensor)."""
+        if self.staged:
+            host = x.cpu()
+            dist.broadcast(host, 0, group=self.device_group)
+            return x.copy_(host)
         dist.broadcast(x, 0, group=self.device_group)
         return x
 
@@ -107,10 +121,11 @@ class TensorParallelGroup:
 _GROUP: TensorParallelGroup | None = None
 
 
-def init_tp_group(rank: int, size: int, port: int, device: torch.device) -> TensorParallelGroup:
-    """Joins the group (blocks until all ``size`` ranks have joined) and makes it this process's."""
+def init_tp_group(rank: int, size: int, port: int, device: torch.device, staged: bool = False) -> TensorParallelGroup:
+    """Joins the group (blocks until all ``size`` ranks have joined) and makes it
+    this process's; ``staged``: see the module docstring."""
     global _GROUP
-    _GROUP = TensorParallelGroup(rank, size, port, device)
+    _GROUP = TensorParallelGroup(rank, size, port, device, staged)
     return _GROUP
 
 

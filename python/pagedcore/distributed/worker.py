@@ -36,6 +36,10 @@ class WorkerLaunch:
     port: int
     log_level: int
     control_path: str | None = None  # the step messages' ring (None: they come by gloo)
+    # PAGEDCORE_TP_ONE_GPU=1 (a test of the GPU path on a machine of one GPU): every
+    # rank on the driver's GPU, this index, the device collectives by gloo through
+    # host copies (NCCL refuses two ranks on one device). None: rank r on cuda:r.
+    one_gpu_index: int | None = None
 
 
 def worker_main(launch: WorkerLaunch, rank: int, conn: Any, wake: Any = None) -> None:
@@ -50,7 +54,7 @@ def worker_main(launch: WorkerLaunch, rank: int, conn: Any, wake: Any = None) ->
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // launch.size))
             device = torch.device("cpu")
         else:
-            device = torch.device("cuda", rank)
+            device = torch.device("cuda", rank if launch.one_gpu_index is None else launch.one_gpu_index)
             torch.cuda.set_device(device)
         from .group import init_tp_group
 
@@ -60,7 +64,7 @@ def worker_main(launch: WorkerLaunch, rank: int, conn: Any, wake: Any = None) ->
 
             ring = ControlRing.attach(launch.control_path, launch.size - 1, rank - 1)
         conn.send(("hello",))
-        group = init_tp_group(rank, launch.size, launch.port, device)
+        group = init_tp_group(rank, launch.size, launch.port, device, staged=launch.one_gpu_index is not None)
         _serve(launch, group, device, ring, wake)
         group.destroy()
     except BaseException as e:  # noqa: BLE001 - the driver must hear why
