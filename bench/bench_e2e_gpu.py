@@ -664,8 +664,8 @@ def _mixed_steps(path: Path, fields: dict, args, mixed_graphs: str) -> None:
         calls.clear()
         walls = []
         for _ in range(k):
-            if prompt:
-                engine.add_request(f"p{next(tag)}", None, rng.integers(3, vocab, prompt).tolist(),
+            for _ in range(args.mixed_split if prompt else 0):  # (--mixed-split requests of P / K tokens)
+                engine.add_request(f"p{next(tag)}", None, rng.integers(3, vocab, prompt // args.mixed_split).tolist(),
                                    SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
             for _ in range(4):
                 t = time.perf_counter()
@@ -675,6 +675,8 @@ def _mixed_steps(path: Path, fields: dict, args, mixed_graphs: str) -> None:
             torch.cuda.synchronize()
         return walls
 
+    by_name: dict[int, dict[str, list[float]]] = {}  # prompt -> kernel name -> [us, calls] a round
+
     def kernels(prompt: int) -> tuple[float, float]:
         """(kernel ms, launches) of one round of 4 steps, under torch.profiler."""
         if not cuda:
@@ -682,14 +684,21 @@ def _mixed_steps(path: Path, fields: dict, args, mixed_graphs: str) -> None:
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             rounds(prompt, 4)
         events = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+        names = by_name.setdefault(prompt, {})
+        for e in events:
+            entry = names.setdefault(e.name, [0.0, 0.0])
+            entry[0] += e.device_time_total / 4
+            entry[1] += 0.25
         return sum(e.device_time_total for e in events) / 1e3 / 4, len(events) / 4
 
     def med(values) -> float:
         values = list(values)
         return statistics.median(values) if values else float("nan")
 
-    print(f"\n{args.shape}: {rows} rows decoding (256-token prompts); every 4 steps a request of P prompt "
-          f"tokens arrives (max_tokens 1); PAGEDCORE_MIXED_GRAPHS={mixed_graphs}; medians, ms per step")
+    arrive = "a request of P prompt tokens arrives" if args.mixed_split == 1 else \
+        f"{args.mixed_split} requests of P / {args.mixed_split} prompt tokens arrive"
+    print(f"\n{args.shape}: {rows} rows decoding (256-token prompts); every 4 steps {arrive} "
+          f"(max_tokens 1); PAGEDCORE_MIXED_GRAPHS={mixed_graphs}; medians, ms per step")
     print(f"{'P':>5}{'step':>8}{'wall':>8}{'host in execute':>17}{'GPU span':>10}{'kernels':>9}{'launches':>10}")
     base_ms = base_n = float("nan")
     prompts = [0] + [int(x) for x in args.mixed_prompts.split(",") if int(x) > 0]
@@ -706,6 +715,21 @@ def _mixed_steps(path: Path, fields: dict, args, mixed_graphs: str) -> None:
             k_ms, k_n = (ms - 3 * base_ms, n - 3 * base_n) if mixed else (base_ms, base_n)
             print(f"{prompt:>5}{'mixed' if mixed else 'decode':>8}{med(walls[i] for i in sel) * 1e3:8.3f}"
                   f"{med(calls[i][0] for i in sel) * 1e3:17.3f}{span:10.3f}{k_ms:9.3f}{k_n:10.0f}")
+    if args.mixed_kernels and cuda:
+        # What a mixed step adds by kernel name: its round less three decode-only steps
+        # (a quarter of the P = 0 round each), against one decode-only step.
+        base = by_name.get(0, {})
+        for prompt in prompts[1:]:
+            rows_ = []
+            for name in set(by_name[prompt]) | set(base):
+                us, n = by_name[prompt].get(name, [0.0, 0.0])
+                b_us, b_n = base.get(name, [0.0, 0.0])
+                rows_.append((us - 0.75 * b_us, n - 0.75 * b_n, b_us / 4, b_n / 4, name))
+            rows_.sort(key=lambda r: -r[0])
+            print(f"\nP = {prompt}: a mixed step's kernels by name against a decode-only step's (us, calls)")
+            print(f"{'mixed us':>9}{'calls':>7}{'decode us':>10}{'calls':>7}  kernel")
+            for us, n, b_us, b_n, name in rows_[:args.mixed_kernels]:
+                print(f"{us:9.1f}{n:7.1f}{b_us:10.1f}{b_n:7.1f}  {name[:100]}")
     if args.host_profile:
         import cProfile
         import io
@@ -767,9 +791,15 @@ def main() -> None:
     parser.add_argument("--host-profile", action="store_true",
                         help="--mixed: also cProfile the host work inside execute() of steps with the longest P")
     parser.add_argument("--mixed-graphs", default="0,1024", help="--mixed: PAGEDCORE_MIXED_GRAPHS values to run, comma list")
+    parser.add_argument("--mixed-split", type=int, default=1, metavar="K",
+                        help="--mixed: the P prompt tokens as K requests of P / K tokens (serving's mixed steps)")
+    parser.add_argument("--mixed-kernels", type=int, default=0, metavar="N",
+                        help="--mixed: the N largest kernels by name of a mixed step against a decode-only step")
     parser.add_argument("--mixed-prompts", default="16,64,256,512",
                         help="--mixed: the prompt lengths P, comma list (the last one's steps are --host-profile's)")
     args = parser.parse_args()
+    if args.mixed_split < 1:
+        parser.error(f"--mixed-split must be at least 1, got {args.mixed_split}")
     fields, n, mean_prompt, out = SHAPES[args.shape]
     n = args.requests or n
     mean_prompt = args.mean_prompt or mean_prompt
