@@ -7,12 +7,15 @@ For each tensor-parallel size of ``--tp`` (one LLM at a time, same process):
   128-token prompt, medians of three;
 * throughput: the shape's workload of bench_e2e_gpu (``--requests``, lognormal
   prompts, EOS ignored), output tokens per second;
+* with ``--allreduce nccl,symm_mem``, each TP > 1 once per all-reduce kind
+  (PAGEDCORE_TP_ALLREDUCE: NCCL, or torch's symmetric-memory one-shot kernel for
+  the all-reduces of up to 512 KiB);
 * the driver's per-step send (the step message through the shared-memory ring,
   or the gloo control group with PAGEDCORE_TP_CONTROL=gloo): median time per step
   on the driver and median message size.
 
-Then ``--collectives``: the collectives of one decode step alone, between ``N``
-spawned ranks, at batch 1 and ``--requests``: ``2 x layers + 1`` all-reduces of
+Then ``--collectives``: the collectives of one decode step alone (through the
+engine's own TensorParallelGroup, per all-reduce kind), between ``N`` spawned ranks, at batch 1 and ``--requests``: ``2 x layers + 1`` all-reduces of
 ``[batch, hidden]`` and the all-gather of the logits ``[batch, vocab / N]``,
 captured in one CUDA graph on GPUs (as the decode graphs hold them), timed over
 replays; plus the bus bandwidth of a 256 MiB all-reduce, to set beside the
@@ -28,6 +31,7 @@ the CPU's tokens per second under TP say nothing about speed (the ranks share
 the cores).
 
 Usage: python bench/bench_tp.py --shape llama3-8b --tp 1,2 [--device cuda] [--collectives]
+       [--allreduce nccl,symm_mem]
 """
 
 from __future__ import annotations
@@ -52,9 +56,10 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def measure(path: Path, fields: dict, tp: int, args) -> dict:
+def measure(path: Path, fields: dict, tp: int, args, allreduce: str = "nccl") -> dict:
     from pagedcore import LLM, SamplingParams
 
+    os.environ["PAGEDCORE_TP_ALLREDUCE"] = allreduce
     llm = LLM(model=str(path), load_format="dummy", dtype=args.dtype, device=args.device,
               max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
               max_num_seqs=args.max_num_seqs, enable_prefix_caching=False, tensor_parallel_size=tp,
@@ -98,7 +103,8 @@ def measure(path: Path, fields: dict, tp: int, args) -> dict:
     sends.clear()
     sizes.clear()
     seconds = gen(ps, out)
-    result = {"tp": tp, "tpot_ms": tpot * 1e3, "tok_s": requests * out / seconds,
+    label = "-" if tp == 1 else allreduce if args.device == "cuda" else "gloo"
+    result = {"tp": tp, "allreduce": label, "tpot_ms": tpot * 1e3, "tok_s": requests * out / seconds,
               "send_us_batch1": statistics.median(decode_sends) * 1e6 if decode_sends else 0.0,
               "send_us_load": statistics.median(sends) * 1e6 if sends else 0.0,
               "msg_kib_load": statistics.median(sizes) * 4 / 1024 if sizes else 0.0,
@@ -113,8 +119,10 @@ def measure(path: Path, fields: dict, tp: int, args) -> dict:
 
 
 def _collectives_rank(rank: int, size: int, port: int, fields: dict, batches: list[int], device_type: str,
-                      dtype: torch.dtype, queue) -> None:
+                      dtype: torch.dtype, queue, allreduce: str = "nccl") -> None:
     import torch.distributed as dist
+
+    from pagedcore.distributed.group import TensorParallelGroup
 
     if device_type == "cuda":
         device = torch.device("cuda", rank)
@@ -122,20 +130,19 @@ def _collectives_rank(rank: int, size: int, port: int, fields: dict, batches: li
     else:
         device = torch.device("cpu")
         torch.set_num_threads(1)
-    dist.init_process_group("nccl" if device_type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
-                            rank=rank, world_size=size, device_id=device if device_type == "cuda" else None)
-    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # (torch < 2.13)
+    # The engine's own group: NCCL (or gloo) and, with "symm_mem", its symmetric-memory all-reduce.
+    group = TensorParallelGroup(rank, size, port, device, symm_dtype=dtype if allreduce == "symm_mem" else None)
     hidden, layers, vocab = fields["hidden_size"], fields["num_hidden_layers"], fields["vocab_size"]
     results = {}
     for b in batches:
         x = torch.randn(b, hidden, device=device).to(dtype)
         local = torch.randn(b, -(-vocab // size), device=device).to(dtype)
-        gathered = torch.empty((size * b, local.shape[1]), dtype=dtype, device=device)
 
         def step() -> None:
+            y = x
             for _ in range(2 * layers + 1):  # o and down of each layer, the embedding
-                dist.all_reduce(x)
-            all_gather(gathered, local)
+                y = group.all_reduce(y)
+            group.all_gather_rows(local)
 
         if device_type == "cuda":
             side = torch.cuda.Stream()
@@ -176,10 +183,10 @@ def _collectives_rank(rank: int, size: int, port: int, fields: dict, batches: li
     results["allreduce_mib"] = nbytes / 2**20
     if rank == 0:
         queue.put(results)
-    dist.destroy_process_group()
+    group.destroy()
 
 
-def collectives(fields: dict, size: int, batches: list[int], args) -> dict:
+def collectives(fields: dict, size: int, batches: list[int], args, allreduce: str = "nccl") -> dict:
     import torch.multiprocessing as mp
 
     from pagedcore.distributed.group import free_port
@@ -188,7 +195,8 @@ def collectives(fields: dict, size: int, batches: list[int], args) -> dict:
     queue = ctx.Queue()
     dtype = getattr(torch, args.dtype) if args.dtype != "auto" else torch.float32
     port = free_port()
-    procs = [ctx.Process(target=_collectives_rank, args=(r, size, port, fields, batches, args.device, dtype, queue))
+    procs = [ctx.Process(target=_collectives_rank,
+                         args=(r, size, port, fields, batches, args.device, dtype, queue, allreduce))
              for r in range(size)]
     for p in procs:
         p.start()
@@ -292,6 +300,8 @@ def main() -> None:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--collectives", action="store_true", help="also time one decode step's collectives")
+    parser.add_argument("--allreduce", default="nccl",
+                        help="comma list of PAGEDCORE_TP_ALLREDUCE values for TP > 1 (nccl, symm_mem)")
     parser.add_argument("--control", action="store_true",
                         help="only the step message's latency between two processes (shared memory, gloo)")
     args = parser.parse_args()
@@ -303,36 +313,41 @@ def main() -> None:
     args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     fields = SHAPES[args.shape][0]
     sizes = [int(s) for s in args.tp.split(",")]
+    kinds = [k for k in args.allreduce.split(",") if k]
+    for kind in kinds:
+        if kind not in ("nccl", "symm_mem"):
+            parser.error(f"--allreduce: 'nccl' or 'symm_mem', got {kind!r}")
     rows = []
     with tempfile.TemporaryDirectory() as root:
         path = checkpoint_dir(fields, Path(root))
         for tp in sizes:
-            rows.append(measure(path, fields, tp, args))
-            print(rows[-1], flush=True)
+            for kind in (kinds if tp > 1 else ["nccl"]):
+                rows.append(measure(path, fields, tp, args, kind))
+                print(rows[-1], flush=True)
     coll = {}
     if args.collectives:
         batch_max = args.requests or SHAPES[args.shape][1]
         for tp in sizes:
-            if tp > 1:
-                coll[tp] = collectives(fields, tp, [1, batch_max], args)
-                print({"tp": tp, **coll[tp]}, flush=True)
+            for kind in (kinds if tp > 1 else []):
+                coll[tp, kind] = collectives(fields, tp, [1, batch_max], args, kind)
+                print({"tp": tp, "allreduce": kind, **coll[tp, kind]}, flush=True)
     print(f"\n{args.shape} on {args.device} ({args.dtype}), tensor parallelism")
-    print(f"{'tp':>3}{'TPOT b1 ms':>12}{'tok/s':>10}{'bcast us b1':>13}{'bcast us load':>15}{'msg KiB':>9}"
-          f"{'graphs':>8}")
+    print(f"{'tp':>3}{'all-reduce':>11}{'TPOT b1 ms':>12}{'tok/s':>10}{'bcast us b1':>13}{'bcast us load':>15}"
+          f"{'msg KiB':>9}{'graphs':>8}")
     for r in rows:
-        print(f"{r['tp']:>3}{r['tpot_ms']:12.2f}{r['tok_s']:10.0f}{r['send_us_batch1']:13.1f}"
+        print(f"{r['tp']:>3}{r['allreduce']:>11}{r['tpot_ms']:12.2f}{r['tok_s']:10.0f}{r['send_us_batch1']:13.1f}"
               f"{r['send_us_load']:15.1f}{r['msg_kib_load']:9.1f}{r['graph_replays']:8d}")
-    for tp, c in coll.items():
+    for (tp, kind), c in coll.items():
         steps = ", ".join(f"batch {k[len('step_us_b'):]}: {v:.1f} us" for k, v in c.items() if k.startswith("step_us"))
-        print(f"TP={tp} collectives of one decode step ({2 * fields['num_hidden_layers'] + 1} all-reduces + the "
-              f"logits' all-gather): {steps}; all-reduce of {c['allreduce_mib']:.0f} MiB: bus bandwidth "
+        print(f"TP={tp} ({kind}) collectives of one decode step ({2 * fields['num_hidden_layers'] + 1} all-reduces "
+              f"+ the logits' all-gather): {steps}; all-reduce of {c['allreduce_mib']:.0f} MiB: bus bandwidth "
               f"{c['allreduce_busbw_gbs']:.1f} GB/s")
     base = next((r for r in rows if r["tp"] == 1), None)
     if base is not None:
         for r in rows:
             if r["tp"] > 1:
-                print(f"TP={r['tp']} vs TP=1: TPOT x{r['tpot_ms'] / base['tpot_ms']:.2f} (target <= 0.6), "
-                      f"throughput x{r['tok_s'] / base['tok_s']:.2f} (target >= 1.6)")
+                print(f"TP={r['tp']} ({r['allreduce']}) vs TP=1: TPOT x{r['tpot_ms'] / base['tpot_ms']:.2f} "
+                      f"(target <= 0.6), throughput x{r['tok_s'] / base['tok_s']:.2f} (target >= 1.6)")
 
 
 if __name__ == "__main__":

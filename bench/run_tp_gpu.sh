@@ -2,12 +2,13 @@
 # Tensor parallelism on a machine with 2 (or more) GPUs, in one command: build
 # pagedcore with its CUDA kernels, run test_tensor_parallel.py (the CPU/gloo tests
 # and the cuda-marked NCCL equality tests: TP=2 greedy tokens == one GPU, with and
-# without CUDA graphs), then bench_tp.py on the Llama-3-8B shape (random bf16
-# weights): batch-1 time per output token and throughput at 256 requests, TP=2
-# against TP=1 on the same machine, the step message's cost (and alone, shared memory
-# against gloo: bench_tp.py --control), the collectives of
-# one decode step (captured in a CUDA graph) and the bus bandwidth of a large
-# all-reduce beside the physical NVLink figure that nvidia-smi reports.
+# without CUDA graphs, NCCL's all-reduces and torch's symmetric-memory ones), then
+# bench_tp.py on the Llama-3-8B shape (random bf16 weights): batch-1 time per output
+# token and throughput at 256 requests, TP=2 (each all-reduce kind of $TP_ALLREDUCE,
+# default "nccl,symm_mem") against TP=1 on the same machine, the step message's
+# cost (and alone, shared memory against gloo: bench_tp.py --control), the
+# collectives of one decode step (captured in a CUDA graph) and the bus bandwidth
+# of a large all-reduce beside the physical NVLink figure that nvidia-smi reports.
 # Logs go to $OUT (or /tmp/pagedcore-tp); a summary table is printed last.
 #
 #   bench/run_tp_gpu.sh [all|test|bench] [SHAPE]   (SHAPE: llama3-8b, the default, or smollm2)
@@ -63,11 +64,12 @@ if [[ "$mode" == all || "$mode" == test ]]; then
 fi
 if [[ "$mode" == all || "$mode" == bench ]]; then
   checks+=(bench_tp)
-  step bench_tp "$py" bench/bench_tp.py --shape "$shape" --tp 1,2 --device cuda --collectives
+  step bench_tp "$py" bench/bench_tp.py --shape "$shape" --tp 1,2 --device cuda --collectives \
+    --allreduce "${TP_ALLREDUCE:-nccl,symm_mem}"
   checks+=(bench_tp_control)  # the step message alone: shared memory against gloo
   step bench_tp_control "$py" bench/bench_tp.py --control
   echo
-  tail -n 8 "$out/bench_tp.log"
+  tail -n 12 "$out/bench_tp.log"
   tail -n 1 "$out/bench_tp_control.log"
 fi
 echo "NVLink of GPU 0: ${nvlink:-not reported}"

@@ -29,6 +29,7 @@ from . import _C
 from .compact_outputs import CompactOutputs, compact_eligible
 from .detokenizer import IncrementalDetokenizer
 from .distributed.driver import TP_ONE_GPU_ENV, TensorParallelDriver, tp_one_gpu
+from .distributed.group import ALLREDUCE_ENV, allreduce_kind
 from .distributed.weights import iter_safetensors_shard
 from .distributed.worker import WorkerLaunch
 from .model_loader import (
@@ -486,7 +487,13 @@ class LLMEngine:
 
     def _start_workers(self, model_path: str) -> TensorParallelDriver:
         size = self.args.tensor_parallel_size
-        one_gpu = None
+        one_gpu, symm_mem = None, allreduce_kind() == "symm_mem"
+        if symm_mem and self.device.type != "cuda":
+            raise ValueError(f"${ALLREDUCE_ENV}=symm_mem needs GPUs (NCCL), got device {self.device.type}")
+        if symm_mem and tp_one_gpu():
+            raise ValueError(f"${ALLREDUCE_ENV}=symm_mem needs a GPU a rank, got ${TP_ONE_GPU_ENV}=1 "
+                             f"(its kernel spins until every rank's has arrived, and two processes' kernels do not run side by "
+                             f"side on one GPU)")
         if tp_one_gpu() and self.device.type == "cuda":
             # A test of the GPU path's sharding on one GPU (distributed/group.py's
             # staged collectives): gloo cannot be captured in a CUDA graph, and the
@@ -507,7 +514,8 @@ class LLMEngine:
             torch.cuda.set_device(self.device)
         launch = WorkerLaunch(args=self.args, model_path=model_path, spec=self.spec, dtype=self.dtype,
                               kv_dtype=self.kv_dtype, device_type=self.device.type, size=size, port=0,
-                              log_level=max(logger.getEffectiveLevel(), logging.WARNING), one_gpu_index=one_gpu)
+                              log_level=max(logger.getEffectiveLevel(), logging.WARNING), one_gpu_index=one_gpu,
+                              symm_mem=symm_mem)
         return TensorParallelDriver(launch, self.device)
 
     def _tp_guard(self) -> Any:

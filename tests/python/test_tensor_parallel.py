@@ -385,13 +385,18 @@ def test_shapes_that_cannot_be_split_are_refused_before_any_worker_starts(tmp_pa
         LLM(model=str(path), num_kv_blocks=16, tensor_parallel_size=0)
 
 
-def test_a_bad_one_gpu_switch_is_refused_before_any_worker_starts(tmp_path, monkeypatch) -> None:
+@pytest.mark.parametrize("name, value, error", [
+    ("PAGEDCORE_TP_ONE_GPU", "yes", r"\$PAGEDCORE_TP_ONE_GPU must be '0' or '1', got 'yes'"),
+    ("PAGEDCORE_TP_ALLREDUCE", "custom", r"\$PAGEDCORE_TP_ALLREDUCE must be 'nccl' or 'symm_mem', got 'custom'"),
+    ("PAGEDCORE_TP_ALLREDUCE", "symm_mem", r"\$PAGEDCORE_TP_ALLREDUCE=symm_mem needs GPUs \(NCCL\), got device cpu"),
+])
+def test_bad_switches_are_refused_before_any_worker_starts(name, value, error, tmp_path, monkeypatch) -> None:
     import multiprocessing
 
     path = make_checkpoint("qwen2", tmp_path)
-    monkeypatch.setenv("PAGEDCORE_TP_ONE_GPU", "yes")
-    with pytest.raises(ValueError, match=r"\$PAGEDCORE_TP_ONE_GPU must be '0' or '1', got 'yes'"):
-        LLM(model=str(path), num_kv_blocks=16, tensor_parallel_size=2)
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=error):
+        LLM(model=str(path), num_kv_blocks=16, tensor_parallel_size=2, device="cpu")
     assert not [p for p in multiprocessing.active_children() if p.name.startswith("pagedcore-tp")]
 
 
@@ -437,6 +442,11 @@ def test_cuda_tp2_on_one_gpu_equals_one_rank(tokenizer_dir, tmp_path, caplog, mo
         LLM(tensor_parallel_size=2, num_kv_blocks=64, **base)
     with pytest.raises(ValueError, match=r"PAGEDCORE_TP_ONE_GPU=1 needs num_kv_blocks .*got num_kv_blocks=None"):
         LLM(tensor_parallel_size=2, enforce_eager=True, **base)
+    monkeypatch.setenv("PAGEDCORE_TP_ALLREDUCE", "symm_mem")
+    with pytest.raises(ValueError, match=r"PAGEDCORE_TP_ALLREDUCE=symm_mem needs a GPU a rank, got "
+                                         r"\$PAGEDCORE_TP_ONE_GPU=1"):
+        LLM(tensor_parallel_size=2, enforce_eager=True, num_kv_blocks=64, **base)
+    monkeypatch.delenv("PAGEDCORE_TP_ALLREDUCE")
     for name, extra in (("qwen2", {}), ("llama-3kv-uneven", {"async_scheduling": True, "async_output_proc": True})):
         path = make_checkpoint(name, tmp_path)
         vocab = MODELS[name][1].get("vocab_size", VOCAB)
@@ -464,10 +474,14 @@ def test_cuda_tp2_on_one_gpu_equals_one_rank(tokenizer_dir, tmp_path, caplog, mo
 @pytest.mark.skipif(torch.cuda.device_count() < 2,
                     reason=f"needs 2 GPUs for NCCL tensor parallelism; torch sees {torch.cuda.device_count()}")
 @pytest.mark.parametrize("enforce_eager", [False, True], ids=["cuda-graphs", "eager"])
-def test_cuda_tp2_greedy_equals_one_gpu(enforce_eager, tokenizer_dir, tmp_path) -> None:
+@pytest.mark.parametrize("allreduce", ["nccl", "symm_mem"])
+def test_cuda_tp2_greedy_equals_one_gpu(allreduce, enforce_eager, tokenizer_dir, tmp_path, caplog,
+                                        monkeypatch) -> None:
     """NCCL, and (unless eager) the all-reduces captured in the CUDA graphs: the
     same greedy tokens as one GPU, float32 weights (the tiny models' logits have no
-    near-ties at 1e-5)."""
+    near-ties at 1e-5). PAGEDCORE_TP_ALLREDUCE=symm_mem: the all-reduces of up to
+    512 KiB (every one of these steps') on torch's symmetric memory."""
+    monkeypatch.setenv("PAGEDCORE_TP_ALLREDUCE", allreduce)
     for name in ("qwen2", "llama-3kv-uneven"):
         path = make_checkpoint(name, tmp_path)
         vocab = MODELS[name][1].get("vocab_size", VOCAB)
@@ -476,7 +490,8 @@ def test_cuda_tp2_greedy_equals_one_gpu(enforce_eager, tokenizer_dir, tmp_path) 
         one = LLM(**kwargs)
         want = [o.outputs[0].token_ids for o in run(one, prompts(vocab), greedy())]
         del one
-        with tp_llm(**kwargs) as llm:
+        with caplog.at_level(logging.INFO, logger="pagedcore"), tp_llm(**kwargs) as llm:
             assert [o.outputs[0].token_ids for o in run(llm, prompts(vocab), greedy())] == want, name
             if not enforce_eager:
                 assert llm.llm_engine.runner.graph_replays > 0
+        assert ("all-reduces up to 512 KiB on symmetric memory" in caplog.text) == (allreduce == "symm_mem")

@@ -34,7 +34,7 @@ import torch
 
 from . import step_message as msg
 from .control_ring import ControlRing, ring_path_allowed
-from .group import TensorParallelGroup, free_port, init_tp_group
+from .group import SYMM_MEM_MAX_BYTES, TensorParallelGroup, free_port, init_tp_group
 from .worker import WorkerLaunch, worker_main
 
 logger = logging.getLogger("pagedcore")
@@ -129,6 +129,7 @@ class TensorParallelDriver:
         self._started = start
         self._port, self._device = launch.port, device
         self._staged = launch.one_gpu_index is not None  # (PAGEDCORE_TP_ONE_GPU: gloo on host copies)
+        self._symm_dtype = launch.dtype if launch.symm_mem else None
         self._nccl = device.type == "cuda" and not self._staged
         self._buf = np.zeros(msg.INLINE, dtype=np.int32)
 
@@ -146,7 +147,9 @@ class TensorParallelDriver:
         self._watchdog = threading.Thread(target=self._watch, name="pagedcore-tp-watchdog", daemon=True)
         self._watchdog.start()
         logger.info("tensor parallelism: %d ranks (%s, workers %s; steps by %s) up in %.1f s", self.size,
-                    "NCCL" if self._nccl else f"gloo on host copies, every rank on {self._device}" if self._staged
+                    (f"NCCL, all-reduces up to {SYMM_MEM_MAX_BYTES >> 10} KiB on symmetric memory"
+                     if self.group.symm_mem else "NCCL") if self._nccl
+                    else f"gloo on host copies, every rank on {self._device}" if self._staged
                     else "gloo", [p.pid for p in self._procs],
                     "shared memory" if self._ring is not None else "gloo", time.perf_counter() - self._started)
 
@@ -192,7 +195,8 @@ class TensorParallelDriver:
 
         def join() -> None:
             try:
-                joined.append(init_tp_group(0, self.size, self._port, self._device, staged=self._staged))
+                joined.append(init_tp_group(0, self.size, self._port, self._device, staged=self._staged,
+                                            symm_dtype=self._symm_dtype))
             except BaseException as e:  # noqa: BLE001 - re-raised by the caller
                 joined.append(e)
 

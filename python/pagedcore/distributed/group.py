@@ -19,6 +19,7 @@ Two torch.distributed groups over the same ranks:
 from __future__ import annotations
 
 import datetime
+import os
 import socket
 
 import torch
@@ -27,6 +28,22 @@ import torch.distributed as dist
 # torch 2.13 renamed all_gather_into_tensor (deprecated there) to all_gather_single;
 # the GPU machine's torch 2.11 may have only the old name.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+# How the model's all-reduces of at most SYMM_MEM_MAX_BYTES run between GPUs:
+# "nccl" (the default) or "symm_mem" (torch's symmetric memory: a one-shot kernel
+# that copies the rank's input into its buffer, waits for the peers' and sums them
+# all, no NCCL proxy or ring; larger all-reduces stay on NCCL). Opt-in: never run yet.
+ALLREDUCE_ENV = "PAGEDCORE_TP_ALLREDUCE"
+SYMM_MEM_MAX_BYTES = 512 << 10  # a decode step of 64 rows of the 8B shape's 4096 bf16
+
+
+def allreduce_kind() -> str:
+    """$PAGEDCORE_TP_ALLREDUCE, checked: "nccl" (default) or "symm_mem"."""
+    value = os.environ.get(ALLREDUCE_ENV, "nccl") or "nccl"
+    if value not in ("nccl", "symm_mem"):
+        raise ValueError(f"${ALLREDUCE_ENV} must be 'nccl' or 'symm_mem', got {value!r}")
+    return value
+
 
 # A worker waits on the control group between steps; the server may idle for days.
 CONTROL_TIMEOUT = datetime.timedelta(days=30)
@@ -44,7 +61,8 @@ def free_port() -> int:
 class TensorParallelGroup:
     """This process's rank in the tensor-parallel group and its collectives."""
 
-    def __init__(self, rank: int, size: int, port: int, device: torch.device, staged: bool = False) -> None:
+    def __init__(self, rank: int, size: int, port: int, device: torch.device, staged: bool = False,
+                 symm_dtype: torch.dtype | None = None) -> None:
         if dist.is_initialized():
             raise RuntimeError(
                 "torch.distributed is initialised already in this process: one tensor-parallel engine "
@@ -61,11 +79,35 @@ class TensorParallelGroup:
         )
         self.device_group = dist.group.WORLD
         self.control_group = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+        # symm_dtype (PAGEDCORE_TP_ALLREDUCE=symm_mem, NCCL groups): every rank's
+        # buffer of SYMM_MEM_MAX_BYTES, mapped by its peers (a collective).
+        self._symm: torch.Tensor | None = None
+        if symm_dtype is not None and backend == "nccl":
+            import torch.distributed._symmetric_memory as symm_mem
+
+            itemsize = torch.empty((), dtype=symm_dtype).element_size()
+            self._symm = symm_mem.empty(SYMM_MEM_MAX_BYTES // itemsize, dtype=symm_dtype, device=device)
+            symm_mem.rendezvous(self._symm, self.device_group.group_name)
+            self._group_name = self.device_group.group_name
 
     # ---- model collectives (device group) ----------------------------------------
 
+    @property
+    def symm_mem(self) -> bool:
+        """Whether the small all-reduces run on torch's symmetric memory."""
+        return self._symm is not None
+
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sums ``x`` over the ranks, in place; returns ``x``."""
+        """The sum of ``x`` over the ranks: ``x`` itself, summed in place, or (the
+        symmetric-memory all-reduce) a new tensor; use the result."""
+        nbytes = x.numel() * x.element_size()
+        if (self._symm is not None and x.dtype == self._symm.dtype and nbytes <= SYMM_MEM_MAX_BYTES
+                and nbytes % 16 == 0 and x.is_contiguous()):
+            # (into a new tensor: the kernel's copy of x into the buffer and its sums
+            # into out are not ordered across its blocks, so out must not alias x)
+            out = torch.empty_like(x)
+            return torch.ops.symm_mem.one_shot_all_reduce_copy_out(
+                self._symm[:x.numel()].view_as(x), x, "sum", self._group_name, out)
         if self.staged:
             host = x.cpu()
             dist.all_reduce(host, group=self.device_group)
@@ -121,11 +163,13 @@ class TensorParallelGroup:
 _GROUP: TensorParallelGroup | None = None
 
 
-def init_tp_group(rank: int, size: int, port: int, device: torch.device, staged: bool = False) -> TensorParallelGroup:
+def init_tp_group(rank: int, size: int, port: int, device: torch.device, staged: bool = False,
+                  symm_dtype: torch.dtype | None = None) -> TensorParallelGroup:
     """Joins the group (blocks until all ``size`` ranks have joined) and makes it
-    this process's; ``staged``: see the module docstring."""
+    this process's; ``staged``: see the module docstring; ``symm_dtype``: the
+    symmetric-memory all-reduce's buffer (PAGEDCORE_TP_ALLREDUCE=symm_mem)."""
     global _GROUP
-    _GROUP = TensorParallelGroup(rank, size, port, device, staged)
+    _GROUP = TensorParallelGroup(rank, size, port, device, staged, symm_dtype)
     return _GROUP
 
 

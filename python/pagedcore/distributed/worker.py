@@ -40,6 +40,8 @@ class WorkerLaunch:
     # rank on the driver's GPU, this index, the device collectives by gloo through
     # host copies (NCCL refuses two ranks on one device). None: rank r on cuda:r.
     one_gpu_index: int | None = None
+    # PAGEDCORE_TP_ALLREDUCE=symm_mem: the small all-reduces on torch's symmetric memory
+    symm_mem: bool = False
 
 
 def worker_main(launch: WorkerLaunch, rank: int, conn: Any, wake: Any = None) -> None:
@@ -64,7 +66,8 @@ def worker_main(launch: WorkerLaunch, rank: int, conn: Any, wake: Any = None) ->
 
             ring = ControlRing.attach(launch.control_path, launch.size - 1, rank - 1)
         conn.send(("hello",))
-        group = init_tp_group(rank, launch.size, launch.port, device, staged=launch.one_gpu_index is not None)
+        group = init_tp_group(rank, launch.size, launch.port, device, staged=launch.one_gpu_index is not None,
+                              symm_dtype=launch.dtype if launch.symm_mem else None)
         _serve(launch, group, device, ring, wake)
         group.destroy()
     except BaseException as e:  # noqa: BLE001 - the driver must hear why

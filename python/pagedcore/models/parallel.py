@@ -167,7 +167,7 @@ class TensorParallelShard:
 
 class ParallelDecoderLayer(DecoderLayer):
     """A decoder layer whose o and down projections are row-parallel: their
-    partial outputs are summed over the ranks (one all-reduce each, in place)."""
+    partial outputs are summed over the ranks (one all-reduce each)."""
 
     def reduce(self, partial: torch.Tensor) -> torch.Tensor:
         from ..distributed.group import get_tp_group
@@ -199,7 +199,10 @@ class ParallelCausalLM(CausalLM):
         # owner contributes to the sum, so each embedding is exact.
         hidden = torch.index_select(self.embed_tokens.weight, 0, local.masked_fill(outside, 0), out=out)
         hidden.masked_fill_(outside.unsqueeze(1), 0)
-        return get_tp_group().all_reduce(hidden)
+        summed = get_tp_group().all_reduce(hidden)
+        if summed is not hidden:  # (a symmetric-memory all-reduce's new tensor; callers' out= holds the sum)
+            hidden.copy_(summed)
+        return hidden
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
