@@ -154,6 +154,10 @@ constexpr int kClusterAsync = 32;
 // the kernel (the counters set), so that no merge kernel looks for partials
 // of it.
 constexpr int kClusterKeysShift = 8;
+// What a CLUSTER launch returns, launching nothing, when more of its clusters
+// than fit on the GPU at once were asked for (an internal code: the dispatch
+// then launches the plain kernel; PAGEDCORE_DECODE_CLUSTER=-C makes it the error).
+constexpr cudaError_t kClusterLaunchTooLarge = cudaErrorCooperativeLaunchTooLarge;
 // The kernel's TMA: 0 (cp.async), 1 (the boxes issued by warp 0 or, with
 // kTmaSpread, by every warp, each tile behind a barrier of the CTA) or
 // kTmaSkew (the default; PAGEDCORE_DECODE_TMA_SKEW=0 for 1): the four warps
@@ -241,6 +245,24 @@ __device__ __forceinline__ void cluster_store(uint32_t addr, float4 v) {
 __device__ __forceinline__ void cluster_store(uint32_t addr, float2 v) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("st.shared::cluster.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(v.x), "f"(v.y) : "memory");
+#endif
+}
+
+// Returns once this CTA's mbarrier at `bar` has completed the phase of parity
+// `parity`, with cluster-scope acquire: the peers' st.async bytes that completed
+// it (each a cluster-scope release) are visible after it (mbar_wait's default
+// acquire is the CTA's scope, which a peer's release does not formally pair with).
+__device__ __forceinline__ void cluster_mbar_wait(uint32_t bar, uint32_t parity) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile(
+      "{\n"
+      ".reg .pred done;\n"
+      "WAIT_%=:\n"
+      "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT_%=;\n"
+      "}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
 #endif
 }
 
@@ -1286,7 +1308,7 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
     if constexpr (CLUSTER > 1) {
       if (in_cluster) {
         if (cluster_async) {
-          tma_wait(recv_bar, 0);     // every CTA's pushes into this one have landed
+          cluster_mbar_wait(recv_bar, 0);  // every CTA's pushes into this one have landed
           cluster_arrive_relaxed();  // (the exit's barrier, awaited after the merge)
         } else {
           cluster_arrive();  // this CTA's pushes are done
@@ -1404,6 +1426,28 @@ int launch_variant(const PagedAttentionParams& p, cudaStream_t stream, int flags
   cudaError_t e;
   if constexpr (CLUSTER > 1) {  // (the splits rounded up to whole clusters)
     const int z = ((splits > 1 ? splits : 1) + CLUSTER - 1) / CLUSTER * CLUSTER;
+    // A cluster's CTAs share one GPC: at one CTA an SM, fewer clusters than SMs / CLUSTER
+    // may fit at once. A launch of more would run in two waves: refused with
+    // kClusterLaunchTooLarge (the caller launches the plain kernel instead).
+    static int max_clusters = -1;  // NOTE: per instantiation, as `configured`
+    if (max_clusters < 0) {
+      cudaLaunchConfig_t config = {};
+      cudaLaunchAttribute attribute[1];
+      attribute[0].id = cudaLaunchAttributeClusterDimension;
+      attribute[0].val.clusterDim.x = 1;
+      attribute[0].val.clusterDim.y = 1;
+      attribute[0].val.clusterDim.z = CLUSTER;
+      config.gridDim = dim3(1, 1, CLUSTER);
+      config.blockDim = dim3(threads);
+      config.dynamicSmemBytes = smem;
+      config.attrs = attribute;
+      config.numAttrs = 1;
+      int n = 0;
+      e = cudaOccupancyMaxActiveClusters(&n, kernel, &config);
+      if (e != cudaSuccess) return e;
+      max_clusters = n;
+    }
+    if (static_cast<int64_t>(p.num_kv_heads) * items * (z / CLUSTER) > max_clusters) return kClusterLaunchTooLarge;
     e = launch_pdl_cluster(kernel, dim3(p.num_kv_heads, items, z), dim3(1, 1, CLUSTER), dim3(threads), smem, stream,
                            p, flags, maps);
   } else {
@@ -1718,10 +1762,14 @@ int launch_decode(const PagedAttentionParams& p, cudaStream_t stream, int flags,
         if ((c == 4 || c == 8) && compute_capability() >= 90 && ctas <= multiprocessor_count()) {
           const int f = flags | (env_int("PAGEDCORE_DECODE_CLUSTER_ASYNC", 0) != 0 ? kClusterAsync : 0) |
                         (env_int("PAGEDCORE_DECODE_CLUSTER_KEYS", 128) / kTileKeys) << kClusterKeysShift;
-          return c == 4 ? launch_variant<T, CT, HD, true, deep_stages<HD>(), 0, kTileKeys, 16, false, 0, 4>(p, stream, f)
-                        : launch_variant<T, CT, HD, true, deep_stages<HD>(), 0, kTileKeys, 16, false, 0, 8>(p, stream, f);
+          const int e =
+              c == 4 ? launch_variant<T, CT, HD, true, deep_stages<HD>(), 0, kTileKeys, 16, false, 0, 4>(p, stream, f)
+                     : launch_variant<T, CT, HD, true, deep_stages<HD>(), 0, kTileKeys, 16, false, 0, 8>(p, stream, f);
+          if (e != kClusterLaunchTooLarge || cluster < 0) return e;
+          // (more clusters than fit at once: the plain launch below)
+        } else if (cluster < 0) {
+          return cudaErrorNotSupported;
         }
-        if (cluster < 0) return cudaErrorNotSupported;
       }
     }
     return fast ? launch_variant<T, CT, HD, true, deep_stages<HD>(), kCvt, kTileKeys>(p, stream, flags)
