@@ -10,6 +10,7 @@
 #
 #   SERVING_AB_A / SERVING_AB_B   extra bench_serving.py arguments of each setting
 #                                 (default: none / --server-arg=--mixed-prefill-lift-tokens=2048);
+#   SERVING_AB_C                  a third setting in the same rotation (unset: none);
 #                                 an environment variable for the server goes in as
 #                                 ENV:NAME=VALUE (e.g. ENV:PAGEDCORE_MIXED_GRAPHS=1024)
 #   REPEATS                       runs of each setting (3)
@@ -51,8 +52,13 @@ base+=(--client-processes 8 --request-rate 0.5x inf --server-arg=--api-server-co
        ${requests:+--num-requests "$requests"})
 
 declare -A setting=([A]="${SERVING_AB_A-}" [B]="${SERVING_AB_B---server-arg=--mixed-prefill-lift-tokens=2048}")
+names=(A B)
+if [[ -n "${SERVING_AB_C:-}" ]]; then  # a third setting, in the same rotation (A B C A B C ...)
+  setting[C]="$SERVING_AB_C"
+  names+=(C)
+fi
 for ((i = 1; i <= repeats; i++)); do
-  for name in A B; do
+  for name in "${names[@]}"; do
     args=() envs=()
     for word in ${setting[$name]}; do
       if [[ "$word" == ENV:* ]]; then envs+=("${word#ENV:}"); else args+=("$word"); fi
@@ -65,12 +71,12 @@ for ((i = 1; i <= repeats; i++)); do
   done
 done
 
-"$py" - "$out" "$shape" "$repeats" "${setting[A]}" "${setting[B]}" <<'EOF'
+"$py" - "$out" "$shape" "$repeats" "${setting[A]}" "${setting[B]}" ${setting[C]+"${setting[C]}"} <<'EOF'
 import json, os, statistics, sys
 
 out, shape, repeats, *names = sys.argv[1:]
 print(f"\n{shape}: online/offline at saturation, ITL p99 / median at 0.5x (targets >= 0.9, <= 2)")
-for label, name in zip("AB", names):
+for label, name in zip("ABC", names):
     rows = []
     for i in range(1, int(repeats) + 1):
         path = os.path.join(out, f"{shape}_{label}_{i}.json")
