@@ -30,6 +30,7 @@
 
 #include <cfloat>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <type_traits>
 
@@ -1766,7 +1767,16 @@ int launch_decode(const PagedAttentionParams& p, cudaStream_t stream, int flags,
               c == 4 ? launch_variant<T, CT, HD, true, deep_stages<HD>(), 0, kTileKeys, 16, false, 0, 4>(p, stream, f)
                      : launch_variant<T, CT, HD, true, deep_stages<HD>(), 0, kTileKeys, 16, false, 0, 8>(p, stream, f);
           if (e != kClusterLaunchTooLarge || cluster < 0) return e;
-          // (more clusters than fit at once: the plain launch below)
+          // More clusters than fit at once: the plain launch below (said once, so that a
+          // trial's timing equal to the plain kernel's is not read as the clusters').
+          static bool told = false;
+          if (!told) {
+            told = true;
+            std::fprintf(stderr,
+                         "pagedcore: PAGEDCORE_DECODE_CLUSTER=%d: a launch of %lld CTAs holds more clusters than "
+                         "fit on the GPU at once; such launches run the plain kernel\n",
+                         cluster, static_cast<long long>(ctas));
+          }
         } else if (cluster < 0) {
           return cudaErrorNotSupported;
         }
