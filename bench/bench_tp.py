@@ -15,7 +15,8 @@ For each tensor-parallel size of ``--tp`` (one LLM at a time, same process):
   on the driver and median message size.
 
 Then ``--collectives``: the collectives of one decode step alone (through the
-engine's own TensorParallelGroup, per all-reduce kind), between ``N`` spawned ranks, at batch 1 and ``--requests``: ``2 x layers + 1`` all-reduces of
+engine's own TensorParallelGroup, per all-reduce kind), between ``N`` spawned
+ranks, at batch 1 and ``--requests``: ``2 x layers + 1`` all-reduces of
 ``[batch, hidden]`` and the all-gather of the logits ``[batch, vocab / N]``,
 captured in one CUDA graph on GPUs (as the decode graphs hold them), timed over
 replays; plus the bus bandwidth of a 256 MiB all-reduce, to set beside the

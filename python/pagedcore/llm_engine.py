@@ -491,9 +491,9 @@ class LLMEngine:
         if symm_mem and self.device.type != "cuda":
             raise ValueError(f"${ALLREDUCE_ENV}=symm_mem needs GPUs (NCCL), got device {self.device.type}")
         if symm_mem and tp_one_gpu():
-            raise ValueError(f"${ALLREDUCE_ENV}=symm_mem needs a GPU a rank, got ${TP_ONE_GPU_ENV}=1 "
-                             f"(its kernel spins until every rank's has arrived, and two processes' kernels do not run side by "
-                             f"side on one GPU)")
+            raise ValueError(f"${ALLREDUCE_ENV}=symm_mem needs a GPU a rank, got ${TP_ONE_GPU_ENV}=1 (its kernel "
+                             f"spins until every rank's has arrived; two processes' kernels do not run side by side "
+                             f"on one GPU)")
         if tp_one_gpu() and self.device.type == "cuda":
             # A test of the GPU path's sharding on one GPU (distributed/group.py's
             # staged collectives): gloo cannot be captured in a CUDA graph, and the
