@@ -85,6 +85,9 @@ class TensorParallelGroup:
         if symm_dtype is not None and backend == "nccl":
             import torch.distributed._symmetric_memory as symm_mem
 
+            if not hasattr(torch.ops.symm_mem, "one_shot_all_reduce_copy_out"):
+                raise RuntimeError(f"${ALLREDUCE_ENV}=symm_mem needs torch's symm_mem.one_shot_all_reduce_copy_out, "
+                                   f"which torch {torch.__version__} does not have")
             itemsize = torch.empty((), dtype=symm_dtype).element_size()
             self._symm = symm_mem.empty(SYMM_MEM_MAX_BYTES // itemsize, dtype=symm_dtype, device=device)
             symm_mem.rendezvous(self._symm, self.device_group.group_name)
