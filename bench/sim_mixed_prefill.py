@@ -8,7 +8,7 @@ holds after their first use, Poisson arrivals) through the scheduler's rule
 the cap).
 
 Step costs (ms): a decode-only step ``a + b * rows``; a step with prompt tokens
-``a + b * rows + c * (padded - rows)``, where ``padded`` is the step's token
+``a + b * rows + m + c * (padded - rows)`` (``m`` 0 unless ``--costs`` gives it), where ``padded`` is the step's token
 count (rows + prompt tokens) rounded up to the runner's piecewise CUDA graphs
 (model_runner.PREFILL_GRAPH_TOKENS: 16, 32, ..., 256, 512, ...): the layer
 bodies run the padded count. Fitted to the H200 runs of issue 14 at a8d4bb0
@@ -32,6 +32,7 @@ The cap holds while at most ``max_waiting`` requests wait; a longer queue is
 admitted with the whole budget (saturation throughput).
 
 Usage: python bench/sim_mixed_prefill.py [--seeds 3] [--mode total prompt]
+       [--lift-tokens 0 1024 2048] [--shapes smollm2] [--rate R] [--costs A,B,C]
 """
 
 from __future__ import annotations
@@ -72,9 +73,15 @@ def workload(n: int, median: float, seed: int) -> list[tuple[int, int, int]]:
 
 
 def simulate(shape: str, rate: float, cap: int, max_waiting: int, seed: int,
-             mode: str = "total") -> tuple[float, list, list, int]:
-    """Returns (duration ms, inter-token gaps ms, TTFTs ms, steps with prompt tokens)."""
-    (a, b, c), n, median, out_tokens, max_seqs = SHAPES[shape]
+             mode: str = "total", lift: int = 0, lift_max_waiting: int = 64,
+             stats: dict | None = None) -> tuple[float, list, list, int]:
+    """Returns (duration ms, inter-token gaps ms, TTFTs ms, steps with prompt tokens).
+    ``lift`` > 0: above ``max_waiting`` waiting, steps of at most ``lift`` tokens
+    (rows included) while at most ``lift_max_waiting`` wait, the whole budget beyond
+    (EngineConfig.mixed_prefill_lift_tokens; ``total`` mode). ``stats`` gets the
+    longest queue, the lifted steps and the largest step's tokens."""
+    costs, n, median, out_tokens, max_seqs = SHAPES[shape]
+    (a, b, c), m = costs[:3], (costs[3] if len(costs) > 3 else 0.0)
     prompts = workload(n, median, seed)
     rng, t, arrivals = random.Random(seed + 1), 0.0, []
     for _ in range(n):
@@ -98,8 +105,14 @@ def simulate(shape: str, rate: float, cap: int, max_waiting: int, seed: int,
         decodes = [r for r in running if r[1] == 0]
         budget = BUDGET
         prefill = budget
+        if stats is not None:
+            stats["max_waiting"] = max(stats.get("max_waiting", 0), len(waiting))
         if cap and decodes and len(waiting) <= max_waiting:
             prefill = min(cap, budget) if mode == "prompt" else max(cap - len(decodes), len(decodes) // 2, 1)
+        elif cap and decodes and lift and len(waiting) <= lift_max_waiting:
+            prefill = max(lift - len(decodes), len(decodes) // 2, 1)
+            if stats is not None:
+                stats["lifted"] = stats.get("lifted", 0) + 1
         budget -= len(decodes)
         tokens, first = 0, []
         for r in running:
@@ -117,9 +130,11 @@ def simulate(shape: str, rate: float, cap: int, max_waiting: int, seed: int,
             running.append(r)
             if r[1] == 0:
                 first.append(r)
+        if stats is not None:
+            stats["max_step"] = max(stats.get("max_step", 0), len(decodes) + tokens)
         step = a + b * len(decodes)
         if tokens:
-            step += c * (padded(len(decodes) + tokens) - len(decodes))
+            step += m + c * (padded(len(decodes) + tokens) - len(decodes))
             mixed += 1
         now += step
         for r in decodes:
@@ -149,27 +164,45 @@ def main() -> None:
     p.add_argument("--mode", nargs="+", default=["prompt", "total"], choices=["prompt", "total"])
     p.add_argument("--saturation", choices=["measured", "simulated"], default="measured",
                    help="0.5x of the H200 run's saturation rate, or of the simulated one (no cap)")
+    p.add_argument("--lift-tokens", type=int, nargs="+", default=[0],
+                   help="mixed_prefill_lift_tokens values (0: the whole budget when lifted)")
+    p.add_argument("--lift-max-waiting", type=int, default=64)
+    p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    p.add_argument("--rate", type=float, default=None, help="the half-load rate in req/s (default: 0.5x saturation)")
+    p.add_argument("--costs", default=None, metavar="A,B,C[,M]",
+                   help="step costs in ms (decode a + b a row; a step with prompt tokens also m + c a padded "
+                        "prompt token) for every shape run")
     args = p.parse_args()
-    print(f"{'shape':<10}{'mode':>7}{'cap':>5}{'lifted >':>9}{'inf tok/s':>11}{'ITL p50/p99 @0.5x':>20}"
-          f"{'p99/p50':>9}{'TTFT p99':>10}{'mixed':>7}")
-    for shape, (_, n, _, out_tokens, _) in SHAPES.items():
+    if args.costs:
+        costs = tuple(float(x) for x in args.costs.split(","))
+        for shape in args.shapes:
+            SHAPES[shape] = (costs,) + SHAPES[shape][1:]
+    print(f"{'shape':<10}{'mode':>7}{'cap':>5}{'lifted >':>9}{'lift':>6}{'inf tok/s':>11}{'ITL p50/p99 @0.5x':>20}"
+          f"{'p99/p50':>9}{'TTFT p99':>10}{'mixed':>7}{'lifted':>7}{'queue':>6}{'step':>6}")
+    for shape in args.shapes:
+        _, n, _, out_tokens, _ = SHAPES[shape]
         sat = (MEASURED_SATURATION[shape] if args.saturation == "measured"
                else n / (simulate(shape, math.inf, 0, 0, 0)[0] / 1e3))  # requests/s
+        rate = args.rate or 0.5 * sat
         for mode in args.mode:
             for cap in args.caps:
                 for max_waiting in (args.max_waiting if cap else [0]):
-                    if not cap and mode != args.mode[0]:
-                        continue
-                    duration = simulate(shape, math.inf, cap, max_waiting, 0, mode)[0]
-                    gaps, ttfts, mixed, steps = [], [], 0, 0
-                    for seed in range(args.seeds):
-                        _, g, t, m = simulate(shape, 0.5 * sat, cap, max_waiting, seed, mode)
-                        gaps, ttfts, mixed = gaps + g, ttfts + t, mixed + m
-                    p50, p99 = percentile(gaps, 50), percentile(gaps, 99)
-                    lifted = "-" if not cap else ("never" if max_waiting >= 1 << 30 else str(max_waiting))
-                    print(f"{shape:<10}{mode if cap else '-':>7}{cap:>5}{lifted:>9}"
-                          f"{n * out_tokens / (duration / 1e3):>11.0f}{p50:>13.2f}/{p99:<6.2f}{p99 / p50:>9.2f}"
-                          f"{percentile(ttfts, 99):>10.1f}{mixed / args.seeds:>7.0f}")
+                    for lift in (args.lift_tokens if cap and mode == "total" else [0]):
+                        if not cap and mode != args.mode[0]:
+                            continue
+                        duration = simulate(shape, math.inf, cap, max_waiting, 0, mode, lift, args.lift_max_waiting)[0]
+                        gaps, ttfts, mixed, stats = [], [], 0, {}
+                        for seed in range(args.seeds):
+                            _, g, t, m = simulate(shape, rate, cap, max_waiting, seed, mode, lift,
+                                                  args.lift_max_waiting, stats)
+                            gaps, ttfts, mixed = gaps + g, ttfts + t, mixed + m
+                        p50, p99 = percentile(gaps, 50), percentile(gaps, 99)
+                        lifted = "-" if not cap else ("never" if max_waiting >= 1 << 30 else str(max_waiting))
+                        print(f"{shape:<10}{mode if cap else '-':>7}{cap:>5}{lifted:>9}{lift or '-':>6}"
+                              f"{n * out_tokens / (duration / 1e3):>11.0f}{p50:>13.2f}/{p99:<6.2f}{p99 / p50:>9.2f}"
+                              f"{percentile(ttfts, 99):>10.1f}{mixed / args.seeds:>7.0f}"
+                              f"{stats.get('lifted', 0) / args.seeds:>7.0f}{stats.get('max_waiting', 0):>6}"
+                              f"{stats.get('max_step', 0):>6}")
 
 
 if __name__ == "__main__":
