@@ -103,14 +103,14 @@ class TensorParallelGroup:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of ``x`` over the ranks: ``x`` itself, summed in place, or (the
         symmetric-memory all-reduce) a new tensor; use the result."""
-        nbytes = x.numel() * x.element_size()
-        if (self._symm is not None and x.dtype == self._symm.dtype and nbytes <= SYMM_MEM_MAX_BYTES
-                and nbytes % 16 == 0 and x.is_contiguous()):
-            # (into a new tensor: the kernel's copy of x into the buffer and its sums
-            # into out are not ordered across its blocks, so out must not alias x)
-            out = torch.empty_like(x)
-            return torch.ops.symm_mem.one_shot_all_reduce_copy_out(
-                self._symm[:x.numel()].view_as(x), x, "sum", self._group_name, out)
+        if self._symm is not None and x.dtype == self._symm.dtype and x.is_contiguous():
+            nbytes = x.numel() * x.element_size()
+            if nbytes <= SYMM_MEM_MAX_BYTES and nbytes % 16 == 0:
+                # (into a new tensor: the kernel's copy of x into the buffer and its sums
+                # into out are not ordered across its blocks, so out must not alias x)
+                out = torch.empty_like(x)
+                return torch.ops.symm_mem.one_shot_all_reduce_copy_out(
+                    self._symm[:x.numel()].view_as(x), x, "sum", self._group_name, out)
         if self.staged:
             host = x.cpu()
             dist.all_reduce(host, group=self.device_group)
