@@ -33,12 +33,14 @@ share one set of tensors, and their graphs are replayed in turn, five rounds.
   PAGEDCORE_DECODE_TMA_SKEW   every warp's boxes without each tile's barrier, a stage refilled
                               once every warp arrived on its empty mbarrier (1, default), or
                               behind each tile's barrier (0)
-  PAGEDCORE_DECODE_CLUSTER    (a trial) rows under 512 keys, and split rows of at most
+  PAGEDCORE_DECODE_CLUSTER    rows under 512 keys, and split rows of at most
                               C x PAGEDCORE_DECODE_CLUSTER_KEYS keys (default 128), shared by
                               clusters of C = 4 or 8 CTAs, merged through distributed shared
                               memory, in deep launches over 16-bit caches that fit one wave with
-                              them (0: off, default); PAGEDCORE_DECODE_CLUSTER_ASYNC=1: the
-                              merge's stores by st.async
+                              them and whose clusters fit the GPU at once (0: off; unset: the
+                              plan's, 4 where the longest row has 128 keys or more);
+                              PAGEDCORE_DECODE_CLUSTER_ASYNC=0: the merge's stores behind a
+                              cluster barrier (default: by st.async)
   PAGEDCORE_ATTN_PAD          staged K/V rows swizzled (0, default over 16-bit caches at head
                               dim 128: each 32-byte sector of the cache lands whole in shared
                               memory) or padded by 16 bytes (16, as elsewhere but head dim
@@ -91,8 +93,9 @@ VARIANTS = (
     ("tma L2 256B", {"PAGEDCORE_DECODE_TMA_L2": "256"}),
     ("tma warp 0 issue", {"PAGEDCORE_DECODE_TMA_SPREAD": "0"}),
     ("tma tile barrier", {"PAGEDCORE_DECODE_TMA_SKEW": "0"}),
-    ("cluster 4", {"PAGEDCORE_DECODE_CLUSTER": "4"}),
-    ("cluster 8", {"PAGEDCORE_DECODE_CLUSTER": "8"}),
+    ("cluster off", {"PAGEDCORE_DECODE_CLUSTER": "0"}),
+    ("cluster 4 barrier", {"PAGEDCORE_DECODE_CLUSTER": "4", "PAGEDCORE_DECODE_CLUSTER_ASYNC": "0"}),
+    ("cluster 8 barrier", {"PAGEDCORE_DECODE_CLUSTER": "8", "PAGEDCORE_DECODE_CLUSTER_ASYNC": "0"}),
     ("cluster 4 async", {"PAGEDCORE_DECODE_CLUSTER": "4", "PAGEDCORE_DECODE_CLUSTER_ASYNC": "1"}),
     ("cluster 8 async", {"PAGEDCORE_DECODE_CLUSTER": "8", "PAGEDCORE_DECODE_CLUSTER_ASYNC": "1"}),
     ("cluster 8 unsplit rows", {"PAGEDCORE_DECODE_CLUSTER": "8", "PAGEDCORE_DECODE_CLUSTER_KEYS": "0"}),
@@ -119,6 +122,7 @@ CASES = (
     ("SmolLM2 fp8 B=64 L=1k", 64, 1024, 9, 3, 64, True, 0),
     ("fp8 8B B=16 L=4k graph plan", 16, 4096, 32, 8, 128, True, 8192),
     ("8B B=1 L=160 graph plan", 1, 160, 32, 8, 128, False, 8192),
+    ("SmolLM2 B=1 L=32 graph plan", 1, 32, 9, 3, 64, False, 8192),
     ("SmolLM2 B=1 L=160 graph plan", 1, 160, 9, 3, 64, False, 8192),
     ("SmolLM2 B=16 L=160 graph plan", 16, 160, 9, 3, 64, False, 8192),
     ("8B B=16 L=160 graph plan", 16, 160, 32, 8, 128, False, 8192),

@@ -142,8 +142,8 @@ constexpr int kOnePassMerge = 4;
 // f9d4d41, one alternating run, us, warp 0 -> every warp): fp8 B=64 L=4k 143.9
 // -> 141.8, B=512 L=4k one kv head 143.2 -> 138.9.
 constexpr int kTmaSpread = 16;
-// kClusterAsync (CLUSTER launches; PAGEDCORE_DECODE_CLUSTER_ASYNC=1): the
-// pushes by st.async, each completing its bytes on the owner's mbarrier, which
+// kClusterAsync (CLUSTER launches; the default, PAGEDCORE_DECODE_CLUSTER_ASYNC=0
+// for the barrier's way): the pushes by st.async, each completing its bytes on the owner's mbarrier, which
 // the owner waits for, instead of the cluster barrier's release (a GPU-scope
 // MEMBAR in every thread on sm_90) and acquire; a relaxed cluster barrier
 // before the exit keeps every CTA until the last push has landed.
@@ -462,7 +462,7 @@ constexpr int kCvtIntK = 1, kCvtIntV = 2, kCvtInt = kCvtIntK | kCvtIntV;
 // make every byte finite, so that P = 0 times them is 0. Rows past the
 // range's last block are left as they were (stale bytes, masked alike).
 //
-// CLUSTER (a trial, PAGEDCORE_DECODE_CLUSTER; decode, not TMA): launched in
+// CLUSTER (the plan's decode_cluster or PAGEDCORE_DECODE_CLUSTER; decode, not TMA): launched in
 // clusters of CLUSTER CTAs along z, which share each row that would run
 // unsplit (above, "Thread-block clusters").
 template <typename T, typename CT, int HD, bool DECODE, int STAGES, int CVT, int KT = kTileKeys, int PAD = 16,
@@ -1617,17 +1617,26 @@ bool encode_decode_maps(const PagedAttentionParams& p, DecodeMaps<true>& maps, i
 //     zeroed), deep and shallow: B=1 L=256 5.4 -> 7.8, L=4k 9.3 -> 11.3, B=64
 //     L=4k 247.0 -> 258.0, 8B B=1 L=160 graph plan 4.8 -> 6.6; and NaN outputs in
 //     its tests on split rows, cause not found.
-//   PAGEDCORE_DECODE_CLUSTER=C (4 or 8; -C: an error where not served)  deep
+//   PAGEDCORE_DECODE_CLUSTER=C (4 or 8; 0: none; -C: an error where not served;
+//     unset: the plan's decode_cluster, 4 where its longest decode row has 128
+//     keys or more, planning._decode_cluster)  deep
 //     launches over 16-bit caches at head dims 64 and 128 whose CTAs, the
-//     splits rounded up to clusters of C, fit one wave: a row that would run
+//     splits rounded up to clusters of C, fit one wave and whose clusters fit
+//     the GPU at once: a row that would run
 //     unsplit (under 512 keys), or in splits but of at most C x
 //     PAGEDCORE_DECODE_CLUSTER_KEYS keys (default 128; 0: none), is shared by C
 //     CTAs of a cluster, merged through distributed shared memory ("Thread-block
-//     clusters" above); with PAGEDCORE_DECODE_CLUSTER_ASYNC=1 the pushes by
-//     st.async on the owners' mbarriers (kClusterAsync). A trial for issue 13's
-//     B=1 L=256 (5.3-5.5 us against <= 4; a row of 64 keys alone takes 3.3) and
-//     batch 1's split rows (L=512 / 1k: 6.0 / 7.2 us, a split through global
-//     memory ~2.5 of it).
+//     clusters" above); the pushes by st.async on the owners' mbarriers
+//     (kClusterAsync; PAGEDCORE_DECODE_CLUSTER_ASYNC=0: remote stores behind a
+//     cluster barrier). Made for issue 13's B=1 L=256 (5.3-5.5 us against <= 4;
+//     a row of 64 keys alone takes 3.3) and batch 1's split rows (L=512 / 1k:
+//     6.0 / 7.2 us, a split through global memory ~2.5 of it). NOTE: measured
+//     on the H200 (decode_variants.py at 61d22b2, us, plain -> clusters of 4
+//     with st.async): B=1 L=16 3.1 -> 3.7 (hence the plan's 128 keys), L=128
+//     4.0 -> 3.8, L=256 5.3 -> 3.9, L=400 7.6 -> 4.6, L=512 6.0 -> 4.7, SmolLM2
+//     B=1 L=160 graph plan 4.0 -> 3.4; the barrier's way 0.1-0.3 slower; 8B
+//     graph plans (128 CTAs: 32 clusters of 4, 16 of 8) do not fit at once and
+//     run the plain kernel.
 //   PAGEDCORE_DECODE_MERGE  how a split row's last CTA merges. Unset (or 1):
 //     merge::count_and_merge_decode, one thread's fences instead of every
 //     thread's, the (max, sum) pairs and partials loaded in one pass; =0:
@@ -1751,26 +1760,33 @@ int launch_decode(const PagedAttentionParams& p, cudaStream_t stream, int flags,
   }
   if (deep) {
     if constexpr (!FP8 && (HD == 64 || HD == 128)) {
-      // PAGEDCORE_DECODE_CLUSTER=C (4 or 8; a trial, off by default): rows of one
-      // split shared by clusters of C CTAs, where the launch's CTAs (the splits
-      // rounded up to whole clusters) fit one wave of one an SM on compute
-      // capability 9.0 and up; -C: an error where it does not serve (tests).
-      const int cluster = env_int("PAGEDCORE_DECODE_CLUSTER", 0);
+      // Rows of one split shared by clusters of C CTAs (4 or 8), where the launch's
+      // CTAs (the splits rounded up to whole clusters) fit one wave of one an SM on
+      // compute capability 9.0 and up and its clusters fit the GPU at once: C is the
+      // plan's (p.decode_cluster, by default 4 where a row has 128 keys or more),
+      // unless PAGEDCORE_DECODE_CLUSTER (read per launch) sets it: C, 0 (off), or
+      // -C (an error where it does not serve: tests). The pushes go by st.async on
+      // the owners' mbarriers (PAGEDCORE_DECODE_CLUSTER_ASYNC=0: remote stores
+      // behind a second cluster barrier).
+      const char* switch_value = std::getenv("PAGEDCORE_DECODE_CLUSTER");
+      const bool forced = switch_value != nullptr && *switch_value != '\0';
+      const int cluster = env_int("PAGEDCORE_DECODE_CLUSTER", p.decode_cluster);
       if (cluster != 0) {
         const int c = cluster < 0 ? -cluster : cluster;
         const int z = ((p.decode_splits > 1 ? p.decode_splits : 1) + c - 1) / c * c;
         const int64_t ctas = static_cast<int64_t>(p.num_kv_heads) * p.num_decode * z;
         if ((c == 4 || c == 8) && compute_capability() >= 90 && ctas <= multiprocessor_count()) {
-          const int f = flags | (env_int("PAGEDCORE_DECODE_CLUSTER_ASYNC", 0) != 0 ? kClusterAsync : 0) |
+          const int f = flags | (env_int("PAGEDCORE_DECODE_CLUSTER_ASYNC", 1) != 0 ? kClusterAsync : 0) |
                         (env_int("PAGEDCORE_DECODE_CLUSTER_KEYS", 128) / kTileKeys) << kClusterKeysShift;
           const int e =
               c == 4 ? launch_variant<T, CT, HD, true, deep_stages<HD>(), 0, kTileKeys, 16, false, 0, 4>(p, stream, f)
                      : launch_variant<T, CT, HD, true, deep_stages<HD>(), 0, kTileKeys, 16, false, 0, 8>(p, stream, f);
           if (e != kClusterLaunchTooLarge || cluster < 0) return e;
-          // More clusters than fit at once: the plain launch below (said once, so that a
-          // trial's timing equal to the plain kernel's is not read as the clusters').
+          // More clusters than fit at once: the plain launch below (where the switch
+          // asked for clusters, said once, so that a trial's timing equal to the plain
+          // kernel's is not read as the clusters').
           static bool told = false;
-          if (!told) {
+          if (forced && !told) {
             told = true;
             std::fprintf(stderr,
                          "pagedcore: PAGEDCORE_DECODE_CLUSTER=%d: a launch of %lld CTAs holds more clusters than "

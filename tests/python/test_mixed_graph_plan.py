@@ -249,6 +249,26 @@ def test_fewer_decode_rows_over_long_contexts_take_up_to_twice_the_graphs_decode
     assert p.fill(qsl, lens, pad_row=rows + 1) == taken
 
 
+def test_the_mixed_decode_splits_switch(monkeypatch) -> None:
+    # PAGEDCORE_MIXED_DECODE_SPLITS=N (a measurement switch, read when the plan is made):
+    # the graph's decode splits; the refusal rule then counts from N (1: a step whose
+    # eager plan splits its decode rows more than twice takes the pieces).
+    monkeypatch.setenv("PAGEDCORE_MIXED_DECODE_SPLITS", "1")
+    p = padded(256, 256)
+    assert p.plan.decode_splits == 1
+    q_lens = [1] * 28 + [100]
+    qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    lens = np.array([1500] * 28 + [300], dtype=np.int32)
+    assert not p.fill(qsl, lens, pad_row=29)  # (the eager plan: 4 splits)
+    assert p.fill(qsl, np.array([400] * 28 + [300], dtype=np.int32), pad_row=29)  # (unsplit rows)
+    for bad in ("0", "-2"):
+        monkeypatch.setenv("PAGEDCORE_MIXED_DECODE_SPLITS", bad)
+        with pytest.raises(ValueError, match=f"PAGEDCORE_MIXED_DECODE_SPLITS must be >= 1, got '{bad}'"):
+            padded(256, 256)
+    monkeypatch.setenv("PAGEDCORE_MIXED_DECODE_SPLITS", "")  # (empty: as unset)
+    assert padded(256, 256).plan.decode_splits == 3
+
+
 def test_the_split_graph_shares_the_unsplit_graphs_decode_scratch() -> None:
     # The two graphs of one size run one at a time: one set of decode partials and
     # counters serves both, and the split plan adds only its tiles'. A shared buffer
@@ -304,6 +324,19 @@ def test_decode_splits_of_the_cluster_trial_are_whole_clusters(monkeypatch, clus
     monkeypatch.delenv("PAGEDCORE_DECODE_ONE_WAVE", raising=False)
     monkeypatch.setenv("PAGEDCORE_DECODE_CLUSTER", cluster)
     assert planning._decode_splits(blocks, longest, 132) == expect
+
+
+def test_plans_ask_for_decode_clusters_from_128_keys(monkeypatch) -> None:
+    # Unset, PAGEDCORE_DECODE_CLUSTER leaves the clusters to the plan: 4 CTAs where the
+    # longest decode row has 128 keys or more (the kernels take them where the launch
+    # fits); set (to anything), the kernels read it and the plan asks for none.
+    monkeypatch.delenv("PAGEDCORE_DECODE_CLUSTER", raising=False)
+    assert [planning._planned_cluster(n) for n in (0, 1, 127, 128, 256, 32768)] == [0, 0, 0, 4, 4, 4]
+    for value in ("0", "4", "-8"):
+        monkeypatch.setenv("PAGEDCORE_DECODE_CLUSTER", value)
+        assert planning._planned_cluster(256) == 0
+    monkeypatch.setenv("PAGEDCORE_DECODE_CLUSTER", "")  # (empty: unset, as the kernels read it)
+    assert planning._planned_cluster(256) == 4
 
 
 @pytest.mark.parametrize("blocks, longest, expect", [

@@ -302,7 +302,9 @@ def test_decode_cluster_rows(monkeypatch, cluster, mode):
     # C (CTAs without keys), around the tile and split edges, windows, soft caps, rows of a
     # few queries (8-16 vectors), head dims 64 and 128, bf16 and fp16, block sizes 16 and
     # 128, eager plans (no split planned) and the decode graphs' (8 planned; the launch
-    # must fit one wave of one CTA an SM with its splits rounded up to whole clusters).
+    # must fit one wave of one CTA an SM with its splits rounded up to whole clusters, and
+    # its clusters must fit the GPU at once: at head dim 64, where two CTAs fit an SM; at
+    # head dim 128 the graphs' 128 CTAs make more clusters than fit the H200 at once).
     monkeypatch.setenv("PAGEDCORE_DECODE_CLUSTER", str(-cluster))
     monkeypatch.setenv("PAGEDCORE_DECODE_CLUSTER_ASYNC", "1" if mode == "async" else "0")
     for n in (1, 3, 7, 64, 65, 255, 256, 511, 512, 513, 1024, 1025, 3000):
@@ -313,12 +315,29 @@ def test_decode_cluster_rows(monkeypatch, cluster, mode):
     lengths = [1, 5, 130, 256, 400, 511, 513, 1500]  # (8 rows x 2 kv heads: 8 splits planned)
     for block_size in (16, 128):
         for window in (0, 100):
-            run_cuda([(1, n) for n in lengths], block_size=block_size, head_dim=128, group=4, dtype=torch.bfloat16,
+            run_cuda([(1, n) for n in lengths], block_size=block_size, head_dim=64, group=4, dtype=torch.bfloat16,
                      window=window, graph_plan_len=8192, repeat=2)
     run_cuda([(1, n) for n in (1, 9, 100, 300, 511)], block_size=16, head_dim=64, group=3, dtype=torch.float16,
              num_kv_heads=3, softcap=3.0)
     run_cuda([(2, 100), (4, 300), (3, 200), (1, 20)], block_size=16, head_dim=128, group=4, dtype=torch.float16)
     run_cuda([(2, 100), (2, 40)], block_size=16, head_dim=128, group=8, dtype=torch.bfloat16, window=50)
+
+
+def test_decode_cluster_by_default(monkeypatch):
+    # PAGEDCORE_DECODE_CLUSTER unset: the plan asks for clusters of 4 (st.async pushes)
+    # where its longest decode row has 128 keys or more, and the launch takes them where
+    # they fit (batch 1 eagerly; SmolLM2's 3 kv heads under a decode graph's plan), else
+    # the plain kernel (8 kv heads under a graph's plan: 128 CTAs).
+    monkeypatch.delenv("PAGEDCORE_DECODE_CLUSTER", raising=False)
+    monkeypatch.delenv("PAGEDCORE_DECODE_CLUSTER_ASYNC", raising=False)
+    for n in (100, 128, 300, 511, 600, 2000):
+        run_cuda([(1, n)], block_size=16, head_dim=128, group=4, dtype=torch.bfloat16, repeat=2)
+    run_cuda([(1, 300), (1, 129)], block_size=16, head_dim=128, group=4, dtype=torch.float16, num_kv_heads=8,
+             repeat=2)
+    run_cuda([(1, n) for n in (5, 130, 400)], block_size=16, head_dim=64, group=3, dtype=torch.bfloat16,
+             num_kv_heads=3, graph_plan_len=8192, repeat=2)
+    run_cuda([(1, 20), (1, 160)], block_size=16, head_dim=128, group=4, dtype=torch.bfloat16, num_kv_heads=8,
+             graph_plan_len=8192, repeat=2)
 
 
 @pytest.mark.parametrize("kernel", ["wgmma", "mma", "mma-warp0-issue", "mma-tile-barrier"])

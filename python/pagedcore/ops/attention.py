@@ -219,7 +219,8 @@ def paged_attention(
             num_blocks=num_blocks, query_stride=query_stride, block_tables_stride=table_stride,
             scale=float(scale), softcap=float(softcap), sliding_window=sliding_window,
             dtype=_CUDA_DTYPES[query.dtype], kv_dtype=_CUDA_DTYPES[key_cache.dtype],
-            k_scale=float(k_scale), v_scale=float(v_scale), stream=_stream(device),
+            k_scale=float(k_scale), v_scale=float(v_scale), decode_cluster=plan.decode_cluster,
+            stream=_stream(device),
         )
         return out
 

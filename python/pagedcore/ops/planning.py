@@ -34,6 +34,11 @@ class AttentionPlan:
         self.tile_tokens = tile_tokens
         self.num_splits = num_splits
         self.decode_splits = decode_splits
+        # CTAs of a thread-block cluster that shares a short decode row (0: none):
+        # set by plan_attention / plan_decode (_planned_cluster); the kernels take it
+        # where the launch serves it (bf16/fp16 caches, head dim 64 or 128, Hopper,
+        # the clusters fitting the GPU at once), else run the plain kernel.
+        self.decode_cluster = 0
         self.device = device
         # The three int32 lists in one copy. NOTE: from pinned memory (torch's caching
         # host allocator keeps the block until the copy has run): CUDA may make a copy
@@ -103,8 +108,25 @@ def _decode_split_chunk() -> int:
 
 
 def _decode_cluster() -> int:
-    """CTAs a cluster of the decode trial PAGEDCORE_DECODE_CLUSTER (read per call; 0: off)."""
+    """CTAs a cluster of PAGEDCORE_DECODE_CLUSTER, where set (read per call; 0: unset or off)."""
     return abs(int(os.environ.get("PAGEDCORE_DECODE_CLUSTER", "0") or 0))
+
+
+# A decode launch whose longest row has at least this many keys takes clusters of
+# _PLANNED_CLUSTER CTAs (the kernels' decode_cluster) where it fits the GPU at once.
+# NOTE: measured on the H200 (bench/decode_variants.py at 61d22b2, 32/8 heads, d128,
+# us, plain -> clusters of 4): B=1 L=16 3.1 -> 3.7, L=128 4.0 -> 3.8, L=256 5.3 ->
+# 3.9, L=512 6.0 -> 4.7.
+_CLUSTER_MIN_KEYS = 128
+_PLANNED_CLUSTER = 4
+
+
+def _planned_cluster(longest: int) -> int:
+    """The decode_cluster of a plan whose longest decode row has ``longest`` keys: 0
+    where PAGEDCORE_DECODE_CLUSTER is set (the kernels then read it themselves)."""
+    if os.environ.get("PAGEDCORE_DECODE_CLUSTER", ""):
+        return 0
+    return _PLANNED_CLUSTER if longest >= _CLUSTER_MIN_KEYS else 0
 
 
 def _splits(blocks: int, longest: int, sms: int, split_keys: int = 256) -> int:
@@ -218,10 +240,12 @@ def plan_attention(
     sms = _sm_count(device)
     longest_tile = int(seq_lens[~is_decode].max()) if total else 0
     longest_decode = int(seq_lens[is_decode].max()) if decode_seq.size else 0
-    return AttentionPlan(
+    plan = AttentionPlan(
         work_seq, work_q_start, tile, _splits(max(1, total * num_kv_heads), longest_tile, sms),
         decode_seq, _decode_splits(max(1, decode_seq.size * num_kv_heads), longest_decode, sms), device,
     )
+    plan.decode_cluster = _planned_cluster(longest_decode)
+    return plan
 
 
 _PADDED_SPLIT_ROWS = 32
@@ -300,6 +324,19 @@ class PaddedPlan:
         # eager plan would split more than twice as much takes the pieces (fill).
         splits = _splits(max(1, min(num_decode, _PADDED_SPLIT_ROWS) * num_kv_heads), max_seq_len, self.sms,
                          _DECODE_SPLIT_KEYS)
+        # PAGEDCORE_MIXED_DECODE_SPLITS=N (read here, at capture; a measurement switch):
+        # N decode splits instead. Every padded decode item runs that many CTAs (most of
+        # them exit at once), so the split count multiplies the launch's CTAs. NOTE:
+        # measured on the H200 (bench_e2e_gpu.py --mixed at 61d22b2, SmolLM2, 150 rows
+        # decoding beside 256 prompt tokens in 8 requests): the decode attention took
+        # 36.6 us a layer in the 512-token mixed graph (a decode item for each of its
+        # rows, min(max_num_seqs, 512) + 1, x 3 kv heads x 3 splits) against 20.0 in
+        # the 160-row decode graph (160 x 3 CTAs): 0.5 of the mixed step's 0.8 ms more.
+        forced = os.environ.get("PAGEDCORE_MIXED_DECODE_SPLITS", "")
+        if forced:
+            splits = int(forced)
+            if splits < 1:
+                raise ValueError(f"PAGEDCORE_MIXED_DECODE_SPLITS must be >= 1, got {forced!r}")
         zeros = np.zeros(num_work, dtype=np.int32)
         self.plan = AttentionPlan(zeros, zeros, tile, tile_splits, np.zeros(num_decode, dtype=np.int32), splits,
                                   device)
@@ -364,4 +401,6 @@ def plan_decode(num_rows: int, num_kv_heads: int, device: torch.device, max_seq_
     empty = np.zeros(0, dtype=np.int32)
     rows = np.arange(num_rows, dtype=np.int32)
     splits = _decode_splits(num_rows * num_kv_heads, max_seq_len, _sm_count(device))
-    return AttentionPlan(empty, empty, 1, 1, rows, splits, device)
+    plan = AttentionPlan(empty, empty, 1, 1, rows, splits, device)
+    plan.decode_cluster = _planned_cluster(max_seq_len)
+    return plan

@@ -127,6 +127,12 @@ struct PagedAttentionParams {
   // Keys per decode split at least in a row that splits (see
   // kAttentionDecodeSplitKeys); 0: always decode_splits.
   int32_t decode_split_keys = kAttentionDecodeSplitChunk;
+  // CTAs a thread-block cluster of the decode launch shares a short row with (4
+  // or 8; 0: none), as the plan chose (planning._decode_cluster): a launch over a
+  // 16-bit cache at head dim 64 or 128 on compute capability 9.0 that fits the
+  // GPU at once takes it, any other the plain kernel. PAGEDCORE_DECODE_CLUSTER,
+  // where set, overrides it (attention_mma.cu).
+  int32_t decode_cluster = 0;
 };
 // Query vectors (query tokens x heads of one kv head) a work item may hold:
 // kAttentionMmaTileVectors on the tensor-core path (2-byte queries), 16 for
@@ -196,6 +202,7 @@ void paged_attention_at(std::uintptr_t out, std::uintptr_t query, std::uintptr_t
                         int32_t num_kv_heads, int32_t head_dim, int32_t block_size,
                         int32_t num_blocks, int64_t query_stride, int64_t block_tables_stride,
                         float scale, float softcap, int32_t sliding_window, DType dtype,
-                        DType kv_dtype, float k_scale, float v_scale, std::uintptr_t stream);
+                        DType kv_dtype, float k_scale, float v_scale, int32_t decode_cluster,
+                        std::uintptr_t stream);
 
 }  // namespace pagedcore::cuda
