@@ -852,8 +852,9 @@ def offline_run(args: argparse.Namespace, prompts: list[list[int]], warmup: list
     if args.device != "auto":
         kw["device"] = args.device
     # The flags of the server that change the engine, where LLM has them; the
-    # mixed-prefill cap as serve sets it (its default unless given).
-    kw["max_num_mixed_prefill_tokens"] = serve_default("max_num_mixed_prefill_tokens")
+    # mixed-prefill cap and its lift as serve sets them (its defaults unless given).
+    for name in ("max_num_mixed_prefill_tokens", "mixed_prefill_lift_tokens", "mixed_prefill_lift_max_waiting"):
+        kw[name] = serve_default(name)
     for flag in args.server_arg:
         if flag == "--enforce-eager":
             kw["enforce_eager"] = True

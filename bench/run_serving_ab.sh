@@ -9,7 +9,8 @@
 # session), so a setting is judged by several runs, never by one.
 #
 #   SERVING_AB_A / SERVING_AB_B   extra bench_serving.py arguments of each setting
-#                                 (default: none / --server-arg=--mixed-prefill-lift-tokens=2048);
+#                                 (default: none / serve's lift defaults until the twenty-ninth session,
+#                                 --mixed-prefill-lift-tokens=0 --mixed-prefill-lift-max-waiting=64);
 #   SERVING_AB_C                  a third setting in the same rotation (unset: none);
 #                                 an environment variable for the server goes in as
 #                                 ENV:NAME=VALUE (e.g. ENV:PAGEDCORE_MIXED_GRAPHS=1024)
@@ -51,7 +52,7 @@ serving_workload "$shape" || { echo "unknown shape $shape"; exit 1; }
 base+=(--client-processes 8 --request-rate 0.5x inf --server-arg=--api-server-count="$api" --offline
        ${requests:+--num-requests "$requests"})
 
-declare -A setting=([A]="${SERVING_AB_A-}" [B]="${SERVING_AB_B---server-arg=--mixed-prefill-lift-tokens=2048}")
+declare -A setting=([A]="${SERVING_AB_A-}" [B]="${SERVING_AB_B---server-arg=--mixed-prefill-lift-tokens=0 --server-arg=--mixed-prefill-lift-max-waiting=64}")
 names=(A B)
 if [[ -n "${SERVING_AB_C:-}" ]]; then  # a third setting, in the same rotation (A B C A B C ...)
   setting[C]="$SERVING_AB_C"

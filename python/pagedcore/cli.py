@@ -328,11 +328,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="a longer queue lifts the cap of --max-num-mixed-prefill-tokens: the step admits with "
                           "the whole --max-num-batched-tokens (a burst: throughput), or see "
                           "--mixed-prefill-lift-tokens")
-    srv.add_argument("--mixed-prefill-lift-tokens", type=int, default=0,
+    srv.add_argument("--mixed-prefill-lift-tokens", type=int, default=1024,
                      help="the lifted cap: steps of at most this many tokens, rows included, while at most "
                           "--mixed-prefill-lift-max-waiting requests wait (a burst at moderate load in a few "
                           "mid-sized steps); 0: the whole --max-num-batched-tokens")
-    srv.add_argument("--mixed-prefill-lift-max-waiting", type=int, default=64,
+    srv.add_argument("--mixed-prefill-lift-max-waiting", type=int, default=16,
                      help="a longer queue than this takes the whole --max-num-batched-tokens a step")
     srv.add_argument("--shutdown-timeout", type=float, default=30.0,
                      help="seconds SIGTERM or Ctrl-C lets in-flight requests finish before ending them")

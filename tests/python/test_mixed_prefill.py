@@ -120,7 +120,7 @@ def test_serve_passes_its_flags_to_the_engine_and_refuses_a_bad_api_server_count
                                                                                  tmp_path) -> None:
     # `pagedcore serve` builds EngineArgs with --max-num-mixed-prefill-tokens (default
     # 256), --mixed-prefill-waiting-per-cap (0), --mixed-prefill-max-waiting (8),
-    # --mixed-prefill-lift-tokens (0) and --mixed-prefill-lift-max-waiting (64); the
+    # --mixed-prefill-lift-tokens (1024) and --mixed-prefill-lift-max-waiting (16); the
     # engine is a stub that keeps them and stops the command.
     import pagedcore.llm_engine as llm_engine
     from pagedcore import cli
@@ -135,7 +135,8 @@ def test_serve_passes_its_flags_to_the_engine_and_refuses_a_bad_api_server_count
         raise Stop("stub engine")
 
     monkeypatch.setattr(llm_engine, "LLMEngine", stub)
-    for flags, want in (([], (256, 0, 8, 0, 64)), (["--max-num-mixed-prefill-tokens", "64"], (64, 0, 8, 0, 64)),
+    for flags, want in (([], (256, 0, 8, 1024, 16)),
+                        (["--max-num-mixed-prefill-tokens", "64"], (64, 0, 8, 1024, 16)),
                         (["--max-num-mixed-prefill-tokens", "0", "--mixed-prefill-waiting-per-cap", "4",
                           "--mixed-prefill-max-waiting", "32", "--mixed-prefill-lift-tokens", "2048",
                           "--mixed-prefill-lift-max-waiting", "128"], (0, 4, 32, 2048, 128))):
