@@ -143,10 +143,11 @@ constexpr int kOnePassMerge = 4;
 // -> 141.8, B=512 L=4k one kv head 143.2 -> 138.9.
 constexpr int kTmaSpread = 16;
 // kClusterAsync (CLUSTER launches; the default, PAGEDCORE_DECODE_CLUSTER_ASYNC=0
-// for the barrier's way): the pushes by st.async, each completing its bytes on the owner's mbarrier, which
-// the owner waits for, instead of the cluster barrier's release (a GPU-scope
-// MEMBAR in every thread on sm_90) and acquire; a relaxed cluster barrier
-// before the exit keeps every CTA until the last push has landed.
+// for the barrier's way): the pushes by st.async, each completing its bytes on
+// the owner's mbarrier, which the owner waits for, instead of the cluster
+// barrier's release (a GPU-scope MEMBAR in every thread on sm_90) and acquire;
+// a relaxed cluster barrier before the exit keeps every CTA until the last push
+// has landed.
 constexpr int kClusterAsync = 32;
 // flags >> kClusterKeysShift (CLUSTER launches; PAGEDCORE_DECODE_CLUSTER_KEYS /
 // 64): a row that would run in splits (512 keys and more) is shared by the
@@ -1619,7 +1620,7 @@ bool encode_decode_maps(const PagedAttentionParams& p, DecodeMaps<true>& maps, i
 //     its tests on split rows, cause not found.
 //   PAGEDCORE_DECODE_CLUSTER=C (4 or 8; 0: none; -C: an error where not served;
 //     unset: the plan's decode_cluster, 4 where its longest decode row has 128
-//     keys or more, planning._decode_cluster)  deep
+//     keys or more, planning._planned_cluster)  deep
 //     launches over 16-bit caches at head dims 64 and 128 whose CTAs, the
 //     splits rounded up to clusters of C, fit one wave and whose clusters fit
 //     the GPU at once: a row that would run

@@ -303,8 +303,8 @@ def test_decode_cluster_rows(monkeypatch, cluster, mode):
     # few queries (8-16 vectors), head dims 64 and 128, bf16 and fp16, block sizes 16 and
     # 128, eager plans (no split planned) and the decode graphs' (8 planned; the launch
     # must fit one wave of one CTA an SM with its splits rounded up to whole clusters, and
-    # its clusters must fit the GPU at once: at head dim 64, where two CTAs fit an SM; at
-    # head dim 128 the graphs' 128 CTAs make more clusters than fit the H200 at once).
+    # its clusters must fit the GPU at once: so at head dim 64; at head dim 128 the graphs'
+    # 128 CTAs make more clusters than fit the H200 at once, which -C refuses).
     monkeypatch.setenv("PAGEDCORE_DECODE_CLUSTER", str(-cluster))
     monkeypatch.setenv("PAGEDCORE_DECODE_CLUSTER_ASYNC", "1" if mode == "async" else "0")
     for n in (1, 3, 7, 64, 65, 255, 256, 511, 512, 513, 1024, 1025, 3000):

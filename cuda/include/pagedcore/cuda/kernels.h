@@ -128,7 +128,7 @@ struct PagedAttentionParams {
   // kAttentionDecodeSplitKeys); 0: always decode_splits.
   int32_t decode_split_keys = kAttentionDecodeSplitChunk;
   // CTAs a thread-block cluster of the decode launch shares a short row with (4
-  // or 8; 0: none), as the plan chose (planning._decode_cluster): a launch over a
+  // or 8; 0: none), as the plan chose (planning._planned_cluster): a launch over a
   // 16-bit cache at head dim 64 or 128 on compute capability 9.0 that fits the
   // GPU at once takes it, any other the plain kernel. PAGEDCORE_DECODE_CLUSTER,
   // where set, overrides it (attention_mma.cu).
