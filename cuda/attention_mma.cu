@@ -1707,6 +1707,9 @@ int launch_decode(const PagedAttentionParams& p, cudaStream_t stream, int flags,
     const int km = env_int("PAGEDCORE_DECODE_KEYS_IN_M", -1);
     const bool km_default = FP8 && HD == 128 && fast && !deep && env_int("PAGEDCORE_FP8_WIDE_TILES", 1) != 0;
     if (km > 0 ? (!FP8 || fast) : (km < 0 && km_default)) {
+      if constexpr (!FP8) {  // (PAGEDCORE_DECODE_CLUSTER=-C asks for the clusters or an error)
+        if (deep && env_int("PAGEDCORE_DECODE_CLUSTER", 0) < 0) return cudaErrorNotSupported;
+      }
       if (deep) return launch_variant<T, CT, HD, true, deep_stages<HD>(), kCvt, kTileKeys, 16, true>(p, stream, flags);
       if constexpr (FP8) {
         const int mix = env_int("PAGEDCORE_FP8_CVT_MIX", 1);

@@ -323,6 +323,17 @@ def test_decode_cluster_rows(monkeypatch, cluster, mode):
     run_cuda([(2, 100), (2, 40)], block_size=16, head_dim=128, group=8, dtype=torch.bfloat16, window=50)
 
 
+def test_decode_cluster_forced_is_an_error_beside_keys_in_m(monkeypatch):
+    # PAGEDCORE_DECODE_CLUSTER=-C asks for the clusters or an error; the keys-in-M switch
+    # takes a deep 16-bit launch to a kernel without clusters, so the two together fail.
+    monkeypatch.setenv("PAGEDCORE_DECODE_KEYS_IN_M", "1")
+    monkeypatch.setenv("PAGEDCORE_DECODE_CLUSTER", "-4")
+    with pytest.raises(RuntimeError, match="paged_attention: CUDA error"):
+        run_cuda([(1, 300)], block_size=16, head_dim=128, group=4, dtype=torch.bfloat16)
+    monkeypatch.setenv("PAGEDCORE_DECODE_CLUSTER", "4")  # (C: the keys-in-M kernel instead)
+    run_cuda([(1, 300)], block_size=16, head_dim=128, group=4, dtype=torch.bfloat16)
+
+
 def test_decode_cluster_by_default(monkeypatch):
     # PAGEDCORE_DECODE_CLUSTER unset: the plan asks for clusters of 4 (st.async pushes)
     # where its longest decode row has 128 keys or more, and the launch takes them where
