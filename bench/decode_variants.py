@@ -40,7 +40,9 @@ share one set of tensors, and their graphs are replayed in turn, five rounds.
                               them and whose clusters fit the GPU at once (0: off; unset: the
                               plan's, 4 where the longest row has 128 keys or more);
                               PAGEDCORE_DECODE_CLUSTER_ASYNC=0: the merge's stores behind a
-                              cluster barrier (default: by st.async)
+                              cluster barrier (default: by st.async);
+                              PAGEDCORE_DECODE_CLUSTER_MIN_KEYS=K: rows under K keys run by
+                              their cluster's first CTA alone (0, default: none)
   PAGEDCORE_ATTN_PAD          staged K/V rows swizzled (0, default over 16-bit caches at head
                               dim 128: each 32-byte sector of the cache lands whole in shared
                               memory) or padded by 16 bytes (16, as elsewhere but head dim
@@ -98,6 +100,7 @@ VARIANTS = (
     ("cluster 8 barrier", {"PAGEDCORE_DECODE_CLUSTER": "8", "PAGEDCORE_DECODE_CLUSTER_ASYNC": "0"}),
     ("cluster 4 async", {"PAGEDCORE_DECODE_CLUSTER": "4", "PAGEDCORE_DECODE_CLUSTER_ASYNC": "1"}),
     ("cluster 8 async", {"PAGEDCORE_DECODE_CLUSTER": "8", "PAGEDCORE_DECODE_CLUSTER_ASYNC": "1"}),
+    ("cluster min 128 keys", {"PAGEDCORE_DECODE_CLUSTER_MIN_KEYS": "128"}),
     ("cluster 8 unsplit rows", {"PAGEDCORE_DECODE_CLUSTER": "8", "PAGEDCORE_DECODE_CLUSTER_KEYS": "0"}),
     ("cluster 8 to 2k keys", {"PAGEDCORE_DECODE_CLUSTER": "8", "PAGEDCORE_DECODE_CLUSTER_KEYS": "256"}),
 )

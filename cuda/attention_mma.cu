@@ -552,10 +552,13 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
     // (CLUSTER: a row of one split, or of up to CLUSTER x the flags' tiles where
     // the kernel merges its splits, takes the first cluster's CTAs, each a
     // CLUSTER-th of its keys; the merges outside see a row of one split that
-    // wrote its output itself, or, counters set, nothing: the counter untouched)
+    // wrote its output itself, or, counters set, nothing: the counter untouched;
+    // a row under p.decode_cluster_min_keys runs as in the plain kernel, its first
+    // CTA alone, the others of its cluster returning below)
     if constexpr (CLUSTER > 1) {
       const int tiles = flags >> kClusterKeysShift;
-      in_cluster = splits == 1 || (p.decode_split_counters != nullptr && keys <= CLUSTER * tiles * kTileKeys);
+      in_cluster = keys >= p.decode_cluster_min_keys &&
+                   (splits == 1 || (p.decode_split_counters != nullptr && keys <= CLUSTER * tiles * kTileKeys));
       if (in_cluster) splits = CLUSTER;
     }
     if (split >= splits) return;  // a short row: fewer splits than planned
@@ -1780,11 +1783,17 @@ int launch_decode(const PagedAttentionParams& p, cudaStream_t stream, int flags,
         const int z = ((p.decode_splits > 1 ? p.decode_splits : 1) + c - 1) / c * c;
         const int64_t ctas = static_cast<int64_t>(p.num_kv_heads) * p.num_decode * z;
         if ((c == 4 || c == 8) && compute_capability() >= 90 && ctas <= multiprocessor_count()) {
+          // PAGEDCORE_DECODE_CLUSTER_MIN_KEYS=K (read per launch; 0 by default, not yet
+          // measured): rows under K keys run by their cluster's first CTA alone, for the
+          // decode graphs, whose plan cannot see the rows' lengths (the eager plans ask
+          // for no clusters where every row is under 128 keys).
+          PagedAttentionParams q = p;
+          q.decode_cluster_min_keys = env_int("PAGEDCORE_DECODE_CLUSTER_MIN_KEYS", 0);
           const int f = flags | (env_int("PAGEDCORE_DECODE_CLUSTER_ASYNC", 1) != 0 ? kClusterAsync : 0) |
                         (env_int("PAGEDCORE_DECODE_CLUSTER_KEYS", 128) / kTileKeys) << kClusterKeysShift;
           const int e =
-              c == 4 ? launch_variant<T, CT, HD, true, deep_stages<HD>(), 0, kTileKeys, 16, false, 0, 4>(p, stream, f)
-                     : launch_variant<T, CT, HD, true, deep_stages<HD>(), 0, kTileKeys, 16, false, 0, 8>(p, stream, f);
+              c == 4 ? launch_variant<T, CT, HD, true, deep_stages<HD>(), 0, kTileKeys, 16, false, 0, 4>(q, stream, f)
+                     : launch_variant<T, CT, HD, true, deep_stages<HD>(), 0, kTileKeys, 16, false, 0, 8>(q, stream, f);
           if (e != kClusterLaunchTooLarge || cluster < 0) return e;
           // More clusters than fit at once: the plain launch below (where the switch
           // asked for clusters, said once, so that a trial's timing equal to the plain

@@ -133,6 +133,9 @@ struct PagedAttentionParams {
   // GPU at once takes it, any other the plain kernel. PAGEDCORE_DECODE_CLUSTER,
   // where set, overrides it (attention_mma.cu).
   int32_t decode_cluster = 0;
+  // Keys under which a decode row of a cluster launch runs by its cluster's first
+  // CTA alone (PAGEDCORE_DECODE_CLUSTER_MIN_KEYS, set by the launch; 0: none).
+  int32_t decode_cluster_min_keys = 0;
 };
 // Query vectors (query tokens x heads of one kv head) a work item may hold:
 // kAttentionMmaTileVectors on the tensor-core path (2-byte queries), 16 for
