@@ -8,7 +8,8 @@
 #                                 suite with PAGEDCORE_MEMCHECK_ALL=1), kernel benchmark;
 #                                 with DECODE_VARIANTS (and DECODE_CASES) set, also
 #                                 bench/decode_variants.py's table of them; RUN_GPU_SKIP
-#                                 leaves steps out (e.g. "memcheck bench")
+#                                 leaves steps out (e.g. "memcheck bench"), RUN_GPU_STEP_LIMIT
+#                                 ends each step after that many seconds
 #   bench/run_gpu.sh e2e SHAPE    end to end (smollm2 or llama3-8b): kernels per layer,
 #                                 throughput against transformers, latency, GPU idle time
 set -uo pipefail
@@ -30,12 +31,17 @@ declare -A result
 # RUN_GPU_SKIP="NAME ...": steps left out of this call (e.g. "memcheck bench" to fit the
 # tests and DECODE_VARIANTS in one 10-minute call; "build" on a warm machine that built it).
 skip=" ${RUN_GPU_SKIP:-} "
+# RUN_GPU_STEP_LIMIT=S: each step ends after S seconds (timeout on the step's own command,
+# so that nothing it started outlives the call's limit, as a timeout around this script
+# would let its python run on beside the next command).
+limit=()
+[[ -n "${RUN_GPU_STEP_LIMIT:-}" ]] && limit=(timeout "$RUN_GPU_STEP_LIMIT")
 step() {  # step NAME COMMAND...: runs it, logs to $out/NAME.log, records pass/fail
   local name=$1
   shift
   if [[ "$skip" == *" $name "* ]]; then result[$name]=skipped; echo "== $name: skipped"; return; fi
   echo "== $name"
-  if "$@" >"$out/$name.log" 2>&1; then result[$name]=pass; else result[$name]="FAIL (see $name.log)"; fi
+  if ${limit[@]+"${limit[@]}"} "$@" >"$out/$name.log" 2>&1; then result[$name]=pass; else result[$name]="FAIL (see $name.log)"; fi
   tail -n 5 "$out/$name.log"
 }
 
