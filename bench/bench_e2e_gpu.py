@@ -729,7 +729,9 @@ def _mixed_steps(path: Path, fields: dict, args, mixed_graphs: str) -> None:
             print(f"\nP = {prompt}: a mixed step's kernels by name against a decode-only step's (us, calls)")
             print(f"{'mixed us':>9}{'calls':>7}{'decode us':>10}{'calls':>7}  kernel")
             for us, n, b_us, b_n, name in rows_[:args.mixed_kernels]:
-                print(f"{us:9.1f}{n:7.1f}{b_us:10.1f}{b_n:7.1f}  {name[:100]}")
+                # (without the namespaces: the template arguments tell the attention launches apart)
+                short = name.replace("void ", "", 1).replace("pagedcore::cuda::(anonymous namespace)::", "")
+                print(f"{us:9.1f}{n:7.1f}{b_us:10.1f}{b_n:7.1f}  {short[:150]}")
     if args.host_profile:
         import cProfile
         import io

@@ -42,7 +42,10 @@ share one set of tensors, and their graphs are replayed in turn, five rounds.
                               PAGEDCORE_DECODE_CLUSTER_ASYNC=0: the merge's stores behind a
                               cluster barrier (default: by st.async);
                               PAGEDCORE_DECODE_CLUSTER_MIN_KEYS=K: rows under K keys run by
-                              their cluster's first CTA alone (0, default: none)
+                              their cluster's first CTA alone (128, default; 0: none)
+  PAGEDCORE_MIXED_DECODE_SPARE the "mixed graph" cases' decode items past the step's rows:
+                              spare, their CTAs returning at once (1, default), or each
+                              computing the padding row over one key (0)
   PAGEDCORE_ATTN_PAD          staged K/V rows swizzled (0, default over 16-bit caches at head
                               dim 128: each 32-byte sector of the cache lands whole in shared
                               memory) or padded by 16 bytes (16, as elsewhere but head dim
@@ -100,11 +103,14 @@ VARIANTS = (
     ("cluster 8 barrier", {"PAGEDCORE_DECODE_CLUSTER": "8", "PAGEDCORE_DECODE_CLUSTER_ASYNC": "0"}),
     ("cluster 4 async", {"PAGEDCORE_DECODE_CLUSTER": "4", "PAGEDCORE_DECODE_CLUSTER_ASYNC": "1"}),
     ("cluster 8 async", {"PAGEDCORE_DECODE_CLUSTER": "8", "PAGEDCORE_DECODE_CLUSTER_ASYNC": "1"}),
-    ("cluster min 128 keys", {"PAGEDCORE_DECODE_CLUSTER_MIN_KEYS": "128"}),
+    ("cluster min 0 keys", {"PAGEDCORE_DECODE_CLUSTER_MIN_KEYS": "0"}),
+    ("no spare items", {"PAGEDCORE_MIXED_DECODE_SPARE": "0"}),
     ("cluster 8 unsplit rows", {"PAGEDCORE_DECODE_CLUSTER": "8", "PAGEDCORE_DECODE_CLUSTER_KEYS": "0"}),
     ("cluster 8 to 2k keys", {"PAGEDCORE_DECODE_CLUSTER": "8", "PAGEDCORE_DECODE_CLUSTER_KEYS": "256"}),
 )
-# (name, batch, keys, heads, kv heads, head dim, fp8, graph plan length or 0)
+# (name, batch, keys, heads, kv heads, head dim, fp8, graph plan length or 0[, mixed graph
+# tokens: the plan of the whole mixed graph of that many tokens, ops.planning.PaddedPlan,
+# its rows min(256, tokens) + a padding row, the step's rows all decode rows])
 CASES = (
     ("B=1 L=16", 1, 16, 32, 8, 128, False, 0),
     ("B=1 L=128", 1, 128, 32, 8, 128, False, 0),
@@ -136,14 +142,20 @@ CASES = (
     ("8B B=1 L=600 graph plan", 1, 600, 32, 8, 128, False, 8192),
     ("8B B=1 L=1k graph plan", 1, 1024, 32, 8, 128, False, 8192),
     ("SmolLM2 B=1 L=1k graph plan", 1, 1024, 9, 3, 64, False, 8192),
+    ("SmolLM2 B=150 L=400 graph plan", 150, 400, 9, 3, 64, False, 8192),
+    ("SmolLM2 B=150 L=400 mixed graph 512", 150, 400, 9, 3, 64, False, 8192, 512),
+    ("SmolLM2 B=40 L=400 mixed graph 512", 40, 400, 9, 3, 64, False, 8192, 512),
+    ("8B B=64 L=400 graph plan", 64, 400, 32, 8, 128, False, 8192),
+    ("8B B=64 L=400 mixed graph 512", 64, 400, 32, 8, 128, False, 8192, 512),
 )
 
 
-def build(batch, ctx, heads, kv_heads, hd, fp8, plan_len, bs=16):
+def build(batch, ctx, heads, kv_heads, hd, fp8, plan_len, mixed=0, bs=16):
     """One decode step's tensors on the GPU: (q, kc, vc, tables, lens, qsl, plan); one
     query a row, every row `ctx` keys in shuffled blocks, the plan (made under the current
     settings) the step's own or, with `plan_len`, the decode graphs' (splits for rows up
-    to plan_len)."""
+    to plan_len). With `mixed`, a padding row after the step's (one query over one key in
+    the null block, block 0), as the mixed graphs run it."""
     g = torch.Generator(device="cuda").manual_seed(0)
     per_seq = -(-ctx // bs)
     kc = torch.randn((batch * per_seq + 1, bs, kv_heads, hd), generator=g, device="cuda", dtype=torch.bfloat16)
@@ -153,11 +165,25 @@ def build(batch, ctx, heads, kv_heads, hd, fp8, plan_len, bs=16):
     tables = (torch.randperm(batch * per_seq, generator=g, device="cuda").to(torch.int32) + 1).view(batch, per_seq)
     q = torch.randn((batch, heads, hd), generator=g, device="cuda", dtype=torch.bfloat16)
     lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
-    qsl = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
-    return q, kc, vc, tables, lens, qsl, plan_for(batch, ctx, heads, kv_heads, hd, plan_len)
+    if mixed:
+        tables = torch.cat([tables, torch.zeros_like(tables[:1])])
+        q = torch.cat([q, torch.randn((1, heads, hd), generator=g, device="cuda", dtype=torch.bfloat16)])
+        lens = torch.cat([lens, torch.ones_like(lens[:1])])
+    qsl = torch.arange(q.shape[0] + 1, dtype=torch.int32, device="cuda")
+    return q, kc, vc, tables, lens, qsl, plan_for(batch, ctx, heads, kv_heads, hd, plan_len, mixed)
 
 
-def plan_for(batch, ctx, heads, kv_heads, hd, plan_len):
+def plan_for(batch, ctx, heads, kv_heads, hd, plan_len, mixed=0):
+    if mixed:
+        from pagedcore.model_runner import mixed_graph_tile_rows
+
+        padded = ops.planning.PaddedPlan(mixed, min(256, mixed), mixed_graph_tile_rows(mixed), heads, kv_heads, hd,
+                                         torch.bfloat16, torch.device("cuda"), plan_len)
+        lens = np.array([ctx] * batch + [1], dtype=np.int32)
+        assert padded.fill(np.arange(batch + 2, dtype=np.int32), lens, pad_row=batch)
+        padded.upload()
+        padded.plan.padded = padded  # (its lists stay alive with the plan)
+        return padded.plan
     if plan_len:
         return ops.plan_decode(batch, kv_heads, torch.device("cuda"), plan_len)
     return ops.plan_attention(np.arange(batch + 1, dtype=np.int32), np.full(batch, ctx), heads, kv_heads,
@@ -193,20 +219,21 @@ ITERS = 20  # calls per graph
 def time_variants(shape, variants):
     """Per variant: (median us, rel err) on one set of tensors; each variant's plan and
     graph made under its settings, then all graphs replayed in alternation."""
-    batch, ctx, heads, kv_heads, hd, fp8, plan_len = shape
+    batch, ctx, heads, kv_heads, hd, fp8, plan_len, *mixed = shape
+    mixed = mixed[0] if mixed else 0
     q, kc, vc, tables, lens, qsl, _ = build(*shape)
-    ref = reference(q, kc, vc, tables, ctx)
+    ref = reference(q[:batch], kc, vc, tables[:batch], ctx)
     graphs, errs, calls = [], [], []  # (calls: each graph's plan and output stay alive while it replays)
     for _, env in variants:
         with Settings(env):
-            plan = plan_for(batch, ctx, heads, kv_heads, hd, plan_len)
+            plan = plan_for(batch, ctx, heads, kv_heads, hd, plan_len, mixed)
             out = torch.empty_like(q)
             fn = lambda plan=plan, out=out: ops.paged_attention(q, kc, vc, tables, lens, qsl, scale=hd**-0.5,  # noqa: E731
                                                               out=out, plan=plan)
             out.fill_(float("nan"))
             fn()
             torch.cuda.synchronize()
-            errs.append(((out.float().view_as(ref) - ref).norm() / ref.norm()).item())
+            errs.append(((out[:batch].float().view_as(ref) - ref).norm() / ref.norm()).item())
             graphs.append(graph_of(fn, ITERS))
             calls.append(fn)
     samples = [[] for _ in variants]
@@ -238,7 +265,7 @@ def main() -> None:
 def flashinfer_peer(batch, ctx, heads, kv_heads, hd, layout, bs=16):
     """FlashInfer's tensor-core paged decode (bench_kernels_gpu.flashinfer_decode) on the
     same keys, the cache in `layout`: "us (rel err)" or why not."""
-    q, kc, vc, tables, _, _, _ = build(batch, ctx, heads, kv_heads, hd, False, 0, bs)
+    q, kc, vc, tables, _, _, _ = build(batch, ctx, heads, kv_heads, hd, False, 0, bs=bs)
     ref = reference(q, kc, vc, tables, ctx)
     if layout == "HND":  # [blocks, kv heads, block size, hd]: a head's rows of a block adjacent
         kc, vc = kc.transpose(1, 2).contiguous(), vc.transpose(1, 2).contiguous()

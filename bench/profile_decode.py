@@ -43,7 +43,7 @@ CASES = (
 
 
 def decode(name, batch, ctx, heads, kv_heads, hd, fp8, plan_len, bs=16) -> None:
-    q, kc, vc, tables, lens, qsl, plan = build(batch, ctx, heads, kv_heads, hd, fp8, plan_len, bs)
+    q, kc, vc, tables, lens, qsl, plan = build(batch, ctx, heads, kv_heads, hd, fp8, plan_len, bs=bs)
     print(f"case {name}: splits {plan.decode_splits}", flush=True)
     for _ in range(2):
         ops.paged_attention(q, kc, vc, tables, lens, qsl, scale=hd**-0.5, plan=plan)
@@ -62,7 +62,7 @@ def linear16() -> None:
 
 def peers(batch=64, ctx=4096, heads=32, kv_heads=8, hd=128, bs=16) -> None:
     """SDPA on the keys gathered contiguously, then FlashInfer on the paged cache, twice each."""
-    q, kc, vc, tables, _, _, _ = build(batch, ctx, heads, kv_heads, hd, False, 0, bs)
+    q, kc, vc, tables, _, _, _ = build(batch, ctx, heads, kv_heads, hd, False, 0, bs=bs)
     k, v = contiguous_kv(kc, vc, tables, ctx, kc.dtype)
     print(f"case SDPA contiguous B={batch} L={ctx}", flush=True)
     for _ in range(2):

@@ -169,6 +169,7 @@ __global__ void __launch_bounds__(kThreads)
   const int lane = threadIdx.x % 32;
   const int g = lane / 4, q = lane % 4;
   const int row = p.decode_seq[work];
+  if (row < 0) return;  // a padded plan's spare item
   const int splits = merge::decode_active_splits(p, merge::decode_keys(p, row));
   if (split >= splits) return;  // a short row: fewer splits than planned
   const int group = p.num_heads / p.num_kv_heads;

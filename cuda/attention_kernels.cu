@@ -298,6 +298,7 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(PagedAttentionParams p
   const int kv_head = blockIdx.y;
   const int split = blockIdx.z;
   const int row = p.decode_seq[work];
+  if (row < 0) return;  // a padded plan's spare item
   const int q_token = p.query_start_loc[row];
   const int ctx = p.seq_lens[row];
   const int pos = ctx - 1;

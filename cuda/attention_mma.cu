@@ -546,6 +546,7 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
   bool in_cluster = false;  // (CLUSTER) the row's keys shared by the cluster's CTAs
   if constexpr (DECODE) {
     row = p.decode_seq[work];
+    if (row < 0) return;  // a padded plan's spare item: no work, no output
     t0 = 0;
     const int keys = merge::decode_keys(p, row);
     splits = merge::decode_active_splits(p, keys);
@@ -1783,12 +1784,14 @@ int launch_decode(const PagedAttentionParams& p, cudaStream_t stream, int flags,
         const int z = ((p.decode_splits > 1 ? p.decode_splits : 1) + c - 1) / c * c;
         const int64_t ctas = static_cast<int64_t>(p.num_kv_heads) * p.num_decode * z;
         if ((c == 4 || c == 8) && compute_capability() >= 90 && ctas <= multiprocessor_count()) {
-          // PAGEDCORE_DECODE_CLUSTER_MIN_KEYS=K (read per launch; 0 by default, not yet
-          // measured): rows under K keys run by their cluster's first CTA alone, for the
-          // decode graphs, whose plan cannot see the rows' lengths (the eager plans ask
-          // for no clusters where every row is under 128 keys).
+          // Rows under PAGEDCORE_DECODE_CLUSTER_MIN_KEYS (read per launch; 128 by
+          // default, the plans' threshold; 0: none) run by their cluster's first CTA
+          // alone: the decode graphs' plans cannot see the rows' lengths. NOTE:
+          // measured on the H200 (decode_variants.py at a3b0456, us, min 0 -> 128 ->
+          // clusters off): SmolLM2 B=1 L=32 graph plan 3.5 -> 2.9 -> 2.8, L=160 graph
+          // plan 3.6 -> 3.6 -> 4.1, B=1 L=256 4.1 -> 4.2 -> 5.5, L=16 3.3 -> 3.2 -> 3.2.
           PagedAttentionParams q = p;
-          q.decode_cluster_min_keys = env_int("PAGEDCORE_DECODE_CLUSTER_MIN_KEYS", 0);
+          q.decode_cluster_min_keys = env_int("PAGEDCORE_DECODE_CLUSTER_MIN_KEYS", 128);
           const int f = flags | (env_int("PAGEDCORE_DECODE_CLUSTER_ASYNC", 1) != 0 ? kClusterAsync : 0) |
                         (env_int("PAGEDCORE_DECODE_CLUSTER_KEYS", 128) / kTileKeys) << kClusterKeysShift;
           const int e =

@@ -41,6 +41,8 @@ def covered(p: planning.PaddedPlan, q_lens: list[int]) -> dict[tuple[int, int], 
         for i in range(t0, min(t0 + tile, q_lens[row])):
             count[row, i] = count.get((row, i), 0) + 1
     for row in decode_seq.tolist():
+        if row < 0:  # a spare item: its CTAs return at once
+            continue
         for i in range(q_lens[row]):
             count[row, i] = count.get((row, i), 0) + 1
     return count
@@ -67,11 +69,10 @@ def test_a_mixed_step_is_covered_once_and_the_rest_is_padding(dtype) -> None:
     real_tiles = sum(-(-n // tile) for n in q_lens if dtype == torch.float32 and n > 1 or n * 3 > 16)
     assert (work_seq == 43).sum() == p.plan.num_work - real_tiles
     assert (work_q_start[work_seq == 43] == 0).all()
-    if dtype == torch.bfloat16:
-        assert sorted(decode_seq[decode_seq != 43].tolist()) == list(range(41))  # the 1- and 2-token rows
-        assert p.plan.num_decode == 257 and (decode_seq == 43).sum() == 257 - 41
-    else:  # float32: the decode kernel takes one-query rows only
-        assert sorted(decode_seq[decode_seq != 43].tolist()) == list(range(40))
+    # Decode items: the step's rows, then one for the padding row, then spare ones (-1).
+    decodes = 41 if dtype == torch.bfloat16 else 40  # (float32: the decode kernel takes one-query rows only)
+    assert sorted(decode_seq[:decodes].tolist()) == list(range(decodes))  # (bf16: the 1- and 2-token rows)
+    assert p.plan.num_decode == 257 and decode_seq[decodes] == 43 and (decode_seq[decodes + 1:] == -1).all()
     assert p.plan.num_splits == 1
 
 
@@ -267,6 +268,25 @@ def test_the_mixed_decode_splits_switch(monkeypatch) -> None:
             padded(256, 256)
     monkeypatch.setenv("PAGEDCORE_MIXED_DECODE_SPLITS", "")  # (empty: as unset)
     assert padded(256, 256).plan.decode_splits == 3
+
+
+def test_the_mixed_decode_spare_switch(monkeypatch) -> None:
+    # PAGEDCORE_MIXED_DECODE_SPARE=0 (a measurement switch, read when the plan is made):
+    # every decode item past the step's computes the padding row (no spare items);
+    # unset, empty or 1: spare ones (-1) after the padding row's; else an error.
+    q_lens = [1] * 5 + [30]
+    qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    lens = np.array([200] * 5 + [30], dtype=np.int32)
+    for value, tail in (("0", 6), ("", -1), ("1", -1)):
+        monkeypatch.setenv("PAGEDCORE_MIXED_DECODE_SPARE", value)
+        p = padded(256, 256)
+        assert p.fill(qsl, lens, pad_row=6)
+        decode_seq = lists(p)[2]
+        assert decode_seq[:5].tolist() == list(range(5)) and decode_seq[5] == 6 and (decode_seq[6:] == tail).all()
+    for bad in ("2", "yes"):
+        monkeypatch.setenv("PAGEDCORE_MIXED_DECODE_SPARE", bad)
+        with pytest.raises(ValueError, match=f"PAGEDCORE_MIXED_DECODE_SPARE must be 0 or 1, got '{bad}'"):
+            padded(256, 256)
 
 
 def test_the_split_graph_shares_the_unsplit_graphs_decode_scratch() -> None:

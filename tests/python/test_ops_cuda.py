@@ -307,6 +307,8 @@ def test_decode_cluster_rows(monkeypatch, cluster, mode):
     # 128 CTAs make more clusters than fit the H200 at once, which -C refuses).
     monkeypatch.setenv("PAGEDCORE_DECODE_CLUSTER", str(-cluster))
     monkeypatch.setenv("PAGEDCORE_DECODE_CLUSTER_ASYNC", "1" if mode == "async" else "0")
+    # (every row the cluster's, however short; the default, 128, at the end)
+    monkeypatch.setenv("PAGEDCORE_DECODE_CLUSTER_MIN_KEYS", "0")
     for n in (1, 3, 7, 64, 65, 255, 256, 511, 512, 513, 1024, 1025, 3000):
         run_cuda([(1, n)], block_size=16, head_dim=128, group=4, dtype=torch.bfloat16, repeat=2)
     monkeypatch.setenv("PAGEDCORE_DECODE_CLUSTER_KEYS", "0")  # (rows that would run unsplit only)
@@ -319,14 +321,14 @@ def test_decode_cluster_rows(monkeypatch, cluster, mode):
                      window=window, graph_plan_len=8192, repeat=2)
     run_cuda([(1, n) for n in (1, 9, 100, 300, 511)], block_size=16, head_dim=64, group=3, dtype=torch.float16,
              num_kv_heads=3, softcap=3.0)
-    # PAGEDCORE_DECODE_CLUSTER_MIN_KEYS: rows under it run by their cluster's first CTA
-    # alone, beside rows the cluster shares, eagerly and under a graph's plan.
-    monkeypatch.setenv("PAGEDCORE_DECODE_CLUSTER_MIN_KEYS", "128")
+    # PAGEDCORE_DECODE_CLUSTER_MIN_KEYS (128 by default): rows under it run by their
+    # cluster's first CTA alone, beside rows the cluster shares, eagerly and under a
+    # graph's plan.
+    monkeypatch.delenv("PAGEDCORE_DECODE_CLUSTER_MIN_KEYS")
     run_cuda([(1, n) for n in (1, 100, 127, 128, 400)], block_size=16, head_dim=128, group=4,
              dtype=torch.bfloat16, repeat=2)
     run_cuda([(1, n) for n in (5, 127, 128, 300, 1500)], block_size=16, head_dim=64, group=4, dtype=torch.bfloat16,
              graph_plan_len=8192, repeat=2)
-    monkeypatch.delenv("PAGEDCORE_DECODE_CLUSTER_MIN_KEYS")
     run_cuda([(2, 100), (4, 300), (3, 200), (1, 20)], block_size=16, head_dim=128, group=4, dtype=torch.float16)
     run_cuda([(2, 100), (2, 40)], block_size=16, head_dim=128, group=8, dtype=torch.bfloat16, window=50)
 

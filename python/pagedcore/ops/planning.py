@@ -294,7 +294,8 @@ class PaddedPlan:
     repeat a padding row, the step's last row + 1, which the caller gives one
     query token (a padding token of the graph), one cached key and a block table
     pointing at the null block: CTAs that read one key each, whose output lands in
-    the padding token's row. Tiles split their keys ``tile_splits`` ways whatever
+    the padding token's row (decode items: the first past the step's; the others
+    are spare, -1, and their CTAs return at once). Tiles split their keys ``tile_splits`` ways whatever
     the step (1: never; any split count computes the same attention, a split of
     a short tile may be empty); decode rows may split as a step of 32 of them over
     ``max_seq_len`` keys would, each row running only the splits its length needs
@@ -337,6 +338,15 @@ class PaddedPlan:
             splits = int(forced)
             if splits < 1:
                 raise ValueError(f"PAGEDCORE_MIXED_DECODE_SPLITS must be >= 1, got {forced!r}")
+        # Decode items past the step's own: the first computes the padding row (its
+        # output written every step), the others are spare (-1: their CTAs return at
+        # once; a spare item that computed the padding row cost a CTA's whole latency
+        # for one key). PAGEDCORE_MIXED_DECODE_SPARE=0 (read here, at capture; a
+        # measurement switch): every one computes the padding row, as before.
+        spare = os.environ.get("PAGEDCORE_MIXED_DECODE_SPARE", "")
+        if spare not in ("", "0", "1"):
+            raise ValueError(f"PAGEDCORE_MIXED_DECODE_SPARE must be 0 or 1, got {spare!r}")
+        self.spare = spare != "0"
         zeros = np.zeros(num_work, dtype=np.int32)
         self.plan = AttentionPlan(zeros, zeros, tile, tile_splits, np.zeros(num_decode, dtype=np.int32), splits,
                                   device)
@@ -382,10 +392,12 @@ class PaddedPlan:
         host = self.host.numpy()
         host[:w] = pad_row
         host[w:2 * w] = 0
-        host[2 * w:] = pad_row
+        host[2 * w:] = -1 if self.spare else pad_row
         host[:work_seq.shape[0]] = work_seq
         host[w:w + work_q_start.shape[0]] = work_q_start
-        host[2 * w:2 * w + decode_seq.shape[0]] = decode_seq
+        host[2 * w:2 * w + decodes] = decode_seq
+        if decodes < plan.num_decode:
+            host[2 * w + decodes] = pad_row
         return True
 
     def upload(self) -> None:

@@ -96,7 +96,8 @@ struct PagedAttentionParams {
   // them (all heads of a kv head in one CTA): see decode_supported(). With
   // bf16/fp16 queries a decode row may hold a few queries (speculative decoding,
   // beams): query tokens x group <= kAttentionDecodeVectors; float32: one query.
-  const int32_t* decode_seq;      // [num_decode] rows run by the decode kernel
+  const int32_t* decode_seq;      // [num_decode] rows run by the decode kernel; a negative
+                                  // entry: a padded plan's spare item, whose CTAs return at once
   float* decode_partial_out;      // [num_decode, num_kv_heads, decode_splits, kAttentionPartialVectors, head_dim]
   float* decode_partial_lse;      // [num_decode, num_kv_heads, decode_splits, kAttentionPartialVectors, 2]
   // Optional (bf16/fp16 path): [num_work * num_kv_heads] and [num_decode *
