@@ -2,7 +2,7 @@
 # Issue 14's two serving figures for two server settings, alternated, in one device
 # call: bench/bench_serving.py's --api-server-count run (the SmolLM2 shape by default,
 # four HTTP processes, saturation with its own offline LLM.generate, then 0.5x of that
-# saturation), REPEATS times for setting A and for setting B in turn (A B A B ...),
+# saturation), REPEATS times for setting A and for setting B in turn (A B, B A, ...),
 # then a table of each run's online/offline ratio and ITL p99 over median at half
 # load, with each setting's median. One run of 512 SmolLM2 requests varies by ~0.1 in
 # the ratio and by up to ~1 in p99 / p50 (bench/RESULTS.md, the twenty-sixth
@@ -15,6 +15,8 @@
 #                                 an environment variable for the server goes in as
 #                                 ENV:NAME=VALUE (e.g. ENV:PAGEDCORE_MIXED_GRAPHS=1024)
 #   REPEATS                       runs of each setting (3)
+#   SERVING_AB_REVERSE=1          the first repeat in reverse order (B A; the order turns
+#                                 round each repeat)
 #   SERVING_REQUESTS              requests a run (default: the shape's, as run_serving_gpu.sh)
 #   SKIP_SETUP=1                  the build and the wheels are already there (a warm machine)
 #
@@ -58,8 +60,15 @@ if [[ -n "${SERVING_AB_C:-}" ]]; then  # a third setting, in the same rotation (
   setting[C]="$SERVING_AB_C"
   names+=(C)
 fi
+# The order turns round each repeat (A B, B A, A B, ...; SERVING_AB_REVERSE=1 starts with
+# B A): in the twenty-ninth and thirtieth sessions' A/Bs (A first in every pair) the second
+# run of every pair was ahead, whichever the setting.
+reversed=("${names[@]}")
+for ((j = 0; j < ${#names[@]}; j++)); do reversed[j]=${names[${#names[@]} - 1 - j]}; done
 for ((i = 1; i <= repeats; i++)); do
-  for name in "${names[@]}"; do
+  order=("${names[@]}")
+  (( (i + ${SERVING_AB_REVERSE:-0}) % 2 == 0 )) && order=("${reversed[@]}")
+  for name in "${order[@]}"; do
     args=() envs=()
     for word in ${setting[$name]}; do
       if [[ "$word" == ENV:* ]]; then envs+=("${word#ENV:}"); else args+=("$word"); fi
