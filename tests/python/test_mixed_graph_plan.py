@@ -250,26 +250,6 @@ def test_fewer_decode_rows_over_long_contexts_take_up_to_twice_the_graphs_decode
     assert p.fill(qsl, lens, pad_row=rows + 1) == taken
 
 
-def test_the_mixed_decode_splits_switch(monkeypatch) -> None:
-    # PAGEDCORE_MIXED_DECODE_SPLITS=N (a measurement switch, read when the plan is made):
-    # the graph's decode splits; the refusal rule then counts from N (1: a step whose
-    # eager plan splits its decode rows more than twice takes the pieces).
-    monkeypatch.setenv("PAGEDCORE_MIXED_DECODE_SPLITS", "1")
-    p = padded(256, 256)
-    assert p.plan.decode_splits == 1
-    q_lens = [1] * 28 + [100]
-    qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
-    lens = np.array([1500] * 28 + [300], dtype=np.int32)
-    assert not p.fill(qsl, lens, pad_row=29)  # (the eager plan: 4 splits)
-    assert p.fill(qsl, np.array([400] * 28 + [300], dtype=np.int32), pad_row=29)  # (unsplit rows)
-    for bad in ("0", "-2"):
-        monkeypatch.setenv("PAGEDCORE_MIXED_DECODE_SPLITS", bad)
-        with pytest.raises(ValueError, match=f"PAGEDCORE_MIXED_DECODE_SPLITS must be >= 1, got '{bad}'"):
-            padded(256, 256)
-    monkeypatch.setenv("PAGEDCORE_MIXED_DECODE_SPLITS", "")  # (empty: as unset)
-    assert padded(256, 256).plan.decode_splits == 3
-
-
 def test_the_mixed_decode_spare_switch(monkeypatch) -> None:
     # PAGEDCORE_MIXED_DECODE_SPARE=0 (a measurement switch, read when the plan is made):
     # every decode item past the step's computes the padding row (no spare items);

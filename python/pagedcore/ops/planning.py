@@ -296,13 +296,13 @@ class PaddedPlan:
     pointing at the null block: CTAs that read one key each, whose output lands in
     the padding token's row (decode items: the first past the step's; the others
     are spare, -1, and their CTAs return at once). Tiles split their keys
-    ``tile_splits`` ways whatever the step (1: never; any split count computes the same attention, a split of
-    a short tile may be empty); decode rows may split as a step of 32 of them over
-    ``max_seq_len`` keys would, each row running only the splits its length needs
-    (as :func:`plan_decode`). :meth:`fill` refuses the steps whose eager plan would
-    split much more (long contexts): tiles of rows over _PADDED_UNSPLIT_TILE_KEYS keys
-    split more than the plan's tiles (more than twice, when they split), decode
-    rows more than twice its decode splits.
+    ``tile_splits`` ways whatever the step (1: never; any split count computes the
+    same attention, a split of a short tile may be empty); decode rows may split as
+    a step of 32 of them over ``max_seq_len`` keys would, each row running only the
+    splits its length needs (as :func:`plan_decode`). :meth:`fill` refuses the
+    steps whose eager plan would split much more (long contexts): tiles of rows
+    over _PADDED_UNSPLIT_TILE_KEYS keys split more than the plan's tiles (more than
+    twice, when they split), decode rows more than twice its decode splits.
     """
 
     def __init__(self, max_tokens: int, max_rows: int, max_tile_rows: int, num_heads: int, num_kv_heads: int,
@@ -325,19 +325,6 @@ class PaddedPlan:
         # eager plan would split more than twice as much takes the pieces (fill).
         splits = _splits(max(1, min(num_decode, _PADDED_SPLIT_ROWS) * num_kv_heads), max_seq_len, self.sms,
                          _DECODE_SPLIT_KEYS)
-        # PAGEDCORE_MIXED_DECODE_SPLITS=N (read here, at capture; a measurement switch):
-        # N decode splits instead. Every padded decode item runs that many CTAs (most of
-        # them exit at once), so the split count multiplies the launch's CTAs. NOTE:
-        # measured on the H200 (bench_e2e_gpu.py --mixed at 61d22b2, SmolLM2, 150 rows
-        # decoding beside 256 prompt tokens in 8 requests): the decode attention took
-        # 36.6 us a layer in the 512-token mixed graph (a decode item for each of its
-        # rows, min(max_num_seqs, 512) + 1, x 3 kv heads x 3 splits) against 20.0 in
-        # the 160-row decode graph (160 x 3 CTAs): 0.5 of the mixed step's 0.8 ms more.
-        forced = os.environ.get("PAGEDCORE_MIXED_DECODE_SPLITS", "")
-        if forced:
-            splits = int(forced)
-            if splits < 1:
-                raise ValueError(f"PAGEDCORE_MIXED_DECODE_SPLITS must be >= 1, got {forced!r}")
         # Decode items past the step's own: the first computes the padding row (its
         # output written every step), the others are spare (-1: their CTAs return at
         # once, where each computing the padding row cost a CTA's whole latency for one
