@@ -83,7 +83,7 @@ if [[ -n "${PAGEDCORE_MEMCHECK_ALL:-}" ]]; then  # the whole cuda suite under me
     "$py" -m pytest -q -p no:cacheprovider -m cuda tests/python "${without[@]}"
 else
   step memcheck compute-sanitizer --tool memcheck --error-exitcode 1 \
-    "$py" -m pytest -q -p no:cacheprovider -x tests/python/test_ops_cuda.py -k "grid and bf16 and 128 or splits or swap or copy or reshape or fp8$cluster_k"
+    "$py" -m pytest -q -p no:cacheprovider -x tests/python/test_ops_cuda.py -k "grid and bf16 and 128 or splits or swap or copy or reshape or fp8 or spare_tiles$cluster_k"
   checks+=(memcheck_layer)
   step memcheck_layer compute-sanitizer --tool memcheck --error-exitcode 1 \
     "$py" -m pytest -q -p no:cacheprovider -x tests/python/test_layer_ops_cuda.py -k "not 4096 and not 8192 and not 14336"

@@ -111,6 +111,7 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(PagedAttentio
   const int kv_head = blockIdx.y;
   const int split = blockIdx.z;
   const int row = p.work_seq[work];
+  if (row < 0) return;  // a padded plan's spare item
   const int q_begin = p.query_start_loc[row];
   const int q_len = p.query_start_loc[row + 1] - q_begin;
   const int ctx = p.seq_lens[row];

@@ -55,7 +55,7 @@ __device__ void merge_splits(const PagedAttentionParams& p, int work, int kv_hea
   static_assert(2 * kAttentionMaxSplits * kChunk <= kScratchFloats, "merge scratch");
   float2* s_ml = reinterpret_cast<float2*>(s_w);
   const int row = DECODE ? p.decode_seq[work] : p.work_seq[work];
-  if (DECODE && row < 0) return;  // a padded plan's spare item: never ran
+  if (row < 0) return;  // a padded plan's spare item: never ran
   const int q_begin = p.query_start_loc[row];
   const int q_len = p.query_start_loc[row + 1] - q_begin;
   const int t0 = DECODE ? 0 : p.work_q_start[work];

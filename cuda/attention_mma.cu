@@ -579,6 +579,7 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
     }
   } else {
     row = p.work_seq[work];
+    if (row < 0) return;  // a padded plan's spare item
     t0 = p.work_q_start[work];
     splits = p.num_splits;
   }

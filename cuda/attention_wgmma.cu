@@ -73,6 +73,7 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_prefill_kernel(const __grid
   const uint32_t k_s = q_s + tile_bytes<HD>(kRows);
   const uint32_t v_s = k_s + kStages * TB;
 
+  if (p.work_seq[blockIdx.y] < 0) return;  // a padded plan's spare item
   const Item it = item_of(p);
   const int tid = threadIdx.x;
   const int wg = tid / 128;
@@ -227,6 +228,18 @@ __device__ __forceinline__ int persistent_item(int r, int total, bool snake) {
   const int pos = r * g + ((r & 1) != 0 ? g - 1 - static_cast<int>(blockIdx.x) : static_cast<int>(blockIdx.x));
   return pos < total ? total - 1 - pos : -1;
 }
+
+// persistent_item from the r-th on, past a padded plan's spare work items (a
+// negative row in work_seq: no tiles, no output); r is left at the one returned.
+// NOTE: the copying and the computing warpgroups walk the same items, so that
+// their tile counts (the stages' phases) agree.
+__device__ __forceinline__ int next_item(const PagedAttentionParams& p, int& r, int total, bool snake) {
+  int linear = persistent_item(r, total, snake);
+  while (linear >= 0 && p.work_seq[linear / p.num_kv_heads % p.num_work] < 0) {
+    linear = persistent_item(++r, total, snake);
+  }
+  return linear;
+}
 constexpr int kCopyRegs = 40;
 constexpr int kMathRegs = 232;
 constexpr int kJoinRegs = 168;  // everyone's share again (65536 / 384), for the split merge
@@ -276,6 +289,8 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
   // static round-robin left the 8k causal prefill's CTAs 6% apart in work).
   const bool merge = p.num_splits > 1 && p.split_counters != nullptr;
   const bool snake = !merge;
+  // (merging: this CTA's one item; a spare one has nothing to compute or merge)
+  if (merge && p.work_seq[blockIdx.x / p.num_kv_heads % p.num_work] < 0) return;
   if (tid == 0) {
     for (int st = 0; st < NST; ++st) {
       wgmma::mbar_init(full_k(st), FP8 ? 128 : 1);
@@ -321,8 +336,8 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
       Pending prev{-1, 0, 0, 0};
       int g = 0;
 #pragma unroll 1
-      for (int r = 0, linear = persistent_item(0, total, snake); linear >= 0;
-           linear = persistent_item(++r, total, snake)) {
+      for (int r = 0, linear = next_item(p, r, total, snake); linear >= 0;
+           ++r, linear = next_item(p, r, total, snake)) {
         const Item it = item_at(p, linear);
         const KvGather<uint8_t, HD> kv(p, it);
         const TileSpan span = block_aligned_tiles(it, p.block_size);
@@ -347,8 +362,8 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
       // use's phase.
       int g = 0;
 #pragma unroll 1
-      for (int r = 0, linear = persistent_item(0, total, snake); linear >= 0;
-           linear = persistent_item(++r, total, snake)) {
+      for (int r = 0, linear = next_item(p, r, total, snake); linear >= 0;
+           ++r, linear = next_item(p, r, total, snake)) {
         const Item it = item_at(p, linear);
         const KvGather<T, HD> kv(p, it);
         const TileSpan span = block_aligned_tiles(it, p.block_size);
@@ -401,10 +416,12 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
       }
       wgmma::cp_async_commit();
     };
-    prefetch_q(persistent_item(0, total, snake));
+    // (the item after the r-th)
+    auto following = [&](int r) { return next_item(p, ++r, total, snake); };
+    prefetch_q(following(-1));
 #pragma unroll 1
-    for (int r = 0, linear = persistent_item(0, total, snake); linear >= 0;
-         linear = persistent_item(++r, total, snake)) {
+    for (int r = 0, linear = next_item(p, r, total, snake); linear >= 0;
+         ++r, linear = next_item(p, r, total, snake)) {
       const Item it = item_at(p, linear);
       RowState rs(p, it, mwg, (tid / 32) % 4, lane);
       const TileSpan span = block_aligned_tiles(it, p.block_size);
@@ -452,7 +469,7 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
         wgmma::pin(s);
         __syncwarp();
         if (lane == 0) wgmma::mbar_arrive(empty_k(st));  // S retired: the K buffer is free
-        if (t == span.n - 1) prefetch_q(persistent_item(r + 1, total, snake));
+        if (t == span.n - 1) prefetch_q(following(r));
 
         uint32_t pn[PK][4];
         float corr[2];
@@ -489,7 +506,7 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
         __syncwarp();
         if (lane == 0) wgmma::mbar_arrive(empty_v(pst));
       } else {
-        prefetch_q(persistent_item(r + 1, total, snake));
+        prefetch_q(following(r));
       }
       store_rows<T, HD>(p, it, o, rs, qd, out_scale);
     }

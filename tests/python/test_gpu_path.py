@@ -259,8 +259,10 @@ def test_prefill_graphs_replay_prefill_and_mixed_steps(tiny, monkeypatch, whole)
     assert not eager.llm_engine.runner.prefill_graphs
 
 
+@pytest.mark.parametrize("tile_spare", ["0", "1"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_chunks_over_long_contexts_replay_whole_graphs_with_split_tiles(smollm2_shape, dtype) -> None:
+def test_chunks_over_long_contexts_replay_whole_graphs_with_split_tiles(smollm2_shape, monkeypatch, dtype,
+                                                                        tile_spare) -> None:
     # A 40-token prompt decodes while a 1,100-token one is chunked beside it (64
     # tokens a step: the short one's prefill and 24 of the long one, then one decode
     # row and 63 prompt tokens a step). The chunks of rows over 1,024 keys (ending at
@@ -269,9 +271,11 @@ def test_chunks_over_long_contexts_replay_whole_graphs_with_split_tiles(smollm2_
     # them: 3 in float32; 2 in bfloat16, whose last 5-token chunk is a decode row of
     # 5 queries. float32 tokens equal transformers'; bfloat16 (the tensor-core kernels
     # with their in-kernel merge of the splits, decode rows beside split tiles) stays
-    # as close to float32 as transformers in bfloat16 does.
+    # as close to float32 as transformers in bfloat16 does. PAGEDCORE_MIXED_TILE_SPARE=1:
+    # the graphs' tile items past the step's are spare (no CTA computes them).
     from pagedcore.ops import planning
 
+    monkeypatch.setenv("PAGEDCORE_MIXED_TILE_SPARE", tile_spare)
     g = torch.Generator().manual_seed(12)
     ps = [torch.randint(3, 49152, (n,), generator=g).tolist() for n in (40, 1100)]
     llm = LLM(model=str(smollm2_shape), device="cuda", dtype=dtype, num_kv_blocks=256, max_model_len=2048,
@@ -291,20 +295,22 @@ def test_chunks_over_long_contexts_replay_whole_graphs_with_split_tiles(smollm2_
 def test_mixed_graphs_equal_the_pieces_in_bfloat16(tiny, monkeypatch) -> None:
     # bfloat16: rows of a few queries go to the decode kernel inside the graph too.
     # Contexts stay short (no key splits either way), so the graph computes what the
-    # pieces with eager attention compute.
+    # pieces with eager attention compute, with or without spare tile items
+    # (PAGEDCORE_MIXED_TILE_SPARE=1).
     gen = torch.Generator().manual_seed(6)
     ps = [torch.randint(3, 384, (int(n),), generator=gen).tolist() for n in (5, 40, 90, 3, 61, 17)]
     runs, replays = {}, {}
-    for tokens in ("0", "64"):
-        monkeypatch.setenv("PAGEDCORE_MIXED_GRAPHS", tokens)
+    for tokens, tile_spare in (("0", "0"), ("64", "0"), ("64 spare", "1")):
+        monkeypatch.setenv("PAGEDCORE_MIXED_GRAPHS", tokens.split()[0])
+        monkeypatch.setenv("PAGEDCORE_MIXED_TILE_SPARE", tile_spare)
         llm = LLM(model=str(tiny), device="cuda", dtype="bfloat16", num_kv_blocks=256, max_model_len=256,
                   max_num_batched_tokens=64, max_num_seqs=4)
         runs[tokens] = generate(llm, ps, 16)
         replays[tokens] = llm.llm_engine.runner.mixed_graph_replays
         assert llm.stats()["num_free_blocks"] == llm.stats()["num_blocks"]
         del llm
-    assert replays["0"] == 0 and replays["64"] >= 4
-    assert runs["64"] == runs["0"]
+    assert replays["0"] == 0 and replays["64"] >= 4 and replays["64 spare"] == replays["64"]
+    assert runs["64"] == runs["0"] and runs["64 spare"] == runs["0"]
 
 
 def test_a_whole_graph_over_1024_tokens_takes_more_than_eight_prompts(tiny, monkeypatch) -> None:

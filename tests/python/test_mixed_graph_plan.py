@@ -38,6 +38,8 @@ def covered(p: planning.PaddedPlan, q_lens: list[int]) -> dict[tuple[int, int], 
     tile = p.plan.tile_tokens
     count: dict[tuple[int, int], int] = {}
     for row, t0 in zip(work_seq.tolist(), work_q_start.tolist()):
+        if row < 0:  # a spare item (PAGEDCORE_MIXED_TILE_SPARE=1)
+            continue
         for i in range(t0, min(t0 + tile, q_lens[row])):
             count[row, i] = count.get((row, i), 0) + 1
     for row in decode_seq.tolist():
@@ -266,6 +268,45 @@ def test_the_mixed_decode_spare_switch(monkeypatch) -> None:
     for bad in ("2", "yes"):
         monkeypatch.setenv("PAGEDCORE_MIXED_DECODE_SPARE", bad)
         with pytest.raises(ValueError, match=f"PAGEDCORE_MIXED_DECODE_SPARE must be 0 or 1, got '{bad}'"):
+            padded(256, 256)
+
+
+@pytest.mark.parametrize("tile_splits", [1, 4])
+@pytest.mark.parametrize("heads, decode_kernel", [((9, 3), True), ((20, 1), False)])
+def test_spare_tiles_leave_the_padding_row_to_one_item(monkeypatch, heads, decode_kernel, tile_splits) -> None:
+    # PAGEDCORE_MIXED_TILE_SPARE=1: tile items past the step's are spare (-1, their
+    # query start 0); the padding row is computed once, by the first decode item
+    # past the step's, or (20 query heads a kv head: no decode kernel, every row in
+    # tiles) by the first tile past the step's. Unset or 0: every padding tile
+    # computes the padding row, as before.
+    assert _C.cuda_decode_supported(heads[0] // heads[1], 64, 2) == decode_kernel
+    q_lens = [1] * 6 + [70, 9]
+    qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    lens = np.array([300] * 6 + [170, 409], dtype=np.int32)
+    real = {(r, i): 1 for r, n in enumerate(q_lens) for i in range(n)}
+    for value in ("1", "0", ""):
+        monkeypatch.setenv("PAGEDCORE_MIXED_TILE_SPARE", value)
+        p = planning.PaddedPlan(512, 256, 8, heads[0], heads[1], 64, torch.bfloat16, torch.device("cpu"),
+                                max_seq_len=4096, tile_splits=tile_splits)
+        assert p.fill(qsl, lens, pad_row=8)
+        count = covered(p, q_lens + [1])
+        assert {k: v for k, v in count.items() if k[0] != 8} == real
+        work_seq, work_q_start, decode_seq = lists(p)
+        tiles = int((work_seq[:p.plan.num_work] != 8).sum()) if value != "1" else int((work_seq >= 0).sum())
+        assert (work_q_start[tiles:] == 0).all()
+        if value == "1":
+            assert count[8, 0] == 1  # the padding row: once
+            if decode_kernel:
+                assert (work_seq[:tiles] != 8).all() and (work_seq[tiles:] == -1).all()
+                assert decode_seq[6] == 8 and (decode_seq[7:] == -1).all()
+            else:
+                assert p.plan.num_decode == 0
+                assert work_seq[tiles - 1] == 8 and (work_seq[tiles:] == -1).all()
+        else:
+            assert (work_seq[tiles:] == 8).all() and tiles < p.plan.num_work - 1
+    for bad in ("2", "on"):
+        monkeypatch.setenv("PAGEDCORE_MIXED_TILE_SPARE", bad)
+        with pytest.raises(ValueError, match=f"PAGEDCORE_MIXED_TILE_SPARE must be 0 or 1, got '{bad}'"):
             padded(256, 256)
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from pagedcore import ops
+from pagedcore import _C, ops
 
 pytestmark = pytest.mark.cuda
 
@@ -27,7 +27,7 @@ TOLERANCE = {
 
 
 def run_cuda(rows, *, block_size, head_dim, group, dtype, window=0, softcap=0.0, num_kv_heads=2, seed=0,
-             fp8_scales=None, unsplit=False, graph_plan_len=0, repeat=1, head_scales=None):
+             fp8_scales=None, unsplit=False, graph_plan_len=0, repeat=1, head_scales=None, mixed_graph=None):
     query, kc, vc, bt, seq_lens, qsl = make_batch(
         rows, block_size=block_size, head_dim=head_dim, num_kv_heads=num_kv_heads, group=group,
         dtype=dtype, window=window, seed=seed,
@@ -59,6 +59,14 @@ def run_cuda(rows, *, block_size, head_dim, group, dtype, window=0, softcap=0.0,
         assert all(q == 1 for q, _ in rows)
         plan = ops.plan_decode(len(rows), num_kv_heads, torch.device("cuda"), graph_plan_len)
         kw["plan"] = plan
+    if mixed_graph:  # (tokens, tile splits): a whole mixed graph's padded plan; the last row is its padding row
+        tokens, tile_splits = mixed_graph
+        assert rows[-1] == (1, 1)
+        padded = ops.planning.PaddedPlan(tokens, 64, 8, query.shape[1], num_kv_heads, head_dim, dtype,
+                                         torch.device("cuda"), 4096, tile_splits=tile_splits)
+        assert padded.fill(qsl[:-1].numpy(), seq_lens[:-1].numpy(), pad_row=len(rows) - 1)
+        padded.upload()
+        kw["plan"] = padded.plan
     for _ in range(repeat):  # the split counters must be back at zero for the next launch
         out.fill_(NAN)
         ops.paged_attention(*dev, scale=scale, sliding_window=window, softcap=softcap, out=out, **kw)
@@ -150,6 +158,35 @@ def test_decode_rows_shorter_than_the_graph_plan(monkeypatch, dtype, window, fp8
                  graph_plan_len=32768, repeat=2, fp8_scales=scales)
     run_cuda([(1, n) for n in (5, 600, 2000)], block_size=32, head_dim=64, group=3, dtype=dtype, num_kv_heads=3,
              graph_plan_len=8192, repeat=2, fp8_scales=(1.0, 1.0) if fp8 else None)
+
+
+@pytest.mark.parametrize("tile_splits", [1, 4])
+@pytest.mark.parametrize("spare", ["0", "1"], ids=["padded_tiles", "spare_tiles"])
+@pytest.mark.parametrize("kernel", ["auto", "mma", "wgmma", "wgmma-tma", "wgmma-tma-pairs"])
+def test_mixed_graph_plans(monkeypatch, kernel, spare, tile_splits):
+    # A whole mixed graph's plan (512 tokens): the step's decode rows and prefill
+    # chunks, then its padding row (one query over one key). Its items past the
+    # step's compute the padding row, or with PAGEDCORE_MIXED_TILE_SPARE=1 the tile
+    # items are spare (-1): the prefill kernels' CTAs return at once, the persistent
+    # wgmma walk passes them by. Every prefill kernel (the wgmma ones are mma.sync
+    # off sm_90), bf16/fp16 and fp8 caches, float32, tiles split 4 ways (merged in
+    # the kernels), 20 query heads a kv head (no decode kernel: every row in tiles,
+    # the padding row in the first spare tile's place); twice (counters back at 0).
+    monkeypatch.setenv("PAGEDCORE_PREFILL_KERNEL", kernel)
+    monkeypatch.setenv("PAGEDCORE_MIXED_TILE_SPARE", spare)
+    rows = [(1, 300)] * 5 + [(70, 170), (9, 409), (200, 1000), (1, 1)]
+    for head_dim, group, kv_heads in ((128, 4, 2), (64, 3, 3)):
+        for dtype in (torch.bfloat16, torch.float16):
+            run_cuda(rows, block_size=16, head_dim=head_dim, group=group, num_kv_heads=kv_heads, dtype=dtype,
+                     mixed_graph=(512, tile_splits), repeat=2)
+        run_cuda(rows, block_size=16, head_dim=head_dim, group=group, num_kv_heads=kv_heads, dtype=torch.bfloat16,
+                 mixed_graph=(512, tile_splits), repeat=2, fp8_scales=(0.5, 1.5))
+    assert not _C.cuda_decode_supported(20, 64, 2)
+    run_cuda(rows, block_size=16, head_dim=64, group=20, num_kv_heads=1, dtype=torch.bfloat16,
+             mixed_graph=(512, tile_splits), repeat=2)
+    if kernel == "auto":
+        run_cuda(rows, block_size=16, head_dim=128, group=4, dtype=torch.float32, mixed_graph=(512, tile_splits),
+                 repeat=2)
 
 
 @pytest.mark.parametrize("env", [

@@ -295,7 +295,9 @@ class PaddedPlan:
     query token (a padding token of the graph), one cached key and a block table
     pointing at the null block: CTAs that read one key each, whose output lands in
     the padding token's row (decode items: the first past the step's; the others
-    are spare, -1, and their CTAs return at once). Tiles split their keys
+    are spare, -1, and their CTAs return at once; tile items likewise with
+    PAGEDCORE_MIXED_TILE_SPARE=1, the padding row then computed by a tile only
+    where no decode item is left for it). Tiles split their keys
     ``tile_splits`` ways whatever the step (1: never; any split count computes the
     same attention, a split of a short tile may be empty); decode rows may split as
     a step of 32 of them over ``max_seq_len`` keys would, each row running only the
@@ -337,6 +339,17 @@ class PaddedPlan:
         if spare not in ("", "0", "1"):
             raise ValueError(f"PAGEDCORE_MIXED_DECODE_SPARE must be 0 or 1, got {spare!r}")
         self.spare = spare != "0"
+        # Tile items past the step's: PAGEDCORE_MIXED_TILE_SPARE=1 makes them spare
+        # too (-1 in work_seq: the prefill kernels' CTAs return at once, the
+        # persistent wgmma walk passes them by), where each computes the padding
+        # row over one key (the mixed graph's prefill launch of padding tiles only
+        # cost ~4.8 us a layer at SmolLM2's 512-token graph, decode_variants.py at
+        # 057d3d5). Off by default until measured and run under the sanitizer on
+        # the GPU (built at the 31st session, which had no device).
+        tile_spare = os.environ.get("PAGEDCORE_MIXED_TILE_SPARE", "")
+        if tile_spare not in ("", "0", "1"):
+            raise ValueError(f"PAGEDCORE_MIXED_TILE_SPARE must be 0 or 1, got {tile_spare!r}")
+        self.tile_spare = tile_spare == "1"
         zeros = np.zeros(num_work, dtype=np.int32)
         self.plan = AttentionPlan(zeros, zeros, tile, tile_splits, np.zeros(num_decode, dtype=np.int32), splits,
                                   device)
@@ -380,14 +393,18 @@ class PaddedPlan:
             return False
         w = plan.num_work
         host = self.host.numpy()
-        host[:w] = pad_row
+        host[:w] = -1 if self.tile_spare else pad_row
         host[w:2 * w] = 0
         host[2 * w:] = -1 if self.spare else pad_row
-        host[:work_seq.shape[0]] = work_seq
+        host[:total] = work_seq
         host[w:w + work_q_start.shape[0]] = work_q_start
         host[2 * w:2 * w + decodes] = decode_seq
+        # The padding row: the first decode item past the step's, else the first
+        # tile past its (the shapes the decode kernel does not serve), if any.
         if decodes < plan.num_decode:
             host[2 * w + decodes] = pad_row
+        elif total < w:
+            host[total] = pad_row
         return True
 
     def upload(self) -> None:

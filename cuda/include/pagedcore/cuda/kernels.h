@@ -88,7 +88,8 @@ struct PagedAttentionParams {
   const int32_t* block_tables;    // [num_seqs, *], row stride block_tables_stride
   const int32_t* seq_lens;        // [num_seqs] tokens in the cache after this step
   const int32_t* query_start_loc; // [num_seqs + 1]
-  const int32_t* work_seq;        // [num_work] row of each work item
+  const int32_t* work_seq;        // [num_work] row of each work item; a negative entry: a
+                                  // padded plan's spare item, which no CTA computes
   const int32_t* work_q_start;    // [num_work] first query (within the row) of the item
   float* partial_out;             // [num_work, num_kv_heads, num_splits, kAttentionPartialVectors, head_dim]
   float* partial_lse;             // [num_work, num_kv_heads, num_splits, kAttentionPartialVectors, 2] (max, sum)
