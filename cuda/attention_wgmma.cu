@@ -211,32 +211,43 @@ constexpr int kTmaThreads = 384;
 constexpr int kPairs = 4;
 constexpr int kFp8 = 8;
 
+// How a persistent CTA walks the launch's items (the `walk` of persistent_item).
+constexpr int kWalkPlain = 0;     // blockIdx.x, + gridDim.x, ...
+constexpr int kWalkFromEnd = 1;   // snake order from the last item
+constexpr int kWalkFromStart = 2; // snake order from the first item
+
 // The r-th item (linear index of the launch's grid) of this persistent CTA, or
-// -1 when it has no more: blockIdx.x + r * gridDim.x; with `snake`, the items
-// longest first (in reverse: the plan lists each row's items by ascending key
-// range) dealt out forwards in even rounds and backwards in odd ones, which
-// evens out the CTAs' sums on ramps of lengths such as a causal prefill's (and
-// leaves the short items for the tail). NOTE: one item per CTA (key splits
-// merged in the kernel) must not use `snake`: the merge finds its item by
-// blockIdx.x.
-__device__ __forceinline__ int persistent_item(int r, int total, bool snake) {
+// -1 when it has no more: blockIdx.x + r * gridDim.x (kWalkPlain); in snake
+// order, the items dealt out forwards in even rounds and backwards in odd ones,
+// which evens out the CTAs' sums on ramps of lengths such as a causal
+// prefill's, from the first item (kWalkFromStart) or the last (kWalkFromEnd).
+// NOTE: the plan (planning._plan_lists) lists the tiles longest first, so
+// kWalkFromStart takes the long items first and leaves the short ones for the
+// tail. kWalkFromEnd, the walk since a218601, was written for a plan in
+// ascending order and so takes the shortest first: a model of the walk (132
+// CTAs, an item's cost its key tiles + 1) puts the 8k causal prefill's busiest
+// CTA 6.3% above the mean that way, 0.05% from the start. One item per CTA
+// (key splits merged in the kernel) must walk plainly: the merge finds its item
+// by blockIdx.x.
+__device__ __forceinline__ int persistent_item(int r, int total, int walk) {
   const int g = gridDim.x;
-  if (!snake) {
+  if (walk == kWalkPlain) {
     const int linear = blockIdx.x + r * g;
     return linear < total ? linear : -1;
   }
   const int pos = r * g + ((r & 1) != 0 ? g - 1 - static_cast<int>(blockIdx.x) : static_cast<int>(blockIdx.x));
-  return pos < total ? total - 1 - pos : -1;
+  if (pos >= total) return -1;
+  return walk == kWalkFromStart ? pos : total - 1 - pos;
 }
 
 // persistent_item from the r-th on, past a padded plan's spare work items (a
 // negative row in work_seq: no tiles, no output); r is left at the one returned.
 // NOTE: the copying and the computing warpgroups walk the same items, so that
 // their tile counts (the stages' phases) agree.
-__device__ __forceinline__ int next_item(const PagedAttentionParams& p, int& r, int total, bool snake) {
-  int linear = persistent_item(r, total, snake);
+__device__ __forceinline__ int next_item(const PagedAttentionParams& p, int& r, int total, int walk) {
+  int linear = persistent_item(r, total, walk);
   while (linear >= 0 && p.work_seq[linear / p.num_kv_heads % p.num_work] < 0) {
-    linear = persistent_item(++r, total, snake);
+    linear = persistent_item(++r, total, walk);
   }
   return linear;
 }
@@ -247,7 +258,7 @@ constexpr int kJoinRegs = 168;  // everyone's share again (65536 / 384), for the
 template <typename T, int HD, int MODE>
 __global__ void __launch_bounds__(kTmaThreads, 1)
     wgmma_tma_prefill_kernel(const __grid_constant__ PagedAttentionParams p,
-                             const __grid_constant__ KvTensorMaps maps) {
+                             const __grid_constant__ KvTensorMaps maps, int walk_from) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int ON = HD / 2;
   constexpr int PK = kKeys / 16;
@@ -285,10 +296,11 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
   // merges them, with a CTA barrier); without, CTAs are persistent and take
   // items blockIdx.x, + gridDim.x, ... while the buffers keep rotating, so the
   // next item's first tiles load during this one's last tiles and its output.
-  // They walk the items longest first, in snake order (persistent_item; a
-  // static round-robin left the 8k causal prefill's CTAs 6% apart in work).
+  // They walk the items in snake order (persistent_item; a static round-robin
+  // left the 8k causal prefill's CTAs 6% apart in work), from the start or the
+  // end as `walk_from` says (PAGEDCORE_PREFILL_WALK, prefill_walk()).
   const bool merge = p.num_splits > 1 && p.split_counters != nullptr;
-  const bool snake = !merge;
+  const int walk = merge ? kWalkPlain : walk_from;
   // (merging: this CTA's one item; a spare one has nothing to compute or merge)
   if (merge && p.work_seq[blockIdx.x / p.num_kv_heads % p.num_work] < 0) return;
   if (tid == 0) {
@@ -336,8 +348,8 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
       Pending prev{-1, 0, 0, 0};
       int g = 0;
 #pragma unroll 1
-      for (int r = 0, linear = next_item(p, r, total, snake); linear >= 0;
-           ++r, linear = next_item(p, r, total, snake)) {
+      for (int r = 0, linear = next_item(p, r, total, walk); linear >= 0;
+           ++r, linear = next_item(p, r, total, walk)) {
         const Item it = item_at(p, linear);
         const KvGather<uint8_t, HD> kv(p, it);
         const TileSpan span = block_aligned_tiles(it, p.block_size);
@@ -362,8 +374,8 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
       // use's phase.
       int g = 0;
 #pragma unroll 1
-      for (int r = 0, linear = next_item(p, r, total, snake); linear >= 0;
-           ++r, linear = next_item(p, r, total, snake)) {
+      for (int r = 0, linear = next_item(p, r, total, walk); linear >= 0;
+           ++r, linear = next_item(p, r, total, walk)) {
         const Item it = item_at(p, linear);
         const KvGather<T, HD> kv(p, it);
         const TileSpan span = block_aligned_tiles(it, p.block_size);
@@ -417,11 +429,11 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
       wgmma::cp_async_commit();
     };
     // (the item after the r-th)
-    auto following = [&](int r) { return next_item(p, ++r, total, snake); };
+    auto following = [&](int r) { return next_item(p, ++r, total, walk); };
     prefetch_q(following(-1));
 #pragma unroll 1
-    for (int r = 0, linear = next_item(p, r, total, snake); linear >= 0;
-         ++r, linear = next_item(p, r, total, snake)) {
+    for (int r = 0, linear = next_item(p, r, total, walk); linear >= 0;
+         ++r, linear = next_item(p, r, total, walk)) {
       const Item it = item_at(p, linear);
       RowState rs(p, it, mwg, (tid / 32) % 4, lane);
       const TileSpan span = block_aligned_tiles(it, p.block_size);
@@ -556,12 +568,23 @@ int launch(void (*kernel)(PagedAttentionParams, Args...), bool& configured, int 
 constexpr int kTmaChoice = 2;
 constexpr int kFp8Choice = kTmaChoice + kFp8;
 
+// The persistent TMA kernel's walk (persistent_item). PAGEDCORE_PREFILL_WALK
+// (read per launch; a measurement switch): "start" from the plan's first item
+// (its longest), anything else from its last, the walk every figure so far was
+// measured with (not yet timed against each other: no device in the session
+// that found it).
+int prefill_walk() {
+  const char* env = std::getenv("PAGEDCORE_PREFILL_WALK");
+  return env != nullptr && std::strcmp(env, "start") == 0 ? kWalkFromStart : kWalkFromEnd;
+}
+
 template <typename T, int HD, int MODE>
 int launch_tma(const PagedAttentionParams& p, cudaStream_t stream) {
   KvTensorMaps maps{};
   if (encode_kv_maps<T, HD, (MODE & kPairs) != 0 && HD == 128>(p, maps)) {
     static bool configured = false;
-    return launch<HD>(wgmma_tma_prefill_kernel<T, HD, MODE>, configured, kTmaThreads, p, stream, true, maps);
+    return launch<HD>(wgmma_tma_prefill_kernel<T, HD, MODE>, configured, kTmaThreads, p, stream, true, maps,
+                      prefill_walk());
   }
   static bool configured = false;
   return launch<HD>(wgmma_prefill_kernel<T, HD, false>, configured, kThreads, p, stream, false);
@@ -574,7 +597,8 @@ int launch_tma_fp8(const PagedAttentionParams& p, cudaStream_t stream) {
   KvTensorMaps maps{};
   if (!encode_fp8_kv_maps<HD>(p, maps)) return cudaErrorNotSupported;
   static bool configured = false;
-  return launch<HD>(wgmma_tma_prefill_kernel<T, HD, kFp8>, configured, kTmaThreads, p, stream, true, maps);
+  return launch<HD>(wgmma_tma_prefill_kernel<T, HD, kFp8>, configured, kTmaThreads, p, stream, true, maps,
+                    prefill_walk());
 }
 
 template <typename T, int HD>

@@ -150,11 +150,14 @@ def test_wgmma_key_splits(rows, group):
     run_cuda(rows, block_size=16, head_dim=128, group=group, dtype=torch.bfloat16)
 
 
+@pytest.mark.parametrize("walk", ["end", "start"])
 @pytest.mark.parametrize("head_dim,group", [(64, 4), (128, 1), (128, 3)])
-def test_wgmma_many_items_per_cta(head_dim, group):
+def test_wgmma_many_items_per_cta(monkeypatch, head_dim, group, walk):
     # More work items x kv heads than multiprocessors: wgmma-tma's persistent CTAs walk
     # several items each (items of different lengths, the K/V buffer rings and their
-    # barrier phases carried from one item to the next).
+    # barrier phases carried from one item to the next), from the plan's last item or,
+    # with PAGEDCORE_PREFILL_WALK=start, from its first.
+    monkeypatch.setenv("PAGEDCORE_PREFILL_WALK", walk)
     rows = [(17 + (37 * i) % 90, 17 + (37 * i) % 90 + (53 * i) % 300) for i in range(60)]
     plan = ops.plan_attention([0, *np.cumsum([q for q, _ in rows])], [s for _, s in rows], 4 * group, 4,
                               torch.device("cuda"), head_dim, torch.bfloat16)
@@ -221,10 +224,13 @@ def test_wgmma_fp8_key_tiles_on_block_boundaries(block_size, window):
              fp8_scales=(1.0, 1.0))
 
 
+@pytest.mark.parametrize("walk", ["end", "start"])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_wgmma_fp8_many_items_per_cta(head_dim):
+def test_wgmma_fp8_many_items_per_cta(monkeypatch, head_dim, walk):
     # Persistent CTAs walking several items each: the staging slots' and fp16 stages'
-    # barrier phases carried from one item to the next (the widening runs a tile late).
+    # barrier phases carried from one item to the next (the widening runs a tile late);
+    # either walk (PAGEDCORE_PREFILL_WALK).
+    monkeypatch.setenv("PAGEDCORE_PREFILL_WALK", walk)
     rows = [(17 + (37 * i) % 90, 17 + (37 * i) % 90 + (53 * i) % 300) for i in range(60)]
     run_cuda(rows, block_size=16, head_dim=head_dim, group=3, dtype=torch.bfloat16, num_kv_heads=4,
              fp8_scales=FP8_SCALES)

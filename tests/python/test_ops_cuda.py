@@ -174,6 +174,8 @@ def test_mixed_graph_plans(monkeypatch, kernel, spare, tile_splits):
     # the padding row in the first spare tile's place); twice (counters back at 0).
     monkeypatch.setenv("PAGEDCORE_PREFILL_KERNEL", kernel)
     monkeypatch.setenv("PAGEDCORE_MIXED_TILE_SPARE", spare)
+    # (the persistent wgmma-tma walk from the plan's first item with spare tiles, from its last with padded ones)
+    monkeypatch.setenv("PAGEDCORE_PREFILL_WALK", "start" if spare == "1" else "end")
     rows = [(1, 300)] * 5 + [(70, 170), (9, 409), (200, 1000), (1, 1)]
     for head_dim, group, kv_heads in ((128, 4, 2), (64, 3, 3)):
         for dtype in (torch.bfloat16, torch.float16):
