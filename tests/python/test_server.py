@@ -169,6 +169,19 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 # ---- the openai client ---------------------------------------------------------------
 
 
+def test_the_chunks_json_equals_json_dumps() -> None:
+    # app._dumps (a shared encoder; str by the C function json.dumps calls) writes
+    # what json.dumps(value, ensure_ascii=False) writes, for what the chunks hold.
+    from pagedcore.server import app
+
+    values = ["", " tok", 'quote " backslash \\ slash /', "\n\t\r\x00\x1f\x7f", "é ü 中文 \u2028 \u2029 😀 \ud800",
+              None, 0, -3, 2.5, 1e-7, float("nan"), float("inf"), True,
+              {"prompt_tokens": 5, "completion_tokens": 17, "total_tokens": 22},
+              [{"token": "é", "logprob": -0.5, "bytes": [195, 169]}, None]]
+    for value in values:
+        assert app._dumps(value) == json.dumps(value, ensure_ascii=False), value
+
+
 def test_models_lists_the_served_name(client, http) -> None:
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL]

@@ -205,7 +205,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
                 "total_tokens": prompt_tokens + completion_tokens}
 
     def sse(payload: dict[str, Any]) -> str:
-        return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+        return f"data: {_ENCODER.encode(payload)}\n\n"
 
     def chunk_head(request_id: str, object_: str, created_at: int) -> str:
         """The start of every streamed chunk of a response, up to its choice's
@@ -551,9 +551,17 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
     return app
 
 
+# What json.dumps(value, ensure_ascii=False) gives, without the encoder it builds per
+# call (with ensure_ascii=False it does not take its shared default one); a str by
+# the C function that encoder calls for one. NOTE: measured on the 2-core CPU
+# machine: a streamed chunk's text 0.76 -> 0.09 us, a usage dict 2.51 -> 1.75.
+_ENCODER = json.JSONEncoder(ensure_ascii=False)
+_encode_str = json.encoder.encode_basestring
+
+
 def _dumps(value: Any) -> str:
     """A JSON value as sse() writes it."""
-    return json.dumps(value, ensure_ascii=False)
+    return _encode_str(value) if type(value) is str else _ENCODER.encode(value)
 
 
 def _null_or(value: Any) -> str:
