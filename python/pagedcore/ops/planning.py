@@ -339,13 +339,14 @@ class PaddedPlan:
         if spare not in ("", "0", "1"):
             raise ValueError(f"PAGEDCORE_MIXED_DECODE_SPARE must be 0 or 1, got {spare!r}")
         self.spare = spare != "0"
-        # Tile items past the step's: PAGEDCORE_MIXED_TILE_SPARE=1 makes them spare
-        # too (-1 in work_seq: the prefill kernels' CTAs return at once, the
-        # persistent wgmma walk passes them by), where each computes the padding
-        # row over one key (the mixed graph's prefill launch of padding tiles only
-        # cost ~4.8 us a layer at SmolLM2's 512-token graph, decode_variants.py at
-        # 057d3d5). Off by default until measured and run under the sanitizer on
-        # the GPU (built at the 31st session, which had no device).
+        # Tile items past the step's: PAGEDCORE_MIXED_TILE_SPARE=1 (read here, at
+        # capture) makes them spare too (-1 in work_seq: the prefill kernels' CTAs
+        # return at once, the persistent wgmma walk passes them by), where each
+        # computes the padding row over one key (the mixed graph's prefill launch of
+        # padding tiles only cost ~4.8 us a layer at SmolLM2's 512-token graph,
+        # decode_variants.py at 057d3d5). Off by default until measured and run
+        # under the sanitizer on the GPU (built in the thirty-first session, which
+        # had no device).
         tile_spare = os.environ.get("PAGEDCORE_MIXED_TILE_SPARE", "")
         if tile_spare not in ("", "0", "1"):
             raise ValueError(f"PAGEDCORE_MIXED_TILE_SPARE must be 0 or 1, got {tile_spare!r}")
