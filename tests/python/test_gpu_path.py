@@ -309,7 +309,7 @@ def test_mixed_graphs_equal_the_pieces_in_bfloat16(tiny, monkeypatch) -> None:
         replays[tokens] = llm.llm_engine.runner.mixed_graph_replays
         assert llm.stats()["num_free_blocks"] == llm.stats()["num_blocks"]
         del llm
-    assert replays["0"] == 0 and replays["64"] >= 4 and replays["64 spare"] == replays["64"]
+    assert replays["0"] == 0 and replays["64"] >= 4 and replays["64 spare"] >= 4
     assert runs["64"] == runs["0"] and runs["64 spare"] == runs["0"]
 
 
