@@ -225,8 +225,8 @@ constexpr int kWalkFromStart = 2; // snake order from the first item
 // kWalkFromStart takes the long items first and leaves the short ones for the
 // tail. kWalkFromEnd, the walk since a218601, was written for a plan in
 // ascending order and so takes the shortest first: a model of the walk (132
-// CTAs, an item's cost its key tiles + 1) puts the 8k causal prefill's busiest
-// CTA 6.3% above the mean that way, 0.05% from the start. One item per CTA
+// CTAs, an item's cost its 128-key tiles + 1) puts the 8k causal prefill's
+// busiest CTA 6.2% above the mean that way, 0.05% from the start. One item per CTA
 // (key splits merged in the kernel) must walk plainly: the merge finds its item
 // by blockIdx.x.
 __device__ __forceinline__ int persistent_item(int r, int total, int walk) {
