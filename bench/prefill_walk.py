@@ -16,7 +16,6 @@ Usage: python3 bench/prefill_walk.py
 
 from __future__ import annotations
 
-import os
 import statistics
 
 import numpy as np
@@ -27,6 +26,7 @@ from pagedcore.ops import planning
 
 from bench_kernels_gpu import graph_of, replay_us, warm
 from check_wgmma import FP8_CASES, ISSUE_CASES, build, flops, scales
+from decode_variants import Settings
 
 SETTINGS = (("end", {}), ("start", {"PAGEDCORE_PREFILL_WALK": "start"}))
 ROUNDS = 5
@@ -66,18 +66,15 @@ def main() -> None:
                                   case.dtype)
         graphs, outs = [], []
         for _, env in SETTINGS:
-            saved = {k: os.environ.get(k) for k in env}
-            os.environ.update(env)
             out = torch.full_like(q, float("nan"))
 
             def call(out=out):
                 ops.paged_attention(q, kc, vc, tables, seq_lens, qsl, scale=case.head_dim**-0.5, out=out, plan=plan,
                                     **scales(case))
 
-            call()
-            graphs.append(graph_of(call, ITERS))
-            for k, v in saved.items():
-                os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+            with Settings(env):  # (the walk is read when the graph's launches are captured)
+                call()
+                graphs.append(graph_of(call, ITERS))
             outs.append(out)
         torch.cuda.synchronize()
         same = torch.equal(outs[0], outs[1])

@@ -248,6 +248,14 @@ def plan_attention(
     return plan
 
 
+def _switch(name: str, default: bool) -> bool:
+    """An on/off environment switch: 1 on, 0 off, unset or empty its default; else an error."""
+    value = os.environ.get(name, "")
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{name} must be 0 or 1, got {value!r}")
+    return default if value == "" else value == "1"
+
+
 _PADDED_SPLIT_ROWS = 32
 # Prefill chunks whose rows hold at most this many keys take a whole mixed graph's
 # unsplit tiles even where plan_attention would split them (few tiles: SmolLM2's
@@ -335,10 +343,7 @@ class PaddedPlan:
         # H200 (decode_variants.py at 057d3d5, the 512-token graph's 257 decode items,
         # us, spare -> not): SmolLM2 40 rows of 400 keys 12.1 -> 16.1, 150 rows 23.8 ->
         # 23.7, the 8B shape's 64 rows 47.3 -> 67.7.
-        spare = os.environ.get("PAGEDCORE_MIXED_DECODE_SPARE", "")
-        if spare not in ("", "0", "1"):
-            raise ValueError(f"PAGEDCORE_MIXED_DECODE_SPARE must be 0 or 1, got {spare!r}")
-        self.spare = spare != "0"
+        self.spare = _switch("PAGEDCORE_MIXED_DECODE_SPARE", True)
         # Tile items past the step's: PAGEDCORE_MIXED_TILE_SPARE=1 (read here, at
         # capture) makes them spare too (-1 in work_seq: the prefill kernels' CTAs
         # return at once, the persistent wgmma walk passes them by), where each
@@ -347,10 +352,7 @@ class PaddedPlan:
         # decode_variants.py at 057d3d5). Off by default until measured and run
         # under the sanitizer on the GPU (built in the thirty-first session, which
         # had no device).
-        tile_spare = os.environ.get("PAGEDCORE_MIXED_TILE_SPARE", "")
-        if tile_spare not in ("", "0", "1"):
-            raise ValueError(f"PAGEDCORE_MIXED_TILE_SPARE must be 0 or 1, got {tile_spare!r}")
-        self.tile_spare = tile_spare == "1"
+        self.tile_spare = _switch("PAGEDCORE_MIXED_TILE_SPARE", False)
         zeros = np.zeros(num_work, dtype=np.int32)
         self.plan = AttentionPlan(zeros, zeros, tile, tile_splits, np.zeros(num_decode, dtype=np.int32), splits,
                                   device)
