@@ -13,11 +13,12 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException
 
 from ..outputs import CompletionOutput, RequestOutput
 from .async_engine import SHUTTING_DOWN, AsyncEngine, EngineDeadError, EngineDiedError, QueueFullError, merge_outputs
+from .event_stream import EventStream, Hangup
 from .metrics import Metrics
 from .protocol import (
     MAX_BODY_BYTES,
@@ -89,19 +90,21 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
     async def until_disconnect(request: Request, work) -> Response:
         """Awaits ``work`` (the coroutine that makes the response) unless the client
         goes away first; then cancels it, which aborts its engine requests and frees
-        their blocks at once. A streamed response, once returned, is watched by
-        StreamingResponse itself."""
-        task = asyncio.ensure_future(work)
-        watcher = asyncio.ensure_future(_disconnected(request))
+        their blocks at once. A streamed response takes the watch over until its end."""
+        hangup = Hangup(request.receive)
         try:
-            done, _ = await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            watcher.cancel()
-            if not task.done():
-                task.cancel()
-        if task in done:
-            return task.result()
-        return Response(status_code=499)  # nobody is there to read it
+            answered, response = await hangup.guard(work)
+        except BaseException:
+            hangup.stop()
+            raise
+        if not answered:
+            hangup.stop()
+            return Response(status_code=499)  # nobody is there to read it
+        if isinstance(response, EventStream):
+            response.hangup = hangup
+        else:
+            hangup.stop()
+        return response
 
     @app.get("/health")
     async def health() -> Response:
@@ -429,7 +432,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
                            "usage": usage(sum(prompt_tokens.values()), completion_tokens)})
             yield "data: [DONE]\n\n"
 
-        return StreamingResponse(_guarded(_coalesced(events())), media_type="text/event-stream")
+        return EventStream(_guarded(_coalesced(events())), closing=stream)
 
     # ---- /v1/chat/completions -----------------------------------------------------------
 
@@ -546,7 +549,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
                 yield sse({**base, "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
             yield "data: [DONE]\n\n"
 
-        return StreamingResponse(_guarded(_coalesced(events())), media_type="text/event-stream")
+        return EventStream(_guarded(_coalesced(events())), closing=stream)
 
     return app
 
@@ -593,12 +596,6 @@ def _unavailable(e: EngineDeadError) -> APIError:
 def _finite(logprob: float) -> float:
     """-inf as OpenAI sends it (JSON has no infinity)."""
     return max(logprob, -9999.0)
-
-
-async def _disconnected(request: Request) -> None:
-    """Returns when the client has gone (call only once the body has been read)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
 
 
 async def _guarded(events):
