@@ -180,6 +180,11 @@ def test_the_chunks_json_equals_json_dumps() -> None:
               [{"token": "é", "logprob": -0.5, "bytes": [195, 169]}, None]]
     for value in values:
         assert app._dumps(value) == json.dumps(value, ensure_ascii=False), value
+    # The usage of a streamed completion's chunk, by its f-string.
+    for prompt_tokens, completion_tokens in ((0, 0), (5, 17), (4096, 123456)):
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                 "total_tokens": prompt_tokens + completion_tokens}
+        assert app._usage_field(prompt_tokens, completion_tokens) == ', "usage": ' + json.dumps(usage)
 
 
 def test_models_lists_the_served_name(client, http) -> None:
