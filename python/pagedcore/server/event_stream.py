@@ -29,8 +29,9 @@ class Hangup:
 
     NOTE: the work runs in its own task, not the request's: a task resumes
     through every coroutine frame it is suspended in, and the request's task is
-    ~20 frames deep in the server and the framework (~2 us a chunk on the 2-core
-    CPU machine), the work's own task 2.
+    ~20 frames deep in the server and the framework, the work's own task 2 (the
+    events written from the request's task cost ~20% more a chunk, in-process
+    with 256 streams on the 2-core CPU machine).
     """
 
     __slots__ = ("gone", "_target", "_watcher")
