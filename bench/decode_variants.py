@@ -105,7 +105,7 @@ VARIANTS = (
     ("cluster 8 async", {"PAGEDCORE_DECODE_CLUSTER": "8", "PAGEDCORE_DECODE_CLUSTER_ASYNC": "1"}),
     ("cluster min 0 keys", {"PAGEDCORE_DECODE_CLUSTER_MIN_KEYS": "0"}),
     ("no spare items", {"PAGEDCORE_MIXED_DECODE_SPARE": "0"}),
-    ("spare tiles", {"PAGEDCORE_MIXED_TILE_SPARE": "1"}),
+    ("padded tiles", {"PAGEDCORE_MIXED_TILE_SPARE": "0"}),
     ("cluster 8 unsplit rows", {"PAGEDCORE_DECODE_CLUSTER": "8", "PAGEDCORE_DECODE_CLUSTER_KEYS": "0"}),
     ("cluster 8 to 2k keys", {"PAGEDCORE_DECODE_CLUSTER": "8", "PAGEDCORE_DECODE_CLUSTER_KEYS": "256"}),
 )

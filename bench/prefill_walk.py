@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """The persistent wgmma-tma prefill kernel's walk over its items, from the plan's end
-(what every prefill figure so far was measured with) against from its start
-(PAGEDCORE_PREFILL_WALK=start: the plan lists tiles longest first, so the long items
-go first and the short ones fill the tail), on check_wgmma.py's prefill cases.
+(PAGEDCORE_PREFILL_WALK=end, the default until 068f05e) against from its start (the
+default since: the plan lists tiles longest first, so the long items go first and the
+short ones fill the tail), on check_wgmma.py's prefill cases.
 
 Each setting's CUDA graph is captured under its environment (the host reads it per
 launch), checked against the other's output (the same items, in another order: the
@@ -28,7 +28,7 @@ from bench_kernels_gpu import graph_of, replay_us, warm
 from check_wgmma import FP8_CASES, ISSUE_CASES, build, flops, scales
 from decode_variants import Settings
 
-SETTINGS = (("end", {}), ("start", {"PAGEDCORE_PREFILL_WALK": "start"}))
+SETTINGS = (("end", {"PAGEDCORE_PREFILL_WALK": "end"}), ("start", {"PAGEDCORE_PREFILL_WALK": "start"}))
 ROUNDS = 5
 ITERS = 5
 
@@ -56,7 +56,7 @@ def modelled_spread(case, sms: int) -> dict[str, float]:
 
 def main() -> None:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    print(f"{torch.cuda.get_device_name()}, {sms} SMs; walk from the plan's end (now) against from its start")
+    print(f"{torch.cuda.get_device_name()}, {sms} SMs; walk from the plan's end against from its start (the default)")
     print(f"{'case':<42}{'end us':>9}{'start us':>10}{'start/end':>10}{'TFLOP/s':>9}  model max/mean end, start")
     for case in ISSUE_CASES + FP8_CASES:
         if case.head_dim != 128:  # (head dim 64 runs mma.sync: no persistent walk)

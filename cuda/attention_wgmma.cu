@@ -226,7 +226,8 @@ constexpr int kWalkFromStart = 2; // snake order from the first item
 // tail. kWalkFromEnd, the walk since a218601, was written for a plan in
 // ascending order and so takes the shortest first: a model of the walk (132
 // CTAs, an item's cost its 128-key tiles + 1) puts the 8k causal prefill's
-// busiest CTA 6.2% above the mean that way, 0.05% from the start. One item per CTA
+// busiest CTA 6.2% above the mean that way, 0.05% from the start (the default
+// since 068f05e's measurement: prefill_walk()). One item per CTA
 // (key splits merged in the kernel) must walk plainly: the merge finds its item
 // by blockIdx.x.
 __device__ __forceinline__ int persistent_item(int r, int total, int walk) {
@@ -569,13 +570,14 @@ constexpr int kTmaChoice = 2;
 constexpr int kFp8Choice = kTmaChoice + kFp8;
 
 // The persistent TMA kernel's walk (persistent_item). PAGEDCORE_PREFILL_WALK
-// (read per launch; a measurement switch): "start" from the plan's first item
-// (its longest), anything else from its last, the walk every figure so far was
-// measured with (not yet timed against each other: no device in the session
-// that found it).
+// (read per launch; a measurement switch): "end" from the plan's last item (its
+// shortest, the walk until 068f05e), anything else from its first (its longest).
+// NOTE: measured on the H200 at 068f05e (bench/prefill_walk.py, us, end -> start):
+// 8k causal bs16 1089 -> 1035, bs128 1089 -> 1037, its fp8 cache 1939 -> 1833,
+// 2048 new over 6144 cached 470 -> 459, 16 x 512 over 1-4k cached 801 -> 800.
 int prefill_walk() {
   const char* env = std::getenv("PAGEDCORE_PREFILL_WALK");
-  return env != nullptr && std::strcmp(env, "start") == 0 ? kWalkFromStart : kWalkFromEnd;
+  return env != nullptr && std::strcmp(env, "end") == 0 ? kWalkFromEnd : kWalkFromStart;
 }
 
 template <typename T, int HD, int MODE>

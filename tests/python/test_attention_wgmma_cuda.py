@@ -155,8 +155,8 @@ def test_wgmma_key_splits(rows, group):
 def test_wgmma_many_items_per_cta(monkeypatch, head_dim, group, walk):
     # More work items x kv heads than multiprocessors: wgmma-tma's persistent CTAs walk
     # several items each (items of different lengths, the K/V buffer rings and their
-    # barrier phases carried from one item to the next), from the plan's last item or,
-    # with PAGEDCORE_PREFILL_WALK=start, from its first.
+    # barrier phases carried from one item to the next), from the plan's first item
+    # (the default) or, with PAGEDCORE_PREFILL_WALK=end, from its last.
     monkeypatch.setenv("PAGEDCORE_PREFILL_WALK", walk)
     rows = [(17 + (37 * i) % 90, 17 + (37 * i) % 90 + (53 * i) % 300) for i in range(60)]
     plan = ops.plan_attention([0, *np.cumsum([q for q, _ in rows])], [s for _, s in rows], 4 * group, 4,

@@ -38,7 +38,7 @@ def covered(p: planning.PaddedPlan, q_lens: list[int]) -> dict[tuple[int, int], 
     tile = p.plan.tile_tokens
     count: dict[tuple[int, int], int] = {}
     for row, t0 in zip(work_seq.tolist(), work_q_start.tolist()):
-        if row < 0:  # a spare item (PAGEDCORE_MIXED_TILE_SPARE=1)
+        if row < 0:  # a spare item (unless PAGEDCORE_MIXED_TILE_SPARE=0)
             continue
         for i in range(t0, min(t0 + tile, q_lens[row])):
             count[row, i] = count.get((row, i), 0) + 1
@@ -54,7 +54,7 @@ def covered(p: planning.PaddedPlan, q_lens: list[int]) -> dict[tuple[int, int], 
 def test_a_mixed_step_is_covered_once_and_the_rest_is_padding(dtype) -> None:
     # 40 decode rows, a 2-token row (a decode item in bf16: 2 x 3 heads <= 16 vectors),
     # a 200-token prefill chunk and a 37-token one over 400 cached; the padding row is
-    # 43, token 280.
+    # 43, token 280 (computed by a decode item).
     q_lens = [1] * 40 + [2, 200, 37]
     seq_lens = [300 + i for i in range(40)] + [90, 200, 437]  # (short: the eager plan would not split)
     qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
@@ -69,8 +69,11 @@ def test_a_mixed_step_is_covered_once_and_the_rest_is_padding(dtype) -> None:
     work_seq, work_q_start, decode_seq = lists(p)
     tile = p.plan.tile_tokens
     real_tiles = sum(-(-n // tile) for n in q_lens if dtype == torch.float32 and n > 1 or n * 3 > 16)
-    assert (work_seq == 43).sum() == p.plan.num_work - real_tiles
-    assert (work_q_start[work_seq == 43] == 0).all()
+    # Tile items past the step's are spare (-1; PAGEDCORE_MIXED_TILE_SPARE=0: each
+    # computes the padding row): a decode item computes the padding row.
+    assert (work_seq[:real_tiles] >= 0).all() and (work_seq[:real_tiles] != 43).all()
+    assert (work_seq == -1).sum() == p.plan.num_work - real_tiles
+    assert (work_q_start[work_seq == -1] == 0).all()
     # Decode items: the step's rows, then one for the padding row, then spare ones (-1).
     decodes = 41 if dtype == torch.bfloat16 else 40  # (float32: the decode kernel takes one-query rows only)
     assert sorted(decode_seq[:decodes].tolist()) == list(range(decodes))  # (bf16: the 1- and 2-token rows)
@@ -274,11 +277,11 @@ def test_the_mixed_decode_spare_switch(monkeypatch) -> None:
 @pytest.mark.parametrize("tile_splits", [1, 4])
 @pytest.mark.parametrize("heads, decode_kernel", [((9, 3), True), ((20, 1), False)])
 def test_spare_tiles_leave_the_padding_row_to_one_item(monkeypatch, heads, decode_kernel, tile_splits) -> None:
-    # PAGEDCORE_MIXED_TILE_SPARE=1: tile items past the step's are spare (-1, their
-    # query start 0); the padding row is computed once, by the first decode item
+    # Unset or PAGEDCORE_MIXED_TILE_SPARE=1: tile items past the step's are spare (-1,
+    # their query start 0); the padding row is computed once, by the first decode item
     # past the step's, or (20 query heads a kv head: no decode kernel, every row in
-    # tiles) by the first tile past the step's. Unset or 0: every padding tile
-    # computes the padding row, as before.
+    # tiles) by the first tile past the step's. 0: every padding tile computes the
+    # padding row, as until 068f05e.
     assert _C.cuda_decode_supported(heads[0] // heads[1], 64, 2) == decode_kernel
     q_lens = [1] * 6 + [70, 9]
     qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
@@ -292,9 +295,10 @@ def test_spare_tiles_leave_the_padding_row_to_one_item(monkeypatch, heads, decod
         count = covered(p, q_lens + [1])
         assert {k: v for k, v in count.items() if k[0] != 8} == real
         work_seq, work_q_start, decode_seq = lists(p)
-        tiles = int((work_seq[:p.plan.num_work] != 8).sum()) if value != "1" else int((work_seq >= 0).sum())
+        spare = value != "0"
+        tiles = int((work_seq >= 0).sum()) if spare else int((work_seq[:p.plan.num_work] != 8).sum())
         assert (work_q_start[tiles:] == 0).all()
-        if value == "1":
+        if spare:
             assert count[8, 0] == 1  # the padding row: once
             if decode_kernel:
                 assert (work_seq[:tiles] != 8).all() and (work_seq[tiles:] == -1).all()

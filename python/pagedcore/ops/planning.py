@@ -303,8 +303,8 @@ class PaddedPlan:
     query token (a padding token of the graph), one cached key and a block table
     pointing at the null block: CTAs that read one key each, whose output lands in
     the padding token's row (decode items: the first past the step's; the others
-    are spare, -1, and their CTAs return at once; tile items likewise with
-    PAGEDCORE_MIXED_TILE_SPARE=1, the padding row then computed by a tile only
+    are spare, -1, and their CTAs return at once; tile items likewise, unless
+    PAGEDCORE_MIXED_TILE_SPARE=0, the padding row then computed by a tile only
     where no decode item is left for it). Tiles split their keys
     ``tile_splits`` ways whatever the step (1: never; any split count computes the
     same attention, a split of a short tile may be empty); decode rows may split as
@@ -344,15 +344,16 @@ class PaddedPlan:
         # us, spare -> not): SmolLM2 40 rows of 400 keys 12.1 -> 16.1, 150 rows 23.8 ->
         # 23.7, the 8B shape's 64 rows 47.3 -> 67.7.
         self.spare = _switch("PAGEDCORE_MIXED_DECODE_SPARE", True)
-        # Tile items past the step's: PAGEDCORE_MIXED_TILE_SPARE=1 (read here, at
-        # capture) makes them spare too (-1 in work_seq: the prefill kernels' CTAs
-        # return at once, the persistent wgmma walk passes them by), where each
-        # computes the padding row over one key (the mixed graph's prefill launch of
-        # padding tiles only cost ~4.8 us a layer at SmolLM2's 512-token graph,
-        # decode_variants.py at 057d3d5). Off by default until measured and run
-        # under the sanitizer on the GPU (built in the thirty-first session, which
-        # had no device).
-        self.tile_spare = _switch("PAGEDCORE_MIXED_TILE_SPARE", False)
+        # Tile items past the step's are spare too (-1 in work_seq: the prefill
+        # kernels' CTAs return at once, the persistent wgmma walk passes them by).
+        # PAGEDCORE_MIXED_TILE_SPARE=0 (read here, at capture; a measurement switch):
+        # each computes the padding row over one key, as until 068f05e. NOTE:
+        # measured on the H200 at 068f05e (decode_variants.py, the 512-token graph,
+        # us a layer's attention, spare -> not): SmolLM2 40 rows of 400 keys 9.4 ->
+        # 12.2, 150 rows 20.9 -> 23.5, the 8B shape's 64 rows 38.3 -> 48.3; clean
+        # under compute-sanitizer memcheck; the mixed step end to end and serving
+        # unchanged within their noise.
+        self.tile_spare = _switch("PAGEDCORE_MIXED_TILE_SPARE", True)
         zeros = np.zeros(num_work, dtype=np.int32)
         self.plan = AttentionPlan(zeros, zeros, tile, tile_splits, np.zeros(num_decode, dtype=np.int32), splits,
                                   device)
