@@ -174,6 +174,32 @@ def mixed_graph_tile_rows(tokens: int) -> int:
 MIXED_SPLIT_GRAPH_TOKENS = 256
 
 
+def split_mixed_graph_top(config: _C.EngineConfig, max_tokens: int) -> int:
+    """The largest whole mixed graph size (of those up to ``max_tokens``) that also
+    gets a variant with split tiles: MIXED_SPLIT_GRAPH_TOKENS, or as many tokens as
+    a capped step can grow to while the streams run: the whole size with the
+    queue's share (mixed_prefill_waiting_per_cap), the lifted cap's tokens
+    (mixed_prefill_lift_tokens) with the lift. PAGEDCORE_MIXED_SPLIT_GRAPHS=N
+    (read when a runner is made; a measurement switch) puts it at N instead.
+
+    NOTE: measured on the H200 at 068f05e (bench_serving.py, SmolLM2 at half load,
+    serve's lift to 1,024 tokens): the lifted steps that continued long prompts
+    found no graph with split tiles over 256 tokens and ran in pieces, 12-21 a run
+    at 3.5-5.0 / 4.8-5.9 ms of device / host time (p50), against 2.5-2.8 ms for a
+    mixed step; they made most of the inter-token gaps over twice the median."""
+    value = os.environ.get("PAGEDCORE_MIXED_SPLIT_GRAPHS", "")
+    if value:
+        if not value.isdigit():
+            raise ValueError(f"PAGEDCORE_MIXED_SPLIT_GRAPHS must be a token count, got {value!r}")
+        return int(value)
+    if config.mixed_prefill_waiting_per_cap > 0:
+        return max_tokens
+    top = MIXED_SPLIT_GRAPH_TOKENS
+    if config.max_num_mixed_prefill_tokens > 0 and config.mixed_prefill_lift_tokens > 0:
+        top = max(top, min(config.mixed_prefill_lift_tokens, max_tokens))
+    return top
+
+
 @dataclass
 class _MixedGraph:
     """A step of up to one ladder size of tokens as one graph: the layer pieces
@@ -299,7 +325,7 @@ class ModelRunner:
         self.prefill_graph_replays = 0  # other steps whose layer bodies replayed graphs
         self.mixed_graphs: dict[int, _MixedGraph] = {}
         self.mixed_graph_replays = 0  # steps, not pure decode, served by one whole graph
-        # Whole graphs whose tiles split their keys (MIXED_SPLIT_GRAPH_TOKENS), tried
+        # Whole graphs whose tiles split their keys (split_mixed_graph_top), tried
         # after mixed_graphs; their replays are counted in mixed_graph_replays too.
         self.split_mixed_graphs: dict[int, _MixedGraph] = {}
         self.split_mixed_graph_replays = 0
@@ -472,7 +498,7 @@ class ModelRunner:
         # for the small ones its variant with split tiles)
         # (a graph with split tiles takes only what short contexts never make)
         with_split = ops.planning.split_tiles_useful(config.max_model_len)
-        split_top = max_tokens if config.mixed_prefill_waiting_per_cap > 0 else MIXED_SPLIT_GRAPH_TOKENS
+        split_top = split_mixed_graph_top(config, max_tokens)
         variants = [(t, split) for t in reversed(sizes) for split in (False, True)
                     if not split or (with_split and t <= split_top)]
         with ops.unchecked_indices():

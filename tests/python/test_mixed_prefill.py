@@ -147,3 +147,27 @@ def test_serve_passes_its_flags_to_the_engine_and_refuses_a_bad_api_server_count
     assert cli.main(["serve", "--model", str(tmp_path), "--port", "0", "--api-server-count", "0"]) == 2
     assert "--api-server-count must be >= 1, got 0" in capsys.readouterr().err
     assert len(seen) == 3  # (refused before anything loads)
+
+
+@pytest.mark.parametrize("cap, per_cap, lift, top", [(0, 0, 0, 256), (0, 0, 1024, 256), (256, 0, 0, 256),
+                                                     (256, 0, 128, 256), (256, 0, 1024, 1024),
+                                                     (256, 0, 99999, 8192), (256, 4, 0, 8192), (0, 4, 1024, 8192)])
+def test_whole_graphs_with_split_tiles_reach_as_far_as_a_capped_step_grows(monkeypatch, cap, per_cap, lift,
+                                                                          top) -> None:
+    # The whole mixed graphs up to this size also get a variant whose tiles split their
+    # keys (a step continuing a long prompt): 256 tokens, serve's capped step; the lifted
+    # cap's tokens while the cap is on (serve's 1024: its lifted steps over long prompts
+    # otherwise ran in pieces); every size (8192 here) with the queue's share.
+    from pagedcore import EngineConfig
+    from pagedcore.model_runner import split_mixed_graph_top
+
+    config = EngineConfig(max_num_batched_tokens=8192, max_num_mixed_prefill_tokens=cap,
+                          mixed_prefill_waiting_per_cap=per_cap, mixed_prefill_lift_tokens=lift)
+    assert split_mixed_graph_top(config, 8192) == top
+    # PAGEDCORE_MIXED_SPLIT_GRAPHS (a measurement switch) sets it whatever the config
+    monkeypatch.setenv("PAGEDCORE_MIXED_SPLIT_GRAPHS", "512")
+    assert split_mixed_graph_top(config, 8192) == 512
+    for bad in ("-1", "x", "2.5"):
+        monkeypatch.setenv("PAGEDCORE_MIXED_SPLIT_GRAPHS", bad)
+        with pytest.raises(ValueError, match=f"PAGEDCORE_MIXED_SPLIT_GRAPHS must be a token count, got '{bad}'"):
+            split_mixed_graph_top(config, 8192)

@@ -398,9 +398,9 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
                                            "finish_reason": "length", "stop_reason": None}]})
                             continue
                         completion_tokens += len(c.token_ids)
-                        so_far = (_usage_field(sum(prompt_tokens.values()), completion_tokens)
-                                  if continuous else "")
                         if plain:
+                            so_far = (_usage_field(sum(prompt_tokens.values()), completion_tokens)
+                                      if continuous else "")
                             yield (f'{head}{index}, "text": {_dumps(c.text)}, "logprobs": null, "finish_reason": '
                                    f'{_null_or(c.finish_reason)}, "stop_reason": {_null_or(c.stop_reason)}}}]{so_far}}}\n\n')
                             continue
