@@ -331,6 +331,27 @@ def test_the_split_graph_shares_the_unsplit_graphs_decode_scratch() -> None:
         unsplit.plan.partial_ptrs(3, 128)  # a larger head: would need a larger buffer
 
 
+def test_a_lifted_step_over_a_long_prompt_takes_the_split_graph_of_its_size() -> None:
+    # serve's lifted cap (1,024 tokens): 150 decode rows and the next 874 tokens of a
+    # prompt whose row reaches 1,590 keys. The unsplit graph of 1,024 tokens refuses it
+    # (its row holds more than _PADDED_UNSPLIT_TILE_KEYS keys); the split graph of that
+    # size, which split_mixed_graph_top now captures with the lift, holds it.
+    from pagedcore.model_runner import mixed_graph_tile_rows
+
+    cpu = torch.device("cpu")
+    splits = planning.padded_tile_splits(1024, 9, 3, torch.bfloat16, cpu, 2048)
+    q_lens = [1] * 150 + [874]
+    lens = np.array([300 + 9 * i for i in range(150)] + [1590], dtype=np.int32)
+    qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    unsplit, split = (planning.PaddedPlan(1024, 512, mixed_graph_tile_rows(1024), 9, 3, 64, torch.bfloat16, cpu,
+                                          max_seq_len=2048, tile_splits=t) for t in (1, splits))
+    assert splits > 1 and not unsplit.fill(qsl, lens, pad_row=151)
+    assert split.fill(qsl, lens, pad_row=151)
+    count = covered(split, q_lens + [1])
+    assert {k: v for k, v in count.items() if k[0] != 151} == {(r, i): 1 for r, n in enumerate(q_lens)
+                                                              for i in range(n)}
+
+
 @pytest.mark.parametrize("blocks, longest, expect", [
     (8, 32768, 16),    # one row of the 8B shape: 16 x 8 = 128 CTAs, one an SM
     (128, 8192, 1),    # 16 rows: 128 CTAs unsplit
