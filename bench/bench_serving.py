@@ -722,6 +722,10 @@ def step_trace_summary(path: str, start: float, end: float) -> dict:
         d["long_waited_for"] = dict(collections.Counter(sp[0] for sp in waited).most_common())
         gpu = [sp[6] for sp in waited if sp[6] is not None]
         d["long_waited_gpu_ms"] = statistics.mean(gpu) if gpu else math.nan
+        # What a long turn launched itself (its own host time is in its step part).
+        own = [sp for t, _, _ in long_turns for sp in t["spans"]]
+        d["long_launched"] = dict(collections.Counter(sp[0] for sp in own).most_common())
+        d["long_launched_host_ms"] = statistics.mean(sp[5] for sp in own) if own else math.nan
     d["all_parts_ms"] = {k: statistics.mean(t[k] for t in turns) for k in parts}
     by_path: dict[str, list[list]] = collections.defaultdict(list)
     for t in turns:
@@ -749,7 +753,9 @@ def print_step_trace(d: dict) -> None:
         print(f"  {d['long']} turns over 2x the median: parts (mean ms) "
               + " ".join(f"{k} {v:.2f}" for k, v in d["long_parts_ms"].items())
               + f", adds {d['long_adds']:.1f}; waited for " + ", ".join(f"{n} {k}" for k, n in d["long_waited_for"].items())
-              + f" (device {d['long_waited_gpu_ms']:.2f} ms a pass)")
+              + f" (device {d['long_waited_gpu_ms']:.2f} ms a pass); launched "
+              + (", ".join(f"{n} {k}" for k, n in d.get("long_launched", {}).items()) or "nothing")
+              + f" (host {d.get('long_launched_host_ms', math.nan):.2f} ms a pass)")
     for name, p in d["paths"].items():
         print(f"  {name:<7} x{p['count']:<6} device p50/p99 {p['gpu_p50_ms']:.2f}/{p['gpu_p99_ms']:.2f} ms, host "
               f"{p['host_p50_ms']:.2f}/{p['host_p99_ms']:.2f} ms; tokens p50 {p['tokens_p50']:.0f} max "

@@ -185,8 +185,9 @@ def split_mixed_graph_top(config: _C.EngineConfig, max_tokens: int) -> int:
     NOTE: measured on the H200 at 068f05e (bench_serving.py, SmolLM2 at half load,
     serve's lift to 1,024 tokens): the lifted steps that continued long prompts
     found no graph with split tiles over 256 tokens and ran in pieces, 12-21 a run
-    at 3.5-5.0 / 4.8-5.9 ms of device / host time (p50), against 2.5-2.8 ms for a
-    mixed step; they made most of the inter-token gaps over twice the median."""
+    at 3.5-5.0 / 4.8-5.9 ms of device / host time (p50), against 2.5-2.8 / 1.2-1.7
+    for a mixed step: the host time alone of the turn that launched one was about
+    twice the loop's median turn (2.5-3.0 ms), the ITL's bound at half load."""
     value = os.environ.get("PAGEDCORE_MIXED_SPLIT_GRAPHS", "")
     if value:
         if not value.isdigit():

@@ -305,6 +305,28 @@ def test_the_bench_figures_follow_vllm_bench_serve_definitions() -> None:
         assert s[f"p99_{name}_ms"] == pytest.approx(np.percentile(values, 99))
 
 
+def test_the_step_trace_summary_names_what_a_long_turn_waited_for_and_what_it_launched(tmp_path, capsys) -> None:
+    # Turns 3 ms apart but one 9 ms gap: the turn that began it launched pieces (6 ms of
+    # host time) after the turn before had launched a mixed step. [path, tokens, rows,
+    # prompt tokens, longest row, host ms, device ms]
+    def turn(wall, spans):
+        return {"wall": wall, "cmd": 0.1, "step": 2.0, "out": 0.1, "flush": 0.0, "adds": 0, "spans": spans}
+
+    mixed, decode, pieces = (["mixed", 300, 60, 240, 900, 1.5, 2.6], ["decode", 64, 64, 0, 700, 0.6, 1.3],
+                             ["pieces", 1024, 150, 874, 1590, 6.0, 4.5])
+    walls = [0.0, 0.003, 0.006, 0.009, 0.018, 0.021, 0.024]
+    kinds = [decode, decode, mixed, pieces, decode, decode, decode]
+    path = tmp_path / "steps.jsonl"
+    path.write_text("".join(json.dumps(turn(w, [k])) + "\n" for w, k in zip(walls, kinds)))
+    d = bench_serving.step_trace_summary(str(path), 0.0, 1.0)
+    assert d["turns"] == 7 and d["gap_p50_ms"] == pytest.approx(3.0) and d["long"] == 1
+    assert d["long_waited_for"] == {"mixed": 1} and d["long_waited_gpu_ms"] == pytest.approx(2.6)
+    assert d["long_launched"] == {"pieces": 1} and d["long_launched_host_ms"] == pytest.approx(6.0)
+    assert d["paths"]["pieces"]["tokens_max"] == 1024 and d["paths"]["decode"]["count"] == 5
+    bench_serving.print_step_trace(d)
+    assert "waited for 1 mixed (device 2.60 ms a pass); launched 1 pieces (host 6.00 ms a pass)" in capsys.readouterr().out
+
+
 def test_the_bench_workload_shapes() -> None:
     import numpy as np
 
