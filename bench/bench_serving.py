@@ -33,6 +33,11 @@ of the engine's and the HTTP processes from /metrics: what long inter-token gaps
 --offline runs ``LLM.generate`` on the requests of the ``inf`` run (in a child
 process, before the server starts, with the same engine flags) and prints the
 online/offline output-throughput ratio (issue 14's target: >= 0.9).
+--saturation-repeats N runs the ``inf`` rate N times, each on prompts of its own,
+and ``LLM.generate`` on the same N sets in the same order (one engine each
+side): the ratio from the summed tokens and times, each pair's beside it (a
+single SmolLM2 saturation run lasts ~0.6 s on one GPU, and single runs' ratios
+spread 0.77-1.12 at one commit).
 --disconnect-fraction F with --disconnect-streams S: S streams at once, a
 fraction F of whose clients close the stream after a random number of tokens;
 then /metrics must come back to every KV block free and no request left, no
@@ -847,8 +852,9 @@ def serve_default(dest: str):
     return serve.get_default(dest)
 
 
-def offline_run(args: argparse.Namespace, prompts: list[list[int]], warmup: list[list[int]]) -> dict:
-    """LLM.generate on the prompts, with the server's engine flags (in this process)."""
+def offline_run(args: argparse.Namespace, prompt_sets: list[list[list[int]]], warmup: list[list[int]]) -> dict:
+    """LLM.generate on each prompt set in turn (one engine), with the server's engine
+    flags (in this process): the sets' figures summed, and each set's under "repeats"."""
     from pagedcore import LLM, SamplingParams
 
     kw = dict(model=args.model_path, dtype=args.dtype, load_format=args.load_format, seed=args.seed,
@@ -883,18 +889,26 @@ def offline_run(args: argparse.Namespace, prompts: list[list[int]], warmup: list
                      use_tqdm=False)
     import torch
 
-    start, cpu, main_cpu = time.perf_counter(), time.process_time(), time.thread_time()
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    duration, cpu = time.perf_counter() - start, time.process_time() - cpu
-    main_cpu = time.thread_time() - main_cpu
-    out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    in_tokens = sum(len(p) for p in prompts)
+    repeats = []
+    for prompts in prompt_sets:
+        start, cpu, main_cpu = time.perf_counter(), time.process_time(), time.thread_time()
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        duration, cpu = time.perf_counter() - start, time.process_time() - cpu
+        main_cpu = time.thread_time() - main_cpu
+        repeats.append({"duration_s": duration, "cpu_s": cpu, "main_thread_cpu_s": main_cpu,
+                        "requests": len(prompts), "total_output_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
+                        "total_input_tokens": sum(len(p) for p in prompts)})
+    total = {k: sum(r[k] for r in repeats) for k in repeats[0]}
+    duration = total["duration_s"]
+    for r in repeats:
+        r["output_throughput"] = r["total_output_tokens"] / r["duration_s"]
     # (the main thread's CPU apart: what the other threads burn, torch's intra-op pool among them)
-    return {"duration_s": duration, "cpu_s": cpu, "main_thread_cpu_s": main_cpu,
-            "torch_threads": torch.get_num_threads(), "total_output_tokens": out_tokens,
-            "output_throughput": out_tokens / duration,
-            "request_throughput": len(prompts) / duration,
-            "total_token_throughput": (in_tokens + out_tokens) / duration}
+    return {"duration_s": duration, "cpu_s": total["cpu_s"], "main_thread_cpu_s": total["main_thread_cpu_s"],
+            "torch_threads": torch.get_num_threads(), "total_output_tokens": total["total_output_tokens"],
+            "output_throughput": total["total_output_tokens"] / duration,
+            "request_throughput": total["requests"] / duration,
+            "total_token_throughput": (total["total_input_tokens"] + total["total_output_tokens"]) / duration,
+            "repeats": repeats}
 
 
 # ---- main ------------------------------------------------------------------------------------------------
@@ -936,6 +950,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="raw: bare asyncio connections with a minimal parser (the lightest); openai: AsyncOpenAI")
     p.add_argument("--client-processes", type=int, default=1)
     p.add_argument("--offline", action="store_true", help="LLM.generate on the inf run's requests, for the ratio")
+    p.add_argument("--saturation-repeats", type=int, default=1,
+                   help="the inf run this many times, each on prompts of its own, and --offline on the same "
+                        "prompt sets in the same order: the ratio from their summed tokens and times")
     p.add_argument("--offline-from", default=None,
                    help="take the offline figures from this --json of an earlier run (same requests)")
     p.add_argument("--disconnect-fraction", type=float, default=0.0,
@@ -959,6 +976,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", default=None, help="write the summary here")
     p.add_argument("--offline-worker", default=None, help=argparse.SUPPRESS)
     return p
+
+
+# What a repeat of the inf run keeps of its figures (the first run's summary holds them all).
+REPEAT_FIELDS = ("duration_s", "completed", "total_output_tokens", "output_throughput", "request_throughput")
+
+
+def saturation_prompt_sets(repeats: int) -> list[int]:
+    """The prompt sets (prompts_for's run numbers) of the inf run's repeats: set 0,
+    then sets of their own, apart from the other rates' 1, 2, ..."""
+    return [0] + [100 + i for i in range(1, repeats)]
 
 
 def _prompt_sets(args: argparse.Namespace, vocab: int):
@@ -1066,9 +1093,12 @@ def main(argv: list[str] | None = None) -> int:
     vocab = args.vocab_size or vocab
     prompts_for, warmup = _prompt_sets(args, vocab)
 
+    if args.saturation_repeats < 1:
+        raise SystemExit(f"--saturation-repeats must be at least 1, got {args.saturation_repeats}")
+    saturation_sets = saturation_prompt_sets(args.saturation_repeats)
     if args.offline_worker:  # the child process of --offline: prints its figures as JSON
         with open(args.offline_worker, "w") as f:
-            json.dump(offline_run(args, prompts_for(0), warmup), f)
+            json.dump(offline_run(args, [prompts_for(r) for r in saturation_sets], warmup), f)
         return 0
 
     summary: dict = {"args": vars(args), "runs": {}}
@@ -1103,40 +1133,46 @@ def main(argv: list[str] | None = None) -> int:
         for k in order:
             value, relative = rates[k]
             rate = value * saturation if relative else value
-            # The inf run takes prompt set 0 (the offline run's); the others their own.
-            run = 0 if math.isinf(rate) else k + 1
-            prompts = prompts_for(run)
-            before = server_metrics(url)
-            cpu_before = process_cpu(proc.pid) if proc is not None else {}
-            window = time.time()
-            results, duration = run_load(url, args.api_key, args.model, prompts,
-                                         arrival_times(len(prompts), rate, args.seed + run), args.max_tokens,
-                                         client=args.client, processes=args.client_processes)
-            client_cpu = LAST_CLIENT_CPU_S[0]
-            cpu_after = process_cpu(proc.pid) if proc is not None else {}
-            after = server_metrics(url)
-            s = summarize(results, duration)
-            s["rate"] = rate
-            s["server"] = {k2.removeprefix("pagedcore_"): after[k2] - before.get(k2, 0) for k2 in after
-                           if k2.endswith("_total")}
-            s["client_cpu_s"] = client_cpu
-            s["server_cpu_s"] = {k2: cpu_after[k2] - cpu_before.get(k2, 0.0) for k2 in cpu_after}
-            s["diagnostics"] = server_diagnostics(before, after, http_processes(args.server_arg))
-            if args.step_trace_path:
-                window_end = time.time()
-                wait_idle(url)
-                s["step_trace"] = step_trace_summary(args.step_trace_path, window, window_end)
-            if math.isinf(rate):
-                saturation = s["request_throughput"]
-            name = "inf" if math.isinf(rate) else f"{rate:.2f} req/s" + (f" ({value:g}x)" if relative else "")
-            summary["runs"][args.request_rate[k]] = s
-            print_result(f"request rate {name}", s)
-            hits = s["server"].get("prefix_cache_hits_total", 0)
-            queries = s["server"].get("prefix_cache_queries_total", 0)
-            print(f"server: preemptions {s['server'].get('preemptions_total', 0):.0f}, prefix-cache hits "
-                  f"{hits:.0f} of {queries:.0f} prompt tokens")
-            print_costs(s, duration, args)
-            ok &= s["failed"] == 0
+            # The inf run takes prompt set 0 (the offline run's; with --saturation-repeats,
+            # then the offline run's next sets), the others their own.
+            repeats = []
+            for rep, run in enumerate(saturation_sets if math.isinf(rate) else [k + 1]):
+                prompts = prompts_for(run)
+                before = server_metrics(url)
+                cpu_before = process_cpu(proc.pid) if proc is not None else {}
+                window = time.time()
+                results, duration = run_load(url, args.api_key, args.model, prompts,
+                                             arrival_times(len(prompts), rate, args.seed + run), args.max_tokens,
+                                             client=args.client, processes=args.client_processes)
+                client_cpu = LAST_CLIENT_CPU_S[0]
+                cpu_after = process_cpu(proc.pid) if proc is not None else {}
+                after = server_metrics(url)
+                s = summarize(results, duration)
+                s["rate"] = rate
+                s["server"] = {k2.removeprefix("pagedcore_"): after[k2] - before.get(k2, 0) for k2 in after
+                               if k2.endswith("_total")}
+                s["client_cpu_s"] = client_cpu
+                s["server_cpu_s"] = {k2: cpu_after[k2] - cpu_before.get(k2, 0.0) for k2 in cpu_after}
+                s["diagnostics"] = server_diagnostics(before, after, http_processes(args.server_arg))
+                if args.step_trace_path:
+                    window_end = time.time()
+                    wait_idle(url)
+                    s["step_trace"] = step_trace_summary(args.step_trace_path, window, window_end)
+                repeats.append(s)
+                if math.isinf(rate):  # (the repeats' median request rate)
+                    saturation = statistics.median(r["request_throughput"] for r in repeats)
+                name = "inf" if math.isinf(rate) else f"{rate:.2f} req/s" + (f" ({value:g}x)" if relative else "")
+                if len(saturation_sets) > 1 and math.isinf(rate):
+                    name += f", repeat {rep + 1} of {len(saturation_sets)}"
+                    repeats[0]["repeats"] = [{key: r[key] for key in REPEAT_FIELDS} for r in repeats]
+                summary["runs"][args.request_rate[k]] = repeats[0]
+                print_result(f"request rate {name}", s)
+                hits = s["server"].get("prefix_cache_hits_total", 0)
+                queries = s["server"].get("prefix_cache_queries_total", 0)
+                print(f"server: preemptions {s['server'].get('preemptions_total', 0):.0f}, prefix-cache hits "
+                      f"{hits:.0f} of {queries:.0f} prompt tokens")
+                print_costs(s, duration, args)
+                ok &= s["failed"] == 0
         if args.disconnect_fraction > 0:
             summary["disconnect"] = disconnect_check(args, url, vocab)
             ok &= summary["disconnect"]["pass"]
@@ -1164,11 +1200,24 @@ def main(argv: list[str] | None = None) -> int:
     runs = summary["runs"]
     inf_key = next((k for k in runs if math.isinf(parse_rate(k)[0])), None)
     if offline is not None and inf_key is not None:
-        ratio = runs[inf_key]["output_throughput"] / offline["output_throughput"]
+        # (with --saturation-repeats: summed tokens over summed times, each side; each
+        # repeat's pair beside; an --offline-from file of other repeats is refused)
+        online_runs = runs[inf_key].get("repeats", [runs[inf_key]])
+        offline_runs = offline.get("repeats", [offline])
+        if len(online_runs) != len(offline_runs):
+            raise SystemExit(f"the offline figures hold {len(offline_runs)} saturation runs, the online "
+                             f"{len(online_runs)} (--saturation-repeats must match --offline-from's)")
+        online_tps = sum(r["total_output_tokens"] for r in online_runs) / sum(r["duration_s"] for r in online_runs)
+        ratio = online_tps / offline["output_throughput"]
         summary["online_offline_ratio"] = ratio
-        print(f"saturation: online {runs[inf_key]['output_throughput']:.0f} output tok/s, offline LLM.generate "
+        each = ""
+        if len(online_runs) > 1:
+            pairs = [a["output_throughput"] / b["output_throughput"] for a, b in zip(online_runs, offline_runs)]
+            summary["online_offline_ratio_each"] = pairs
+            each = f"; {len(pairs)} runs each, their ratios " + ", ".join(f"{x:.3f}" for x in pairs)
+        print(f"saturation: online {online_tps:.0f} output tok/s, offline LLM.generate "
               f"{offline['output_throughput']:.0f} ({offline['duration_s']:.2f} s): ratio {ratio:.3f} "
-              f"(target >= 0.9)")
+              f"(target >= 0.9){each}")
         engine_cpu = runs[inf_key].get("server_cpu_s", {}).get("engine")
         if engine_cpu and offline.get("cpu_s"):
             # (on a CPU device the engine's CPU time is its work; on a GPU, its host side)

@@ -18,6 +18,9 @@ serving_workload() {
       streams=32 ;;
     *) return 1 ;;
   esac
+  # (the GPU shapes' saturation: three runs each side, each ~0.6 s for SmolLM2 on one GPU,
+  # whose single runs' online/offline ratios spread 0.77-1.12 at one commit)
+  [[ "$shape" != tiny ]] && flags+=(--saturation-repeats 3)
   base=(--shape "$shape" --dtype bfloat16 "${flags[@]}" --max-model-len 2048 --shared-prefix-len 512
         --shared-prefix-fraction 0.5 --num-shared-prefixes 4 --client raw --client-processes 4)
 }

@@ -379,3 +379,36 @@ def test_a_client_hangs_up_after_its_tokens_however_the_server_merged_them() -> 
     assert whole.ok and not whole.cancelled and whole.chunk_tokens == [4] * 8 and whole.output_tokens == 32
     assert whole.finish_reason == "length"
     assert all(json.loads(r)["stream_options"]["continuous_usage_stats"] for r in requests)
+
+
+def test_saturation_repeats_run_both_sides_on_the_same_prompt_sets(tmp_path, capsys) -> None:
+    # --saturation-repeats 2: the inf run twice on prompt sets of their own (set 0, then
+    # 101), LLM.generate on the same two sets in the same order; the ratio is summed tokens
+    # over summed time on each side, each pair's ratio beside it.
+    assert bench_serving.saturation_prompt_sets(1) == [0]
+    assert bench_serving.saturation_prompt_sets(3) == [0, 101, 102]
+    out = tmp_path / "sat.json"
+    code = bench_serving.main(["--shape", "tiny", "--device", "cpu", "--dtype", "float32", "--num-requests", "12",
+                               "--max-tokens", "6", "--prompt-len-median", "24", "--max-model-len", "512",
+                               "--max-num-seqs", "16", "--request-rate", "inf", "--offline",
+                               "--saturation-repeats", "2", "--no-step-trace", "--json", str(out)])
+    assert code == 0
+    d = json.loads(out.read_text())
+    online = d["runs"]["inf"]["repeats"]
+    offline = d["offline"]["repeats"]
+    assert [r["completed"] for r in online] == [12, 12]
+    assert [r["total_output_tokens"] for r in online] == [72, 72]
+    assert [r["total_output_tokens"] for r in offline] == [72, 72]
+    assert offline[0]["total_input_tokens"] != offline[1]["total_input_tokens"]  # (two sets, not one twice)
+    online_tps = 144 / sum(r["duration_s"] for r in online)
+    assert d["online_offline_ratio"] == pytest.approx(online_tps / (144 / sum(r["duration_s"] for r in offline)))
+    assert d["online_offline_ratio_each"] == pytest.approx(
+        [a["output_throughput"] / b["output_throughput"] for a, b in zip(online, offline)])
+    printed = capsys.readouterr().out
+    assert "request rate inf, repeat 2 of 2" in printed and "2 runs each, their ratios" in printed
+    # An --offline-from file of another count of runs is refused, not compared.
+    with pytest.raises(SystemExit, match="saturation runs"):
+        bench_serving.main(["--shape", "tiny", "--device", "cpu", "--dtype", "float32", "--num-requests", "12",
+                            "--max-tokens", "6", "--prompt-len-median", "24", "--max-model-len", "512",
+                            "--max-num-seqs", "16", "--request-rate", "inf", "--offline-from", str(out),
+                            "--no-step-trace"])
