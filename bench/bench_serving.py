@@ -731,6 +731,9 @@ def step_trace_summary(path: str, start: float, end: float) -> dict:
         own = [sp for t, _, _ in long_turns for sp in t["spans"]]
         d["long_launched"] = dict(collections.Counter(sp[0] for sp in own).most_common())
         d["long_launched_host_ms"] = statistics.mean(sp[5] for sp in own) if own else math.nan
+        # (of it, waiting for the device before staging: traces since the thirty-fourth session)
+        waits = [sp[7] for sp in own if len(sp) > 7]
+        d["long_launched_wait_ms"] = statistics.mean(waits) if waits else math.nan
     d["all_parts_ms"] = {k: statistics.mean(t[k] for t in turns) for k in parts}
     by_path: dict[str, list[list]] = collections.defaultdict(list)
     for t in turns:
@@ -739,8 +742,10 @@ def step_trace_summary(path: str, start: float, end: float) -> dict:
     paths = {}
     for name, spans in sorted(by_path.items(), key=lambda kv: -len(kv[1])):
         gpu = [sp[6] for sp in spans if sp[6] is not None]
+        waits = [sp[7] for sp in spans if len(sp) > 7]
         paths[name] = {"count": len(spans), "host_p50_ms": percentile([sp[5] for sp in spans], 50),
                        "host_p99_ms": percentile([sp[5] for sp in spans], 99),
+                       "wait_p99_ms": percentile(waits, 99) if waits else math.nan,
                        "gpu_p50_ms": percentile(gpu, 50) if gpu else math.nan,
                        "gpu_p99_ms": percentile(gpu, 99) if gpu else math.nan,
                        "tokens_p50": percentile([sp[1] for sp in spans], 50), "tokens_max": max(sp[1] for sp in spans),
@@ -760,10 +765,12 @@ def print_step_trace(d: dict) -> None:
               + f", adds {d['long_adds']:.1f}; waited for " + ", ".join(f"{n} {k}" for k, n in d["long_waited_for"].items())
               + f" (device {d['long_waited_gpu_ms']:.2f} ms a pass); launched "
               + (", ".join(f"{n} {k}" for k, n in d.get("long_launched", {}).items()) or "nothing")
-              + f" (host {d.get('long_launched_host_ms', math.nan):.2f} ms a pass)")
+              + f" (host {d.get('long_launched_host_ms', math.nan):.2f} ms a pass, of it waiting for the device "
+              f"{d.get('long_launched_wait_ms', math.nan):.2f})")
     for name, p in d["paths"].items():
         print(f"  {name:<7} x{p['count']:<6} device p50/p99 {p['gpu_p50_ms']:.2f}/{p['gpu_p99_ms']:.2f} ms, host "
-              f"{p['host_p50_ms']:.2f}/{p['host_p99_ms']:.2f} ms; tokens p50 {p['tokens_p50']:.0f} max "
+              f"{p['host_p50_ms']:.2f}/{p['host_p99_ms']:.2f} ms (waiting p99 {p.get('wait_p99_ms', math.nan):.2f}); "
+              f"tokens p50 {p['tokens_p50']:.0f} max "
               f"{p['tokens_max']}, prompt tokens p50 {p['prompt_p50']:.0f}, longest row {p['longest_row_max']}")
 
 

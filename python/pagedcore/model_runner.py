@@ -219,7 +219,10 @@ class StepSpan:
     (ModelRunner.last_path), its size, the host's time in execute() and, on
     CUDA, events from just before its first kernel or graph (after the host
     staged its inputs) to after its logits: the device's time for the step, with
-    any wait for launches that the host makes within it (the pieces' loop)."""
+    any wait for launches that the host makes within it (the pieces' loop).
+    ``wait_seconds``: the part of the host's time spent waiting for the device
+    before staging (:meth:`ModelRunner._staging_free`: the step before's input
+    copies, queued behind its predecessor's work)."""
 
     path: str
     num_tokens: int
@@ -229,6 +232,7 @@ class StepSpan:
     host_seconds: float
     start: torch.cuda.Event | None
     end: torch.cuda.Event | None
+    wait_seconds: float = 0.0
 
     def gpu_seconds(self) -> float | None:
         """The device's time from start to end (None off CUDA or before it got there)."""
@@ -337,6 +341,7 @@ class ModelRunner:
         # A list to trace the steps into (server.step_trace): one StepSpan per execute().
         self.step_spans: list[StepSpan] | None = None
         self._launch_event: torch.cuda.Event | None = None  # (traced steps) see _mark_launch
+        self._staging_wait = 0.0  # (traced steps) seconds in _staging_free this step
         if device.type == "cuda" and not enforce_eager:
             self._capture_decode_graphs(engine_config)
             self._capture_prefill_graphs(engine_config)
@@ -695,7 +700,12 @@ class ModelRunner:
         the host could overwrite the pinned buffers before a queued copy runs.
         """
         if self._staged is not None:
-            self._staged.synchronize()
+            if self.step_spans is not None:  # (traced: the wait apart)
+                began = time.perf_counter()
+                self._staged.synchronize()
+                self._staging_wait += time.perf_counter() - began
+            else:
+                self._staged.synchronize()
             self._staged = None
 
     def _staging_copied(self) -> None:
@@ -810,6 +820,7 @@ class ModelRunner:
         cuda = self.device.type == "cuda"
         start = end = None
         self._launch_event = None
+        self._staging_wait = 0.0
         began = time.perf_counter()
         logits = self._run(batch, previous_sampled)
         host = time.perf_counter() - began
@@ -821,7 +832,7 @@ class ModelRunner:
         seq_lens = batch.seq_lens
         self.step_spans.append(StepSpan(
             self.last_path, batch.num_tokens, batch.num_seqs, batch.num_tokens - batch.num_decode_seqs,
-            int(seq_lens.max()) if len(seq_lens) else 0, host, start, end))
+            int(seq_lens.max()) if len(seq_lens) else 0, host, start, end, self._staging_wait))
         return logits
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

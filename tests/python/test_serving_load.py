@@ -307,13 +307,15 @@ def test_the_bench_figures_follow_vllm_bench_serve_definitions() -> None:
 
 def test_the_step_trace_summary_names_what_a_long_turn_waited_for_and_what_it_launched(tmp_path, capsys) -> None:
     # Turns 3 ms apart but one 9 ms gap: the turn that began it launched pieces (6 ms of
-    # host time) after the turn before had launched a mixed step. [path, tokens, rows,
-    # prompt tokens, longest row, host ms, device ms]
+    # host time, 0.4 of it waiting for the device before staging) after the turn before had
+    # launched a mixed step. [path, tokens, rows, prompt tokens, longest row, host ms, device
+    # ms, host ms waiting for the device]; the decode steps' spans as traces before the
+    # thirty-fourth session wrote them (no wait).
     def turn(wall, spans):
         return {"wall": wall, "cmd": 0.1, "step": 2.0, "out": 0.1, "flush": 0.0, "adds": 0, "spans": spans}
 
-    mixed, decode, pieces = (["mixed", 300, 60, 240, 900, 1.5, 2.6], ["decode", 64, 64, 0, 700, 0.6, 1.3],
-                             ["pieces", 1024, 150, 874, 1590, 6.0, 4.5])
+    mixed, decode, pieces = (["mixed", 300, 60, 240, 900, 1.5, 2.6, 0.0], ["decode", 64, 64, 0, 700, 0.6, 1.3],
+                             ["pieces", 1024, 150, 874, 1590, 6.0, 4.5, 0.4])
     walls = [0.0, 0.003, 0.006, 0.009, 0.018, 0.021, 0.024]
     kinds = [decode, decode, mixed, pieces, decode, decode, decode]
     path = tmp_path / "steps.jsonl"
@@ -322,9 +324,14 @@ def test_the_step_trace_summary_names_what_a_long_turn_waited_for_and_what_it_la
     assert d["turns"] == 7 and d["gap_p50_ms"] == pytest.approx(3.0) and d["long"] == 1
     assert d["long_waited_for"] == {"mixed": 1} and d["long_waited_gpu_ms"] == pytest.approx(2.6)
     assert d["long_launched"] == {"pieces": 1} and d["long_launched_host_ms"] == pytest.approx(6.0)
+    assert d["long_launched_wait_ms"] == pytest.approx(0.4) and d["paths"]["pieces"]["wait_p99_ms"] == pytest.approx(0.4)
     assert d["paths"]["pieces"]["tokens_max"] == 1024 and d["paths"]["decode"]["count"] == 5
+    assert d["paths"]["decode"]["wait_p99_ms"] != d["paths"]["decode"]["wait_p99_ms"]  # (NaN: not traced)
     bench_serving.print_step_trace(d)
-    assert "waited for 1 mixed (device 2.60 ms a pass); launched 1 pieces (host 6.00 ms a pass)" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert ("waited for 1 mixed (device 2.60 ms a pass); launched 1 pieces (host 6.00 ms a pass, of it waiting "
+            "for the device 0.40)") in printed
+    assert "host 6.00/6.00 ms (waiting p99 0.40)" in printed
 
 
 def test_the_bench_workload_shapes() -> None:

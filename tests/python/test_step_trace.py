@@ -38,10 +38,11 @@ def test_the_trace_accounts_for_every_prompt_and_output_token(tmp_path, monkeypa
     assert [t["wall"] for t in turns] == sorted(t["wall"] for t in turns)
     assert sum(t["adds"] for t in turns) == len(prompts)
     spans = [sp for t in turns for sp in t["spans"]]
-    # [path, tokens, rows, prompt tokens, longest row, host ms, device ms]: the CPU runs
-    # each step eagerly and has no device time.
+    # [path, tokens, rows, prompt tokens, longest row, host ms, device ms, host ms waiting
+    # for the device before staging]: the CPU runs each step eagerly and has no device
+    # time, nor anything to wait for.
     assert {sp[0] for sp in spans} == {"eager"}
-    assert all(sp[6] is None and sp[5] > 0 for sp in spans)
+    assert all(len(sp) == 8 and sp[6] is None and sp[5] > 0 and sp[7] == 0 for sp in spans)
     # One request at a time: a prefill, then a decode step per further output token
     # (the last output comes from the step of the one before: no step for it).
     assert sum(sp[3] for sp in spans) == sum(len(p) for p in prompts)
