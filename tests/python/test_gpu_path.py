@@ -164,6 +164,26 @@ def test_cuda_graphs_replay_decode_steps_with_eager_outputs(tiny) -> None:
     assert graphed.llm_engine.runner.graph_replays >= 20
 
 
+def test_the_start_up_replays_of_the_graphs_write_no_cache_slot(tiny, monkeypatch) -> None:
+    # Every decode and mixed graph is replayed once right after its capture (its upload
+    # falls on the start-up), over the padding inputs: no cache slot may change. The
+    # caches start as zeros here (pagedcore's own start as torch.empty but the null block).
+    import pagedcore.model_runner as model_runner
+
+    monkeypatch.setattr(model_runner, "_empty_cache", lambda shape, dtype, device: torch.zeros(
+        shape, dtype=dtype, device=device))
+    monkeypatch.setenv("PAGEDCORE_MIXED_GRAPHS", "48")
+    llm = LLM(model=str(tiny), device="cuda", dtype="float32", num_kv_blocks=128, max_model_len=256,
+              max_num_batched_tokens=48)
+    runner = llm.llm_engine.runner
+    assert 1 in runner.graphs and 8 in runner.graphs and sorted(runner.mixed_graphs) == [16, 32, 48]
+    torch.cuda.synchronize()
+    assert all(int(torch.count_nonzero(c)) == 0 for pair in runner.kv_caches for c in pair)
+    assert runner.graph_replays == 0 and runner.mixed_graph_replays == 0  # (start-up replays are not steps)
+    ps = prompts()[:3]
+    assert generate(llm, ps, 8) == hf_greedy_gpu(tiny, ps, 8)
+
+
 def test_fp8_kv_cache_tracks_an_e4m3_reference_over_many_steps(tiny) -> None:
     # An e4m3 cache (half the bytes, scales of 1) against transformers whose
     # attention reads K and V rounded to e4m3 the same way: every one of 40 decode
