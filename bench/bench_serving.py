@@ -1114,6 +1114,11 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.offline_from) as f:
             offline = json.load(f)["offline"]
         summary["offline"] = offline
+        held = len(offline.get("repeats", [offline]))
+        if held != args.saturation_repeats and any(math.isinf(v) for v, _ in rates):
+            # (refused before the server starts: the ratio would compare other runs)
+            raise SystemExit(f"the offline figures hold {held} saturation runs, --saturation-repeats asks for "
+                             f"{args.saturation_repeats} (it must match --offline-from's)")
     elif args.offline and args.base_url is None:
         out_path = os.path.join(tmp.name, "offline.json")
         argv_child = [a for a in (argv if argv is not None else sys.argv[1:])]
@@ -1208,12 +1213,9 @@ def main(argv: list[str] | None = None) -> int:
     inf_key = next((k for k in runs if math.isinf(parse_rate(k)[0])), None)
     if offline is not None and inf_key is not None:
         # (with --saturation-repeats: summed tokens over summed times, each side; each
-        # repeat's pair beside; an --offline-from file of other repeats is refused)
+        # repeat's pair beside; the counts match: an --offline-from file of others was refused)
         online_runs = runs[inf_key].get("repeats", [runs[inf_key]])
         offline_runs = offline.get("repeats", [offline])
-        if len(online_runs) != len(offline_runs):
-            raise SystemExit(f"the offline figures hold {len(offline_runs)} saturation runs, the online "
-                             f"{len(online_runs)} (--saturation-repeats must match --offline-from's)")
         online_tps = sum(r["total_output_tokens"] for r in online_runs) / sum(r["duration_s"] for r in online_runs)
         ratio = online_tps / offline["output_throughput"]
         summary["online_offline_ratio"] = ratio

@@ -413,8 +413,8 @@ def test_saturation_repeats_run_both_sides_on_the_same_prompt_sets(tmp_path, cap
         [a["output_throughput"] / b["output_throughput"] for a, b in zip(online, offline)])
     printed = capsys.readouterr().out
     assert "request rate inf, repeat 2 of 2" in printed and "2 runs each, their ratios" in printed
-    # An --offline-from file of another count of runs is refused, not compared.
-    with pytest.raises(SystemExit, match="saturation runs"):
+    # An --offline-from file of another count of runs is refused before a server starts.
+    with pytest.raises(SystemExit, match="hold 2 saturation runs, --saturation-repeats asks for 1"):
         bench_serving.main(["--shape", "tiny", "--device", "cpu", "--dtype", "float32", "--num-requests", "12",
                             "--max-tokens", "6", "--prompt-len-median", "24", "--max-model-len", "512",
                             "--max-num-seqs", "16", "--request-rate", "inf", "--offline-from", str(out),
