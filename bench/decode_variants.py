@@ -33,8 +33,6 @@ share one set of tensors, and their graphs are replayed in turn, five rounds.
   PAGEDCORE_DECODE_TMA_SKEW   every warp's boxes without each tile's barrier, a stage refilled
                               once every warp arrived on its empty mbarrier (1, default), or
                               behind each tile's barrier (0)
-  PAGEDCORE_DECODE_TMA_WARP   each warp its own quarter of every tile, on its own mbarriers, its
-                              stage refilled as soon as it has read it (1; a trial), or not (0)
   PAGEDCORE_DECODE_CLUSTER    rows under 512 keys, and split rows of at most
                               C x PAGEDCORE_DECODE_CLUSTER_KEYS keys (default 128), shared by
                               clusters of C = 4 or 8 CTAs, merged through distributed shared
@@ -100,7 +98,6 @@ VARIANTS = (
     ("tma L2 256B", {"PAGEDCORE_DECODE_TMA_L2": "256"}),
     ("tma warp 0 issue", {"PAGEDCORE_DECODE_TMA_SPREAD": "0"}),
     ("tma tile barrier", {"PAGEDCORE_DECODE_TMA_SKEW": "0"}),
-    ("tma warp quarters", {"PAGEDCORE_DECODE_TMA_WARP": "1"}),
     ("cluster off", {"PAGEDCORE_DECODE_CLUSTER": "0"}),
     ("cluster 4 barrier", {"PAGEDCORE_DECODE_CLUSTER": "4", "PAGEDCORE_DECODE_CLUSTER_ASYNC": "0"}),
     ("cluster 8 barrier", {"PAGEDCORE_DECODE_CLUSTER": "8", "PAGEDCORE_DECODE_CLUSTER_ASYNC": "0"}),

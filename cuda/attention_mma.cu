@@ -114,7 +114,7 @@ __host__ __device__ constexpr size_t smem_bytes() {
 // after them.
 template <typename CT, int HD, int STAGES, int KT>
 __host__ __device__ constexpr size_t tma_smem_bytes() {
-  return smem_bytes<CT, HD, STAGES, KT, 0>() + 1024 + 4 * 8 * STAGES;  // (full and empty, or kTmaWarp's four a stage)
+  return smem_bytes<CT, HD, STAGES, KT, 0>() + 1024 + 2 * 8 * STAGES;  // (full and empty mbarriers)
 }
 
 // Decode CTAs' warps: four, each a quarter of a tile's keys.
@@ -177,15 +177,6 @@ constexpr cudaError_t kClusterLaunchTooLarge = cudaErrorCooperativeLaunchTooLarg
 // two CTAs an SM of five warps put three warps on some scheduler, which caps
 // the registers at 168 (spilling) where the four-warp kernel takes ~205.
 constexpr int kTmaSkew = 2;
-// kTmaWarp (PAGEDCORE_DECODE_TMA_WARP=1, a trial): each warp brings its own
-// quarter of every tile (its 32 keys' K and V rows, boxes of min(block size,
-// 32) rows) and waits on a full mbarrier of its own (one a stage and warp), so
-// that no warp waits for another's bytes or reads: once its compute of tile t
-// is done it refills that stage's quarter with tile t + kStages at once, which
-// keeps kStages - 1 tiles of its keys in flight while it computes (the skew's
-// refill of the stage before keeps kStages - 2: it must wait for every warp to
-// leave that stage).
-constexpr int kTmaWarp = 3;
 // NOTE: TMA tiles: a refill of the stage the last tile freed before the wait
 // for the next tile (not after it; 73c4263, both kernels) measured 145.8 / 142.2
 // against 146.1 / 140.4 us at fp8 B=64 L=4k (L2 promotion 256 / 128): deleted.
@@ -493,7 +484,6 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
   static_assert(!KM || (DECODE && HD % 32 == 0), "keys in M: decode, head dims of whole 32s");
   static_assert(!TMA || (KM && FP8 && HD == 128 && PAD == 0 && (CVT & kCvtIntV) != 0 && KT <= 128),
                 "TMA: fp8 keys in M at head dim 128, swizzled rows, V widened by integer operations");
-  static_assert(TMA != kTmaWarp || KT == 32 * kDecodeWarps, "kTmaWarp: 32 keys a warp a tile");
   static_assert(CLUSTER == 1 || (DECODE && !TMA && (CLUSTER & (CLUSTER - 1)) == 0 && CLUSTER <= 8),
                 "clusters: decode without TMA, 2, 4 or 8 CTAs");
   auto soff = [](int r, int b) { return staged_offset<PAD>(r, b, SROW); };
@@ -520,12 +510,9 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
   constexpr bool kSkew = TMA == kTmaSkew;
   const uint32_t empty_bars = tma_bars + 8 * kStages;
   uint32_t empty_phase = 0;
-  // kTmaWarp: warp w's full mbarrier of stage s at tma_bars + 8 (s kWarps + w)
-  // (own_bar), the phase bits as above.
-  constexpr bool kOwn = TMA == kTmaWarp;
   if constexpr (TMA) {
     if (threadIdx.x == 0) {
-      for (int s = 0; s < (kOwn ? kStages * kWarps : kStages); ++s) tma_mbar_init(tma_bars + 8 * s, 1);
+      for (int s = 0; s < kStages; ++s) tma_mbar_init(tma_bars + 8 * s, 1);
       if constexpr (kSkew) {
         for (int s = 0; s < kStages; ++s) tma_mbar_init(empty_bars + 8 * s, kWarps);
       }
@@ -825,43 +812,10 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
         }
       }
     };
-    // kTmaWarp: this warp's 32 keys of tile t (lane j: the box of rows 32 warp
-    // + j R of the tile, R = min(block size, 32), where they hold keys of the
-    // chunk), lane 0 arming the warp's mbarrier of the stage with their bytes.
-    auto tma_own = [&](int t) {
-      constexpr int kKeys = KT / kWarps;
-      const int rows = bs < kKeys ? bs : kKeys;  // (a box's rows; the maps' box)
-      const int kb = c0 + t * KT + warp * kKeys + lane * rows;  // (c0: a block boundary)
-      const bool load = lane * rows < kKeys && kb < c1;
-      const uint32_t bar = tma_bars + 8 * ((t % kStages) * kWarps + warp);
-      const int boxes = __popc(__ballot_sync(0xffffffffu, load));
-      if (lane == 0) {
-        tma_fence_proxy();  // (this warp's reads of the stage by the generic proxy, then the async writes)
-        tma_expect_bytes(bar, static_cast<uint32_t>(boxes * rows * HD * 2));
-      }
-      __syncwarp();
-      if constexpr (TMA) {
-        if (load) {
-          const uint32_t dst = smem_addr(stages + (t % kStages) * 2 * KT * SROW) + (warp * kKeys + lane * rows) * SROW;
-          const int b = bs_shift >= 0 ? kb >> bs_shift : kb / bs;
-          const int block = s_table[b - b0];
-          tma_load_box(dst, &maps.k, 0, kv_head, kb - b * bs, block, bar);
-          tma_load_box(dst + KT * SROW, &maps.v, 0, kv_head, kb - b * bs, block, bar);
-        }
-      }
-    };
 
-    if constexpr (kOwn) {  // (every stage: the warp's quarters are its own)
-#pragma unroll
-      for (int t = 0; t < kStages; ++t) {
-        if (t < n_tiles) tma_own(t);
-      }
-    }
 #pragma unroll
     for (int t = 0; t < kStages - 1; ++t) {
-      if constexpr (kOwn) {
-        break;
-      } else if constexpr (TMA) {
+      if constexpr (TMA) {
         if (spread) {
           if (t < n_tiles) tma_spread(t);
         } else if (warp == 0 && t < n_tiles) {
@@ -873,11 +827,7 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
       }
     }
     for (int t = 0; t < n_tiles; ++t) {
-      if constexpr (kOwn) {
-        const int st = t % kStages;
-        tma_wait(tma_bars + 8 * (st * kWarps + warp), (tma_phase >> st) & 1u);
-        tma_phase ^= 1u << st;
-      } else if constexpr (TMA) {
+      if constexpr (TMA) {
         const int st = t % kStages;
         tma_wait(tma_bars + 8 * st, (tma_phase >> st) & 1u);
         tma_phase ^= 1u << st;
@@ -1223,12 +1173,6 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
           tma_spread(t + kStages - 1);
         }
       }
-      if constexpr (kOwn) {
-        if (t + kStages < n_tiles) {
-          __syncwarp();  // (every lane's reads of its quarter are done)
-          tma_own(t + kStages);
-        }
-      }
     }
     if constexpr (!TMA) cp_async_wait<0>();  // (TMA: every tile issued was awaited)
     c0 = c1;
@@ -1534,18 +1478,17 @@ bool decode_tma_serves(const PagedAttentionParams& p) {
 
 // The K and V tensor maps of an fp8 cache at head dim HD (bytes): dims (HD,
 // kv heads, block_size, num_blocks), box (HD, 1, block_size, 1) — one block's
-// rows of one kv head (`box_rows` > 0: min(block_size, box_rows) rows of it, as
-// kTmaWarp takes them) — 128-byte swizzle. Encoded once per cache (a per-thread
+// rows of one kv head — 128-byte swizzle. Encoded once per cache (a per-thread
 // cache of the last 64 caches seen; an eager decode step asks once per layer).
 // False if the driver cannot.
 template <int HD>
-bool encode_decode_maps(const PagedAttentionParams& p, DecodeMaps<true>& maps, int default_l2, int box_rows = 0) {
+bool encode_decode_maps(const PagedAttentionParams& p, DecodeMaps<true>& maps, int default_l2) {
   static_assert(HD == 128, "a row of 128 bytes: one swizzle span");
   struct Entry {
     const void* k = nullptr;
     const void* v = nullptr;
     int64_t blocks = 0;
-    int bs = 0, kv_heads = 0, l2 = 0, rows = 0;
+    int bs = 0, kv_heads = 0, l2 = 0;
     DecodeMaps<true> maps;
   };
   // The boxes' L2 promotion in bytes (PAGEDCORE_DECODE_TMA_L2: 0, 64, 128 or
@@ -1566,13 +1509,12 @@ bool encode_decode_maps(const PagedAttentionParams& p, DecodeMaps<true>& maps, i
     case 256: break;
     default: return false;
   }
-  const int rows = box_rows > 0 && box_rows < p.block_size ? box_rows : p.block_size;
   constexpr int kEntries = 64;
   thread_local Entry cache[kEntries];
   thread_local int next = 0;
   for (const Entry& e : cache) {
     if (e.k == p.key_cache && e.v == p.value_cache && e.blocks == p.num_blocks && e.bs == p.block_size &&
-        e.kv_heads == p.num_kv_heads && e.l2 == l2 && e.rows == rows) {
+        e.kv_heads == p.num_kv_heads && e.l2 == l2) {
       maps = e.maps;
       return true;
     }
@@ -1583,7 +1525,7 @@ bool encode_decode_maps(const PagedAttentionParams& p, DecodeMaps<true>& maps, i
   const cuuint64_t dims[4] = {static_cast<cuuint64_t>(HD), static_cast<cuuint64_t>(p.num_kv_heads),
                               static_cast<cuuint64_t>(p.block_size), static_cast<cuuint64_t>(p.num_blocks)};
   const cuuint64_t strides[3] = {row, row * p.num_kv_heads, row * p.num_kv_heads * p.block_size};  // dims 1..3
-  const cuuint32_t box[4] = {static_cast<cuuint32_t>(HD), 1, static_cast<cuuint32_t>(rows), 1};
+  const cuuint32_t box[4] = {static_cast<cuuint32_t>(HD), 1, static_cast<cuuint32_t>(p.block_size), 1};
   const cuuint32_t elem_strides[4] = {1, 1, 1, 1};
   auto one = [&](CUtensorMap* map, const void* base) {
     return encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 4, const_cast<void*>(base), dims, strides, box, elem_strides,
@@ -1601,7 +1543,6 @@ bool encode_decode_maps(const PagedAttentionParams& p, DecodeMaps<true>& maps, i
   e.bs = p.block_size;
   e.kv_heads = p.num_kv_heads;
   e.l2 = l2;
-  e.rows = rows;
   next = (next + 1) % kEntries;
   maps = e.maps;
   return true;
@@ -1668,7 +1609,6 @@ bool encode_decode_maps(const PagedAttentionParams& p, DecodeMaps<true>& maps, i
 //     Hopper at block sizes 8..128 (powers of two). Default; =0: by cp.async.
 //     PAGEDCORE_DECODE_TMA_SPREAD=0: the boxes issued by warp 0 alone (kTmaSpread),
 //     PAGEDCORE_DECODE_TMA_SKEW=0: by every warp behind each tile's barrier (kTmaSkew).
-//     PAGEDCORE_DECODE_TMA_WARP=1 (a trial): each warp its own quarter of every tile (kTmaWarp).
 //     NOTE: measured on the H200 (decode_variants.py, us, cp.async -> TMA): at
 //     c4367ca fp8 B=64 L=4k 153.6 -> 147.1, at 5064502 152.9 -> 146.4 (0.60x of
 //     bf16's 246.0); fp8 B=64 L=1k, SmolLM2 fp8, the deep launches within 0.2.
@@ -1805,11 +1745,6 @@ int launch_decode(const PagedAttentionParams& p, cudaStream_t stream, int flags,
           const int tma = env_int("PAGEDCORE_DECODE_TMA", 1);
           if (tma != 0) {
             DecodeMaps<true> maps;
-            // PAGEDCORE_DECODE_TMA_WARP=1: each warp its own quarter of the tiles (kTmaWarp).
-            if (mix == 1 && env_int("PAGEDCORE_DECODE_TMA_WARP", 0) != 0 && decode_tma_serves(p) &&
-                encode_decode_maps<HD>(p, maps, 128, 32)) {
-              return launch_variant<T, CT, HD, true, 3, kCvtIntV, 128, 0, true, kTmaWarp>(p, stream, flags, maps);
-            }
             if (mix == 1 && decode_tma_serves(p) && encode_decode_maps<HD>(p, maps, 128)) {
               // (PAGEDCORE_DECODE_TMA_SPREAD=0, warp 0's issue, keeps each tile's barrier)
               if ((flags & kTmaSpread) != 0 && env_int("PAGEDCORE_DECODE_TMA_SKEW", 1) != 0) {

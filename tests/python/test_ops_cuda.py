@@ -400,7 +400,7 @@ def test_decode_cluster_by_default(monkeypatch):
              graph_plan_len=8192, repeat=2)
 
 
-@pytest.mark.parametrize("kernel", ["wgmma", "mma", "mma-warp0-issue", "mma-tile-barrier", "mma-warp-quarters"])
+@pytest.mark.parametrize("kernel", ["wgmma", "mma", "mma-warp0-issue", "mma-tile-barrier"])
 @pytest.mark.parametrize("block_size", [8, 16, 32, 128])
 def test_decode_tma_fp8(monkeypatch, block_size, kernel):
     # fp8 decode at head dim 128 with its K/V tiles brought by bulk tensor copies, one
@@ -413,9 +413,7 @@ def test_decode_tma_fp8(monkeypatch, block_size, kernel):
     # only in the mma.sync kernel (wgmma serves bf16 queries: attention_decode_wgmma.cu), its
     # boxes issued by every warp, each stage refilled once every warp arrived on its empty
     # mbarrier (the default), by every warp behind each tile's barrier (PAGEDCORE_DECODE_TMA_SKEW=0),
-    # by warp 0 alone behind it (PAGEDCORE_DECODE_TMA_SPREAD=0), or each warp its own quarter of
-    # the tiles, boxes of up to 32 rows (PAGEDCORE_DECODE_TMA_WARP=1: block size 128's boxes
-    # start inside blocks).
+    # or by warp 0 alone behind it (PAGEDCORE_DECODE_TMA_SPREAD=0).
     if kernel == "wgmma":
         monkeypatch.setenv("PAGEDCORE_DECODE_WGMMA", "2")
     else:
@@ -423,7 +421,6 @@ def test_decode_tma_fp8(monkeypatch, block_size, kernel):
         monkeypatch.setenv("PAGEDCORE_DECODE_TMA", "2")
         monkeypatch.setenv("PAGEDCORE_DECODE_TMA_SPREAD", "0" if kernel == "mma-warp0-issue" else "1")
         monkeypatch.setenv("PAGEDCORE_DECODE_TMA_SKEW", "0" if kernel == "mma-tile-barrier" else "1")
-        monkeypatch.setenv("PAGEDCORE_DECODE_TMA_WARP", "1" if kernel == "mma-warp-quarters" else "0")
     monkeypatch.setenv("PAGEDCORE_DECODE_DEEP_CTAS", "0")
     lengths = [1, 17, 255, 256, 513, 1500, 4097, 9000]
     for window in (0, 300):
