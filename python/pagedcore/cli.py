@@ -134,9 +134,6 @@ def _serve_on(sock, args: argparse.Namespace) -> int:
         mixed_prefill_lift_max_waiting=args.mixed_prefill_lift_max_waiting,
     )
     engine_args.validate()
-    from .server.lifecycle import engine_switch_interval
-
-    engine_switch_interval()  # ($PAGEDCORE_ENGINE_SWITCH_INTERVAL_US: a bad value refused here)
     if args.dtype.strip().lower() != "auto":
         resolve_dtype(args.dtype, None)  # (a name: no config needed)
     engine_process = args.engine_process or args.api_server_count > 1
@@ -163,7 +160,7 @@ def _serve_on(sock, args: argparse.Namespace) -> int:
 
     from .server.app import build_app
     from .server.async_engine import AsyncEngine
-    from .server.lifecycle import Server, apply_engine_switch_interval, freeze_startup_objects, set_serving_threads
+    from .server.lifecycle import Server, freeze_startup_objects, set_serving_threads
 
     name = args.served_model_name or served_model_name(args.model)
     if args.model is None:
@@ -177,7 +174,6 @@ def _serve_on(sock, args: argparse.Namespace) -> int:
         with loading_threads():
             engine = LLMEngine(engine_args)
         set_serving_threads(engine)
-        apply_engine_switch_interval()  # (the engine is a thread of this process)
         async_engine = AsyncEngine(engine, max_queue_len=args.max_queue_len)
     api_servers: list = []
     try:

@@ -35,19 +35,6 @@ def _stub(engine_args) -> StubCompactEngine:
     return StubCompactEngine()
 
 
-class IntervalStubEngine(CompactStubEngine):
-    """(in the engine process) Its stats tell the process's GIL switch interval."""
-
-    def stats(self) -> dict:
-        import sys
-
-        return {"num_requests": len(self.running), "switch_interval": sys.getswitchinterval()}
-
-
-def _interval_stub(engine_args) -> IntervalStubEngine:
-    return IntervalStubEngine()
-
-
 @pytest.fixture(scope="module")
 def tokenizer_path() -> str:
     from pagedcore import default_model_path
@@ -139,41 +126,3 @@ def test_an_aborted_stream_ends_its_request_and_a_detached_channel_leaves_the_ot
     assert result["cut"] == "server shutting down"
     assert result["short"][0] == [100 + k for k in range(1, 41)]
     assert result["aborted"] == ["gone", "long"]
-
-
-def test_the_engine_process_takes_the_switch_interval_asked_and_refuses_a_bad_one(monkeypatch, tokenizer_path):
-    # $PAGEDCORE_ENGINE_SWITCH_INTERVAL_US sets the engine process's GIL switch interval
-    # (microseconds); unset, CPython's default (5 ms) stays; a value outside 10..100000 or
-    # not an integer ends the start with a ValueError naming the variable and the value.
-    import sys
-
-    from pagedcore.server import lifecycle
-    from pagedcore.server.engine_process import EngineProcess
-
-    var = lifecycle.SWITCH_INTERVAL_ENV
-    monkeypatch.delenv(var, raising=False)
-    assert lifecycle.engine_switch_interval() is None
-    for value, want in (("250", 250e-6), (" 10 ", 10e-6), ("100000", 0.1), ("", None)):
-        monkeypatch.setenv(var, value)
-        assert lifecycle.engine_switch_interval() == (pytest.approx(want) if want else None), value
-    for bad in ("9", "100001", "0.5", "fast", "-200"):
-        monkeypatch.setenv(var, bad)
-        with pytest.raises(ValueError, match=f"{var} must be an integer number of microseconds.*'{bad}'"):
-            lifecycle.engine_switch_interval()
-    before = sys.getswitchinterval()
-    monkeypatch.setenv(var, "250")
-    engine = EngineProcess(None, engine_factory=_interval_stub, tokenizer_path=tokenizer_path)
-    try:
-        assert engine.stats["switch_interval"] == pytest.approx(250e-6)
-    finally:
-        engine.shutdown()
-    assert sys.getswitchinterval() == before  # (this process untouched)
-    monkeypatch.delenv(var)
-    engine = EngineProcess(None, engine_factory=_interval_stub, tokenizer_path=tokenizer_path)
-    try:
-        assert engine.stats["switch_interval"] == pytest.approx(0.005)
-    finally:
-        engine.shutdown()
-    monkeypatch.setenv(var, "3")
-    with pytest.raises(ValueError, match=f"{var} must be .*'3'"):
-        EngineProcess(None, engine_factory=_interval_stub, tokenizer_path=tokenizer_path)

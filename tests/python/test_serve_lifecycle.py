@@ -285,14 +285,6 @@ def test_serve_refuses_bad_arguments_before_anything_loads(monkeypatch, capsys, 
     assert f"pagedcore: error: {message}" in capsys.readouterr().err
 
 
-def test_serve_refuses_a_bad_engine_switch_interval_before_anything_loads(monkeypatch, capsys) -> None:
-    _refuse_loading(monkeypatch)
-    monkeypatch.setenv("PAGEDCORE_ENGINE_SWITCH_INTERVAL_US", "5ms")
-    assert cli.main(["serve", "--port", "0", "--engine-process"]) == 2
-    assert ("pagedcore: error: PAGEDCORE_ENGINE_SWITCH_INTERVAL_US must be an integer number of microseconds in "
-            "[10, 100000], got '5ms'") in capsys.readouterr().err
-
-
 def test_log_level_before_and_after_the_subcommand() -> None:
     parse = cli.build_parser().parse_args
     assert parse(["serve"]).log_level == "WARNING"

@@ -253,9 +253,6 @@ def _child_main(engine_args, channels, log_level: str, engine_factory) -> None:
     commands = [c for c, _ in channels]
     outs = [o for _, o in channels]
     try:
-        from .lifecycle import apply_engine_switch_interval
-
-        apply_engine_switch_interval()  # (a bad value: the parent raises the ValueError)
         threads = contextlib.nullcontext()
         if engine_factory is None:
             from ..llm_engine import LLMEngine  # (torch: not for a stub engine)

@@ -18,7 +18,6 @@ import logging
 import os
 import signal
 import socket
-import sys
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -93,45 +92,6 @@ def freeze_startup_objects() -> None:
     # (ebdd2cc) the HTTP process collected 70 times in 4 s (young 0.51 ms, middle 3.3,
     # one full 6.3); with a young threshold of 10000 (2c2a9fb) once, yet the event
     # loop's lag p99 stayed ~5 ms and the inter-token tail did not shrink.
-
-
-SWITCH_INTERVAL_ENV = "PAGEDCORE_ENGINE_SWITCH_INTERVAL_US"
-
-
-def engine_switch_interval() -> float | None:
-    """The GIL switch interval in seconds that ``$PAGEDCORE_ENGINE_SWITCH_INTERVAL_US``
-    (microseconds, 10 to 100000) asks for the engine's process; None where it is
-    unset or empty. ValueError, naming the variable and its value, otherwise.
-
-    NOTE: a trial for issue 14's inter-token tail. The engine thread shares its
-    process's GIL with the threads beside it (the engine process's command reader
-    and output sender; the event loop where the engine is a thread of the HTTP
-    process). When a CUDA wait returns, the engine thread asks for the GIL back; a
-    thread running Python holds it until CPython's switch interval (5 ms by
-    default) has passed. The served SmolLM2 shape's decode and mixed steps at half
-    load (H100, 52ff871) took 0.8-1.3 ms of host time at the median and 4.1-4.7 at
-    the 99th percentile: of the order of that interval. Unset: CPython's default.
-    """
-    value = os.environ.get(SWITCH_INTERVAL_ENV, "").strip()
-    if not value:
-        return None
-    try:
-        us = int(value)
-    except ValueError:
-        us = None
-    if us is None or not 10 <= us <= 100_000:
-        raise ValueError(f"{SWITCH_INTERVAL_ENV} must be an integer number of microseconds in [10, 100000], "
-                         f"got {value!r}")
-    return us / 1e6
-
-
-def apply_engine_switch_interval() -> float | None:
-    """Sets the process's GIL switch interval to :func:`engine_switch_interval`'s
-    (call in the process that runs the engine); returns it, or None (left alone)."""
-    interval = engine_switch_interval()
-    if interval is not None:
-        sys.setswitchinterval(interval)
-    return interval
 
 
 def set_serving_threads(engine) -> int | None:
