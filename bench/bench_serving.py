@@ -734,6 +734,11 @@ def step_trace_summary(path: str, start: float, end: float) -> dict:
         # (of it, waiting for the device before staging: traces since the thirty-fourth session)
         waits = [sp[7] for sp in own if len(sp) > 7]
         d["long_launched_wait_ms"] = statistics.mean(waits) if waits else math.nan
+        # (of it, up to the first launch, in graph replays and on the thread's CPU: traces since
+        # the thirty-fifth session)
+        d["long_launched_staged_ms"] = _mean_field(own, 8)
+        d["long_launched_cpu_ms"] = _mean_field(own, 9)
+        d["long_launched_replay_ms"] = _mean_field(own, 10)
     d["all_parts_ms"] = {k: statistics.mean(t[k] for t in turns) for k in parts}
     by_path: dict[str, list[list]] = collections.defaultdict(list)
     for t in turns:
@@ -743,9 +748,14 @@ def step_trace_summary(path: str, start: float, end: float) -> dict:
     for name, spans in sorted(by_path.items(), key=lambda kv: -len(kv[1])):
         gpu = [sp[6] for sp in spans if sp[6] is not None]
         waits = [sp[7] for sp in spans if len(sp) > 7]
+        # The slowest 1% of the passes by host time (at least one): where their time went.
+        slow = sorted(spans, key=lambda sp: sp[5])[-max(1, len(spans) // 100):]
         paths[name] = {"count": len(spans), "host_p50_ms": percentile([sp[5] for sp in spans], 50),
                        "host_p99_ms": percentile([sp[5] for sp in spans], 99),
                        "wait_p99_ms": percentile(waits, 99) if waits else math.nan,
+                       "slow": len(slow), "slow_host_ms": statistics.mean(sp[5] for sp in slow),
+                       "slow_wait_ms": _mean_field(slow, 7), "slow_staged_ms": _mean_field(slow, 8),
+                       "slow_cpu_ms": _mean_field(slow, 9), "slow_replay_ms": _mean_field(slow, 10),
                        "gpu_p50_ms": percentile(gpu, 50) if gpu else math.nan,
                        "gpu_p99_ms": percentile(gpu, 99) if gpu else math.nan,
                        "tokens_p50": percentile([sp[1] for sp in spans], 50), "tokens_max": max(sp[1] for sp in spans),
@@ -753,6 +763,12 @@ def step_trace_summary(path: str, start: float, end: float) -> dict:
                        "longest_row_max": max(sp[4] for sp in spans)}
     d["paths"] = paths
     return d
+
+
+def _mean_field(spans: list[list], i: int) -> float:
+    """The mean of the spans' field i, over those whose trace has it (NaN: none)."""
+    values = [sp[i] for sp in spans if len(sp) > i]
+    return statistics.mean(values) if values else math.nan
 
 
 def print_step_trace(d: dict) -> None:
@@ -766,12 +782,19 @@ def print_step_trace(d: dict) -> None:
               + f" (device {d['long_waited_gpu_ms']:.2f} ms a pass); launched "
               + (", ".join(f"{n} {k}" for k, n in d.get("long_launched", {}).items()) or "nothing")
               + f" (host {d.get('long_launched_host_ms', math.nan):.2f} ms a pass, of it waiting for the device "
-              f"{d.get('long_launched_wait_ms', math.nan):.2f})")
+              f"{d.get('long_launched_wait_ms', math.nan):.2f}, up to its launch "
+              f"{d.get('long_launched_staged_ms', math.nan):.2f}, in graph replays "
+              f"{d.get('long_launched_replay_ms', math.nan):.2f}, on the thread's CPU "
+              f"{d.get('long_launched_cpu_ms', math.nan):.2f})")
     for name, p in d["paths"].items():
         print(f"  {name:<7} x{p['count']:<6} device p50/p99 {p['gpu_p50_ms']:.2f}/{p['gpu_p99_ms']:.2f} ms, host "
               f"{p['host_p50_ms']:.2f}/{p['host_p99_ms']:.2f} ms (waiting p99 {p.get('wait_p99_ms', math.nan):.2f}); "
               f"tokens p50 {p['tokens_p50']:.0f} max "
               f"{p['tokens_max']}, prompt tokens p50 {p['prompt_p50']:.0f}, longest row {p['longest_row_max']}")
+        if "slow" in p:
+            print(f"          slowest {p['slow']} by host: host {p['slow_host_ms']:.2f} ms, of it waiting "
+                  f"{p['slow_wait_ms']:.2f}, up to the launch {p['slow_staged_ms']:.2f}, in graph replays "
+                  f"{p['slow_replay_ms']:.2f}, on the thread's CPU {p['slow_cpu_ms']:.2f}")
 
 
 # ---- one run's figures --------------------------------------------------------------------------

@@ -222,7 +222,13 @@ class StepSpan:
     any wait for launches that the host makes within it (the pieces' loop).
     ``wait_seconds``: the part of the host's time spent waiting for the device
     before staging (:meth:`ModelRunner._staging_free`: the step before's input
-    copies, queued behind its predecessor's work)."""
+    copies, queued behind its predecessor's work). ``staged_seconds``: the host's
+    time up to the step's first launch (:meth:`ModelRunner._mark_launch`: the
+    staging and planning; the rest is launches, the logits' included);
+    ``cpu_seconds``: the CPU time of the host's thread over ``host_seconds``
+    (``time.thread_time``: far less than ``host_seconds`` when the thread waited,
+    for the device, the GIL or a core); ``replay_seconds``: the host's time in
+    CUDA graph replay calls."""
 
     path: str
     num_tokens: int
@@ -233,6 +239,9 @@ class StepSpan:
     start: torch.cuda.Event | None
     end: torch.cuda.Event | None
     wait_seconds: float = 0.0
+    staged_seconds: float = 0.0
+    cpu_seconds: float = 0.0
+    replay_seconds: float = 0.0
 
     def gpu_seconds(self) -> float | None:
         """The device's time from start to end (None off CUDA or before it got there)."""
@@ -342,6 +351,8 @@ class ModelRunner:
         self.step_spans: list[StepSpan] | None = None
         self._launch_event: torch.cuda.Event | None = None  # (traced steps) see _mark_launch
         self._staging_wait = 0.0  # (traced steps) seconds in _staging_free this step
+        self._launched_at: float | None = None  # (traced steps) perf_counter() at _mark_launch
+        self._replay_time = 0.0  # (traced steps) seconds in graph replays this step
         if device.type == "cuda" and not enforce_eager:
             self._capture_decode_graphs(engine_config)
             self._capture_prefill_graphs(engine_config)
@@ -351,11 +362,24 @@ class ModelRunner:
     # ---- CUDA graphs for decode steps ------------------------------------------
 
     def _mark_launch(self) -> None:
-        """Traced steps on CUDA: an event before the step's first kernel or graph,
-        after its host staging (the device's time of a step starts there)."""
-        if self.step_spans is not None and self.device.type == "cuda" and self._launch_event is None:
-            self._launch_event = torch.cuda.Event(enable_timing=True)
-            self._launch_event.record()
+        """Traced steps: the host's time at the step's first kernel or graph, after
+        its staging, and on CUDA an event there (the device's time of a step
+        starts there)."""
+        if self.step_spans is not None and self._launched_at is None:
+            self._launched_at = time.perf_counter()
+            if self.device.type == "cuda":
+                self._launch_event = torch.cuda.Event(enable_timing=True)
+                self._launch_event.record()
+
+    def _replay(self, graph: torch.cuda.CUDAGraph) -> None:
+        """A graph's replay in a step (traced: its host time counted apart, for a
+        launch that blocks, e.g. behind a full launch queue)."""
+        if self.step_spans is None:
+            graph.replay()
+            return
+        began = time.perf_counter()
+        graph.replay()
+        self._replay_time += time.perf_counter() - began
 
     def _capture_decode_graphs(self, config: _C.EngineConfig) -> None:
         spec = self.spec
@@ -621,7 +645,7 @@ class ModelRunner:
         self._staging_copied()
         self._mark_launch()
         self._take_deferred(self._p_input_ids, deferred, previous)
-        entry.graph.replay()
+        self._replay(entry.graph)
         self.mixed_graph_replays += 1
         return entry.hidden[sample_indices.long()]
 
@@ -672,7 +696,7 @@ class ModelRunner:
         def piece(i: int) -> torch.Tensor | None:
             if entry is None:  # run_prefill_in_pieces: eagerly
                 return self._prefill_segment(t, i)
-            entry.graphs[i].replay()
+            self._replay(entry.graphs[i])
             return entry.hidden if i == spec.num_layers else None
 
         try:
@@ -775,7 +799,7 @@ class ModelRunner:
         self._mark_launch()
         self._take_deferred(self._g_input_ids, deferred, previous)
         entry = self.graphs[b]
-        entry.graph.replay()
+        self._replay(entry.graph)
         self.graph_replays += 1
         return entry.logits[:n]
 
@@ -830,10 +854,15 @@ class ModelRunner:
         cuda = self.device.type == "cuda"
         start = end = None
         self._launch_event = None
-        self._staging_wait = 0.0
+        self._launched_at = None
+        self._staging_wait = self._replay_time = 0.0
+        cpu_began = time.thread_time()
         began = time.perf_counter()
         logits = self._run(batch, previous_sampled)
-        host = time.perf_counter() - began
+        ended = time.perf_counter()
+        cpu = time.thread_time() - cpu_began
+        host = ended - began
+        staged = (self._launched_at if self._launched_at is not None else ended) - began
         if cuda:
             end = torch.cuda.Event(enable_timing=True)
             end.record()
@@ -842,7 +871,8 @@ class ModelRunner:
         seq_lens = batch.seq_lens
         self.step_spans.append(StepSpan(
             self.last_path, batch.num_tokens, batch.num_seqs, batch.num_tokens - batch.num_decode_seqs,
-            int(seq_lens.max()) if len(seq_lens) else 0, host, start, end, self._staging_wait))
+            int(seq_lens.max()) if len(seq_lens) else 0, host, start, end, self._staging_wait, staged, cpu,
+            self._replay_time))
         return logits
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -314,8 +314,10 @@ def test_the_step_trace_summary_names_what_a_long_turn_waited_for_and_what_it_la
     def turn(wall, spans):
         return {"wall": wall, "cmd": 0.1, "step": 2.0, "out": 0.1, "flush": 0.0, "adds": 0, "spans": spans}
 
+    # The pieces' pass also as traced since the thirty-fifth session: 1.1 ms of it up to
+    # its first launch, 2.5 ms on the thread's CPU, 3.2 ms in graph replays.
     mixed, decode, pieces = (["mixed", 300, 60, 240, 900, 1.5, 2.6, 0.0], ["decode", 64, 64, 0, 700, 0.6, 1.3],
-                             ["pieces", 1024, 150, 874, 1590, 6.0, 4.5, 0.4])
+                             ["pieces", 1024, 150, 874, 1590, 6.0, 4.5, 0.4, 1.1, 2.5, 3.2])
     walls = [0.0, 0.003, 0.006, 0.009, 0.018, 0.021, 0.024]
     kinds = [decode, decode, mixed, pieces, decode, decode, decode]
     path = tmp_path / "steps.jsonl"
@@ -327,10 +329,16 @@ def test_the_step_trace_summary_names_what_a_long_turn_waited_for_and_what_it_la
     assert d["long_launched_wait_ms"] == pytest.approx(0.4) and d["paths"]["pieces"]["wait_p99_ms"] == pytest.approx(0.4)
     assert d["paths"]["pieces"]["tokens_max"] == 1024 and d["paths"]["decode"]["count"] == 5
     assert d["paths"]["decode"]["wait_p99_ms"] != d["paths"]["decode"]["wait_p99_ms"]  # (NaN: not traced)
+    assert (d["long_launched_staged_ms"], d["long_launched_cpu_ms"], d["long_launched_replay_ms"]) == (
+        pytest.approx(1.1), pytest.approx(2.5), pytest.approx(3.2))
+    assert d["paths"]["decode"]["slow"] == 1 and d["paths"]["decode"]["slow_host_ms"] == pytest.approx(0.6)
+    assert d["paths"]["decode"]["slow_cpu_ms"] != d["paths"]["decode"]["slow_cpu_ms"]  # (NaN: not traced)
     bench_serving.print_step_trace(d)
     printed = capsys.readouterr().out
     assert ("waited for 1 mixed (device 2.60 ms a pass); launched 1 pieces (host 6.00 ms a pass, of it waiting "
-            "for the device 0.40)") in printed
+            "for the device 0.40, up to its launch 1.10, in graph replays 3.20, on the thread's CPU 2.50)") in printed
+    assert ("slowest 1 by host: host 6.00 ms, of it waiting 0.40, up to the launch 1.10, in graph replays 3.20, "
+            "on the thread's CPU 2.50") in printed
     assert "host 6.00/6.00 ms (waiting p99 0.40)" in printed
 
 

@@ -11,7 +11,9 @@ Each turn of :meth:`AsyncEngine._loop` that steps the engine appends one JSON li
   (``_flush``); ``adds``: requests admitted in ``cmd``;
 - ``spans``: the forward passes that the step launched (ModelRunner.step_spans):
   ``[path, tokens, rows, prompt tokens, longest row, host ms in execute, device ms,
-  host ms of it waiting for the device before staging]``,
+  host ms of it waiting for the device before staging, host ms of it up to the
+  first launch, the host thread's CPU ms over it, host ms of it in CUDA graph
+  replay calls]``,
   the device's time from an event queued just before the step's first kernel or
   graph (after its host staging) to one after its last (null off CUDA): the
   device's work, and any wait of the device for the host's later launches within
@@ -98,7 +100,8 @@ class StepTrace:
                 "wall": round(wall, 6), "cmd": _ms(cmd), "step": _ms(step), "out": _ms(out), "flush": _ms(flush),
                 "adds": adds,
                 "spans": [[s.path, s.num_tokens, s.num_seqs, s.prompt_tokens, s.max_seq_len, _ms(s.host_seconds),
-                           _ms(s.gpu_seconds()), _ms(s.wait_seconds)] for s in spans],
+                           _ms(s.gpu_seconds()), _ms(s.wait_seconds), _ms(s.staged_seconds),
+                           _ms(s.cpu_seconds), _ms(s.replay_seconds)] for s in spans],
             }))
         with open(self.path, "a", encoding="utf-8") as f:
             f.write("\n".join(lines) + "\n")
