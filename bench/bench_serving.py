@@ -717,11 +717,14 @@ def step_trace_summary(path: str, start: float, end: float) -> dict:
     # between turns, if the loop idled).
     long_turns = [(a, prev, g) for prev, a, g in zip([None] + turns[:-2], turns[:-1], gaps) if g > 2 * median]
     parts = ("cmd", "step", "out", "flush")
-    d = {"turns": len(turns), "gap_p50_ms": median, "gap_p90_ms": percentile(gaps, 90),
+    d = {"turns": len(turns), "span_s": turns[-1]["wall"] - turns[0]["wall"], "gap_p50_ms": median, "gap_p90_ms": percentile(gaps, 90),
          "gap_p99_ms": percentile(gaps, 99), "gap_max_ms": max(gaps), "long": len(long_turns)}
     if long_turns:
         d["long_parts_ms"] = {k: statistics.mean(t[k] for t, _, _ in long_turns) for k in parts}
         d["long_adds"] = statistics.mean(t["adds"] for t, _, _ in long_turns)
+        # When in the run (s from its first turn): a one-off cost (a kernel's first
+        # load, a first replay) comes early, a recurring one all along.
+        d["long_at_s"] = [round(t["wall"] - turns[0]["wall"], 3) for t, _, _ in long_turns]
         # What a long turn's step waited for: the forward passes the turn before launched.
         waited = [sp for _, prev, _ in long_turns if prev for sp in prev["spans"]]
         d["long_waited_for"] = dict(collections.Counter(sp[0] for sp in waited).most_common())
@@ -786,6 +789,8 @@ def print_step_trace(d: dict) -> None:
               f"{d.get('long_launched_staged_ms', math.nan):.2f}, in graph replays "
               f"{d.get('long_launched_replay_ms', math.nan):.2f}, on the thread's CPU "
               f"{d.get('long_launched_cpu_ms', math.nan):.2f})")
+        print("    at s " + " ".join(f"{x:.2f}" for x in d["long_at_s"][:16]) + (" ..." if d["long"] > 16 else "")
+              + f" of {d.get('span_s', math.nan):.2f}")
     for name, p in d["paths"].items():
         print(f"  {name:<7} x{p['count']:<6} device p50/p99 {p['gpu_p50_ms']:.2f}/{p['gpu_p99_ms']:.2f} ms, host "
               f"{p['host_p50_ms']:.2f}/{p['host_p99_ms']:.2f} ms (waiting p99 {p.get('wait_p99_ms', math.nan):.2f}); "

@@ -324,6 +324,7 @@ def test_the_step_trace_summary_names_what_a_long_turn_waited_for_and_what_it_la
     path.write_text("".join(json.dumps(turn(w, [k])) + "\n" for w, k in zip(walls, kinds)))
     d = bench_serving.step_trace_summary(str(path), 0.0, 1.0)
     assert d["turns"] == 7 and d["gap_p50_ms"] == pytest.approx(3.0) and d["long"] == 1
+    assert d["long_at_s"] == [0.009] and d["span_s"] == pytest.approx(0.024)
     assert d["long_waited_for"] == {"mixed": 1} and d["long_waited_gpu_ms"] == pytest.approx(2.6)
     assert d["long_launched"] == {"pieces": 1} and d["long_launched_host_ms"] == pytest.approx(6.0)
     assert d["long_launched_wait_ms"] == pytest.approx(0.4) and d["paths"]["pieces"]["wait_p99_ms"] == pytest.approx(0.4)
@@ -340,6 +341,7 @@ def test_the_step_trace_summary_names_what_a_long_turn_waited_for_and_what_it_la
     assert ("slowest 1 by host: host 6.00 ms, of it waiting 0.40, up to the launch 1.10, in graph replays 3.20, "
             "on the thread's CPU 2.50") in printed
     assert "host 6.00/6.00 ms (waiting p99 0.40)" in printed
+    assert "    at s 0.01 of 0.02\n" in printed
 
 
 def test_the_bench_workload_shapes() -> None:
