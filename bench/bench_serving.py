@@ -717,8 +717,9 @@ def step_trace_summary(path: str, start: float, end: float) -> dict:
     # between turns, if the loop idled).
     long_turns = [(a, prev, g) for prev, a, g in zip([None] + turns[:-2], turns[:-1], gaps) if g > 2 * median]
     parts = ("cmd", "step", "out", "flush")
-    d = {"turns": len(turns), "span_s": turns[-1]["wall"] - turns[0]["wall"], "gap_p50_ms": median, "gap_p90_ms": percentile(gaps, 90),
-         "gap_p99_ms": percentile(gaps, 99), "gap_max_ms": max(gaps), "long": len(long_turns)}
+    d = {"turns": len(turns), "span_s": turns[-1]["wall"] - turns[0]["wall"], "gap_p50_ms": median,
+         "gap_p90_ms": percentile(gaps, 90), "gap_p99_ms": percentile(gaps, 99), "gap_max_ms": max(gaps),
+         "long": len(long_turns)}
     if long_turns:
         d["long_parts_ms"] = {k: statistics.mean(t[k] for t, _, _ in long_turns) for k in parts}
         d["long_adds"] = statistics.mean(t["adds"] for t, _, _ in long_turns)

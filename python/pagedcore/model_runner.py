@@ -365,12 +365,12 @@ class ModelRunner:
         self._staging_wait = 0.0  # (traced steps) seconds in _staging_free this step
         self._launched_at: float | None = None  # (traced steps) perf_counter() at _mark_launch
         self._replay_time = 0.0  # (traced steps) seconds in graph replays this step
+        warm = warm_logits()  # (the switch checked on every device, before the captures)
         if device.type == "cuda" and not enforce_eager:
             self._capture_decode_graphs(engine_config)
             self._capture_prefill_graphs(engine_config)
             if mixed_graph_tokens() > 0:
                 self._capture_mixed_graphs(engine_config, mixed_graph_tokens())
-        warm = warm_logits()  # (the switch checked on every device)
         if device.type == "cuda" and tp_driver is None and warm:
             self._warm_logits(engine_config.max_num_seqs)
 
