@@ -132,18 +132,6 @@ class _PrefillGraphs:
 DEFAULT_MIXED_GRAPH_TOKENS = 8192
 
 
-WARM_LOGITS_ENV = "PAGEDCORE_WARM_LOGITS"
-
-
-def warm_logits() -> bool:
-    """Whether the CUDA runner runs the logits for every row count at start-up
-    (ModelRunner._warm_logits): PAGEDCORE_WARM_LOGITS, 1 (the default) or 0."""
-    value = os.environ.get(WARM_LOGITS_ENV, "")
-    if value not in ("", "0", "1"):
-        raise ValueError(f"{WARM_LOGITS_ENV} must be 0 or 1, got {value!r}")
-    return value != "0"
-
-
 def mixed_graph_tokens() -> int:
     """PAGEDCORE_MIXED_GRAPHS=N (read when a runner is made; default
     :data:`DEFAULT_MIXED_GRAPH_TOKENS`): steps of up to N tokens that no decode graph
@@ -365,14 +353,11 @@ class ModelRunner:
         self._staging_wait = 0.0  # (traced steps) seconds in _staging_free this step
         self._launched_at: float | None = None  # (traced steps) perf_counter() at _mark_launch
         self._replay_time = 0.0  # (traced steps) seconds in graph replays this step
-        warm = warm_logits()  # (the switch checked on every device, before the captures)
         if device.type == "cuda" and not enforce_eager:
             self._capture_decode_graphs(engine_config)
             self._capture_prefill_graphs(engine_config)
             if mixed_graph_tokens() > 0:
                 self._capture_mixed_graphs(engine_config, mixed_graph_tokens())
-        if device.type == "cuda" and tp_driver is None and warm:
-            self._warm_logits(engine_config.max_num_seqs)
 
     # ---- CUDA graphs for decode steps ------------------------------------------
 
@@ -385,25 +370,6 @@ class ModelRunner:
             if self.device.type == "cuda":
                 self._launch_event = torch.cuda.Event(enable_timing=True)
                 self._launch_event.record()
-
-    def _warm_logits(self, max_rows: int) -> None:
-        """Runs the logits' product once for every row count a step can sample
-        (1..``max_rows``), at start-up.
-
-        NOTE: outside the decode graphs the logits are an eager product whose
-        kernel (cuBLAS's, or ops.linear's up to its rows) depends on the row
-        count; with CUDA's lazy loading (the default since 12.2) a kernel's first
-        use loads it, and loading may synchronise the context: the host then
-        waits for the step in flight. Serving at half load, the mixed passes'
-        host time had p99 4.8-5.2 ms against 1.4 at p50 (SmolLM2), 10.9 against
-        1.3 (the 8B shape, about one step of the device). PAGEDCORE_WARM_LOGITS=0
-        (read at start-up; a measurement switch) skips this. Not yet measured."""
-        start = time.perf_counter()
-        hidden = torch.zeros((max_rows, self.spec.hidden_size), dtype=self.model.dtype, device=self.device)
-        for rows in range(1, max_rows + 1):
-            self.model.compute_logits(hidden[:rows])
-        torch.cuda.synchronize(self.device)
-        logger.info("logits run for 1..%d rows at start-up in %.2f s", max_rows, time.perf_counter() - start)
 
     def _replay(self, graph: torch.cuda.CUDAGraph) -> None:
         """A graph's replay in a step (traced: its host time counted apart, for a

@@ -184,6 +184,25 @@ def test_the_start_up_replays_of_the_graphs_write_no_cache_slot(tiny, monkeypatc
     assert generate(llm, ps, 8) == hf_greedy_gpu(tiny, ps, 8)
 
 
+def test_the_sampling_warm_up_changes_no_token_and_no_random_draw(tiny, monkeypatch) -> None:
+    # At start-up a CUDA engine runs a greedy step's logits, sampler and host copy for
+    # every row count up to max_num_seqs (PAGEDCORE_WARM_SAMPLING, on by default): greedy
+    # draws nothing from the RNG, so unseeded random sampling after it (the global RNG,
+    # seeded by the engine's seed) gives the same tokens as an engine without it.
+    ps = prompts()[:4]
+    params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=12, ignore_eos=True)
+    outs = {}
+    for value in ("0", "1"):
+        monkeypatch.setenv("PAGEDCORE_WARM_SAMPLING", value)
+        llm = LLM(model=str(tiny), device="cuda", dtype="float32", num_kv_blocks=128, max_model_len=256,
+                  max_num_seqs=40, seed=3)
+        outs[value] = [o.outputs[0].token_ids
+                       for o in llm.generate([{"prompt_token_ids": p} for p in ps], params, use_tqdm=False)]
+        assert llm.stats()["num_free_blocks"] == llm.stats()["num_blocks"]
+    assert outs["1"] == outs["0"]
+    assert outs["1"] != generate(llm, ps, 12)  # (random draws: not the greedy tokens)
+
+
 def test_fp8_kv_cache_tracks_an_e4m3_reference_over_many_steps(tiny) -> None:
     # An e4m3 cache (half the bytes, scales of 1) against transformers whose
     # attention reads K and V rounded to e4m3 the same way: every one of 40 decode

@@ -325,3 +325,26 @@ def test_an_unsupported_head_dim_is_refused_before_loading(checkpoint, tmp_path,
     with pytest.raises(ValueError, match=r"unsupported head_dim: 16 .*\(32, 64, 80, 96, 128, 256\)"):
         LLM(model=str(path), num_kv_blocks=16)
     assert read == []
+
+
+@pytest.mark.parametrize("value, expected", [(None, True), ("", True), ("1", True), ("0", False)])
+def test_the_sampling_warm_up_switch(monkeypatch, value, expected) -> None:
+    # PAGEDCORE_WARM_SAMPLING: a CUDA engine's greedy logits, sampling and host copy for
+    # every row count at start-up, on unless 0 (run on CUDA only: test_gpu_path.py).
+    from pagedcore.llm_engine import warm_sampling
+
+    if value is None:
+        monkeypatch.delenv("PAGEDCORE_WARM_SAMPLING", raising=False)
+    else:
+        monkeypatch.setenv("PAGEDCORE_WARM_SAMPLING", value)
+    assert warm_sampling() is expected
+
+
+def test_a_bad_sampling_warm_up_switch_stops_the_engine_by_name(monkeypatch) -> None:
+    # Checked on every device, before the weights load.
+    from pagedcore.llm_engine import EngineArgs, LLMEngine
+
+    monkeypatch.setenv("PAGEDCORE_WARM_SAMPLING", "yes")
+    with pytest.raises(ValueError) as e:
+        LLMEngine(EngineArgs(model=pagedcore.default_model_path(), num_kv_blocks=16))
+    assert str(e.value) == "PAGEDCORE_WARM_SAMPLING must be 0 or 1, got 'yes'"

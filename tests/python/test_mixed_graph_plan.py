@@ -122,29 +122,6 @@ def test_a_bad_switch_is_refused_by_name(monkeypatch, value, message) -> None:
     assert str(e.value) == message
 
 
-@pytest.mark.parametrize("value, expected", [(None, True), ("", True), ("1", True), ("0", False)])
-def test_the_logits_warm_up_switch(monkeypatch, value, expected) -> None:
-    # PAGEDCORE_WARM_LOGITS: the CUDA runner's logits for every row count at start-up,
-    # on unless 0; anything else is refused by name, on every device (before a runner is made).
-    from pagedcore.model_runner import warm_logits
-
-    if value is None:
-        monkeypatch.delenv("PAGEDCORE_WARM_LOGITS", raising=False)
-    else:
-        monkeypatch.setenv("PAGEDCORE_WARM_LOGITS", value)
-    assert warm_logits() is expected
-
-
-def test_a_bad_logits_warm_up_switch_stops_the_engine_by_name(monkeypatch) -> None:
-    import pagedcore
-    from pagedcore.llm_engine import EngineArgs, LLMEngine
-
-    monkeypatch.setenv("PAGEDCORE_WARM_LOGITS", "yes")
-    with pytest.raises(ValueError) as e:
-        LLMEngine(EngineArgs(model=pagedcore.default_model_path(), num_kv_blocks=16))
-    assert str(e.value) == "PAGEDCORE_WARM_LOGITS must be 0 or 1, got 'yes'"
-
-
 @pytest.mark.parametrize("case", ["decode rows", "a chunk"])
 def test_a_step_the_eager_plan_would_split_takes_the_pieces(case) -> None:
     # Long contexts: plan_attention splits their keys over more CTAs than the graph's
