@@ -203,6 +203,9 @@ def _serve_on(sock, args: argparse.Namespace) -> int:
         if api_servers:  # (they drain their own requests first; the engine serves them meanwhile)
             from .server.api_servers import stop_api_servers
 
+            # This process's channel first: its server has stopped reading it (see
+            # EngineProcess.close_channel).
+            async_engine.close_channel()
             stop_api_servers(api_servers, args.shutdown_timeout + 15)
         async_engine.shutdown()
         if metrics_dir is not None:

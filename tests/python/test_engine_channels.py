@@ -126,3 +126,52 @@ def test_an_aborted_stream_ends_its_request_and_a_detached_channel_leaves_the_ot
     assert result["cut"] == "server shutting down"
     assert result["short"][0] == [100 + k for k in range(1, 41)]
     assert result["aborted"] == ["gone", "long"]
+
+
+class StatsHeavyEngine(StubCompactEngine):
+    """(in the engine process) Stats of ~20 kB that change every step: every
+    step's message to every channel carries them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.steps = 0
+
+    def step(self):
+        self.steps += 1
+        return super().step()
+
+    def stats(self) -> dict:
+        return {"steps": self.steps, "pad": "x" * 20_000}
+
+
+def _stats_heavy(engine_args) -> StatsHeavyEngine:
+    return StatsHeavyEngine()
+
+
+def test_a_closed_main_channel_leaves_the_other_channels_outputs_flowing(tokenizer_path) -> None:
+    # serve --api-server-count 2, SIGTERM: the main HTTP process's server stops once its
+    # own requests are done, and nothing reads its channel any more, while the other HTTP
+    # process drains its streams. The engine process's one sender thread writes every
+    # step's stats to every channel: without close_channel() the main channel's pipe fills
+    # (1 MiB: ~50 steps here) and the sender blocks on it, so the other channel's stream
+    # stalled until the main process gave up on it (test_serving_load.py's SIGTERM test:
+    # cut after 25 s instead of 5, now and then). Here the main channel is never read.
+    from pagedcore.server.engine_process import EngineProcess
+
+    main = EngineProcess(None, engine_factory=_stats_heavy, api_server_count=2, tokenizer_path=tokenizer_path)
+    [channel] = main.worker_channels()
+    other = EngineProcess.attach(channel)
+    try:
+        main.close_channel()
+        main.close_channel()  # (a no-op the second time)
+
+        async def run() -> list[int]:
+            long_ = await other.add("long", None, [5], greedy(2000))  # ~2000 steps of ~20 kB stats each
+            return (await asyncio.wait_for(read(long_), 30))[0]
+
+        assert asyncio.run(run()) == [100 + k for k in range(1, 2001)]
+        assert other.stats["steps"] >= 2000
+    finally:
+        other.shutdown()
+        main.shutdown()
+    assert main._proc.exitcode == 0

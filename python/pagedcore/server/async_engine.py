@@ -490,6 +490,12 @@ class AsyncEngine:
         self._wake.set()
         self._thread.join(timeout)
 
+    def close_channel(self, timeout: float = 5.0) -> None:
+        """Ends every request in flight (EngineDeadError each): for an engine in
+        this process, its :meth:`shutdown` (an engine process's channel closes
+        alone: EngineProcess.close_channel)."""
+        self.shutdown(timeout)
+
     # ---- engine thread -----------------------------------------------------------
 
     def _deliver(self, stream: _Stream, item: Any) -> None:

@@ -588,6 +588,24 @@ class EngineProcess:
         """Stops the engine process (this channel's requests end with
         EngineDeadError: the routes answer 503); with several HTTP processes, a
         channel other than the last one detaches (the others go on)."""
+        self.close_channel(timeout)
+        if self._proc is not None:
+            self._proc.join(timeout)
+            if self._proc.is_alive():
+                self._proc.terminate()
+                self._proc.join(5)
+
+    def close_channel(self, timeout: float = 5.0) -> None:
+        """Ends this channel: its requests end with EngineDeadError, and what the
+        engine process sends on it is read up to its "closed" (the engine process
+        goes on while another channel is open; the last channel's end stops it).
+        Once its HTTP server has stopped, a channel must close before the process
+        waits for the others: nothing reads its pipe any more, and the engine
+        process's one sender thread, blocked on that full pipe (the stats of every
+        step), would hold up the other channels' outputs (their streams stalled
+        until the main process gave up on them, 20 s). Closing twice is a no-op."""
+        if self._closed.is_set():
+            return
         self._stopping = True
         try:
             self._send(("stop",))
@@ -602,11 +620,6 @@ class EngineProcess:
             if loop is not None and not loop.is_closed() and (on_loop or not loop.is_running()):
                 loop.remove_reader(self._out.fileno())
             self._drain(timeout + 10)
-        if self._proc is not None:
-            self._proc.join(timeout)
-            if self._proc.is_alive():
-                self._proc.terminate()
-                self._proc.join(5)
 
     def _send(self, message: tuple) -> None:
         try:

@@ -212,8 +212,10 @@ class Server(uvicorn.Server):
         error, which the routes send as an error (event) in OpenAI's shape."""
         loop = asyncio.get_running_loop()
         tasks = self.server_state.tasks
-        # (joins the engine thread, which finishes its step first: not on the loop)
-        await asyncio.to_thread(self.engine.shutdown)
+        # (joins the engine thread, which finishes its step first, or reads an engine
+        # process's channel to its end: not on the loop; the engine process itself goes
+        # on while another HTTP process's channel is open)
+        await asyncio.to_thread(self.engine.close_channel)
         deadline = loop.time() + _CUT_GRACE_S
         while tasks and loop.time() < deadline:
             await asyncio.sleep(0.02)
