@@ -258,17 +258,6 @@ def test_serve_help_gives_every_flag_a_help_text_and_its_default(capsys) -> None
         assert "(default: " in block, (action.option_strings, block)
 
 
-def _refuse_loading(monkeypatch) -> None:
-    def no_load(*_, **__):
-        raise AssertionError("started loading before the arguments were checked")
-
-    # (the default model's conversion, the engine in this process or its own)
-    monkeypatch.setattr(cli, "_default_model", no_load)
-    monkeypatch.setattr("pagedcore.llm_engine.LLMEngine", no_load)
-    monkeypatch.setattr("pagedcore.server.engine_process.EngineProcess", no_load)
-    monkeypatch.setattr(cli, "configure_cli_logging", lambda level: None)
-
-
 @pytest.mark.parametrize("args,message", [
     (["--block-size", "7"], "block_size must be one of 8, 16, 32, 64, 128, got 7"),
     (["--engine-process", "--max-num-seqs", "0"], "max_num_seqs must be a positive integer, got 0"),
@@ -279,7 +268,14 @@ def _refuse_loading(monkeypatch) -> None:
                                            "'nobody/no-such-model' is not in the local Hugging Face cache"),
 ])
 def test_serve_refuses_bad_arguments_before_anything_loads(monkeypatch, capsys, args, message) -> None:
-    _refuse_loading(monkeypatch)
+    def no_load(*_, **__):
+        raise AssertionError("started loading before the arguments were checked")
+
+    # (the default model's conversion, the engine in this process or its own)
+    monkeypatch.setattr(cli, "_default_model", no_load)
+    monkeypatch.setattr("pagedcore.llm_engine.LLMEngine", no_load)
+    monkeypatch.setattr("pagedcore.server.engine_process.EngineProcess", no_load)
+    monkeypatch.setattr(cli, "configure_cli_logging", lambda level: None)
     monkeypatch.setenv("HF_HUB_CACHE", "/nonexistent-hf-cache")
     assert cli.main(["serve", "--port", "0", *args]) == 2
     assert f"pagedcore: error: {message}" in capsys.readouterr().err
