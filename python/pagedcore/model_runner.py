@@ -856,11 +856,11 @@ class ModelRunner:
         self._launch_event = None
         self._launched_at = None
         self._staging_wait = self._replay_time = 0.0
-        cpu_began = time.thread_time()
         began = time.perf_counter()
+        cpu_began = time.thread_time()  # (inside the wall-clock span: cpu <= host)
         logits = self._run(batch, previous_sampled)
-        ended = time.perf_counter()
         cpu = time.thread_time() - cpu_began
+        ended = time.perf_counter()
         host = ended - began
         staged = (self._launched_at if self._launched_at is not None else ended) - began
         if cuda:

@@ -46,7 +46,8 @@ def test_the_trace_accounts_for_every_prompt_and_output_token(tmp_path, monkeypa
     # the thread's CPU or less (torch's own threads do part of the work).
     assert {sp[0] for sp in spans} == {"eager"}
     assert all(len(sp) == 11 and sp[6] is None and sp[5] > 0 and sp[7] == 0 and sp[10] == 0 for sp in spans)
-    assert all(0 < sp[8] < sp[5] / 2 and 0 < sp[9] <= sp[5] + 1e-3 for sp in spans)
+    assert all(0 < sp[8] <= sp[5] and 0 < sp[9] <= sp[5] + 1e-3 for sp in spans), spans
+    assert sum(sp[8] for sp in spans) < sum(sp[5] for sp in spans) / 2, spans
     # One request at a time: a prefill, then a decode step per further output token
     # (the last output comes from the step of the one before: no step for it).
     assert sum(sp[3] for sp in spans) == sum(len(p) for p in prompts)
