@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import os
 import sys
 from collections.abc import Iterator
 
@@ -20,8 +21,6 @@ def _generate(args: argparse.Namespace) -> int:
     if args.max_model_len is not None and args.max_model_len < 1:
         raise ValueError(f"--max-model-len must be a positive integer, got {args.max_model_len}")
     if args.model is not None:
-        import os
-
         if not os.path.isdir(args.model):
             from .model_path import resolve_model_path
 
@@ -75,8 +74,6 @@ def served_model_name(model: str | None) -> str:
     """The model id clients send when --served-model-name is not given: the
     default model's name, a directory's basename, or a hub id as given (vLLM
     uses the --model argument)."""
-    import os
-
     if model is None:
         from .default_model import DEFAULT_MODEL_NAME
 
@@ -106,9 +103,26 @@ def _serve(args: argparse.Namespace) -> int:
         sock.close()
 
 
+MODULE_LOADING_ENV = "CUDA_MODULE_LOADING"
+
+
+def prefer_eager_module_loading(environ=None) -> None:
+    """``serve`` has CUDA load every kernel when it starts (CUDA_MODULE_LOADING=EAGER)
+    unless the environment names a mode already (the user's choice stands).
+
+    With lazy loading (torch's default) a kernel loads at its first launch, and a
+    load may wait for the device: a served mixed pass whose token count picks a
+    matrix-product kernel not used before stalled for up to a device step before
+    its launch, minutes into a run. Eager loading costs ~3 s more start-up and
+    ~640 MiB more device memory (the H100, torch 2.x), taken before the KV cache
+    is sized. Set before the engine starts CUDA, and inherited by the engine
+    process and the tensor-parallel workers."""
+    env = os.environ if environ is None else environ
+    env.setdefault(MODULE_LOADING_ENV, "EAGER")
+
+
 def _serve_on(sock, args: argparse.Namespace) -> int:
     import dataclasses
-    import os
 
     from .llm_engine import EngineArgs, LLMEngine
     from .model_loader import resolve_dtype
@@ -165,6 +179,7 @@ def _serve_on(sock, args: argparse.Namespace) -> int:
     name = args.served_model_name or served_model_name(args.model)
     if args.model is None:
         engine_args = dataclasses.replace(engine_args, model=_default_model())
+    prefer_eager_module_loading()
     if engine_process:
         from .server.engine_process import EngineProcess
 

@@ -281,6 +281,30 @@ def test_serve_refuses_bad_arguments_before_anything_loads(monkeypatch, capsys, 
     assert f"pagedcore: error: {message}" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("given", [None, "LAZY"])
+@pytest.mark.parametrize("where", ["engine-thread", "engine-process"])
+def test_serve_has_cuda_load_every_kernel_at_start_unless_the_environment_says(monkeypatch, capsys, model_dir,
+                                                                               given, where) -> None:
+    # CUDA reads CUDA_MODULE_LOADING once, when it starts: serve sets it before the engine
+    # is built (in this process, or in the engine process, which inherits it).
+    seen = []
+
+    def engine(*_, **__):
+        seen.append(os.environ.get(cli.MODULE_LOADING_ENV))
+        raise ValueError("no engine in this test")
+
+    monkeypatch.setattr("pagedcore.llm_engine.LLMEngine", engine)
+    monkeypatch.setattr("pagedcore.server.engine_process.EngineProcess", engine)
+    monkeypatch.setattr(cli, "configure_cli_logging", lambda level: None)
+    monkeypatch.setenv(cli.MODULE_LOADING_ENV, "LAZY")  # (restored, or deleted, after the test)
+    if given is None:
+        monkeypatch.delenv(cli.MODULE_LOADING_ENV)
+    extra = ["--engine-process"] if where == "engine-process" else []
+    assert cli.main(["serve", "--port", "0", "--model", model_dir, "--device", "cpu", *extra]) == 2
+    assert "pagedcore: error: no engine in this test" in capsys.readouterr().err
+    assert seen == ["EAGER" if given is None else given]
+
+
 def test_log_level_before_and_after_the_subcommand() -> None:
     parse = cli.build_parser().parse_args
     assert parse(["serve"]).log_level == "WARNING"

@@ -150,6 +150,28 @@ def test_dummy_weights_are_served_from_a_config_alone(server, model_dir) -> None
     assert [set(t) for t in top5(SEED + 1)] != [set(t) for t in want]
 
 
+def test_the_engine_process_has_cuda_load_every_kernel_at_start(server) -> None:
+    # serve sets CUDA_MODULE_LOADING=EAGER (unless the environment names a mode) before
+    # the engine starts: the engine process is started with it (test_serve_lifecycle.py
+    # checks the engine in serve's own process, whose /proc environ is its exec's).
+    engines = []
+    for p in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                name, rest = f.read().split(" (", 1)[1].rsplit(")", 1)
+        except (OSError, IndexError):
+            continue
+        if name == "pagedcore-engin" and int(rest.split()[1]) == server.proc.pid:  # (comm: 15 characters)
+            engines.append(int(p))
+    if not server.extra:  # (the engine is a thread of serve's process)
+        assert engines == []
+        return
+    assert len(engines) == 1, engines
+    with open(f"/proc/{engines[0]}/environ", "rb") as f:
+        env = dict(kv.split("=", 1) for kv in f.read().decode(errors="replace").split("\0") if "=" in kv)
+    assert env.get("CUDA_MODULE_LOADING") == os.environ.get("CUDA_MODULE_LOADING", "EAGER")
+
+
 def http_cpu(pid: int) -> tuple[float, float]:
     """CPU seconds of the server's main process and of its other HTTP processes
     (--api-server-count: named pagedcore-http)."""
