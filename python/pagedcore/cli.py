@@ -113,7 +113,7 @@ def prefer_eager_module_loading(environ=None) -> None:
     With lazy loading (torch's default) a kernel loads at its first launch, and a
     load may wait for the device: a served mixed pass whose token count picks a
     matrix-product kernel not used before stalled for up to a device step before
-    its launch, minutes into a run. Eager loading costs ~3 s more start-up and
+    its launch, well into a run. Eager loading costs ~3 s more start-up and
     ~640 MiB more device memory (the H100, torch 2.x), taken before the KV cache
     is sized. Set before the engine starts CUDA, and inherited by the engine
     process and the tensor-parallel workers."""
