@@ -154,15 +154,8 @@ def test_the_engine_process_has_cuda_load_every_kernel_at_start(server) -> None:
     # serve sets CUDA_MODULE_LOADING=EAGER (unless the environment names a mode) before
     # the engine starts: the engine process is started with it (test_serve_lifecycle.py
     # checks the engine in serve's own process, whose /proc environ is its exec's).
-    engines = []
-    for p in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{p}/stat") as f:
-                name, rest = f.read().split(" (", 1)[1].rsplit(")", 1)
-        except (OSError, IndexError):
-            continue
-        if name == "pagedcore-engin" and int(rest.split()[1]) == server.proc.pid:  # (comm: 15 characters)
-            engines.append(int(p))
+    engines = [pid for pid, name, fields in _processes()  # (comm: 15 characters)
+               if name == "pagedcore-engin" and int(fields[1]) == server.proc.pid]
     if not server.extra:  # (the engine is a thread of serve's process)
         assert engines == []
         return
@@ -172,10 +165,8 @@ def test_the_engine_process_has_cuda_load_every_kernel_at_start(server) -> None:
     assert env.get("CUDA_MODULE_LOADING") == os.environ.get("CUDA_MODULE_LOADING", "EAGER")
 
 
-def http_cpu(pid: int) -> tuple[float, float]:
-    """CPU seconds of the server's main process and of its other HTTP processes
-    (--api-server-count: named pagedcore-http)."""
-    tick, main, others = os.sysconf("SC_CLK_TCK"), 0.0, 0.0
+def _processes():
+    """(pid, comm, the /proc/PID/stat fields after comm) of every process (Linux)."""
     for p in os.listdir("/proc"):
         if not p.isdigit():
             continue
@@ -184,9 +175,16 @@ def http_cpu(pid: int) -> tuple[float, float]:
                 name, rest = f.read().split(" (", 1)[1].rsplit(")", 1)
         except (OSError, IndexError):
             continue
-        fields = rest.split()
+        yield int(p), name, rest.split()
+
+
+def http_cpu(pid: int) -> tuple[float, float]:
+    """CPU seconds of the server's main process and of its other HTTP processes
+    (--api-server-count: named pagedcore-http)."""
+    tick, main, others = os.sysconf("SC_CLK_TCK"), 0.0, 0.0
+    for p, name, fields in _processes():
         seconds = (int(fields[11]) + int(fields[12])) / tick
-        if int(p) == pid:
+        if p == pid:
             main = seconds
         elif name == "pagedcore-http" and int(fields[1]) == pid:
             others += seconds
