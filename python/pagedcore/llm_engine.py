@@ -1713,7 +1713,7 @@ def _gpu_blocks(args: EngineArgs, model: CausalLM, kv_dtype: torch.dtype, per_bl
     budget = int(total * a.gpu_memory_utilization) - others - peak - sampler
     log(
         "GPU memory (%s): %.2f GiB total, x %.2f utilization; weights + peak activations %.2f GiB, "
-        "other processes %.2f GiB; KV cache gets %.2f GiB",
+        "CUDA's own and other processes' %.2f GiB; KV cache gets %.2f GiB",
         device, total / 2**30, a.gpu_memory_utilization, peak / 2**30, others / 2**30, max(budget, 0) / 2**30,
     )
     if budget < per_block:
