@@ -177,6 +177,17 @@ constexpr cudaError_t kClusterLaunchTooLarge = cudaErrorCooperativeLaunchTooLarg
 // two CTAs an SM of five warps put three warps on some scheduler, which caps
 // the registers at 168 (spilling) where the four-warp kernel takes ~205.
 constexpr int kTmaSkew = 2;
+// LEAN (a trial, PAGEDCORE_DECODE_TMA_LEAN=2 over the skew's TMA tiles; the same
+// arithmetic, fewer instructions a tile): kLeanSoftmax: K's high byte pairs
+// widened from the word's high half (no shift); the scores' mask only on tiles
+// that are not whole (one branch a tile, where the select ran on every score);
+// and the row maxima reduced across lanes only when some lane's own maximum
+// would raise its row's (m is the same on the 8 lanes of a row, so the vote is
+// the same: the shuffles leave the common path). Counted on prototypes at
+// 1b60b77 (the common path's issued SASS, a warp a tile): 858, 834 with the vote
+// alone, 824 with the high halves alone; the whole kernel's SHF 122 -> 93 here.
+// Not measured on a GPU yet.
+constexpr int kLeanSoftmax = 2;
 // NOTE: TMA tiles: a refill of the stage the last tile freed before the wait
 // for the next tile (not after it; 73c4263, both kernels) measured 145.8 / 142.2
 // against 146.1 / 140.4 us at fp8 B=64 L=4k (L2 promotion 256 / 128): deleted.
@@ -395,6 +406,18 @@ __device__ __forceinline__ uint32_t fp8x2_to_half2(uint32_t two) {
   return static_cast<uint32_t>(h.x) | (static_cast<uint32_t>(h.y) << 16);
 }
 
+// The high two e4m3 bytes of a word -> a half2: fp8x2_to_half2(w >> 16) without
+// the shift (the cvt reads the word's high 16-bit half; SASS F2FP ... R.H1).
+__device__ __forceinline__ uint32_t fp8x2_hi_to_half2(uint32_t w) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  uint32_t d;
+  asm("{.reg .b16 lo, hi;\n\tmov.b32 {lo, hi}, %1;\n\tcvt.rn.f16x2.e4m3x2 %0, hi;}" : "=r"(d) : "r"(w));
+  return d;
+#else
+  return fp8x2_to_half2(w >> 16);
+#endif
+}
+
 // Two e4m3 bytes of x -> a half2 holding each value times 2^-8: e4m3's sign,
 // exponent and mantissa bits land in place in an fp16 of exponent bias 15
 // (e4m3's is 7), subnormals included; the 2^8 goes into the scales. `sel` (a
@@ -467,7 +490,7 @@ constexpr int kCvtIntK = 1, kCvtIntV = 2, kCvtInt = kCvtIntK | kCvtIntV;
 // clusters of CLUSTER CTAs along z, which share each row that would run
 // unsplit (above, "Thread-block clusters").
 template <typename T, typename CT, int HD, bool DECODE, int STAGES, int CVT, int KT = kTileKeys, int PAD = 16,
-          bool KM = false, int TMA = 0, int CLUSTER = 1>
+          bool KM = false, int TMA = 0, int CLUSTER = 1, int LEAN = 0>
 __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarps)
     mma_attention_kernel(PagedAttentionParams p, int flags, const __grid_constant__ DecodeMaps<TMA != 0> maps) {
   constexpr int kWarps = DECODE ? kDecodeWarps : kPrefillWarps;
@@ -486,6 +509,8 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
                 "TMA: fp8 keys in M at head dim 128, swizzled rows, V widened by integer operations");
   static_assert(CLUSTER == 1 || (DECODE && !TMA && (CLUSTER & (CLUSTER - 1)) == 0 && CLUSTER <= 8),
                 "clusters: decode without TMA, 2, 4 or 8 CTAs");
+  static_assert(LEAN == 0 || (KM && FP8 && !KINT), "LEAN: keys in M over fp8, K widened by the cvt");
+  constexpr bool kLeanSm = (LEAN & kLeanSoftmax) != 0;
   auto soff = [](int r, int b) { return staged_offset<PAD>(r, b, SROW); };
   constexpr int WK = DECODE ? KT / kWarps : KT;                      // keys per warp per tile
   constexpr int KSTEPS = HD / 16;
@@ -888,8 +913,13 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
                 const uint32_t w1 = *reinterpret_cast<const uint32_t*>(ks + at(wk + 16 * kb + 8, k_lane, 16 * s));
                 a[0] = KINT ? fp8x2_to_half2_scaled(w0, kFp8Bytes01) : fp8x2_to_half2(w0);
                 a[1] = KINT ? fp8x2_to_half2_scaled(w1, kFp8Bytes01) : fp8x2_to_half2(w1);
-                a[2] = KINT ? fp8x2_to_half2_scaled(w0, kFp8Bytes23) : fp8x2_to_half2(w0 >> 16);
-                a[3] = KINT ? fp8x2_to_half2_scaled(w1, kFp8Bytes23) : fp8x2_to_half2(w1 >> 16);
+                if constexpr (kLeanSm) {
+                  a[2] = fp8x2_hi_to_half2(w0);
+                  a[3] = fp8x2_hi_to_half2(w1);
+                } else {
+                  a[2] = KINT ? fp8x2_to_half2_scaled(w0, kFp8Bytes23) : fp8x2_to_half2(w0 >> 16);
+                  a[3] = KINT ? fp8x2_to_half2_scaled(w1, kFp8Bytes23) : fp8x2_to_half2(w1 >> 16);
+                }
               } else {
                 ldmatrix_x4(kaddr + at(wk + 16 * kb, v_lane, 32 * s), a);
               }
@@ -906,42 +936,95 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
                              (p.sliding_window == 0 || kbase > warp_last_pos - p.sliding_window);
           float tmax[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
           int key_from[4], key_to[4];
+          auto key_bounds = [&]() {
 #pragma unroll
-          for (int r = 0; r < 4; ++r) {
-            const int v = 8 * (r / 2) + 2 * qd + r % 2;
-            const int pos = first_pos + v / group;
-            key_from[r] = p.sliding_window > 0 ? pos - p.sliding_window + 1 : 0;
-            key_to[r] = v < num_vectors ? min(pos, c1 - 1) : -1;
-          }
-#pragma unroll
-          for (int nt = 0; nt < 2; ++nt) {
-            if (nt >= col_tiles) continue;
-#pragma unroll
-            for (int kb = 0; kb < KB; ++kb) {
-#pragma unroll
-              for (int i = 0; i < 4; ++i) {
-                const int r = 2 * nt + i % 2;
-                const float v = st[nt][kb][i] + st2[nt][kb][i];
-                float x = softcap > 0.f ? softcap_log2 * tanhf(v * cap_scale) : v * score_log2;
-                if (!whole) {
-                  const int key = kbase + 16 * kb + lane / 4 + 8 * (i / 2);
-                  x = key >= key_from[r] && key <= key_to[r] ? x : -INFINITY;
-                }
-                st[nt][kb][i] = x;
-                tmax[r] = fmaxf(tmax[r], x);
-              }
+            for (int r = 0; r < 4; ++r) {
+              const int v = 8 * (r / 2) + 2 * qd + r % 2;
+              const int pos = first_pos + v / group;
+              key_from[r] = p.sliding_window > 0 ? pos - p.sliding_window + 1 : 0;
+              key_to[r] = v < num_vectors ? min(pos, c1 - 1) : -1;
             }
-          }
+          };
           constexpr float kSlack = 8.f;  // (as below)
           bool grow = false;
+          if constexpr (kLeanSm) {  // (the same scores and maxima; above, kLeanSoftmax)
 #pragma unroll
-          for (int r = 0; r < 4; ++r) {
-            tmax[r] = fmaxf(tmax[r], __shfl_xor_sync(0xffffffffu, tmax[r], 4));
-            tmax[r] = fmaxf(tmax[r], __shfl_xor_sync(0xffffffffu, tmax[r], 8));
-            tmax[r] = fmaxf(tmax[r], __shfl_xor_sync(0xffffffffu, tmax[r], 16));
-            grow |= tmax[r] > m[r] + kSlack;
+            for (int nt = 0; nt < 2; ++nt) {
+              if (nt >= col_tiles) continue;
+#pragma unroll
+              for (int kb = 0; kb < KB; ++kb) {
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                  const float v = st[nt][kb][i] + st2[nt][kb][i];
+                  st[nt][kb][i] = softcap > 0.f ? softcap_log2 * tanhf(v * cap_scale) : v * score_log2;
+                }
+              }
+            }
+            if (!whole) {
+              key_bounds();
+#pragma unroll
+              for (int nt = 0; nt < 2; ++nt) {
+                if (nt >= col_tiles) continue;
+#pragma unroll
+                for (int kb = 0; kb < KB; ++kb) {
+#pragma unroll
+                  for (int i = 0; i < 4; ++i) {
+                    const int r = 2 * nt + i % 2;
+                    const int key = kbase + 16 * kb + lane / 4 + 8 * (i / 2);
+                    if (!(key >= key_from[r] && key <= key_to[r])) st[nt][kb][i] = -INFINITY;
+                  }
+                }
+              }
+            }
+#pragma unroll
+            for (int nt = 0; nt < 2; ++nt) {
+              if (nt >= col_tiles) continue;
+#pragma unroll
+              for (int kb = 0; kb < KB; ++kb) {
+#pragma unroll
+                for (int i = 0; i < 4; ++i) tmax[2 * nt + i % 2] = fmaxf(tmax[2 * nt + i % 2], st[nt][kb][i]);
+              }
+            }
+#pragma unroll
+            for (int r = 0; r < 4; ++r) grow |= tmax[r] > m[r] + kSlack;  // (this lane's maxima)
+          } else {
+            key_bounds();
+#pragma unroll
+            for (int nt = 0; nt < 2; ++nt) {
+              if (nt >= col_tiles) continue;
+#pragma unroll
+              for (int kb = 0; kb < KB; ++kb) {
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                  const int r = 2 * nt + i % 2;
+                  const float v = st[nt][kb][i] + st2[nt][kb][i];
+                  float x = softcap > 0.f ? softcap_log2 * tanhf(v * cap_scale) : v * score_log2;
+                  if (!whole) {
+                    const int key = kbase + 16 * kb + lane / 4 + 8 * (i / 2);
+                    x = key >= key_from[r] && key <= key_to[r] ? x : -INFINITY;
+                  }
+                  st[nt][kb][i] = x;
+                  tmax[r] = fmaxf(tmax[r], x);
+                }
+              }
+            }
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+              tmax[r] = fmaxf(tmax[r], __shfl_xor_sync(0xffffffffu, tmax[r], 4));
+              tmax[r] = fmaxf(tmax[r], __shfl_xor_sync(0xffffffffu, tmax[r], 8));
+              tmax[r] = fmaxf(tmax[r], __shfl_xor_sync(0xffffffffu, tmax[r], 16));
+              grow |= tmax[r] > m[r] + kSlack;
+            }
           }
           if (__any_sync(0xffffffffu, grow)) {
+            if constexpr (kLeanSm) {  // (the rows' maxima across their 8 lanes, now)
+#pragma unroll
+              for (int r = 0; r < 4; ++r) {
+                tmax[r] = fmaxf(tmax[r], __shfl_xor_sync(0xffffffffu, tmax[r], 4));
+                tmax[r] = fmaxf(tmax[r], __shfl_xor_sync(0xffffffffu, tmax[r], 8));
+                tmax[r] = fmaxf(tmax[r], __shfl_xor_sync(0xffffffffu, tmax[r], 16));
+              }
+            }
             float corr[4];
 #pragma unroll
             for (int r = 0; r < 4; ++r) corr[r] = raise_max(m[r], l[r], tmax[r]);
@@ -1401,7 +1484,7 @@ int env_int(const char* name, int fallback) {
 }
 
 template <typename T, typename CT, int HD, bool DECODE, int STAGES, int CVT, int KT = kTileKeys, int PAD = 16,
-          bool KM = false, int TMA = 0, int CLUSTER = 1>
+          bool KM = false, int TMA = 0, int CLUSTER = 1, int LEAN = 0>
 int launch_variant(const PagedAttentionParams& p, cudaStream_t stream, int flags = 0,
                    const DecodeMaps<TMA != 0>& maps = DecodeMaps<TMA != 0>{}) {
   if constexpr (DECODE && PAD == 16 && HD == 128 && sizeof(CT) == 2) {
@@ -1413,14 +1496,14 @@ int launch_variant(const PagedAttentionParams& p, cudaStream_t stream, int flags
         smem_bytes<CT, HD, STAGES, KT, 0>() - kTable * 4 >= (kDecodeWarps * 16 * HD + 2 * kDecodeWarps * 16) * 4;
     if constexpr (kSwizzleFits) {
       if (env_int("PAGEDCORE_ATTN_PAD", 0) == 0) {
-        return launch_variant<T, CT, HD, DECODE, STAGES, CVT, KT, 0, KM, TMA, CLUSTER>(p, stream, flags);
+        return launch_variant<T, CT, HD, DECODE, STAGES, CVT, KT, 0, KM, TMA, CLUSTER, LEAN>(p, stream, flags);
       }
     }
   }
   constexpr size_t smem = (TMA ? tma_smem_bytes<CT, HD, STAGES, KT>() : smem_bytes<CT, HD, STAGES, KT, PAD>()) +
                           cluster_recv_bytes<HD, CLUSTER>();
   constexpr int threads = DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarps;
-  auto* kernel = mma_attention_kernel<T, CT, HD, DECODE, STAGES, CVT, KT, PAD, KM, TMA, CLUSTER>;
+  auto* kernel = mma_attention_kernel<T, CT, HD, DECODE, STAGES, CVT, KT, PAD, KM, TMA, CLUSTER, LEAN>;
   static bool configured = false;  // NOTE: per instantiation; raising the limit is idempotent
   if (!configured) {
     const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
@@ -1748,6 +1831,10 @@ int launch_decode(const PagedAttentionParams& p, cudaStream_t stream, int flags,
             if (mix == 1 && decode_tma_serves(p) && encode_decode_maps<HD>(p, maps, 128)) {
               // (PAGEDCORE_DECODE_TMA_SPREAD=0, warp 0's issue, keeps each tile's barrier)
               if ((flags & kTmaSpread) != 0 && env_int("PAGEDCORE_DECODE_TMA_SKEW", 1) != 0) {
+                if ((env_int("PAGEDCORE_DECODE_TMA_LEAN", 0) & kLeanSoftmax) != 0) {  // (a trial: above)
+                  return launch_variant<T, CT, HD, true, 3, kCvtIntV, 128, 0, true, kTmaSkew, 1, kLeanSoftmax>(
+                      p, stream, flags, maps);
+                }
                 return launch_variant<T, CT, HD, true, 3, kCvtIntV, 128, 0, true, kTmaSkew>(p, stream, flags, maps);
               }
               return launch_variant<T, CT, HD, true, 3, kCvtIntV, 128, 0, true, 1>(p, stream, flags, maps);

@@ -77,6 +77,7 @@ def run_cuda(rows, *, block_size, head_dim, group, dtype, window=0, softcap=0.0,
     assert not torch.isnan(out[:n]).any(), "a row was left unwritten or read a NaN slot"
     atol, rtol = TOLERANCE[dtype]
     torch.testing.assert_close(out[:n].double(), expected[:n], atol=atol, rtol=rtol)
+    return out[:n]
 
 
 @pytest.mark.parametrize("block_size", [8, 16, 32, 128])
@@ -400,7 +401,7 @@ def test_decode_cluster_by_default(monkeypatch):
              graph_plan_len=8192, repeat=2)
 
 
-@pytest.mark.parametrize("kernel", ["wgmma", "mma", "mma-warp0-issue", "mma-tile-barrier"])
+@pytest.mark.parametrize("kernel", ["wgmma", "mma", "mma-warp0-issue", "mma-tile-barrier", "mma-lean"])
 @pytest.mark.parametrize("block_size", [8, 16, 32, 128])
 def test_decode_tma_fp8(monkeypatch, block_size, kernel):
     # fp8 decode at head dim 128 with its K/V tiles brought by bulk tensor copies, one
@@ -413,7 +414,8 @@ def test_decode_tma_fp8(monkeypatch, block_size, kernel):
     # only in the mma.sync kernel (wgmma serves bf16 queries: attention_decode_wgmma.cu), its
     # boxes issued by every warp, each stage refilled once every warp arrived on its empty
     # mbarrier (the default), by every warp behind each tile's barrier (PAGEDCORE_DECODE_TMA_SKEW=0),
-    # or by warp 0 alone behind it (PAGEDCORE_DECODE_TMA_SPREAD=0).
+    # or by warp 0 alone behind it (PAGEDCORE_DECODE_TMA_SPREAD=0); "mma-lean": the default
+    # with the trial PAGEDCORE_DECODE_TMA_LEAN=2 (test_decode_tma_lean_equals_the_default).
     if kernel == "wgmma":
         monkeypatch.setenv("PAGEDCORE_DECODE_WGMMA", "2")
     else:
@@ -421,6 +423,7 @@ def test_decode_tma_fp8(monkeypatch, block_size, kernel):
         monkeypatch.setenv("PAGEDCORE_DECODE_TMA", "2")
         monkeypatch.setenv("PAGEDCORE_DECODE_TMA_SPREAD", "0" if kernel == "mma-warp0-issue" else "1")
         monkeypatch.setenv("PAGEDCORE_DECODE_TMA_SKEW", "0" if kernel == "mma-tile-barrier" else "1")
+        monkeypatch.setenv("PAGEDCORE_DECODE_TMA_LEAN", "2" if kernel == "mma-lean" else "0")
     monkeypatch.setenv("PAGEDCORE_DECODE_DEEP_CTAS", "0")
     lengths = [1, 17, 255, 256, 513, 1500, 4097, 9000]
     for window in (0, 300):
@@ -433,6 +436,38 @@ def test_decode_tma_fp8(monkeypatch, block_size, kernel):
              softcap=3.5, fp8_scales=(0.25, 0.75))
     run_cuda([(2, 100), (4, 3000), (3, 6000), (1, 20)], block_size=block_size, head_dim=128, group=4,
              dtype=torch.bfloat16, fp8_scales=(0.5, 2.0))
+
+
+@pytest.mark.parametrize("block_size", [16, 128])
+def test_decode_tma_lean_equals_the_default(monkeypatch, block_size):
+    # The trial PAGEDCORE_DECODE_TMA_LEAN=2 (attention_mma.cu, kLeanSoftmax) issues fewer
+    # instructions for the same arithmetic: K's high byte pairs widened without a shift,
+    # the mask only on tiles that are not whole, the rows' maxima reduced across lanes only
+    # when one would rise. Its outputs are the default's, bit for bit: whole and partial
+    # tiles, windows, key splits, heads scaled up to 64x (sharp scores: rows' maxima rise
+    # in later tiles, the rescale's path), the second column tile (group 8 x 2 queries)
+    # and softcap.
+    monkeypatch.setenv("PAGEDCORE_DECODE_WGMMA", "0")
+    monkeypatch.setenv("PAGEDCORE_DECODE_TMA", "2")
+    monkeypatch.setenv("PAGEDCORE_DECODE_DEEP_CTAS", "0")
+    cases = [
+        dict(rows=[(1, n) for n in (1, 17, 255, 256, 513, 1500, 4097, 9000)], group=4, dtype=torch.float16,
+             window=0, softcap=0.0, fp8_scales=(0.5, 1.5), graph_plan_len=16384),
+        dict(rows=[(1, n) for n in (300, 2000, 5000)], group=4, dtype=torch.bfloat16, window=300, softcap=0.0,
+             fp8_scales=(1.0, 1.0)),
+        dict(rows=[(1, n) for n in (700, 4097)], group=4, dtype=torch.float16, window=0, softcap=0.0,
+             fp8_scales=(1.0, 1.0), head_scales=[1.0, 16.0, 64.0, 0.25, 4.0, 32.0, 1.0, 8.0]),
+        dict(rows=mixed_rows(block_size), group=8, dtype=torch.bfloat16, window=40, softcap=3.5,
+             fp8_scales=(0.25, 0.75)),
+        dict(rows=[(1, 3000), (1, 9000)], group=4, dtype=torch.float16, window=0, softcap=0.0,
+             fp8_scales=(1.0, 1.0), unsplit=True),
+    ]
+    for seed, case in enumerate(cases):
+        outs = []
+        for lean in ("0", "2"):
+            monkeypatch.setenv("PAGEDCORE_DECODE_TMA_LEAN", lean)
+            outs.append(run_cuda(block_size=block_size, head_dim=128, seed=seed, **case))
+        assert torch.equal(outs[0], outs[1]), (seed, (outs[0].float() - outs[1].float()).abs().max())
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
