@@ -945,6 +945,11 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
               key_to[r] = v < num_vectors ? min(pos, c1 - 1) : -1;
             }
           };
+          auto reduce_rows = [&](int r) {  // (row r's maximum over its 8 lanes)
+            tmax[r] = fmaxf(tmax[r], __shfl_xor_sync(0xffffffffu, tmax[r], 4));
+            tmax[r] = fmaxf(tmax[r], __shfl_xor_sync(0xffffffffu, tmax[r], 8));
+            tmax[r] = fmaxf(tmax[r], __shfl_xor_sync(0xffffffffu, tmax[r], 16));
+          };
           constexpr float kSlack = 8.f;  // (as below)
           bool grow = false;
           if constexpr (kLeanSm) {  // (the same scores and maxima; above, kLeanSoftmax)
@@ -1010,20 +1015,14 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
             }
 #pragma unroll
             for (int r = 0; r < 4; ++r) {
-              tmax[r] = fmaxf(tmax[r], __shfl_xor_sync(0xffffffffu, tmax[r], 4));
-              tmax[r] = fmaxf(tmax[r], __shfl_xor_sync(0xffffffffu, tmax[r], 8));
-              tmax[r] = fmaxf(tmax[r], __shfl_xor_sync(0xffffffffu, tmax[r], 16));
+              reduce_rows(r);
               grow |= tmax[r] > m[r] + kSlack;
             }
           }
           if (__any_sync(0xffffffffu, grow)) {
             if constexpr (kLeanSm) {  // (the rows' maxima across their 8 lanes, now)
 #pragma unroll
-              for (int r = 0; r < 4; ++r) {
-                tmax[r] = fmaxf(tmax[r], __shfl_xor_sync(0xffffffffu, tmax[r], 4));
-                tmax[r] = fmaxf(tmax[r], __shfl_xor_sync(0xffffffffu, tmax[r], 8));
-                tmax[r] = fmaxf(tmax[r], __shfl_xor_sync(0xffffffffu, tmax[r], 16));
-              }
+              for (int r = 0; r < 4; ++r) reduce_rows(r);
             }
             float corr[4];
 #pragma unroll
