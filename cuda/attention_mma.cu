@@ -186,8 +186,14 @@ constexpr int kTmaSkew = 2;
 // the same: the shuffles leave the common path). Counted on prototypes at
 // 1b60b77 (the common path's issued SASS, a warp a tile): 858, 834 with the vote
 // alone, 824 with the high halves alone; the whole kernel's SHF 122 -> 93 here.
-// Not measured on a GPU yet.
-constexpr int kLeanSoftmax = 2;
+// Not measured on a GPU yet. kLeanNarrow (PAGEDCORE_DECODE_TMA_LEAN=1, or 3 with
+// the above): launches whose plan says that no decode row holds more than 8 query
+// vectors (p.decode_max_query_tokens x group) and that have no softcap take a
+// kernel built for that: one column tile (the second's 32 mma a warp a tile, idle
+// there, go: ptxas issued them predicated off), no softcap arm; 748 for the
+// prototype's 858 (601 with kLeanSoftmax). A row of more vectors in such a launch
+// would be a planning bug: the kernel traps.
+constexpr int kLeanSoftmax = 2, kLeanNarrow = 1;
 // NOTE: TMA tiles: a refill of the stage the last tile freed before the wait
 // for the next tile (not after it; 73c4263, both kernels) measured 145.8 / 142.2
 // against 146.1 / 140.4 us at fp8 B=64 L=4k (L2 promotion 256 / 128): deleted.
@@ -510,7 +516,7 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
   static_assert(CLUSTER == 1 || (DECODE && !TMA && (CLUSTER & (CLUSTER - 1)) == 0 && CLUSTER <= 8),
                 "clusters: decode without TMA, 2, 4 or 8 CTAs");
   static_assert(LEAN == 0 || (KM && FP8 && !KINT), "LEAN: keys in M over fp8, K widened by the cvt");
-  constexpr bool kLeanSm = (LEAN & kLeanSoftmax) != 0;
+  constexpr bool kLeanSm = (LEAN & kLeanSoftmax) != 0, kNarrow = (LEAN & kLeanNarrow) != 0;
   auto soff = [](int r, int b) { return staged_offset<PAD>(r, b, SROW); };
   constexpr int WK = DECODE ? KT / kWarps : KT;                      // keys per warp per tile
   constexpr int KSTEPS = HD / 16;
@@ -692,11 +698,14 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
     }
   }
   const float score_scale = p.scale * (FP8 ? p.k_scale * (KINT ? kFastFp8Scale : 1.f) : 1.f);
-  const float softcap = p.softcap;
+  const float softcap = kNarrow ? 0.f : p.softcap;  // (kNarrow: launched without one)
   const float score_log2 = score_scale * kLog2e;       // no cap: scores in log2 units at once
   const float softcap_log2 = softcap * kLog2e;
   const float cap_scale = softcap > 0.f ? score_scale / softcap : 0.f;
-  const bool hi_rows = !DECODE || num_vectors > 8;    // fragment rows 8-15 in use
+  const bool hi_rows = !kNarrow && (!DECODE || num_vectors > 8);  // fragment rows 8-15 in use
+  if constexpr (kNarrow) {
+    if (num_vectors > 8) __trap();  // (the plan's decode_max_query_tokens was wrong)
+  }
 
   float acc[NT][4];
 #pragma unroll
@@ -1830,7 +1839,19 @@ int launch_decode(const PagedAttentionParams& p, cudaStream_t stream, int flags,
             if (mix == 1 && decode_tma_serves(p) && encode_decode_maps<HD>(p, maps, 128)) {
               // (PAGEDCORE_DECODE_TMA_SPREAD=0, warp 0's issue, keeps each tile's barrier)
               if ((flags & kTmaSpread) != 0 && env_int("PAGEDCORE_DECODE_TMA_SKEW", 1) != 0) {
-                if ((env_int("PAGEDCORE_DECODE_TMA_LEAN", 0) & kLeanSoftmax) != 0) {  // (a trial: above)
+                // (trials: above, kLeanSoftmax and kLeanNarrow)
+                const int lean = env_int("PAGEDCORE_DECODE_TMA_LEAN", 0);
+                const bool narrow = (lean & kLeanNarrow) != 0 && p.softcap == 0.f && p.decode_max_query_tokens > 0 &&
+                                    p.decode_max_query_tokens * (p.num_heads / p.num_kv_heads) <= 8;
+                if (narrow && (lean & kLeanSoftmax) != 0) {
+                  return launch_variant<T, CT, HD, true, 3, kCvtIntV, 128, 0, true, kTmaSkew, 1,
+                                        kLeanSoftmax | kLeanNarrow>(p, stream, flags, maps);
+                }
+                if (narrow) {
+                  return launch_variant<T, CT, HD, true, 3, kCvtIntV, 128, 0, true, kTmaSkew, 1, kLeanNarrow>(
+                      p, stream, flags, maps);
+                }
+                if ((lean & kLeanSoftmax) != 0) {
                   return launch_variant<T, CT, HD, true, 3, kCvtIntV, 128, 0, true, kTmaSkew, 1, kLeanSoftmax>(
                       p, stream, flags, maps);
                 }

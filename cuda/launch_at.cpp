@@ -79,7 +79,7 @@ void paged_attention_at(std::uintptr_t out, std::uintptr_t query, std::uintptr_t
                         int32_t num_blocks, int64_t query_stride, int64_t block_tables_stride,
                         float scale, float softcap, int32_t sliding_window, DType dtype,
                         DType kv_dtype, float k_scale, float v_scale, int32_t decode_cluster,
-                        std::uintptr_t stream) {
+                        int32_t decode_max_query_tokens, std::uintptr_t stream) {
   if (!head_dim_supported(head_dim)) {
     throw std::invalid_argument("unsupported head_dim: " + std::to_string(head_dim));
   }
@@ -120,6 +120,7 @@ void paged_attention_at(std::uintptr_t out, std::uintptr_t query, std::uintptr_t
   p.k_scale = k_scale;
   p.v_scale = v_scale;
   p.decode_cluster = decode_cluster;
+  p.decode_max_query_tokens = decode_max_query_tokens;
   check(paged_attention(p, ptr<void>(stream)), "paged_attention");
 }
 

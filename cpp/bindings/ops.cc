@@ -91,7 +91,7 @@ void register_ops(pybind11::module_& m) {
         "tile_tokens"_a, "num_heads"_a, "num_kv_heads"_a, "head_dim"_a, "block_size"_a,
         "num_blocks"_a, "query_stride"_a, "block_tables_stride"_a, "scale"_a, "softcap"_a,
         "sliding_window"_a, "dtype"_a, "kv_dtype"_a, "k_scale"_a, "v_scale"_a,
-        "decode_cluster"_a, "stream"_a);
+        "decode_cluster"_a, "decode_max_query_tokens"_a, "stream"_a);
   m.def("cuda_rms_norm", &cuda::rms_norm_at, "out"_a, "input"_a, "residual"_a, "weight"_a, "dtype"_a,
         "num_tokens"_a, "num_heads"_a, "hidden_size"_a, "input_stride"_a, "out_stride"_a,
         "residual_stride"_a, "eps"_a, "stream"_a);

@@ -421,3 +421,20 @@ def test_decode_splits_halve_launches_of_one_to_one_and_a_half_ctas_an_sm(monkey
     assert planning._decode_splits(blocks, longest, 132) == 1
     monkeypatch.setenv("PAGEDCORE_DECODE_BALANCE", "0")
     assert planning._decode_splits(blocks, longest, 132) == 1
+
+
+def test_a_plan_says_how_many_query_tokens_its_decode_rows_hold_at_most() -> None:
+    # (the fp8 trial PAGEDCORE_DECODE_TMA_LEAN=1 takes its narrow kernel where that times
+    # the group is at most 8 vectors; 0: unknown, never narrow)
+    cpu = torch.device("cpu")
+    # rows of 1, 2 and 1 query tokens (decode: at most 16 vectors at group 4) and a 100-token chunk
+    plan = planning.plan_attention(np.array([0, 1, 3, 4, 104]), np.array([50, 60, 70, 300]), 32, 8, cpu, 128,
+                                   torch.bfloat16)
+    assert (plan.num_decode, plan.num_work, plan.decode_max_query_tokens) == (3, 4, 2)
+    chunk = planning.plan_attention(np.array([0, 100]), np.array([100]), 32, 8, cpu, 128, torch.bfloat16)
+    assert (chunk.num_decode, chunk.decode_max_query_tokens) == (0, 0)
+    assert planning.plan_decode(16, 8, cpu, 4096).decode_max_query_tokens == 1
+    # a whole mixed graph's plan, refilled every step under one capture: unknown
+    p = padded(512, 64)
+    assert p.fill(np.array([0, 1, 3], dtype=np.int32), np.array([40, 50], dtype=np.int32), pad_row=2)
+    assert p.plan.num_decode > 0 and p.plan.decode_max_query_tokens == 0

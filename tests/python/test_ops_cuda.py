@@ -415,7 +415,8 @@ def test_decode_tma_fp8(monkeypatch, block_size, kernel):
     # boxes issued by every warp, each stage refilled once every warp arrived on its empty
     # mbarrier (the default), by every warp behind each tile's barrier (PAGEDCORE_DECODE_TMA_SKEW=0),
     # or by warp 0 alone behind it (PAGEDCORE_DECODE_TMA_SPREAD=0); "mma-lean": the default
-    # with the trial PAGEDCORE_DECODE_TMA_LEAN=2 (test_decode_tma_lean_equals_the_default).
+    # with the trials PAGEDCORE_DECODE_TMA_LEAN=3 (the narrow kernel where a plan allows it:
+    # test_decode_tma_lean_equals_the_default).
     if kernel == "wgmma":
         monkeypatch.setenv("PAGEDCORE_DECODE_WGMMA", "2")
     else:
@@ -423,7 +424,7 @@ def test_decode_tma_fp8(monkeypatch, block_size, kernel):
         monkeypatch.setenv("PAGEDCORE_DECODE_TMA", "2")
         monkeypatch.setenv("PAGEDCORE_DECODE_TMA_SPREAD", "0" if kernel == "mma-warp0-issue" else "1")
         monkeypatch.setenv("PAGEDCORE_DECODE_TMA_SKEW", "0" if kernel == "mma-tile-barrier" else "1")
-        monkeypatch.setenv("PAGEDCORE_DECODE_TMA_LEAN", "2" if kernel == "mma-lean" else "0")
+        monkeypatch.setenv("PAGEDCORE_DECODE_TMA_LEAN", "3" if kernel == "mma-lean" else "0")
     monkeypatch.setenv("PAGEDCORE_DECODE_DEEP_CTAS", "0")
     lengths = [1, 17, 255, 256, 513, 1500, 4097, 9000]
     for window in (0, 300):
@@ -440,13 +441,16 @@ def test_decode_tma_fp8(monkeypatch, block_size, kernel):
 
 @pytest.mark.parametrize("block_size", [16, 128])
 def test_decode_tma_lean_equals_the_default(monkeypatch, block_size):
-    # The trial PAGEDCORE_DECODE_TMA_LEAN=2 (attention_mma.cu, kLeanSoftmax) issues fewer
-    # instructions for the same arithmetic: K's high byte pairs widened without a shift,
+    # The trials PAGEDCORE_DECODE_TMA_LEAN (attention_mma.cu) issue fewer instructions for
+    # the same arithmetic: =2 (kLeanSoftmax) K's high byte pairs widened without a shift,
     # the mask only on tiles that are not whole, the rows' maxima reduced across lanes only
-    # when one would rise. Its outputs are the default's, bit for bit: whole and partial
-    # tiles, windows, key splits, heads scaled up to 64x (sharp scores: rows' maxima rise
-    # in later tiles, the rescale's path), the second column tile (group 8 x 2 queries)
-    # and softcap.
+    # when one would rise; =1 (kLeanNarrow) a kernel of one column tile and no softcap for
+    # launches whose plan has no decode row of more than 8 vectors (decode_max_query_tokens
+    # x group) and no softcap; =3 both. Their outputs are the default's, bit for bit: whole
+    # and partial tiles, windows, key splits, heads scaled up to 64x (sharp scores: rows'
+    # maxima rise in later tiles, the rescale's path), rows of 2 queries x group 4 (8
+    # vectors: narrow), and where narrow may not run (group 8 x 2 queries, the second
+    # column tile; softcap; a graph's padded plan) the launch takes the wide kernel.
     monkeypatch.setenv("PAGEDCORE_DECODE_WGMMA", "0")
     monkeypatch.setenv("PAGEDCORE_DECODE_TMA", "2")
     monkeypatch.setenv("PAGEDCORE_DECODE_DEEP_CTAS", "0")
@@ -461,13 +465,18 @@ def test_decode_tma_lean_equals_the_default(monkeypatch, block_size):
              fp8_scales=(0.25, 0.75)),
         dict(rows=[(1, 3000), (1, 9000)], group=4, dtype=torch.float16, window=0, softcap=0.0,
              fp8_scales=(1.0, 1.0), unsplit=True),
+        dict(rows=[(2, 100), (1, 3000), (2, 5000)], group=4, dtype=torch.bfloat16, window=0, softcap=0.0,
+             fp8_scales=(0.5, 2.0)),
+        dict(rows=[(1, 300)] * 3 + [(70, 170), (1, 2048), (1, 1)], group=4, dtype=torch.bfloat16, window=0,
+             softcap=0.0, fp8_scales=(0.5, 2.0), mixed_graph=(512, 1)),
     ]
     for seed, case in enumerate(cases):
         outs = []
-        for lean in ("0", "2"):
+        for lean in ("0", "1", "2", "3"):
             monkeypatch.setenv("PAGEDCORE_DECODE_TMA_LEAN", lean)
             outs.append(run_cuda(block_size=block_size, head_dim=128, seed=seed, **case))
-        assert torch.equal(outs[0], outs[1]), (seed, (outs[0].float() - outs[1].float()).abs().max())
+        for lean, out in zip("123", outs[1:]):
+            assert torch.equal(outs[0], out), (seed, lean, (outs[0].float() - out.float()).abs().max())
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])

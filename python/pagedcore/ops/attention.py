@@ -220,7 +220,7 @@ def paged_attention(
             scale=float(scale), softcap=float(softcap), sliding_window=sliding_window,
             dtype=_CUDA_DTYPES[query.dtype], kv_dtype=_CUDA_DTYPES[key_cache.dtype],
             k_scale=float(k_scale), v_scale=float(v_scale), decode_cluster=plan.decode_cluster,
-            stream=_stream(device),
+            decode_max_query_tokens=plan.decode_max_query_tokens, stream=_stream(device),
         )
         return out
 

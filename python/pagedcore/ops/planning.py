@@ -39,6 +39,10 @@ class AttentionPlan:
         # where the launch serves it (bf16/fp16 caches, head dim 64 or 128, Hopper,
         # the clusters fitting the GPU at once), else run the plain kernel.
         self.decode_cluster = 0
+        # The most query tokens of a decode row in every step this plan serves, where
+        # known (plan_attention: this step's; plan_decode: 1); 0: unknown (a
+        # PaddedPlan, refilled each step under a graph captured once).
+        self.decode_max_query_tokens = 0
         self.device = device
         # The three int32 lists in one copy. NOTE: from pinned memory (torch's caching
         # host allocator keeps the block until the copy has run): CUDA may make a copy
@@ -245,6 +249,8 @@ def plan_attention(
         decode_seq, _decode_splits(max(1, decode_seq.size * num_kv_heads), longest_decode, sms), device,
     )
     plan.decode_cluster = _planned_cluster(longest_decode)
+    if decode_seq.size:
+        plan.decode_max_query_tokens = int(np.diff(np.asarray(query_start_loc, dtype=np.int64))[is_decode].max())
     return plan
 
 
@@ -426,4 +432,5 @@ def plan_decode(num_rows: int, num_kv_heads: int, device: torch.device, max_seq_
     splits = _decode_splits(num_rows * num_kv_heads, max_seq_len, _sm_count(device))
     plan = AttentionPlan(empty, empty, 1, 1, rows, splits, device)
     plan.decode_cluster = _planned_cluster(max_seq_len)
+    plan.decode_max_query_tokens = 1
     return plan

@@ -138,6 +138,11 @@ struct PagedAttentionParams {
   // Keys under which a decode row of a cluster launch runs by its cluster's first
   // CTA alone (PAGEDCORE_DECODE_CLUSTER_MIN_KEYS, set by the launch; 0: none).
   int32_t decode_cluster_min_keys = 0;
+  // The most query tokens of a decode row, where the plan knows it for every launch
+  // that may use it (a step's own plan; a decode graph's: 1); 0: unknown (a padded
+  // plan refilled under a captured graph), up to kAttentionDecodeVectors / group.
+  // The fp8 trial PAGEDCORE_DECODE_TMA_LEAN=1 (attention_mma.cu) reads it.
+  int32_t decode_max_query_tokens = 0;
 };
 // Query vectors (query tokens x heads of one kv head) a work item may hold:
 // kAttentionMmaTileVectors on the tensor-core path (2-byte queries), 16 for
@@ -208,6 +213,6 @@ void paged_attention_at(std::uintptr_t out, std::uintptr_t query, std::uintptr_t
                         int32_t num_blocks, int64_t query_stride, int64_t block_tables_stride,
                         float scale, float softcap, int32_t sliding_window, DType dtype,
                         DType kv_dtype, float k_scale, float v_scale, int32_t decode_cluster,
-                        std::uintptr_t stream);
+                        int32_t decode_max_query_tokens, std::uintptr_t stream);
 
 }  // namespace pagedcore::cuda
