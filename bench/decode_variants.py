@@ -38,7 +38,8 @@ share one set of tensors, and their graphs are replayed in turn, five rounds.
                               shift, the mask only on tiles that are not whole, the rows'
                               maxima reduced only when one rises; 1, a kernel of one column
                               tile and no softcap where the plan has no decode row of more
-                              than 8 vectors; 3, both
+                              than 8 vectors (not a mixed graph's padded plan: the "mixed"
+                              cases run the wide kernel under 1 and 3); 3, both
   PAGEDCORE_DECODE_CLUSTER    rows under 512 keys, and split rows of at most
                               C x PAGEDCORE_DECODE_CLUSTER_KEYS keys (default 128), shared by
                               clusters of C = 4 or 8 CTAs, merged through distributed shared

@@ -6,6 +6,8 @@ key splits for few long rows."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -477,6 +479,35 @@ def test_decode_tma_lean_equals_the_default(monkeypatch, block_size):
             outs.append(run_cuda(block_size=block_size, head_dim=128, seed=seed, **case))
         for lean, out in zip("123", outs[1:]):
             assert torch.equal(outs[0], out), (seed, lean, (outs[0].float() - out.float()).abs().max())
+
+
+@pytest.mark.parametrize("rows, group, softcap, lean, kernel", [
+    ([(1, 3000)] * 4, 4, 0.0, "0", 0), ([(1, 3000)] * 4, 4, 0.0, "2", 2),
+    ([(1, 3000)] * 4, 4, 0.0, "1", 1), ([(1, 3000)] * 4, 4, 0.0, "3", 3),
+    ([(2, 3000), (1, 500)], 4, 0.0, "3", 3),  # (8 vectors: narrow)
+    ([(1, 3000)] * 4, 8, 0.0, "3", 3),
+    ([(3, 3000), (1, 500)], 4, 0.0, "3", 2),  # (12 vectors: wide)
+    ([(2, 3000), (1, 500)], 8, 0.0, "1", 0),  # (16 vectors: wide, the default's)
+    ([(1, 3000)] * 4, 4, 3.5, "3", 2),  # (softcap: wide)
+])
+def test_decode_tma_lean_picks_its_kernel(monkeypatch, rows, group, softcap, lean, kernel):
+    # Which kernel a launch takes under PAGEDCORE_DECODE_TMA_LEAN (the LEAN template argument,
+    # last of mma_attention_kernel's, read from the profiler's kernel names): narrow (1, 3)
+    # only where the plan has no decode row of more than 8 vectors and there is no softcap.
+    from torch.profiler import ProfilerActivity, profile
+
+    monkeypatch.setenv("PAGEDCORE_DECODE_WGMMA", "0")
+    monkeypatch.setenv("PAGEDCORE_DECODE_TMA", "2")
+    monkeypatch.setenv("PAGEDCORE_DECODE_DEEP_CTAS", "0")
+    monkeypatch.setenv("PAGEDCORE_DECODE_TMA_LEAN", lean)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run_cuda(rows, block_size=16, head_dim=128, group=group, dtype=torch.bfloat16, softcap=softcap,
+                 fp8_scales=(0.5, 2.0))
+    launched = {e.name for e in prof.events() if "mma_attention_kernel<" in e.name}
+    assert launched, sorted({e.name for e in prof.events()})
+    args = [name.split("mma_attention_kernel<", 1)[1].split(">", 1)[0].split(",") for name in launched]
+    leans = {int(re.search(r"(\d+)\s*$", a[-1]).group(1)) for a in args}
+    assert leans == {kernel}, launched
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
