@@ -1019,7 +1019,10 @@ class LLMEngine:
         host then waits for the step in flight. Serving at half load, the mixed
         passes' host time had p99 4.8-5.2 ms against 1.4 at p50 (SmolLM2), 10.9
         against 1.3 (the 8B shape: about one device step). PAGEDCORE_WARM_SAMPLING=0
-        skips this (a measurement switch). Not yet measured."""
+        skips this (a measurement switch). Measured on an H100 at 19f3a1c: without
+        it, a fresh server's first half-load turns spent ~5.5 ms of CPU after their
+        launch (bench/RESULTS.md, the thirty-sixth session); `serve`'s eager module
+        loading (cli.prefer_eager_module_loading) may make it redundant there."""
         dev = self.device
         hidden = torch.zeros((max_rows, self.spec.hidden_size), dtype=self.dtype, device=dev)
         for rows in range(1, max_rows + 1):

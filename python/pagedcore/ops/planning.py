@@ -179,9 +179,11 @@ def _decode_splits(blocks: int, longest: int, sms: int) -> int:
 
 
 def _plan_lists(query_start_loc, seq_lens, num_heads: int, num_kv_heads: int, head_dim: int | None,
-                dtype: torch.dtype | None) -> tuple[np.ndarray, np.ndarray, int, np.ndarray, np.ndarray, np.ndarray]:
+                dtype: torch.dtype | None) -> tuple[np.ndarray, np.ndarray, int, np.ndarray, np.ndarray, np.ndarray,
+                                                    np.ndarray]:
     """The host half of :func:`plan_attention`: (work_seq, work_q_start, tile
-    tokens, decode_seq, the rows' query lengths, their lengths as int64)."""
+    tokens, decode_seq, which rows are decode rows, the rows' lengths and query
+    lengths, both int64)."""
     group = num_heads // num_kv_heads
     element_size = dtype.itemsize if dtype is not None else 4
     vectors = _C.cuda_attention_tile_vectors(element_size)
@@ -213,7 +215,7 @@ def _plan_lists(query_start_loc, seq_lens, num_heads: int, num_kv_heads: int, he
         keys = seq_lens[work_seq] - q_lens[work_seq] + np.minimum(work_q_start + tile, q_lens[work_seq])
         order = np.argsort(-keys, kind="stable")
         work_seq, work_q_start = work_seq[order], work_q_start[order]
-    return work_seq, work_q_start, tile, decode_seq, is_decode, seq_lens
+    return work_seq, work_q_start, tile, decode_seq, is_decode, seq_lens, q_lens
 
 
 def plan_attention(
@@ -238,7 +240,7 @@ def plan_attention(
         kernel that serves that dtype and rows with a single query go to the
         decode kernel where it supports them.
     """
-    work_seq, work_q_start, tile, decode_seq, is_decode, seq_lens = _plan_lists(
+    work_seq, work_q_start, tile, decode_seq, is_decode, seq_lens, q_lens = _plan_lists(
         query_start_loc, seq_lens, num_heads, num_kv_heads, head_dim, dtype)
     total = work_seq.shape[0]
     sms = _sm_count(device)
@@ -250,7 +252,7 @@ def plan_attention(
     )
     plan.decode_cluster = _planned_cluster(longest_decode)
     if decode_seq.size:
-        plan.decode_max_query_tokens = int(np.diff(np.asarray(query_start_loc, dtype=np.int64))[is_decode].max())
+        plan.decode_max_query_tokens = int(q_lens[is_decode].max())
     return plan
 
 
@@ -385,7 +387,7 @@ class PaddedPlan:
         takes up to twice its splits, and decode rows up to twice its decode
         splits). ``lists``: :meth:`lists` of the step, if made."""
         plan = self.plan
-        work_seq, work_q_start, tile, decode_seq, is_decode, lens = (
+        work_seq, work_q_start, tile, decode_seq, is_decode, lens, _ = (
             lists if lists is not None else self.lists(query_start_loc, seq_lens))
         if tile != plan.tile_tokens or work_seq.shape[0] > plan.num_work or decode_seq.shape[0] > plan.num_decode:
             return False
