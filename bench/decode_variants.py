@@ -34,12 +34,12 @@ share one set of tensors, and their graphs are replayed in turn, five rounds.
                               once every warp arrived on its empty mbarrier (1, default), or
                               behind each tile's barrier (0)
   PAGEDCORE_DECODE_TMA_LEAN   the skew's tiles with fewer instructions for the same arithmetic
-                              (trials; 0, default: off): 2, K's high bytes widened without a
-                              shift, the mask only on tiles that are not whole, the rows'
-                              maxima reduced only when one rises; 1, a kernel of one column
-                              tile and no softcap where the plan has no decode row of more
-                              than 8 vectors (not a mixed graph's padded plan: the "mixed"
-                              cases run the wide kernel under 1 and 3); 3, both
+                              (1, default: K's high bytes widened without a shift, the mask
+                              only on tiles that are not whole, the rows' maxima reduced only
+                              when one rises, and a kernel of one column tile and no softcap
+                              where the plan has no decode row of more than 8 vectors: not a
+                              mixed graph's padded plan, so the "mixed" cases run wide), or the
+                              kernel before them (0)
   PAGEDCORE_DECODE_CLUSTER    rows under 512 keys, and split rows of at most
                               C x PAGEDCORE_DECODE_CLUSTER_KEYS keys (default 128), shared by
                               clusters of C = 4 or 8 CTAs, merged through distributed shared
@@ -105,9 +105,7 @@ VARIANTS = (
     ("tma L2 256B", {"PAGEDCORE_DECODE_TMA_L2": "256"}),
     ("tma warp 0 issue", {"PAGEDCORE_DECODE_TMA_SPREAD": "0"}),
     ("tma tile barrier", {"PAGEDCORE_DECODE_TMA_SKEW": "0"}),
-    ("lean softmax", {"PAGEDCORE_DECODE_TMA_LEAN": "2"}),
-    ("lean narrow", {"PAGEDCORE_DECODE_TMA_LEAN": "1"}),
-    ("lean both", {"PAGEDCORE_DECODE_TMA_LEAN": "3"}),
+    ("lean off", {"PAGEDCORE_DECODE_TMA_LEAN": "0"}),
     ("cluster off", {"PAGEDCORE_DECODE_CLUSTER": "0"}),
     ("cluster 4 barrier", {"PAGEDCORE_DECODE_CLUSTER": "4", "PAGEDCORE_DECODE_CLUSTER_ASYNC": "0"}),
     ("cluster 8 barrier", {"PAGEDCORE_DECODE_CLUSTER": "8", "PAGEDCORE_DECODE_CLUSTER_ASYNC": "0"}),

@@ -177,22 +177,29 @@ constexpr cudaError_t kClusterLaunchTooLarge = cudaErrorCooperativeLaunchTooLarg
 // two CTAs an SM of five warps put three warps on some scheduler, which caps
 // the registers at 168 (spilling) where the four-warp kernel takes ~205.
 constexpr int kTmaSkew = 2;
-// LEAN (a trial, PAGEDCORE_DECODE_TMA_LEAN=2 over the skew's TMA tiles; the same
-// arithmetic, fewer instructions a tile): kLeanSoftmax: K's high byte pairs
+// LEAN (the default over the skew's TMA tiles since the thirty-seventh session;
+// PAGEDCORE_DECODE_TMA_LEAN=0 keeps the kernel before it; the same arithmetic,
+// bit for bit, with fewer instructions a tile): kLeanSoftmax: K's high byte pairs
 // widened from the word's high half (no shift); the scores' mask only on tiles
 // that are not whole (one branch a tile, where the select ran on every score);
 // and the row maxima reduced across lanes only when some lane's own maximum
 // would raise its row's (m is the same on the 8 lanes of a row, so the vote is
-// the same: the shuffles leave the common path). Counted on prototypes at
-// 1b60b77 (the common path's issued SASS, a warp a tile): 858, 834 with the vote
-// alone, 824 with the high halves alone; the whole kernel's SHF 122 -> 93 here.
-// Not measured on a GPU yet. kLeanNarrow (PAGEDCORE_DECODE_TMA_LEAN=1, or 3 with
-// the above): launches whose plan says that no decode row holds more than 8 query
-// vectors (p.decode_max_query_tokens x group) and that have no softcap take a
-// kernel built for that: one column tile (the second's 32 mma a warp a tile, idle
-// there, go: ptxas issued them predicated off), no softcap arm; 748 for the
-// prototype's 858 (601 with kLeanSoftmax). A row of more vectors in such a launch
-// would be a planning bug: the kernel traps.
+// the same: the shuffles leave the common path). kLeanNarrow, with it: launches
+// whose plan says that no decode row holds more than 8 query vectors
+// (p.decode_max_query_tokens x group) and that have no softcap take a kernel
+// built for that: one column tile (the second's 32 mma a warp a tile, idle
+// there, go: ptxas issued them predicated off), no softcap arm, 119 registers
+// for ~205. A row of more vectors in such a launch would be a planning bug: the
+// kernel traps. Counted on prototypes at 1b60b77 (the common path's issued SASS,
+// a warp a tile): 858, 824 with the high halves alone, 834 with the vote alone,
+// 748 narrow, 601 both. NOTE: measured on an H100 at 1e7be4a (decode_variants.py,
+// us, the old kernel / kLeanSoftmax alone / kLeanNarrow alone / both, in one
+// process): fp8 B=64 L=4k 188.1 / 186.3 / 186.7 / 184.9; B=64 L=1k 56.7 / 55.4 /
+// 55.5 / 54.5, again 56.3 / 55.0 / 55.1 / 54.1; B=512 L=4k one kv head 184.5 /
+// 182.5 / 183.3 / 181.5; SmolLM2's fp8 shape and the 8B graph plan the same in
+// all four; a third run, old / both: 188.1 / 184.6, 56.2 / 54.3, 184.4 / 181.3.
+// Each alone is gone as a choice (kLeanSoftmax alone is the default's wide
+// kernel, where a plan does not allow narrow).
 constexpr int kLeanSoftmax = 2, kLeanNarrow = 1;
 // NOTE: TMA tiles: a refill of the stage the last tile freed before the wait
 // for the next tile (not after it; 73c4263, both kernels) measured 145.8 / 142.2
@@ -1839,19 +1846,13 @@ int launch_decode(const PagedAttentionParams& p, cudaStream_t stream, int flags,
             if (mix == 1 && decode_tma_serves(p) && encode_decode_maps<HD>(p, maps, 128)) {
               // (PAGEDCORE_DECODE_TMA_SPREAD=0, warp 0's issue, keeps each tile's barrier)
               if ((flags & kTmaSpread) != 0 && env_int("PAGEDCORE_DECODE_TMA_SKEW", 1) != 0) {
-                // (trials: above, kLeanSoftmax and kLeanNarrow)
-                const int lean = env_int("PAGEDCORE_DECODE_TMA_LEAN", 0);
-                const bool narrow = (lean & kLeanNarrow) != 0 && p.softcap == 0.f && p.decode_max_query_tokens > 0 &&
-                                    p.decode_max_query_tokens * (p.num_heads / p.num_kv_heads) <= 8;
-                if (narrow && (lean & kLeanSoftmax) != 0) {
-                  return launch_variant<T, CT, HD, true, 3, kCvtIntV, 128, 0, true, kTmaSkew, 1,
-                                        kLeanSoftmax | kLeanNarrow>(p, stream, flags, maps);
-                }
-                if (narrow) {
-                  return launch_variant<T, CT, HD, true, 3, kCvtIntV, 128, 0, true, kTmaSkew, 1, kLeanNarrow>(
-                      p, stream, flags, maps);
-                }
-                if ((lean & kLeanSoftmax) != 0) {
+                // (above, kLeanSoftmax and kLeanNarrow; PAGEDCORE_DECODE_TMA_LEAN=0: neither)
+                if (env_int("PAGEDCORE_DECODE_TMA_LEAN", 1) != 0) {
+                  if (p.softcap == 0.f && p.decode_max_query_tokens > 0 &&
+                      p.decode_max_query_tokens * (p.num_heads / p.num_kv_heads) <= 8) {
+                    return launch_variant<T, CT, HD, true, 3, kCvtIntV, 128, 0, true, kTmaSkew, 1,
+                                          kLeanSoftmax | kLeanNarrow>(p, stream, flags, maps);
+                  }
                   return launch_variant<T, CT, HD, true, 3, kCvtIntV, 128, 0, true, kTmaSkew, 1, kLeanSoftmax>(
                       p, stream, flags, maps);
                 }

@@ -424,7 +424,7 @@ def test_decode_splits_halve_launches_of_one_to_one_and_a_half_ctas_an_sm(monkey
 
 
 def test_a_plan_says_how_many_query_tokens_its_decode_rows_hold_at_most() -> None:
-    # (the fp8 trial PAGEDCORE_DECODE_TMA_LEAN=1 takes its narrow kernel where that times
+    # (fp8 decode's TMA tiles take their narrow kernel where that times
     # the group is at most 8 vectors; 0: unknown, never narrow)
     cpu = torch.device("cpu")
     # rows of 1, 2 and 1 query tokens (decode: at most 16 vectors at group 4) and a 100-token chunk

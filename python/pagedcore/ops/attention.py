@@ -96,8 +96,9 @@ def paged_attention(
         per step and shared by every layer. Without it the plan is made here (which
         reads ``query_start_loc`` and ``seq_lens`` back to the host). A plan serves
         only steps whose decode rows hold at most its ``decode_max_query_tokens``
-        query tokens (where it is not 0): the fp8 trial PAGEDCORE_DECODE_TMA_LEAN=1
-        launches a kernel built for no more, which traps on a longer row.
+        query tokens (where it is not 0): fp8 decode at head dim 128 launches a kernel
+        built for no more where that is at most 8 query vectors a row, which traps on a
+        longer row.
     k_scale, v_scale : float, optional
         fp8 caches only: the scales the cache was written with.
 
