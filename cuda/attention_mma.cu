@@ -201,6 +201,16 @@ constexpr int kTmaSkew = 2;
 // Each alone is gone as a choice (kLeanSoftmax alone is the default's wide
 // kernel, where a plan does not allow narrow).
 constexpr int kLeanSoftmax = 2, kLeanNarrow = 1;
+// kLeanNoFence (a trial with the above, PAGEDCORE_DECODE_TMA_FENCE=0): the boxes
+// that refill a stage go out without the proxy fence before them (SASS: a
+// MEMBAR.ALL.CTA and a FENCE on each warp's lane 0, every tile). The stage's
+// earlier reads are ordinary shared loads of every warp, ordered before the
+// refill by the stage's empty mbarrier (each warp arrives after its reads, the
+// issuer waits before its boxes), as a TMA pipeline's consumer release usually
+// is, with no proxy fence: fence.proxy.async orders the generic proxy's writes
+// before the async proxy reads them, and no warp writes a stage. Not measured
+// on a GPU yet.
+constexpr int kLeanNoFence = 8;
 // NOTE: TMA tiles: a refill of the stage the last tile freed before the wait
 // for the next tile (not after it; 73c4263, both kernels) measured 145.8 / 142.2
 // against 146.1 / 140.4 us at fp8 B=64 L=4k (L2 promotion 256 / 128): deleted.
@@ -524,6 +534,8 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
                 "clusters: decode without TMA, 2, 4 or 8 CTAs");
   static_assert(LEAN == 0 || (KM && FP8 && !KINT), "LEAN: keys in M over fp8, K widened by the cvt");
   constexpr bool kLeanSm = (LEAN & kLeanSoftmax) != 0, kNarrow = (LEAN & kLeanNarrow) != 0;
+  constexpr bool kNoFence = (LEAN & kLeanNoFence) != 0;
+  static_assert(!kNoFence || TMA == kTmaSkew, "kLeanNoFence: the skew's refills, behind empty mbarriers");
   auto soff = [](int r, int b) { return staged_offset<PAD>(r, b, SROW); };
   constexpr int WK = DECODE ? KT / kWarps : KT;                      // keys per warp per tile
   constexpr int KSTEPS = HD / 16;
@@ -842,7 +854,7 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
     auto tma_spread = [&](int t) {
       const int j = lane * kWarps + warp;
       const int kb = c0 + t * KT + j * bs;  // (c0: a block boundary)
-      if (lane == 0) tma_fence_proxy();
+      if (lane == 0 && !kNoFence) tma_fence_proxy();
       __syncwarp();
       if constexpr (TMA) {
         if (j * bs < KT && kb < c1) {
@@ -1848,10 +1860,19 @@ int launch_decode(const PagedAttentionParams& p, cudaStream_t stream, int flags,
               if ((flags & kTmaSpread) != 0 && env_int("PAGEDCORE_DECODE_TMA_SKEW", 1) != 0) {
                 // (above, kLeanSoftmax and kLeanNarrow; PAGEDCORE_DECODE_TMA_LEAN=0: neither)
                 if (env_int("PAGEDCORE_DECODE_TMA_LEAN", 1) != 0) {
+                  const bool fence = env_int("PAGEDCORE_DECODE_TMA_FENCE", 1) != 0;  // (kLeanNoFence)
                   if (p.softcap == 0.f && p.decode_max_query_tokens > 0 &&
                       p.decode_max_query_tokens * (p.num_heads / p.num_kv_heads) <= 8) {
+                    if (!fence) {
+                      return launch_variant<T, CT, HD, true, 3, kCvtIntV, 128, 0, true, kTmaSkew, 1,
+                                            kLeanSoftmax | kLeanNarrow | kLeanNoFence>(p, stream, flags, maps);
+                    }
                     return launch_variant<T, CT, HD, true, 3, kCvtIntV, 128, 0, true, kTmaSkew, 1,
                                           kLeanSoftmax | kLeanNarrow>(p, stream, flags, maps);
+                  }
+                  if (!fence) {
+                    return launch_variant<T, CT, HD, true, 3, kCvtIntV, 128, 0, true, kTmaSkew, 1,
+                                          kLeanSoftmax | kLeanNoFence>(p, stream, flags, maps);
                   }
                   return launch_variant<T, CT, HD, true, 3, kCvtIntV, 128, 0, true, kTmaSkew, 1, kLeanSoftmax>(
                       p, stream, flags, maps);

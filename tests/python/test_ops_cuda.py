@@ -441,8 +441,9 @@ def test_decode_tma_fp8(monkeypatch, block_size, kernel):
              dtype=torch.bfloat16, fp8_scales=(0.5, 2.0))
 
 
+@pytest.mark.parametrize("switch", ["PAGEDCORE_DECODE_TMA_LEAN", "PAGEDCORE_DECODE_TMA_FENCE"])
 @pytest.mark.parametrize("block_size", [16, 128])
-def test_decode_tma_lean_equals_the_kernel_before_it(monkeypatch, block_size):
+def test_decode_tma_lean_equals_the_kernel_before_it(monkeypatch, block_size, switch):
     # The default's lean tiles (attention_mma.cu, LEAN) issue fewer instructions for the
     # same arithmetic as the kernel before them (PAGEDCORE_DECODE_TMA_LEAN=0): kLeanSoftmax,
     # K's high byte pairs widened without a shift, the mask only on tiles that are not
@@ -453,7 +454,9 @@ def test_decode_tma_lean_equals_the_kernel_before_it(monkeypatch, block_size):
     # and partial tiles, windows, key splits, heads scaled up to 64x (sharp scores: rows'
     # maxima rise in later tiles, the rescale's path), rows of 2 queries x group 4 (8
     # vectors: narrow), and where narrow may not run (group 8 x 2 queries, the second
-    # column tile; softcap; a graph's padded plan) the launch takes the wide one.
+    # column tile; softcap; a graph's padded plan) the launch takes the wide one. Also the
+    # trial PAGEDCORE_DECODE_TMA_FENCE=0 (no proxy fence before a stage's refill: the same
+    # arithmetic, so the same outputs, on every case).
     monkeypatch.setenv("PAGEDCORE_DECODE_WGMMA", "0")
     monkeypatch.setenv("PAGEDCORE_DECODE_TMA", "2")
     monkeypatch.setenv("PAGEDCORE_DECODE_DEEP_CTAS", "0")
@@ -475,39 +478,46 @@ def test_decode_tma_lean_equals_the_kernel_before_it(monkeypatch, block_size):
     ]
     for seed, case in enumerate(cases):
         outs = []
-        for lean in ("0", None):
-            if lean is None:
-                monkeypatch.delenv("PAGEDCORE_DECODE_TMA_LEAN", raising=False)
+        for value in ("0", None):
+            if value is None:
+                monkeypatch.delenv(switch, raising=False)
             else:
-                monkeypatch.setenv("PAGEDCORE_DECODE_TMA_LEAN", lean)
+                monkeypatch.setenv(switch, value)
             outs.append(run_cuda(block_size=block_size, head_dim=128, seed=seed, **case))
         assert torch.equal(outs[0], outs[1]), (seed, (outs[0].float() - outs[1].float()).abs().max())
 
 
-@pytest.mark.parametrize("rows, group, softcap, lean, kernel", [
-    ([(1, 3000)] * 4, 4, 0.0, None, 3), ([(1, 3000)] * 4, 4, 0.0, "0", 0),
-    ([(2, 3000), (1, 500)], 4, 0.0, None, 3),  # (8 vectors: narrow)
-    ([(1, 3000)] * 4, 8, 0.0, None, 3),
-    ([(3, 3000), (1, 500)], 4, 0.0, None, 2),  # (12 vectors: wide)
-    ([(2, 3000), (1, 500)], 8, 0.0, None, 2),  # (16 vectors: wide)
-    ([(2, 3000), (1, 500)], 8, 0.0, "0", 0),
-    ([(1, 3000)] * 4, 4, 3.5, None, 2),  # (softcap: wide)
+_LEAN_OFF = {"PAGEDCORE_DECODE_TMA_LEAN": "0"}
+_NO_FENCE = {"PAGEDCORE_DECODE_TMA_FENCE": "0"}
+
+
+@pytest.mark.parametrize("rows, group, softcap, env, kernel", [
+    ([(1, 3000)] * 4, 4, 0.0, {}, 3), ([(1, 3000)] * 4, 4, 0.0, _LEAN_OFF, 0),
+    ([(2, 3000), (1, 500)], 4, 0.0, {}, 3),  # (8 vectors: narrow)
+    ([(1, 3000)] * 4, 8, 0.0, {}, 3),
+    ([(3, 3000), (1, 500)], 4, 0.0, {}, 2),  # (12 vectors: wide)
+    ([(2, 3000), (1, 500)], 8, 0.0, {}, 2),  # (16 vectors: wide)
+    ([(2, 3000), (1, 500)], 8, 0.0, _LEAN_OFF, 0),
+    ([(1, 3000)] * 4, 4, 3.5, {}, 2),  # (softcap: wide)
+    ([(1, 3000)] * 4, 4, 0.0, _NO_FENCE, 11), ([(1, 3000)] * 4, 4, 3.5, _NO_FENCE, 10),
+    ([(1, 3000)] * 4, 4, 0.0, {**_LEAN_OFF, **_NO_FENCE}, 0),
 ])
-def test_decode_tma_lean_picks_its_kernel(monkeypatch, rows, group, softcap, lean, kernel):
+def test_decode_tma_lean_picks_its_kernel(monkeypatch, rows, group, softcap, env, kernel):
     # Which kernel a launch takes (the LEAN template argument, last of mma_attention_kernel's,
     # read from the profiler's kernel names): by default narrow and lean (3) only where the
     # plan has no decode row of more than 8 vectors and there is no softcap, else lean and
-    # wide (2); PAGEDCORE_DECODE_TMA_LEAN=0, the kernel before them (0). (Not under
-    # compute-sanitizer: the profiler's CUPTI takes no second subscriber.)
+    # wide (2); PAGEDCORE_DECODE_TMA_LEAN=0, the kernel before them (0); the trial
+    # PAGEDCORE_DECODE_TMA_FENCE=0, either lean kernel without the refills' proxy fence
+    # (+8). (Not under compute-sanitizer: the profiler's CUPTI takes no second subscriber.)
     from torch.profiler import ProfilerActivity, profile
 
     monkeypatch.setenv("PAGEDCORE_DECODE_WGMMA", "0")
     monkeypatch.setenv("PAGEDCORE_DECODE_TMA", "2")
     monkeypatch.setenv("PAGEDCORE_DECODE_DEEP_CTAS", "0")
-    if lean is None:
-        monkeypatch.delenv("PAGEDCORE_DECODE_TMA_LEAN", raising=False)
-    else:
-        monkeypatch.setenv("PAGEDCORE_DECODE_TMA_LEAN", lean)
+    for name in ("PAGEDCORE_DECODE_TMA_LEAN", "PAGEDCORE_DECODE_TMA_FENCE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         run_cuda(rows, block_size=16, head_dim=128, group=group, dtype=torch.bfloat16, softcap=softcap,
                  fp8_scales=(0.5, 2.0))
