@@ -211,6 +211,25 @@ constexpr int kLeanSoftmax = 2, kLeanNarrow = 1;
 // before the async proxy reads them, and no warp writes a stage. Not measured
 // on a GPU yet.
 constexpr int kLeanNoFence = 8;
+// kLeanPipelined (a trial, opt-in: PAGEDCORE_DECODE_TMA_PIPELINE=1, only with
+// kLeanSoftmax | kLeanNarrow, i.e. LEAN 7 where the default takes 3): cross-tile
+// software pipelining of the narrow lean tile body. Per tile t: the softmax of
+// scores computed in the iteration before; the wait for tile t + 1; then Q K(t +
+// 1) and P V(t) in one basic block, so that the shared loads, widenings and mma
+// chains of the two tiles interleave within a warp (without it Q K(t + 1) waits
+// behind P V(t), the release, the loop's branch and the next wait, and with two
+// warps a scheduler little else hides those chains); then the skew's release of
+// tile t. The last tile of each staged-table chunk is peeled off, and the
+// pipeline restarts at each chunk. The same operations per element in the same
+// order as LEAN 3: bit for bit its output (tests compare them). Read in the
+// SASS (nvcc 13.0, sm_90): 126 registers (LEAN 3: 123-125), no spills; Q K(t +
+// 1)'s 32 LDS / 64 F2FP / 16 HMMA and P V(t)'s 8 LDSM / 64 PRMT / 16 HMMA in one
+// straight block of 379 instructions, which ptxas orders mostly P V first, Q K
+// after, overlapping where they meet; the common path issues 593 instructions
+// a warp a tile against LEAN 3's 579 (the same floating-point ones; more
+// address arithmetic: two tiles' stages an iteration). NOTE: compiled and its
+// SASS read only; not yet measured on a GPU.
+constexpr int kLeanPipelined = 4;
 // NOTE: TMA tiles: a refill of the stage the last tile freed before the wait
 // for the next tile (not after it; 73c4263, both kernels) measured 145.8 / 142.2
 // against 146.1 / 140.4 us at fp8 B=64 L=4k (L2 promotion 256 / 128): deleted.
@@ -536,6 +555,10 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
   constexpr bool kLeanSm = (LEAN & kLeanSoftmax) != 0, kNarrow = (LEAN & kLeanNarrow) != 0;
   constexpr bool kNoFence = (LEAN & kLeanNoFence) != 0;
   static_assert(!kNoFence || TMA == kTmaSkew, "kLeanNoFence: the skew's refills, behind empty mbarriers");
+  constexpr bool kPipe = (LEAN & kLeanPipelined) != 0;
+  static_assert(!kPipe || (LEAN == (kLeanSoftmax | kLeanNarrow | kLeanPipelined) && TMA == kTmaSkew && DECODE &&
+                           KT == 128 && STAGES == 3),
+                "kLeanPipelined: with kLeanSoftmax | kLeanNarrow over the skew's TMA tiles");
   auto soff = [](int r, int b) { return staged_offset<PAD>(r, b, SROW); };
   constexpr int WK = DECODE ? KT / kWarps : KT;                      // keys per warp per tile
   constexpr int KSTEPS = HD / 16;
@@ -879,6 +902,212 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
         cp_async_commit();
       }
     }
+    if constexpr (kPipe) {
+      // kLeanPipelined (above, at the LEAN constants): tile t's softmax from the
+      // scores computed in the iteration before; then the wait for tile t + 1;
+      // then Q K(t + 1) and P V(t), written interleaved, with no branch between
+      // them (one basic block); then tile t's release as the skew's. The last
+      // tile is peeled off; the pipeline restarts at each chunk. The scores, the
+      // running max and sum and P V's order per accumulator are the kernel's
+      // without the bit (the narrow lean body): the same operations, in the same
+      // order per element; only their issue order changes.
+      // - Full barriers: every thread waits on every tile of the chunk, in tile
+      //   order (tile 0 before the loop, t + 1 in iteration t), so tma_phase
+      //   toggles as without the bit. After its wait for tile u, thread 0 arms
+      //   tile u + 2 (the stage of u - 1, whose phase it has waited for), as
+      //   without the bit; that is before its own arrive on tile u's empty
+      //   barrier, which every refill of tile u + 2 waits for.
+      // - Empty barriers: a warp reads tile t's K in iteration t - 1 (or before
+      //   the loop) and its V in iteration t, then arrives on tile t's empty
+      //   barrier (release): no stage is refilled while a warp may still read
+      //   it. Tile t + 2 goes into the stage of tile t - 1 after that stage's
+      //   empty phase (every warp's P V(t - 1) done), as without the bit.
+      // - Skipped keys: a warp whose keys start past the chunk's end (or past the
+      //   row's last position) skips the tile without the bit. Only the last
+      //   tile of a chunk can (the keys of the tiles before it are all below c1,
+      //   and c1 <= k_hi = the decode row's last position + 1), so the peeled last
+      //   tile keeps that test; its Q K ran in the iteration before on whatever
+      //   bytes the stage held, scores then unused. A row of no vectors (no
+      //   output) would have its tiles masked (key_to -1) instead of skipped.
+      //   Keys of a partial last tile past c1 are masked to -inf before the max
+      //   (a select: NaN bytes of a stale stage do not matter); V stays finite
+      //   (VINT). Windows and splits change only c0, c1 and the masks, as
+      //   without the bit; a row of 1 tile runs the peeled tile alone; rows of
+      //   more than 8 vectors trapped above.
+      static_assert(KM && FP8 && kNarrow && kLeanSm && !KINT && VINT && WK == SUB && DECODE, "pipelined: narrow lean");
+      constexpr int KB = SUB / 16;  // 16-key blocks a warp a tile
+      constexpr int HT = HD / 16;   // 16-dim row tiles of O^T
+      constexpr float kSlack = 8.f;  // (as below)
+      float st[KB][4], st2[KB][4];   // S^T of the tile whose Q K ran last (odd k steps in st2)
+      auto wait_full = [&](int u) {
+        const int s = u % kStages;
+        tma_wait(tma_bars + 8 * s, (tma_phase >> s) & 1u);
+        tma_phase ^= 1u << s;
+        if (u + kStages - 1 < n_tiles && threadIdx.x == 0) {
+          tma_expect_bytes(tma_bars + 8 * ((u + kStages - 1) % kStages), tma_bytes(u + kStages - 1));
+        }
+      };
+      // Q K(u), k steps 2 i and 2 i + 1 of key block kb (their K words, widened).
+      auto qk_steps = [&](const unsigned char* ks, int kb, int i) {
+#pragma unroll
+        for (int s = 2 * i; s < 2 * i + 2; ++s) {
+          uint32_t a[4];
+          const uint32_t w0 = *reinterpret_cast<const uint32_t*>(ks + at(wk0 + 16 * kb, k_lane, 16 * s));
+          const uint32_t w1 = *reinterpret_cast<const uint32_t*>(ks + at(wk0 + 16 * kb + 8, k_lane, 16 * s));
+          a[0] = fp8x2_to_half2(w0);
+          a[1] = fp8x2_to_half2(w1);
+          a[2] = fp8x2_hi_to_half2(w0);
+          a[3] = fp8x2_hi_to_half2(w1);
+          mma16816<MT>(s % 2 ? st2[kb] : st[kb], a, qf[s][0], qf[s][2]);
+        }
+      };
+      auto qk_zero = [&]() {
+#pragma unroll
+        for (int kb = 0; kb < KB; ++kb) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) st[kb][i] = st2[kb][i] = 0.f;
+        }
+      };
+      // P V(u), the 32 dims of j of key block kb.
+      auto pv_dims = [&](uint32_t vaddr, const uint32_t (&pb)[KB][2], int kb, int j) {
+        uint32_t b[4];  // keys (+ 0, + 8) x byte pairs (16 j, 16 j + 8) + lane / 4
+        ldmatrix_x4_trans(vaddr + at(wk0 + 16 * kb, v_lane, 32 * j), b);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const uint32_t a[4] = {even_dims(b[2 * h]), odd_dims(b[2 * h]), even_dims(b[2 * h + 1]),
+                                 odd_dims(b[2 * h + 1])};
+          mma16816<MT>(acc[2 * j + h], a, pb[kb][0], pb[kb][1]);
+        }
+      };
+      auto v_addr = [&](int u) { return smem_addr(stages + (u % kStages) * 2 * KT * SROW + KT * SROW); };
+      auto k_stage = [&](int u) { return static_cast<const unsigned char*>(stages + (u % kStages) * 2 * KT * SROW); };
+      // Tile u's softmax over st / st2 (Q K(u)): P^T's B fragments into pb, m, l
+      // and acc as the narrow lean body leaves them.
+      auto softmax = [&](int u, uint32_t (&pb)[KB][2]) {
+        const int kbase = c0 + u * KT + wk0;
+        const bool whole = kbase + SUB <= c1 && kbase + SUB - 1 <= warp_first_pos &&
+                           (p.sliding_window == 0 || kbase > warp_last_pos - p.sliding_window);
+        float tmax[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
+#pragma unroll
+        for (int kb = 0; kb < KB; ++kb) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) st[kb][i] = (st[kb][i] + st2[kb][i]) * score_log2;
+        }
+        if (!whole) {
+          int key_from[2], key_to[2];
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            const int v = 2 * qd + r;
+            const int pos = first_pos + v / group;
+            key_from[r] = p.sliding_window > 0 ? pos - p.sliding_window + 1 : 0;
+            key_to[r] = v < num_vectors ? min(pos, c1 - 1) : -1;
+          }
+#pragma unroll
+          for (int kb = 0; kb < KB; ++kb) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+              const int key = kbase + 16 * kb + lane / 4 + 8 * (i / 2);
+              if (!(key >= key_from[i % 2] && key <= key_to[i % 2])) st[kb][i] = -INFINITY;
+            }
+          }
+        }
+#pragma unroll
+        for (int kb = 0; kb < KB; ++kb) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) tmax[i % 2] = fmaxf(tmax[i % 2], st[kb][i]);
+        }
+        bool grow = false;
+#pragma unroll
+        for (int r = 0; r < 4; ++r) grow |= tmax[r] > m[r] + kSlack;  // (this lane's maxima)
+        if (__any_sync(0xffffffffu, grow)) {
+          float corr[4];
+#pragma unroll
+          for (int r = 0; r < 4; ++r) {  // (the rows' maxima across their 8 lanes, now)
+            tmax[r] = fmaxf(tmax[r], __shfl_xor_sync(0xffffffffu, tmax[r], 4));
+            tmax[r] = fmaxf(tmax[r], __shfl_xor_sync(0xffffffffu, tmax[r], 8));
+            tmax[r] = fmaxf(tmax[r], __shfl_xor_sync(0xffffffffu, tmax[r], 16));
+          }
+#pragma unroll
+          for (int r = 0; r < 4; ++r) corr[r] = raise_max(m[r], l[r], tmax[r]);
+#pragma unroll
+          for (int n = 0; n < 2 * HT; ++n) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) acc[n][i] *= corr[2 * (n / HT) + i % 2];
+          }
+        }
+#pragma unroll
+        for (int kb = 0; kb < KB; ++kb) {
+          float e[4];
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            e[i] = fast_exp2(st[kb][i] - (m[i % 2] == -INFINITY ? 0.f : m[i % 2]));
+            l[i % 2] += e[i];
+          }
+          pb[kb][0] = movmatrix_trans(pack2<MT>(e[0], e[1]));
+          pb[kb][1] = movmatrix_trans(pack2<MT>(e[2], e[3]));
+        }
+      };
+      // Tile u's release (the skew's): this warp's arrive on its empty barrier,
+      // then tile u + 2 into the stage of tile u - 1 once every warp has left it.
+      auto release = [&](int u) {
+        __syncwarp();  // (every lane's reads of the stage are done)
+        if (lane == 0) tma_arrive(empty_bars + 8 * (u % kStages));
+        empty_phase ^= 1u << (u % kStages);
+        if (u + kStages - 1 < n_tiles) {
+          if (u >= 1) {  // (tile u - 1's phase: its bit was toggled once since)
+            const int sp = (u - 1) % kStages;
+            tma_wait(empty_bars + 8 * sp, ((empty_phase >> sp) & 1u) ^ 1u);
+          }
+          tma_spread(u + kStages - 1);
+        }
+      };
+
+      wait_full(0);
+      qk_zero();
+      {
+        const unsigned char* ks = k_stage(0);
+#pragma unroll
+        for (int kb = 0; kb < KB; ++kb) {
+#pragma unroll
+          for (int i = 0; i < KSTEPS / 2; ++i) qk_steps(ks, kb, i);
+        }
+      }
+      for (int t = 0; t + 1 < n_tiles; ++t) {
+        uint32_t pb[KB][2];
+        softmax(t, pb);
+        wait_full(t + 1);
+        // Q K(t + 1) and P V(t): independent chains, in one block.
+        qk_zero();
+        const unsigned char* ks = k_stage(t + 1);
+        const uint32_t vaddr = v_addr(t);
+        static_assert(KSTEPS / 2 == HD / 32, "two k steps of Q K beside each 32 dims of P V");
+#pragma unroll
+        for (int kb = 0; kb < KB; ++kb) {
+#pragma unroll
+          for (int j = 0; j < HD / 32; ++j) {
+            qk_steps(ks, kb, j);
+            pv_dims(vaddr, pb, kb, j);
+          }
+        }
+        release(t);
+      }
+      {
+        const int t = n_tiles - 1;
+        const int kbase = c0 + t * KT + wk0;
+        const bool skip = !warp_active || kbase >= c1 || kbase > warp_last_pos;
+        if (!skip) {
+          uint32_t pb[KB][2];
+          softmax(t, pb);
+          const uint32_t vaddr = v_addr(t);
+#pragma unroll
+          for (int kb = 0; kb < KB; ++kb) {
+#pragma unroll
+            for (int j = 0; j < HD / 32; ++j) pv_dims(vaddr, pb, kb, j);
+          }
+        }
+        release(t);
+      }
+    } else
     for (int t = 0; t < n_tiles; ++t) {
       if constexpr (TMA) {
         const int st = t % kStages;
@@ -1863,6 +2092,12 @@ int launch_decode(const PagedAttentionParams& p, cudaStream_t stream, int flags,
                   const bool fence = env_int("PAGEDCORE_DECODE_TMA_FENCE", 1) != 0;  // (kLeanNoFence)
                   if (p.softcap == 0.f && p.decode_max_query_tokens > 0 &&
                       p.decode_max_query_tokens * (p.num_heads / p.num_kv_heads) <= 8) {
+                    // (PAGEDCORE_DECODE_TMA_PIPELINE=1: the trial of kLeanPipelined, where narrow
+                    // serves, with the fence: it takes precedence over PAGEDCORE_DECODE_TMA_FENCE=0)
+                    if (env_int("PAGEDCORE_DECODE_TMA_PIPELINE", 0) == 1) {
+                      return launch_variant<T, CT, HD, true, 3, kCvtIntV, 128, 0, true, kTmaSkew, 1,
+                                            kLeanSoftmax | kLeanNarrow | kLeanPipelined>(p, stream, flags, maps);
+                    }
                     if (!fence) {
                       return launch_variant<T, CT, HD, true, 3, kCvtIntV, 128, 0, true, kTmaSkew, 1,
                                             kLeanSoftmax | kLeanNarrow | kLeanNoFence>(p, stream, flags, maps);

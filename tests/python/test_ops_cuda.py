@@ -403,7 +403,8 @@ def test_decode_cluster_by_default(monkeypatch):
              graph_plan_len=8192, repeat=2)
 
 
-@pytest.mark.parametrize("kernel", ["wgmma", "mma", "mma-warp0-issue", "mma-tile-barrier", "mma-lean-off"])
+@pytest.mark.parametrize("kernel", ["wgmma", "mma", "mma-warp0-issue", "mma-tile-barrier", "mma-lean-off",
+                                    "mma-pipelined"])
 @pytest.mark.parametrize("block_size", [8, 16, 32, 128])
 def test_decode_tma_fp8(monkeypatch, block_size, kernel):
     # fp8 decode at head dim 128 with its K/V tiles brought by bulk tensor copies, one
@@ -418,7 +419,9 @@ def test_decode_tma_fp8(monkeypatch, block_size, kernel):
     # mbarrier (the default), by every warp behind each tile's barrier (PAGEDCORE_DECODE_TMA_SKEW=0),
     # or by warp 0 alone behind it (PAGEDCORE_DECODE_TMA_SPREAD=0); the default's tiles lean
     # (the narrow kernel where a plan allows it), "mma-lean-off" the kernel before them
-    # (PAGEDCORE_DECODE_TMA_LEAN=0; test_decode_tma_lean_equals_the_kernel_before_it).
+    # (PAGEDCORE_DECODE_TMA_LEAN=0; test_decode_tma_lean_equals_the_kernel_before_it),
+    # "mma-pipelined" the opt-in trial of cross-tile pipelining where narrow serves
+    # (PAGEDCORE_DECODE_TMA_PIPELINE=1; test_decode_tma_pipelined_equals_the_default).
     if kernel == "wgmma":
         monkeypatch.setenv("PAGEDCORE_DECODE_WGMMA", "2")
     else:
@@ -427,6 +430,10 @@ def test_decode_tma_fp8(monkeypatch, block_size, kernel):
         monkeypatch.setenv("PAGEDCORE_DECODE_TMA_SPREAD", "0" if kernel == "mma-warp0-issue" else "1")
         monkeypatch.setenv("PAGEDCORE_DECODE_TMA_SKEW", "0" if kernel == "mma-tile-barrier" else "1")
         monkeypatch.setenv("PAGEDCORE_DECODE_TMA_LEAN", "0" if kernel == "mma-lean-off" else "1")
+        if kernel == "mma-pipelined":
+            monkeypatch.setenv("PAGEDCORE_DECODE_TMA_PIPELINE", "1")
+        else:
+            monkeypatch.delenv("PAGEDCORE_DECODE_TMA_PIPELINE", raising=False)
     monkeypatch.setenv("PAGEDCORE_DECODE_DEEP_CTAS", "0")
     lengths = [1, 17, 255, 256, 513, 1500, 4097, 9000]
     for window in (0, 300):
@@ -439,6 +446,27 @@ def test_decode_tma_fp8(monkeypatch, block_size, kernel):
              softcap=3.5, fp8_scales=(0.25, 0.75))
     run_cuda([(2, 100), (4, 3000), (3, 6000), (1, 20)], block_size=block_size, head_dim=128, group=4,
              dtype=torch.bfloat16, fp8_scales=(0.5, 2.0))
+
+
+def tma_lean_cases(block_size):
+    # The cases of test_decode_tma_lean_equals_the_kernel_before_it and of
+    # test_decode_tma_pipelined_equals_the_default.
+    return [
+        dict(rows=[(1, n) for n in (1, 17, 255, 256, 513, 1500, 4097, 9000)], group=4, dtype=torch.float16,
+             window=0, softcap=0.0, fp8_scales=(0.5, 1.5), graph_plan_len=16384),
+        dict(rows=[(1, n) for n in (300, 2000, 5000)], group=4, dtype=torch.bfloat16, window=300, softcap=0.0,
+             fp8_scales=(1.0, 1.0)),
+        dict(rows=[(1, n) for n in (700, 4097)], group=4, dtype=torch.float16, window=0, softcap=0.0,
+             fp8_scales=(1.0, 1.0), head_scales=[1.0, 16.0, 64.0, 0.25, 4.0, 32.0, 1.0, 8.0]),
+        dict(rows=mixed_rows(block_size), group=8, dtype=torch.bfloat16, window=40, softcap=3.5,
+             fp8_scales=(0.25, 0.75)),
+        dict(rows=[(1, 3000), (1, 9000)], group=4, dtype=torch.float16, window=0, softcap=0.0,
+             fp8_scales=(1.0, 1.0), unsplit=True),
+        dict(rows=[(2, 100), (1, 3000), (2, 5000)], group=4, dtype=torch.bfloat16, window=0, softcap=0.0,
+             fp8_scales=(0.5, 2.0)),
+        dict(rows=[(1, 300)] * 3 + [(70, 170), (1, 2048), (1, 1)], group=4, dtype=torch.bfloat16, window=0,
+             softcap=0.0, fp8_scales=(0.5, 2.0), mixed_graph=(512, 1)),
+    ]
 
 
 @pytest.mark.parametrize("switch", ["PAGEDCORE_DECODE_TMA_LEAN", "PAGEDCORE_DECODE_TMA_FENCE"])
@@ -460,22 +488,7 @@ def test_decode_tma_lean_equals_the_kernel_before_it(monkeypatch, block_size, sw
     monkeypatch.setenv("PAGEDCORE_DECODE_WGMMA", "0")
     monkeypatch.setenv("PAGEDCORE_DECODE_TMA", "2")
     monkeypatch.setenv("PAGEDCORE_DECODE_DEEP_CTAS", "0")
-    cases = [
-        dict(rows=[(1, n) for n in (1, 17, 255, 256, 513, 1500, 4097, 9000)], group=4, dtype=torch.float16,
-             window=0, softcap=0.0, fp8_scales=(0.5, 1.5), graph_plan_len=16384),
-        dict(rows=[(1, n) for n in (300, 2000, 5000)], group=4, dtype=torch.bfloat16, window=300, softcap=0.0,
-             fp8_scales=(1.0, 1.0)),
-        dict(rows=[(1, n) for n in (700, 4097)], group=4, dtype=torch.float16, window=0, softcap=0.0,
-             fp8_scales=(1.0, 1.0), head_scales=[1.0, 16.0, 64.0, 0.25, 4.0, 32.0, 1.0, 8.0]),
-        dict(rows=mixed_rows(block_size), group=8, dtype=torch.bfloat16, window=40, softcap=3.5,
-             fp8_scales=(0.25, 0.75)),
-        dict(rows=[(1, 3000), (1, 9000)], group=4, dtype=torch.float16, window=0, softcap=0.0,
-             fp8_scales=(1.0, 1.0), unsplit=True),
-        dict(rows=[(2, 100), (1, 3000), (2, 5000)], group=4, dtype=torch.bfloat16, window=0, softcap=0.0,
-             fp8_scales=(0.5, 2.0)),
-        dict(rows=[(1, 300)] * 3 + [(70, 170), (1, 2048), (1, 1)], group=4, dtype=torch.bfloat16, window=0,
-             softcap=0.0, fp8_scales=(0.5, 2.0), mixed_graph=(512, 1)),
-    ]
+    cases = tma_lean_cases(block_size)
     for seed, case in enumerate(cases):
         outs = []
         for value in ("0", None):
@@ -487,8 +500,39 @@ def test_decode_tma_lean_equals_the_kernel_before_it(monkeypatch, block_size, sw
         assert torch.equal(outs[0], outs[1]), (seed, (outs[0].float() - outs[1].float()).abs().max())
 
 
+@pytest.mark.parametrize("block_size", [8, 16, 128])
+def test_decode_tma_pipelined_equals_the_default(monkeypatch, block_size):
+    # The trial of cross-tile pipelining (attention_mma.cu, kLeanPipelined; opt-in by
+    # PAGEDCORE_DECODE_TMA_PIPELINE=1, where the narrow lean kernel would run): Q K of
+    # tile t + 1 beside P V of tile t, the last tile peeled, restarted at each chunk of
+    # staged block ids. The same arithmetic in the same order: the default's outputs,
+    # bit for bit, over the lean test's cases (rows of 1 and 2 tiles, partial tiles,
+    # windows, splits, rescales; where narrow may not run, the same wide kernel) and, at
+    # block size 8, unsplit rows that cross a chunk (1024 blocks) mid-tile or at its end.
+    monkeypatch.setenv("PAGEDCORE_DECODE_WGMMA", "0")
+    monkeypatch.setenv("PAGEDCORE_DECODE_TMA", "2")
+    monkeypatch.setenv("PAGEDCORE_DECODE_DEEP_CTAS", "0")
+    monkeypatch.delenv("PAGEDCORE_DECODE_TMA_LEAN", raising=False)
+    cases = tma_lean_cases(block_size) + [
+        dict(rows=[(1, 8192), (1, 8193), (2, 8250), (1, 9000), (1, 16500)], group=4, dtype=torch.bfloat16, window=0,
+             softcap=0.0, fp8_scales=(0.5, 2.0), unsplit=True),
+        dict(rows=[(1, 8300), (2, 9000)], group=4, dtype=torch.float16, window=200, softcap=0.0,
+             fp8_scales=(1.0, 1.0), unsplit=True, head_scales=[1.0, 16.0, 64.0, 0.25, 4.0, 32.0, 1.0, 8.0]),
+    ]
+    for seed, case in enumerate(cases):
+        outs = []
+        for pipeline in (None, "1"):
+            if pipeline is None:
+                monkeypatch.delenv("PAGEDCORE_DECODE_TMA_PIPELINE", raising=False)
+            else:
+                monkeypatch.setenv("PAGEDCORE_DECODE_TMA_PIPELINE", pipeline)
+            outs.append(run_cuda(block_size=block_size, head_dim=128, seed=seed, **case))
+        assert torch.equal(outs[0], outs[1]), (seed, (outs[0].float() - outs[1].float()).abs().max())
+
+
 _LEAN_OFF = {"PAGEDCORE_DECODE_TMA_LEAN": "0"}
 _NO_FENCE = {"PAGEDCORE_DECODE_TMA_FENCE": "0"}
+_PIPELINE = {"PAGEDCORE_DECODE_TMA_PIPELINE": "1"}
 
 
 @pytest.mark.parametrize("rows, group, softcap, env, kernel", [
@@ -501,6 +545,11 @@ _NO_FENCE = {"PAGEDCORE_DECODE_TMA_FENCE": "0"}
     ([(1, 3000)] * 4, 4, 3.5, {}, 2),  # (softcap: wide)
     ([(1, 3000)] * 4, 4, 0.0, _NO_FENCE, 11), ([(1, 3000)] * 4, 4, 3.5, _NO_FENCE, 10),
     ([(1, 3000)] * 4, 4, 0.0, {**_LEAN_OFF, **_NO_FENCE}, 0),
+    # PAGEDCORE_DECODE_TMA_PIPELINE=1: the pipelined trial (7) where narrow serves, else the
+    # kernel without it; it takes precedence over PAGEDCORE_DECODE_TMA_FENCE=0
+    ([(1, 3000)] * 4, 4, 0.0, _PIPELINE, 7), ([(2, 3000), (1, 500)], 4, 0.0, _PIPELINE, 7),
+    ([(2, 3000), (1, 500)], 8, 0.0, _PIPELINE, 2), ([(1, 3000)] * 4, 4, 3.5, _PIPELINE, 2),
+    ([(1, 3000)] * 4, 4, 0.0, {**_LEAN_OFF, **_PIPELINE}, 0), ([(1, 3000)] * 4, 4, 0.0, {**_NO_FENCE, **_PIPELINE}, 7),
 ])
 def test_decode_tma_lean_picks_its_kernel(monkeypatch, rows, group, softcap, env, kernel):
     # Which kernel a launch takes (the LEAN template argument, last of mma_attention_kernel's,
@@ -508,13 +557,15 @@ def test_decode_tma_lean_picks_its_kernel(monkeypatch, rows, group, softcap, env
     # plan has no decode row of more than 8 vectors and there is no softcap, else lean and
     # wide (2); PAGEDCORE_DECODE_TMA_LEAN=0, the kernel before them (0); the trial
     # PAGEDCORE_DECODE_TMA_FENCE=0, either lean kernel without the refills' proxy fence
-    # (+8). (Not under compute-sanitizer: the profiler's CUPTI takes no second subscriber.)
+    # (+8); the trial PAGEDCORE_DECODE_TMA_PIPELINE=1, the pipelined one (7) only where
+    # narrow serves. (Not under compute-sanitizer: the profiler's CUPTI takes no second
+    # subscriber.)
     from torch.profiler import ProfilerActivity, profile
 
     monkeypatch.setenv("PAGEDCORE_DECODE_WGMMA", "0")
     monkeypatch.setenv("PAGEDCORE_DECODE_TMA", "2")
     monkeypatch.setenv("PAGEDCORE_DECODE_DEEP_CTAS", "0")
-    for name in ("PAGEDCORE_DECODE_TMA_LEAN", "PAGEDCORE_DECODE_TMA_FENCE"):
+    for name in ("PAGEDCORE_DECODE_TMA_LEAN", "PAGEDCORE_DECODE_TMA_FENCE", "PAGEDCORE_DECODE_TMA_PIPELINE"):
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
