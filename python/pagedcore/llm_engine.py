@@ -1021,8 +1021,9 @@ class LLMEngine:
         against 1.3 (the 8B shape: about one device step). PAGEDCORE_WARM_SAMPLING=0
         skips this (a measurement switch). Measured on an H100 at 19f3a1c: without
         it, a fresh server's first half-load turns spent ~5.5 ms of CPU after their
-        launch (bench/RESULTS.md, the thirty-sixth session); `serve`'s eager module
-        loading (cli.prefer_eager_module_loading) may make it redundant there."""
+        launch (bench/RESULTS.md, the thirty-sixth session). Under `serve`'s eager
+        module loading (cli.prefer_eager_module_loading) it is still needed: without
+        it, 2 and 6 such turns in the first 0.5 s (the thirty-seventh session)."""
         dev = self.device
         hidden = torch.zeros((max_rows, self.spec.hidden_size), dtype=self.dtype, device=dev)
         for rows in range(1, max_rows + 1):

@@ -141,7 +141,8 @@ struct PagedAttentionParams {
   // The most query tokens of a decode row, where the plan knows it for every launch
   // that may use it (a step's own plan; a decode graph's: 1); 0: unknown (a padded
   // plan refilled under a captured graph), up to kAttentionDecodeVectors / group.
-  // The fp8 trial PAGEDCORE_DECODE_TMA_LEAN=1 (attention_mma.cu) reads it.
+  // fp8 decode's TMA tiles (attention_mma.cu, kLeanNarrow) take their narrow kernel
+  // where this times the group is at most 8 query vectors.
   int32_t decode_max_query_tokens = 0;
 };
 // Query vectors (query tokens x heads of one kv head) a work item may hold:
