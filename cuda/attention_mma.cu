@@ -230,6 +230,21 @@ constexpr int kLeanNoFence = 8;
 // address arithmetic: two tiles' stages an iteration). NOTE: compiled and its
 // SASS read only; not yet measured on a GPU.
 constexpr int kLeanPipelined = 4;
+// kLeanNextWave (a trial with either lean kernel, PAGEDCORE_DECODE_TMA_NEXT_WAVE=1):
+// the CTA that will take this one's place (its linear id plus the CTAs resident at
+// once, DecodeMaps::next_wave) gets its first two tiles' K/V lines prefetched into L2
+// by this one once its last refill is out. The premise: a launch of more CTAs than fit
+// at once (fp8 B=64's 512 CTAs, two an SM: two waves) has every SM's CTAs drain and
+// start again at about the same time; the second wave's start waits for its table and
+// then its first boxes from HBM while nothing streams. Each warp reads its share of
+// the successor's first block ids (one block a lane) after issuing its own first
+// boxes (while it waits for them anyway), and prefetches those blocks' rows at its
+// drain. The arithmetic is untouched (tests compare with the default bit for bit).
+// The fp8 launch's time at B=64 has a large part that does not grow with the keys
+// (H200, the twenty-sixth session: 45.1 us at L=1k, 138.4 at L=4k, ~14 us at L=0 by
+// a line through both, against ~8 us for bf16): this trial measures how much of it
+// is the second wave's start. Not measured on a GPU yet.
+constexpr int kLeanNextWave = 16;
 // NOTE: TMA tiles: a refill of the stage the last tile freed before the wait
 // for the next tile (not after it; 73c4263, both kernels) measured 145.8 / 142.2
 // against 146.1 / 140.4 us at fp8 B=64 L=4k (L2 promotion 256 / 128): deleted.
@@ -365,6 +380,7 @@ template <>
 struct DecodeMaps<true> {
   CUtensorMap k;
   CUtensorMap v;
+  int next_wave = 0;  // (kLeanNextWave) CTAs resident at once; 0 in every other launch
 };
 
 // mbarrier and bulk tensor copies (wgmma_ops.cuh's): Hopper instructions,
@@ -556,6 +572,8 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
   constexpr bool kNoFence = (LEAN & kLeanNoFence) != 0;
   static_assert(!kNoFence || TMA == kTmaSkew, "kLeanNoFence: the skew's refills, behind empty mbarriers");
   constexpr bool kPipe = (LEAN & kLeanPipelined) != 0;
+  constexpr bool kNextWave = (LEAN & kLeanNextWave) != 0;
+  static_assert(!kNextWave || (TMA == kTmaSkew && DECODE && !kPipe), "kLeanNextWave: the skew's lean tiles");
   static_assert(!kPipe || (LEAN == (kLeanSoftmax | kLeanNarrow | kLeanPipelined) && TMA == kTmaSkew && DECODE &&
                            KT == 128 && STAGES == 3),
                 "kLeanPipelined: with kLeanSoftmax | kLeanNarrow over the skew's TMA tiles");
@@ -803,6 +821,10 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
   const uint64_t v_minus_k = reinterpret_cast<uint64_t>(value_base) - reinterpret_cast<uint64_t>(key_base);
   const uint32_t slot_bytes = static_cast<uint32_t>(slot_elems) * sizeof(CT);
   const uint32_t block_bytes = static_cast<uint32_t>(bs) * slot_bytes;
+  // (kLeanNextWave) this lane's block of the successor's first tiles: its head's row
+  // in the block's first token (elements from the cache's start), and its keys there.
+  int64_t nw_row = 0;
+  int nw_keys = 0;
 
   for (int c0 = s_lo; c0 < s_hi;) {
     const int b0 = c0 / bs;
@@ -900,6 +922,38 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
       } else {
         if (t < n_tiles) load_tile(t);
         cp_async_commit();
+      }
+    }
+    if constexpr (kNextWave) {
+      // (kLeanNextWave, above) the CTA of linear id next_wave past this one's: lane j of
+      // warp w takes block j * kWarps + w of its first kStages - 1 tiles (as tma_spread
+      // deals them), read while this warp waits for its own first boxes.
+      if (c0 == s_lo && maps.next_wave > 0) {
+        const int64_t id = blockIdx.x + static_cast<int64_t>(gridDim.x) * (blockIdx.y + static_cast<int64_t>(gridDim.y) * blockIdx.z) +
+                           maps.next_wave;
+        if (id < static_cast<int64_t>(gridDim.x) * gridDim.y * gridDim.z) {
+          const int kv2 = static_cast<int>(id % gridDim.x);
+          const int64_t rest = id / gridDim.x;
+          const int work2 = static_cast<int>(rest % gridDim.y), split2 = static_cast<int>(rest / gridDim.y);
+          const int row2 = p.decode_seq[work2];
+          if (row2 >= 0) {
+            // (its keys as the prologue above finds them for its own row)
+            const int splits2 = merge::decode_active_splits(p, merge::decode_keys(p, row2));
+            const int ctx2 = p.seq_lens[row2];
+            const int q2 = p.query_start_loc[row2 + 1] - p.query_start_loc[row2];
+            const int lo2 = p.sliding_window > 0 ? max(0, ctx2 - q2 - p.sliding_window + 1) : 0;
+            const int first2 = lo2 & ~(bs - 1);
+            const int per2 = (ctx2 - first2 + splits2 * KT - 1) / (splits2 * KT) * KT;
+            const int from2 = first2 + split2 * per2;
+            const int to2 = min(ctx2, min(from2 + per2, from2 + (kStages - 1) * KT));
+            const int kb = from2 + (lane * kWarps + warp) * bs;  // (from2: a block boundary)
+            if (split2 < splits2 && kb < to2) {
+              const int32_t block2 = p.block_tables[static_cast<int64_t>(row2) * p.block_tables_stride + kb / bs];
+              nw_row = static_cast<int64_t>(block2) * bs * slot_elems + kv2 * HD;
+              nw_keys = min(bs, to2 - kb);
+            }
+          }
+        }
       }
     }
     if constexpr (kPipe) {
@@ -1511,6 +1565,16 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
           }
           tma_spread(t + kStages - 1);
         }
+        if constexpr (kNextWave) {
+          // (kLeanNextWave) once this warp's last refill is out (at its first tile if
+          // the chunk has no refill): the successor's rows into L2, K and V.
+          if (nw_keys > 0 && c1 == s_hi && t == max(0, n_tiles - kStages)) {
+            for (int k = 0; k < nw_keys; ++k) {
+              prefetch_l2(key_cache + nw_row + static_cast<int64_t>(k) * slot_elems);
+              prefetch_l2(value_cache + nw_row + static_cast<int64_t>(k) * slot_elems);
+            }
+          }
+        }
       }
     }
     if constexpr (!TMA) cp_async_wait<0>();  // (TMA: every tile issued was awaited)
@@ -1796,6 +1860,18 @@ int launch_variant(const PagedAttentionParams& p, cudaStream_t stream, int flags
     if (static_cast<int64_t>(p.num_kv_heads) * items * (z / CLUSTER) > max_clusters) return kClusterLaunchTooLarge;
     e = launch_pdl_cluster(kernel, dim3(p.num_kv_heads, items, z), dim3(1, 1, CLUSTER), dim3(threads), smem, stream,
                            p, flags, maps);
+  } else if constexpr ((LEAN & kLeanNextWave) != 0) {
+    // (kLeanNextWave) the CTAs resident at once: the successor's distance
+    static int resident = -1;  // NOTE: per instantiation, as `configured`
+    if (resident < 0) {
+      int n = 0;
+      e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, smem);
+      if (e != cudaSuccess) return e;
+      resident = n * multiprocessor_count();
+    }
+    DecodeMaps<true> next = maps;
+    next.next_wave = resident;
+    e = launch_pdl(kernel, dim3(p.num_kv_heads, items, splits), dim3(threads), smem, stream, p, flags, next);
   } else {
     e = launch_pdl(kernel, dim3(p.num_kv_heads, items, splits), dim3(threads), smem, stream, p, flags, maps);
   }
@@ -2090,6 +2166,8 @@ int launch_decode(const PagedAttentionParams& p, cudaStream_t stream, int flags,
                 // (above, kLeanSoftmax and kLeanNarrow; PAGEDCORE_DECODE_TMA_LEAN=0: neither)
                 if (env_int("PAGEDCORE_DECODE_TMA_LEAN", 1) != 0) {
                   const bool fence = env_int("PAGEDCORE_DECODE_TMA_FENCE", 1) != 0;  // (kLeanNoFence)
+                  // (PAGEDCORE_DECODE_TMA_NEXT_WAVE=1: the trial of kLeanNextWave, with the fence)
+                  const bool next_wave = env_int("PAGEDCORE_DECODE_TMA_NEXT_WAVE", 0) == 1;
                   if (p.softcap == 0.f && p.decode_max_query_tokens > 0 &&
                       p.decode_max_query_tokens * (p.num_heads / p.num_kv_heads) <= 8) {
                     // (PAGEDCORE_DECODE_TMA_PIPELINE=1: the trial of kLeanPipelined, where narrow
@@ -2098,12 +2176,20 @@ int launch_decode(const PagedAttentionParams& p, cudaStream_t stream, int flags,
                       return launch_variant<T, CT, HD, true, 3, kCvtIntV, 128, 0, true, kTmaSkew, 1,
                                             kLeanSoftmax | kLeanNarrow | kLeanPipelined>(p, stream, flags, maps);
                     }
+                    if (next_wave) {
+                      return launch_variant<T, CT, HD, true, 3, kCvtIntV, 128, 0, true, kTmaSkew, 1,
+                                            kLeanSoftmax | kLeanNarrow | kLeanNextWave>(p, stream, flags, maps);
+                    }
                     if (!fence) {
                       return launch_variant<T, CT, HD, true, 3, kCvtIntV, 128, 0, true, kTmaSkew, 1,
                                             kLeanSoftmax | kLeanNarrow | kLeanNoFence>(p, stream, flags, maps);
                     }
                     return launch_variant<T, CT, HD, true, 3, kCvtIntV, 128, 0, true, kTmaSkew, 1,
                                           kLeanSoftmax | kLeanNarrow>(p, stream, flags, maps);
+                  }
+                  if (next_wave) {
+                    return launch_variant<T, CT, HD, true, 3, kCvtIntV, 128, 0, true, kTmaSkew, 1,
+                                          kLeanSoftmax | kLeanNextWave>(p, stream, flags, maps);
                   }
                   if (!fence) {
                     return launch_variant<T, CT, HD, true, 3, kCvtIntV, 128, 0, true, kTmaSkew, 1,

@@ -469,9 +469,10 @@ def tma_lean_cases(block_size):
     ]
 
 
-@pytest.mark.parametrize("switch", ["PAGEDCORE_DECODE_TMA_LEAN", "PAGEDCORE_DECODE_TMA_FENCE"])
+@pytest.mark.parametrize("switch, value", [("PAGEDCORE_DECODE_TMA_LEAN", "0"), ("PAGEDCORE_DECODE_TMA_FENCE", "0"),
+                                           ("PAGEDCORE_DECODE_TMA_NEXT_WAVE", "1")])
 @pytest.mark.parametrize("block_size", [16, 128])
-def test_decode_tma_lean_equals_the_kernel_before_it(monkeypatch, block_size, switch):
+def test_decode_tma_lean_equals_the_kernel_before_it(monkeypatch, block_size, switch, value):
     # The default's lean tiles (attention_mma.cu, LEAN) issue fewer instructions for the
     # same arithmetic as the kernel before them (PAGEDCORE_DECODE_TMA_LEAN=0): kLeanSoftmax,
     # K's high byte pairs widened without a shift, the mask only on tiles that are not
@@ -484,18 +485,28 @@ def test_decode_tma_lean_equals_the_kernel_before_it(monkeypatch, block_size, sw
     # vectors: narrow), and where narrow may not run (group 8 x 2 queries, the second
     # column tile; softcap; a graph's padded plan) the launch takes the wide one. Also the
     # trial PAGEDCORE_DECODE_TMA_FENCE=0 (no proxy fence before a stage's refill: the same
-    # arithmetic, so the same outputs, on every case).
+    # arithmetic, so the same outputs, on every case), and the trial
+    # PAGEDCORE_DECODE_TMA_NEXT_WAVE=1 (L2 prefetches of the next wave's first tiles), with
+    # launches of more CTAs than fit at once (8 kv heads x 80 and 300 rows, some split: the
+    # prefetches run; rows of 1 to 3000 keys, of 1 and 2 queries).
     monkeypatch.setenv("PAGEDCORE_DECODE_WGMMA", "0")
     monkeypatch.setenv("PAGEDCORE_DECODE_TMA", "2")
     monkeypatch.setenv("PAGEDCORE_DECODE_DEEP_CTAS", "0")
     cases = tma_lean_cases(block_size)
+    if switch == "PAGEDCORE_DECODE_TMA_NEXT_WAVE":
+        cases = cases + [
+            dict(rows=[(1 + i % 2, 2 + (37 * i) % 3000) for i in range(80)], group=4, dtype=torch.bfloat16, window=0,
+                 softcap=0.0, fp8_scales=(0.5, 2.0), num_kv_heads=8),
+            dict(rows=[(1, 1 + (53 * i) % 700) for i in range(300)], group=4, dtype=torch.float16, window=100,
+                 softcap=0.0, fp8_scales=(1.0, 1.0), num_kv_heads=8),
+        ]
     for seed, case in enumerate(cases):
         outs = []
-        for value in ("0", None):
-            if value is None:
+        for setting in (value, None):
+            if setting is None:
                 monkeypatch.delenv(switch, raising=False)
             else:
-                monkeypatch.setenv(switch, value)
+                monkeypatch.setenv(switch, setting)
             outs.append(run_cuda(block_size=block_size, head_dim=128, seed=seed, **case))
         assert torch.equal(outs[0], outs[1]), (seed, (outs[0].float() - outs[1].float()).abs().max())
 
@@ -533,6 +544,7 @@ def test_decode_tma_pipelined_equals_the_default(monkeypatch, block_size):
 _LEAN_OFF = {"PAGEDCORE_DECODE_TMA_LEAN": "0"}
 _NO_FENCE = {"PAGEDCORE_DECODE_TMA_FENCE": "0"}
 _PIPELINE = {"PAGEDCORE_DECODE_TMA_PIPELINE": "1"}
+_NEXT_WAVE = {"PAGEDCORE_DECODE_TMA_NEXT_WAVE": "1"}
 
 
 @pytest.mark.parametrize("rows, group, softcap, env, kernel", [
@@ -550,6 +562,11 @@ _PIPELINE = {"PAGEDCORE_DECODE_TMA_PIPELINE": "1"}
     ([(1, 3000)] * 4, 4, 0.0, _PIPELINE, 7), ([(2, 3000), (1, 500)], 4, 0.0, _PIPELINE, 7),
     ([(2, 3000), (1, 500)], 8, 0.0, _PIPELINE, 2), ([(1, 3000)] * 4, 4, 3.5, _PIPELINE, 2),
     ([(1, 3000)] * 4, 4, 0.0, {**_LEAN_OFF, **_PIPELINE}, 0), ([(1, 3000)] * 4, 4, 0.0, {**_NO_FENCE, **_PIPELINE}, 7),
+    # PAGEDCORE_DECODE_TMA_NEXT_WAVE=1: either lean kernel with the next wave's prefetches
+    # (+16), before PAGEDCORE_DECODE_TMA_FENCE=0, after PAGEDCORE_DECODE_TMA_PIPELINE=1
+    ([(1, 3000)] * 4, 4, 0.0, _NEXT_WAVE, 19), ([(1, 3000)] * 4, 4, 3.5, _NEXT_WAVE, 18),
+    ([(1, 3000)] * 4, 4, 0.0, {**_NO_FENCE, **_NEXT_WAVE}, 19), ([(1, 3000)] * 4, 4, 0.0, {**_PIPELINE, **_NEXT_WAVE}, 7),
+    ([(1, 3000)] * 4, 4, 0.0, {**_LEAN_OFF, **_NEXT_WAVE}, 0),
 ])
 def test_decode_tma_lean_picks_its_kernel(monkeypatch, rows, group, softcap, env, kernel):
     # Which kernel a launch takes (the LEAN template argument, last of mma_attention_kernel's,
@@ -558,14 +575,16 @@ def test_decode_tma_lean_picks_its_kernel(monkeypatch, rows, group, softcap, env
     # wide (2); PAGEDCORE_DECODE_TMA_LEAN=0, the kernel before them (0); the trial
     # PAGEDCORE_DECODE_TMA_FENCE=0, either lean kernel without the refills' proxy fence
     # (+8); the trial PAGEDCORE_DECODE_TMA_PIPELINE=1, the pipelined one (7) only where
-    # narrow serves. (Not under compute-sanitizer: the profiler's CUPTI takes no second
-    # subscriber.)
+    # narrow serves; the trial PAGEDCORE_DECODE_TMA_NEXT_WAVE=1, either lean kernel with
+    # the next wave's prefetches (+16). (Not under compute-sanitizer: the profiler's CUPTI
+    # takes no second subscriber.)
     from torch.profiler import ProfilerActivity, profile
 
     monkeypatch.setenv("PAGEDCORE_DECODE_WGMMA", "0")
     monkeypatch.setenv("PAGEDCORE_DECODE_TMA", "2")
     monkeypatch.setenv("PAGEDCORE_DECODE_DEEP_CTAS", "0")
-    for name in ("PAGEDCORE_DECODE_TMA_LEAN", "PAGEDCORE_DECODE_TMA_FENCE", "PAGEDCORE_DECODE_TMA_PIPELINE"):
+    for name in ("PAGEDCORE_DECODE_TMA_LEAN", "PAGEDCORE_DECODE_TMA_FENCE", "PAGEDCORE_DECODE_TMA_PIPELINE",
+                 "PAGEDCORE_DECODE_TMA_NEXT_WAVE"):
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
