@@ -40,18 +40,6 @@ share one set of tensors, and their graphs are replayed in turn, five rounds.
                               where the plan has no decode row of more than 8 vectors: not a
                               mixed graph's padded plan, so the "mixed" cases run wide), or the
                               kernel before them (0)
-  PAGEDCORE_DECODE_TMA_FENCE  the skew's refills behind a proxy fence (1, default) or without
-                              it (0, a trial: the stage's reads are ordered by its empty mbarrier)
-  PAGEDCORE_DECODE_TMA_PIPELINE
-                              the narrow lean kernel (where it runs) pipelined across tiles:
-                              Q K of tile t + 1 beside P V of tile t, the last tile peeled,
-                              the same arithmetic (1; a trial, not measured yet), or not (0,
-                              default)
-  PAGEDCORE_DECODE_TMA_NEXT_WAVE
-                              the lean kernels' CTAs prefetch into L2 the first two tiles of
-                              the CTA that will take their place (linear id + the CTAs
-                              resident at once), once their last refill is out (1; a trial,
-                              not measured yet), or not (0, default)
   PAGEDCORE_DECODE_CLUSTER    rows under 512 keys, and split rows of at most
                               C x PAGEDCORE_DECODE_CLUSTER_KEYS keys (default 128), shared by
                               clusters of C = 4 or 8 CTAs, merged through distributed shared
@@ -118,9 +106,6 @@ VARIANTS = (
     ("tma warp 0 issue", {"PAGEDCORE_DECODE_TMA_SPREAD": "0"}),
     ("tma tile barrier", {"PAGEDCORE_DECODE_TMA_SKEW": "0"}),
     ("lean off", {"PAGEDCORE_DECODE_TMA_LEAN": "0"}),
-    ("tma no fence", {"PAGEDCORE_DECODE_TMA_FENCE": "0"}),
-    ("tma pipelined", {"PAGEDCORE_DECODE_TMA_PIPELINE": "1"}),
-    ("tma next wave", {"PAGEDCORE_DECODE_TMA_NEXT_WAVE": "1"}),
     ("cluster off", {"PAGEDCORE_DECODE_CLUSTER": "0"}),
     ("cluster 4 barrier", {"PAGEDCORE_DECODE_CLUSTER": "4", "PAGEDCORE_DECODE_CLUSTER_ASYNC": "0"}),
     ("cluster 8 barrier", {"PAGEDCORE_DECODE_CLUSTER": "8", "PAGEDCORE_DECODE_CLUSTER_ASYNC": "0"}),

@@ -201,50 +201,22 @@ constexpr int kTmaSkew = 2;
 // Each alone is gone as a choice (kLeanSoftmax alone is the default's wide
 // kernel, where a plan does not allow narrow).
 constexpr int kLeanSoftmax = 2, kLeanNarrow = 1;
-// kLeanNoFence (a trial with the above, PAGEDCORE_DECODE_TMA_FENCE=0): the boxes
-// that refill a stage go out without the proxy fence before them (SASS: a
-// MEMBAR.ALL.CTA and a FENCE on each warp's lane 0, every tile). The stage's
-// earlier reads are ordinary shared loads of every warp, ordered before the
-// refill by the stage's empty mbarrier (each warp arrives after its reads, the
-// issuer waits before its boxes), as a TMA pipeline's consumer release usually
-// is, with no proxy fence: fence.proxy.async orders the generic proxy's writes
-// before the async proxy reads them, and no warp writes a stage. Not measured
-// on a GPU yet.
-constexpr int kLeanNoFence = 8;
-// kLeanPipelined (a trial, opt-in: PAGEDCORE_DECODE_TMA_PIPELINE=1, only with
-// kLeanSoftmax | kLeanNarrow, i.e. LEAN 7 where the default takes 3): cross-tile
-// software pipelining of the narrow lean tile body. Per tile t: the softmax of
-// scores computed in the iteration before; the wait for tile t + 1; then Q K(t +
-// 1) and P V(t) in one basic block, so that the shared loads, widenings and mma
-// chains of the two tiles interleave within a warp (without it Q K(t + 1) waits
-// behind P V(t), the release, the loop's branch and the next wait, and with two
-// warps a scheduler little else hides those chains); then the skew's release of
-// tile t. The last tile of each staged-table chunk is peeled off, and the
-// pipeline restarts at each chunk. The same operations per element in the same
-// order as LEAN 3: bit for bit its output (tests compare them). Read in the
-// SASS (nvcc 13.0, sm_90): 126 registers (LEAN 3: 123-125), no spills; Q K(t +
-// 1)'s 32 LDS / 64 F2FP / 16 HMMA and P V(t)'s 8 LDSM / 64 PRMT / 16 HMMA in one
-// straight block of 379 instructions, which ptxas orders mostly P V first, Q K
-// after, overlapping where they meet; the common path issues 593 instructions
-// a warp a tile against LEAN 3's 579 (the same floating-point ones; more
-// address arithmetic: two tiles' stages an iteration). NOTE: compiled and its
-// SASS read only; not yet measured on a GPU.
-constexpr int kLeanPipelined = 4;
-// kLeanNextWave (a trial with either lean kernel, PAGEDCORE_DECODE_TMA_NEXT_WAVE=1):
-// the CTA that will take this one's place (its linear id plus the CTAs resident at
-// once, DecodeMaps::next_wave) gets its first two tiles' K/V lines prefetched into L2
-// by this one once its last refill is out. The premise: a launch of more CTAs than fit
-// at once (fp8 B=64's 512 CTAs, two an SM: two waves) has every SM's CTAs drain and
-// start again at about the same time; the second wave's start waits for its table and
-// then its first boxes from HBM while nothing streams. Each warp reads its share of
-// the successor's first block ids (one block a lane) after issuing its own first
-// boxes (while it waits for them anyway), and prefetches those blocks' rows at its
-// drain. The arithmetic is untouched (tests compare with the default bit for bit).
-// The fp8 launch's time at B=64 has a large part that does not grow with the keys
-// (H200, the twenty-sixth session: 45.1 us at L=1k, 138.4 at L=4k, ~14 us at L=0 by
-// a line through both, against ~8 us for bf16): this trial measures how much of it
-// is the second wave's start. Not measured on a GPU yet.
-constexpr int kLeanNextWave = 16;
+// NOTE: three trials over the lean kernels, measured on an H100 in the
+// thirty-eighth session (decode_variants.py at 1f137d6, two runs, us, default ->
+// trial; fp8 B=64 L=4k, B=64 L=1k, B=512 L=4k one kv head), all deleted:
+// refills without the proxy fence (kLeanNoFence: lane 0's MEMBAR.ALL.CTA and
+// FENCE before a stage's boxes, the stage's reads ordered by its empty mbarrier
+// alone) 195.1 -> 195.0 / 195.2, 56.6 / 56.5 -> 56.3, 187.3 / 187.5 -> 187.2 /
+// 187.1: no gain past the noise. The narrow kernel pipelined across tiles
+// (kLeanPipelined: tile t's softmax from scores of the iteration before, then
+// Q K(t + 1) and P V(t) in one basic block, the last tile of a chunk peeled;
+// the same arithmetic) 195.1 -> 193.5 at B=64 L=4k in both runs, but 56.6 ->
+// 57.4 at L=1k and 187.3 -> 190.4 at B=512 (one kv head): lost there. The next wave's
+// first tiles prefetched into L2 by the CTAs before them once their last refill
+// was out (kLeanNextWave: the successor's block ids read after the first
+// boxes, 2 x block size prefetches a lane at the drain) 195.1 -> 197.6, 56.6 ->
+// 57.4, 187.3 -> 191.5: lost everywhere. bf16 B=64 L=4k (not these kernels)
+// 355.0 in all four.
 // NOTE: TMA tiles: a refill of the stage the last tile freed before the wait
 // for the next tile (not after it; 73c4263, both kernels) measured 145.8 / 142.2
 // against 146.1 / 140.4 us at fp8 B=64 L=4k (L2 promotion 256 / 128): deleted.
@@ -380,7 +352,6 @@ template <>
 struct DecodeMaps<true> {
   CUtensorMap k;
   CUtensorMap v;
-  int next_wave = 0;  // (kLeanNextWave) CTAs resident at once; 0 in every other launch
 };
 
 // mbarrier and bulk tensor copies (wgmma_ops.cuh's): Hopper instructions,
@@ -569,14 +540,6 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
                 "clusters: decode without TMA, 2, 4 or 8 CTAs");
   static_assert(LEAN == 0 || (KM && FP8 && !KINT), "LEAN: keys in M over fp8, K widened by the cvt");
   constexpr bool kLeanSm = (LEAN & kLeanSoftmax) != 0, kNarrow = (LEAN & kLeanNarrow) != 0;
-  constexpr bool kNoFence = (LEAN & kLeanNoFence) != 0;
-  static_assert(!kNoFence || TMA == kTmaSkew, "kLeanNoFence: the skew's refills, behind empty mbarriers");
-  constexpr bool kPipe = (LEAN & kLeanPipelined) != 0;
-  constexpr bool kNextWave = (LEAN & kLeanNextWave) != 0;
-  static_assert(!kNextWave || (TMA == kTmaSkew && DECODE && !kPipe), "kLeanNextWave: the skew's lean tiles");
-  static_assert(!kPipe || (LEAN == (kLeanSoftmax | kLeanNarrow | kLeanPipelined) && TMA == kTmaSkew && DECODE &&
-                           KT == 128 && STAGES == 3),
-                "kLeanPipelined: with kLeanSoftmax | kLeanNarrow over the skew's TMA tiles");
   auto soff = [](int r, int b) { return staged_offset<PAD>(r, b, SROW); };
   constexpr int WK = DECODE ? KT / kWarps : KT;                      // keys per warp per tile
   constexpr int KSTEPS = HD / 16;
@@ -821,10 +784,6 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
   const uint64_t v_minus_k = reinterpret_cast<uint64_t>(value_base) - reinterpret_cast<uint64_t>(key_base);
   const uint32_t slot_bytes = static_cast<uint32_t>(slot_elems) * sizeof(CT);
   const uint32_t block_bytes = static_cast<uint32_t>(bs) * slot_bytes;
-  // (kLeanNextWave) this lane's block of the successor's first tiles: its head's row
-  // in the block's first token (elements from the cache's start), and its keys there.
-  int64_t nw_row = 0;
-  int nw_keys = 0;
 
   for (int c0 = s_lo; c0 < s_hi;) {
     const int b0 = c0 / bs;
@@ -899,7 +858,7 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
     auto tma_spread = [&](int t) {
       const int j = lane * kWarps + warp;
       const int kb = c0 + t * KT + j * bs;  // (c0: a block boundary)
-      if (lane == 0 && !kNoFence) tma_fence_proxy();
+      if (lane == 0) tma_fence_proxy();
       __syncwarp();
       if constexpr (TMA) {
         if (j * bs < KT && kb < c1) {
@@ -924,244 +883,6 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
         cp_async_commit();
       }
     }
-    if constexpr (kNextWave) {
-      // (kLeanNextWave, above) the CTA of linear id next_wave past this one's: lane j of
-      // warp w takes block j * kWarps + w of its first kStages - 1 tiles (as tma_spread
-      // deals them), read while this warp waits for its own first boxes.
-      if (c0 == s_lo && maps.next_wave > 0) {
-        const int64_t id = blockIdx.x + static_cast<int64_t>(gridDim.x) * (blockIdx.y + static_cast<int64_t>(gridDim.y) * blockIdx.z) +
-                           maps.next_wave;
-        if (id < static_cast<int64_t>(gridDim.x) * gridDim.y * gridDim.z) {
-          const int kv2 = static_cast<int>(id % gridDim.x);
-          const int64_t rest = id / gridDim.x;
-          const int work2 = static_cast<int>(rest % gridDim.y), split2 = static_cast<int>(rest / gridDim.y);
-          const int row2 = p.decode_seq[work2];
-          if (row2 >= 0) {
-            // (its keys as the prologue above finds them for its own row)
-            const int splits2 = merge::decode_active_splits(p, merge::decode_keys(p, row2));
-            const int ctx2 = p.seq_lens[row2];
-            const int q2 = p.query_start_loc[row2 + 1] - p.query_start_loc[row2];
-            const int lo2 = p.sliding_window > 0 ? max(0, ctx2 - q2 - p.sliding_window + 1) : 0;
-            const int first2 = lo2 & ~(bs - 1);
-            const int per2 = (ctx2 - first2 + splits2 * KT - 1) / (splits2 * KT) * KT;
-            const int from2 = first2 + split2 * per2;
-            const int to2 = min(ctx2, min(from2 + per2, from2 + (kStages - 1) * KT));
-            const int kb = from2 + (lane * kWarps + warp) * bs;  // (from2: a block boundary)
-            if (split2 < splits2 && kb < to2) {
-              const int32_t block2 = p.block_tables[static_cast<int64_t>(row2) * p.block_tables_stride + kb / bs];
-              nw_row = static_cast<int64_t>(block2) * bs * slot_elems + kv2 * HD;
-              nw_keys = min(bs, to2 - kb);
-            }
-          }
-        }
-      }
-    }
-    if constexpr (kPipe) {
-      // kLeanPipelined (above, at the LEAN constants): tile t's softmax from the
-      // scores computed in the iteration before; then the wait for tile t + 1;
-      // then Q K(t + 1) and P V(t), written interleaved, with no branch between
-      // them (one basic block); then tile t's release as the skew's. The last
-      // tile is peeled off; the pipeline restarts at each chunk. The scores, the
-      // running max and sum and P V's order per accumulator are the kernel's
-      // without the bit (the narrow lean body): the same operations, in the same
-      // order per element; only their issue order changes.
-      // - Full barriers: every thread waits on every tile of the chunk, in tile
-      //   order (tile 0 before the loop, t + 1 in iteration t), so tma_phase
-      //   toggles as without the bit. After its wait for tile u, thread 0 arms
-      //   tile u + 2 (the stage of u - 1, whose phase it has waited for), as
-      //   without the bit; that is before its own arrive on tile u's empty
-      //   barrier, which every refill of tile u + 2 waits for.
-      // - Empty barriers: a warp reads tile t's K in iteration t - 1 (or before
-      //   the loop) and its V in iteration t, then arrives on tile t's empty
-      //   barrier (release): no stage is refilled while a warp may still read
-      //   it. Tile t + 2 goes into the stage of tile t - 1 after that stage's
-      //   empty phase (every warp's P V(t - 1) done), as without the bit.
-      // - Skipped keys: a warp whose keys start past the chunk's end (or past the
-      //   row's last position) skips the tile without the bit. Only the last
-      //   tile of a chunk can (the keys of the tiles before it are all below c1,
-      //   and c1 <= k_hi = the decode row's last position + 1), so the peeled last
-      //   tile keeps that test; its Q K ran in the iteration before on whatever
-      //   bytes the stage held, scores then unused. A row of no vectors (no
-      //   output) would have its tiles masked (key_to -1) instead of skipped.
-      //   Keys of a partial last tile past c1 are masked to -inf before the max
-      //   (a select: NaN bytes of a stale stage do not matter); V stays finite
-      //   (VINT). Windows and splits change only c0, c1 and the masks, as
-      //   without the bit; a row of 1 tile runs the peeled tile alone; rows of
-      //   more than 8 vectors trapped above.
-      static_assert(KM && FP8 && kNarrow && kLeanSm && !KINT && VINT && WK == SUB && DECODE, "pipelined: narrow lean");
-      constexpr int KB = SUB / 16;  // 16-key blocks a warp a tile
-      constexpr int HT = HD / 16;   // 16-dim row tiles of O^T
-      constexpr float kSlack = 8.f;  // (as below)
-      float st[KB][4], st2[KB][4];   // S^T of the tile whose Q K ran last (odd k steps in st2)
-      auto wait_full = [&](int u) {
-        const int s = u % kStages;
-        tma_wait(tma_bars + 8 * s, (tma_phase >> s) & 1u);
-        tma_phase ^= 1u << s;
-        if (u + kStages - 1 < n_tiles && threadIdx.x == 0) {
-          tma_expect_bytes(tma_bars + 8 * ((u + kStages - 1) % kStages), tma_bytes(u + kStages - 1));
-        }
-      };
-      // Q K(u), k steps 2 i and 2 i + 1 of key block kb (their K words, widened).
-      auto qk_steps = [&](const unsigned char* ks, int kb, int i) {
-#pragma unroll
-        for (int s = 2 * i; s < 2 * i + 2; ++s) {
-          uint32_t a[4];
-          const uint32_t w0 = *reinterpret_cast<const uint32_t*>(ks + at(wk0 + 16 * kb, k_lane, 16 * s));
-          const uint32_t w1 = *reinterpret_cast<const uint32_t*>(ks + at(wk0 + 16 * kb + 8, k_lane, 16 * s));
-          a[0] = fp8x2_to_half2(w0);
-          a[1] = fp8x2_to_half2(w1);
-          a[2] = fp8x2_hi_to_half2(w0);
-          a[3] = fp8x2_hi_to_half2(w1);
-          mma16816<MT>(s % 2 ? st2[kb] : st[kb], a, qf[s][0], qf[s][2]);
-        }
-      };
-      auto qk_zero = [&]() {
-#pragma unroll
-        for (int kb = 0; kb < KB; ++kb) {
-#pragma unroll
-          for (int i = 0; i < 4; ++i) st[kb][i] = st2[kb][i] = 0.f;
-        }
-      };
-      // P V(u), the 32 dims of j of key block kb.
-      auto pv_dims = [&](uint32_t vaddr, const uint32_t (&pb)[KB][2], int kb, int j) {
-        uint32_t b[4];  // keys (+ 0, + 8) x byte pairs (16 j, 16 j + 8) + lane / 4
-        ldmatrix_x4_trans(vaddr + at(wk0 + 16 * kb, v_lane, 32 * j), b);
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const uint32_t a[4] = {even_dims(b[2 * h]), odd_dims(b[2 * h]), even_dims(b[2 * h + 1]),
-                                 odd_dims(b[2 * h + 1])};
-          mma16816<MT>(acc[2 * j + h], a, pb[kb][0], pb[kb][1]);
-        }
-      };
-      auto v_addr = [&](int u) { return smem_addr(stages + (u % kStages) * 2 * KT * SROW + KT * SROW); };
-      auto k_stage = [&](int u) { return static_cast<const unsigned char*>(stages + (u % kStages) * 2 * KT * SROW); };
-      // Tile u's softmax over st / st2 (Q K(u)): P^T's B fragments into pb, m, l
-      // and acc as the narrow lean body leaves them.
-      auto softmax = [&](int u, uint32_t (&pb)[KB][2]) {
-        const int kbase = c0 + u * KT + wk0;
-        const bool whole = kbase + SUB <= c1 && kbase + SUB - 1 <= warp_first_pos &&
-                           (p.sliding_window == 0 || kbase > warp_last_pos - p.sliding_window);
-        float tmax[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
-#pragma unroll
-        for (int kb = 0; kb < KB; ++kb) {
-#pragma unroll
-          for (int i = 0; i < 4; ++i) st[kb][i] = (st[kb][i] + st2[kb][i]) * score_log2;
-        }
-        if (!whole) {
-          int key_from[2], key_to[2];
-#pragma unroll
-          for (int r = 0; r < 2; ++r) {
-            const int v = 2 * qd + r;
-            const int pos = first_pos + v / group;
-            key_from[r] = p.sliding_window > 0 ? pos - p.sliding_window + 1 : 0;
-            key_to[r] = v < num_vectors ? min(pos, c1 - 1) : -1;
-          }
-#pragma unroll
-          for (int kb = 0; kb < KB; ++kb) {
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-              const int key = kbase + 16 * kb + lane / 4 + 8 * (i / 2);
-              if (!(key >= key_from[i % 2] && key <= key_to[i % 2])) st[kb][i] = -INFINITY;
-            }
-          }
-        }
-#pragma unroll
-        for (int kb = 0; kb < KB; ++kb) {
-#pragma unroll
-          for (int i = 0; i < 4; ++i) tmax[i % 2] = fmaxf(tmax[i % 2], st[kb][i]);
-        }
-        bool grow = false;
-#pragma unroll
-        for (int r = 0; r < 4; ++r) grow |= tmax[r] > m[r] + kSlack;  // (this lane's maxima)
-        if (__any_sync(0xffffffffu, grow)) {
-          float corr[4];
-#pragma unroll
-          for (int r = 0; r < 4; ++r) {  // (the rows' maxima across their 8 lanes, now)
-            tmax[r] = fmaxf(tmax[r], __shfl_xor_sync(0xffffffffu, tmax[r], 4));
-            tmax[r] = fmaxf(tmax[r], __shfl_xor_sync(0xffffffffu, tmax[r], 8));
-            tmax[r] = fmaxf(tmax[r], __shfl_xor_sync(0xffffffffu, tmax[r], 16));
-          }
-#pragma unroll
-          for (int r = 0; r < 4; ++r) corr[r] = raise_max(m[r], l[r], tmax[r]);
-#pragma unroll
-          for (int n = 0; n < 2 * HT; ++n) {
-#pragma unroll
-            for (int i = 0; i < 4; ++i) acc[n][i] *= corr[2 * (n / HT) + i % 2];
-          }
-        }
-#pragma unroll
-        for (int kb = 0; kb < KB; ++kb) {
-          float e[4];
-#pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            e[i] = fast_exp2(st[kb][i] - (m[i % 2] == -INFINITY ? 0.f : m[i % 2]));
-            l[i % 2] += e[i];
-          }
-          pb[kb][0] = movmatrix_trans(pack2<MT>(e[0], e[1]));
-          pb[kb][1] = movmatrix_trans(pack2<MT>(e[2], e[3]));
-        }
-      };
-      // Tile u's release (the skew's): this warp's arrive on its empty barrier,
-      // then tile u + 2 into the stage of tile u - 1 once every warp has left it.
-      auto release = [&](int u) {
-        __syncwarp();  // (every lane's reads of the stage are done)
-        if (lane == 0) tma_arrive(empty_bars + 8 * (u % kStages));
-        empty_phase ^= 1u << (u % kStages);
-        if (u + kStages - 1 < n_tiles) {
-          if (u >= 1) {  // (tile u - 1's phase: its bit was toggled once since)
-            const int sp = (u - 1) % kStages;
-            tma_wait(empty_bars + 8 * sp, ((empty_phase >> sp) & 1u) ^ 1u);
-          }
-          tma_spread(u + kStages - 1);
-        }
-      };
-
-      wait_full(0);
-      qk_zero();
-      {
-        const unsigned char* ks = k_stage(0);
-#pragma unroll
-        for (int kb = 0; kb < KB; ++kb) {
-#pragma unroll
-          for (int i = 0; i < KSTEPS / 2; ++i) qk_steps(ks, kb, i);
-        }
-      }
-      for (int t = 0; t + 1 < n_tiles; ++t) {
-        uint32_t pb[KB][2];
-        softmax(t, pb);
-        wait_full(t + 1);
-        // Q K(t + 1) and P V(t): independent chains, in one block.
-        qk_zero();
-        const unsigned char* ks = k_stage(t + 1);
-        const uint32_t vaddr = v_addr(t);
-        static_assert(KSTEPS / 2 == HD / 32, "two k steps of Q K beside each 32 dims of P V");
-#pragma unroll
-        for (int kb = 0; kb < KB; ++kb) {
-#pragma unroll
-          for (int j = 0; j < HD / 32; ++j) {
-            qk_steps(ks, kb, j);
-            pv_dims(vaddr, pb, kb, j);
-          }
-        }
-        release(t);
-      }
-      {
-        const int t = n_tiles - 1;
-        const int kbase = c0 + t * KT + wk0;
-        const bool skip = !warp_active || kbase >= c1 || kbase > warp_last_pos;
-        if (!skip) {
-          uint32_t pb[KB][2];
-          softmax(t, pb);
-          const uint32_t vaddr = v_addr(t);
-#pragma unroll
-          for (int kb = 0; kb < KB; ++kb) {
-#pragma unroll
-            for (int j = 0; j < HD / 32; ++j) pv_dims(vaddr, pb, kb, j);
-          }
-        }
-        release(t);
-      }
-    } else
     for (int t = 0; t < n_tiles; ++t) {
       if constexpr (TMA) {
         const int st = t % kStages;
@@ -1565,16 +1286,6 @@ __global__ void __launch_bounds__(DECODE ? 32 * kDecodeWarps : 32 * kPrefillWarp
           }
           tma_spread(t + kStages - 1);
         }
-        if constexpr (kNextWave) {
-          // (kLeanNextWave) once this warp's last refill is out (at its first tile if
-          // the chunk has no refill): the successor's rows into L2, K and V.
-          if (nw_keys > 0 && c1 == s_hi && t == max(0, n_tiles - kStages)) {
-            for (int k = 0; k < nw_keys; ++k) {
-              prefetch_l2(key_cache + nw_row + static_cast<int64_t>(k) * slot_elems);
-              prefetch_l2(value_cache + nw_row + static_cast<int64_t>(k) * slot_elems);
-            }
-          }
-        }
       }
     }
     if constexpr (!TMA) cp_async_wait<0>();  // (TMA: every tile issued was awaited)
@@ -1860,18 +1571,6 @@ int launch_variant(const PagedAttentionParams& p, cudaStream_t stream, int flags
     if (static_cast<int64_t>(p.num_kv_heads) * items * (z / CLUSTER) > max_clusters) return kClusterLaunchTooLarge;
     e = launch_pdl_cluster(kernel, dim3(p.num_kv_heads, items, z), dim3(1, 1, CLUSTER), dim3(threads), smem, stream,
                            p, flags, maps);
-  } else if constexpr ((LEAN & kLeanNextWave) != 0) {
-    // (kLeanNextWave) the CTAs resident at once: the successor's distance
-    static int resident = -1;  // NOTE: per instantiation, as `configured`
-    if (resident < 0) {
-      int n = 0;
-      e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, smem);
-      if (e != cudaSuccess) return e;
-      resident = n * multiprocessor_count();
-    }
-    DecodeMaps<true> next = maps;
-    next.next_wave = resident;
-    e = launch_pdl(kernel, dim3(p.num_kv_heads, items, splits), dim3(threads), smem, stream, p, flags, next);
   } else {
     e = launch_pdl(kernel, dim3(p.num_kv_heads, items, splits), dim3(threads), smem, stream, p, flags, maps);
   }
@@ -2165,35 +1864,10 @@ int launch_decode(const PagedAttentionParams& p, cudaStream_t stream, int flags,
               if ((flags & kTmaSpread) != 0 && env_int("PAGEDCORE_DECODE_TMA_SKEW", 1) != 0) {
                 // (above, kLeanSoftmax and kLeanNarrow; PAGEDCORE_DECODE_TMA_LEAN=0: neither)
                 if (env_int("PAGEDCORE_DECODE_TMA_LEAN", 1) != 0) {
-                  const bool fence = env_int("PAGEDCORE_DECODE_TMA_FENCE", 1) != 0;  // (kLeanNoFence)
-                  // (PAGEDCORE_DECODE_TMA_NEXT_WAVE=1: the trial of kLeanNextWave, with the fence)
-                  const bool next_wave = env_int("PAGEDCORE_DECODE_TMA_NEXT_WAVE", 0) == 1;
                   if (p.softcap == 0.f && p.decode_max_query_tokens > 0 &&
                       p.decode_max_query_tokens * (p.num_heads / p.num_kv_heads) <= 8) {
-                    // (PAGEDCORE_DECODE_TMA_PIPELINE=1: the trial of kLeanPipelined, where narrow
-                    // serves, with the fence: it takes precedence over PAGEDCORE_DECODE_TMA_FENCE=0)
-                    if (env_int("PAGEDCORE_DECODE_TMA_PIPELINE", 0) == 1) {
-                      return launch_variant<T, CT, HD, true, 3, kCvtIntV, 128, 0, true, kTmaSkew, 1,
-                                            kLeanSoftmax | kLeanNarrow | kLeanPipelined>(p, stream, flags, maps);
-                    }
-                    if (next_wave) {
-                      return launch_variant<T, CT, HD, true, 3, kCvtIntV, 128, 0, true, kTmaSkew, 1,
-                                            kLeanSoftmax | kLeanNarrow | kLeanNextWave>(p, stream, flags, maps);
-                    }
-                    if (!fence) {
-                      return launch_variant<T, CT, HD, true, 3, kCvtIntV, 128, 0, true, kTmaSkew, 1,
-                                            kLeanSoftmax | kLeanNarrow | kLeanNoFence>(p, stream, flags, maps);
-                    }
                     return launch_variant<T, CT, HD, true, 3, kCvtIntV, 128, 0, true, kTmaSkew, 1,
                                           kLeanSoftmax | kLeanNarrow>(p, stream, flags, maps);
-                  }
-                  if (next_wave) {
-                    return launch_variant<T, CT, HD, true, 3, kCvtIntV, 128, 0, true, kTmaSkew, 1,
-                                          kLeanSoftmax | kLeanNextWave>(p, stream, flags, maps);
-                  }
-                  if (!fence) {
-                    return launch_variant<T, CT, HD, true, 3, kCvtIntV, 128, 0, true, kTmaSkew, 1,
-                                          kLeanSoftmax | kLeanNoFence>(p, stream, flags, maps);
                   }
                   return launch_variant<T, CT, HD, true, 3, kCvtIntV, 128, 0, true, kTmaSkew, 1, kLeanSoftmax>(
                       p, stream, flags, maps);

@@ -403,8 +403,7 @@ def test_decode_cluster_by_default(monkeypatch):
              graph_plan_len=8192, repeat=2)
 
 
-@pytest.mark.parametrize("kernel", ["wgmma", "mma", "mma-warp0-issue", "mma-tile-barrier", "mma-lean-off",
-                                    "mma-pipelined"])
+@pytest.mark.parametrize("kernel", ["wgmma", "mma", "mma-warp0-issue", "mma-tile-barrier", "mma-lean-off"])
 @pytest.mark.parametrize("block_size", [8, 16, 32, 128])
 def test_decode_tma_fp8(monkeypatch, block_size, kernel):
     # fp8 decode at head dim 128 with its K/V tiles brought by bulk tensor copies, one
@@ -419,9 +418,7 @@ def test_decode_tma_fp8(monkeypatch, block_size, kernel):
     # mbarrier (the default), by every warp behind each tile's barrier (PAGEDCORE_DECODE_TMA_SKEW=0),
     # or by warp 0 alone behind it (PAGEDCORE_DECODE_TMA_SPREAD=0); the default's tiles lean
     # (the narrow kernel where a plan allows it), "mma-lean-off" the kernel before them
-    # (PAGEDCORE_DECODE_TMA_LEAN=0; test_decode_tma_lean_equals_the_kernel_before_it),
-    # "mma-pipelined" the opt-in trial of cross-tile pipelining where narrow serves
-    # (PAGEDCORE_DECODE_TMA_PIPELINE=1; test_decode_tma_pipelined_equals_the_default).
+    # (PAGEDCORE_DECODE_TMA_LEAN=0; test_decode_tma_lean_equals_the_kernel_before_it).
     if kernel == "wgmma":
         monkeypatch.setenv("PAGEDCORE_DECODE_WGMMA", "2")
     else:
@@ -430,10 +427,6 @@ def test_decode_tma_fp8(monkeypatch, block_size, kernel):
         monkeypatch.setenv("PAGEDCORE_DECODE_TMA_SPREAD", "0" if kernel == "mma-warp0-issue" else "1")
         monkeypatch.setenv("PAGEDCORE_DECODE_TMA_SKEW", "0" if kernel == "mma-tile-barrier" else "1")
         monkeypatch.setenv("PAGEDCORE_DECODE_TMA_LEAN", "0" if kernel == "mma-lean-off" else "1")
-        if kernel == "mma-pipelined":
-            monkeypatch.setenv("PAGEDCORE_DECODE_TMA_PIPELINE", "1")
-        else:
-            monkeypatch.delenv("PAGEDCORE_DECODE_TMA_PIPELINE", raising=False)
     monkeypatch.setenv("PAGEDCORE_DECODE_DEEP_CTAS", "0")
     lengths = [1, 17, 255, 256, 513, 1500, 4097, 9000]
     for window in (0, 300):
@@ -448,10 +441,23 @@ def test_decode_tma_fp8(monkeypatch, block_size, kernel):
              dtype=torch.bfloat16, fp8_scales=(0.5, 2.0))
 
 
-def tma_lean_cases(block_size):
-    # The cases of test_decode_tma_lean_equals_the_kernel_before_it and of
-    # test_decode_tma_pipelined_equals_the_default.
-    return [
+@pytest.mark.parametrize("block_size", [16, 128])
+def test_decode_tma_lean_equals_the_kernel_before_it(monkeypatch, block_size):
+    # The default's lean tiles (attention_mma.cu, LEAN) issue fewer instructions for the
+    # same arithmetic as the kernel before them (PAGEDCORE_DECODE_TMA_LEAN=0): kLeanSoftmax,
+    # K's high byte pairs widened without a shift, the mask only on tiles that are not
+    # whole, the rows' maxima reduced across lanes only when one would rise; kLeanNarrow
+    # with it, a kernel of one column tile and no softcap for launches whose plan has no
+    # decode row of more than 8 vectors (decode_max_query_tokens x group) and no softcap,
+    # else kLeanSoftmax alone. Their outputs are the old kernel's, bit for bit: whole
+    # and partial tiles, windows, key splits, heads scaled up to 64x (sharp scores: rows'
+    # maxima rise in later tiles, the rescale's path), rows of 2 queries x group 4 (8
+    # vectors: narrow), and where narrow may not run (group 8 x 2 queries, the second
+    # column tile; softcap; a graph's padded plan) the launch takes the wide one.
+    monkeypatch.setenv("PAGEDCORE_DECODE_WGMMA", "0")
+    monkeypatch.setenv("PAGEDCORE_DECODE_TMA", "2")
+    monkeypatch.setenv("PAGEDCORE_DECODE_DEEP_CTAS", "0")
+    cases = [
         dict(rows=[(1, n) for n in (1, 17, 255, 256, 513, 1500, 4097, 9000)], group=4, dtype=torch.float16,
              window=0, softcap=0.0, fp8_scales=(0.5, 1.5), graph_plan_len=16384),
         dict(rows=[(1, n) for n in (300, 2000, 5000)], group=4, dtype=torch.bfloat16, window=300, softcap=0.0,
@@ -467,127 +473,41 @@ def tma_lean_cases(block_size):
         dict(rows=[(1, 300)] * 3 + [(70, 170), (1, 2048), (1, 1)], group=4, dtype=torch.bfloat16, window=0,
              softcap=0.0, fp8_scales=(0.5, 2.0), mixed_graph=(512, 1)),
     ]
-
-
-@pytest.mark.parametrize("switch, value", [("PAGEDCORE_DECODE_TMA_LEAN", "0"), ("PAGEDCORE_DECODE_TMA_FENCE", "0"),
-                                           ("PAGEDCORE_DECODE_TMA_NEXT_WAVE", "1")])
-@pytest.mark.parametrize("block_size", [16, 128])
-def test_decode_tma_lean_equals_the_kernel_before_it(monkeypatch, block_size, switch, value):
-    # The default's lean tiles (attention_mma.cu, LEAN) issue fewer instructions for the
-    # same arithmetic as the kernel before them (PAGEDCORE_DECODE_TMA_LEAN=0): kLeanSoftmax,
-    # K's high byte pairs widened without a shift, the mask only on tiles that are not
-    # whole, the rows' maxima reduced across lanes only when one would rise; kLeanNarrow
-    # with it, a kernel of one column tile and no softcap for launches whose plan has no
-    # decode row of more than 8 vectors (decode_max_query_tokens x group) and no softcap,
-    # else kLeanSoftmax alone. Their outputs are the old kernel's, bit for bit: whole
-    # and partial tiles, windows, key splits, heads scaled up to 64x (sharp scores: rows'
-    # maxima rise in later tiles, the rescale's path), rows of 2 queries x group 4 (8
-    # vectors: narrow), and where narrow may not run (group 8 x 2 queries, the second
-    # column tile; softcap; a graph's padded plan) the launch takes the wide one. Also the
-    # trial PAGEDCORE_DECODE_TMA_FENCE=0 (no proxy fence before a stage's refill: the same
-    # arithmetic, so the same outputs, on every case), and the trial
-    # PAGEDCORE_DECODE_TMA_NEXT_WAVE=1 (L2 prefetches of the next wave's first tiles), with
-    # launches of more CTAs than fit at once (8 kv heads x 80 and 300 rows, some split: the
-    # prefetches run; rows of 1 to 3000 keys, of 1 and 2 queries).
-    monkeypatch.setenv("PAGEDCORE_DECODE_WGMMA", "0")
-    monkeypatch.setenv("PAGEDCORE_DECODE_TMA", "2")
-    monkeypatch.setenv("PAGEDCORE_DECODE_DEEP_CTAS", "0")
-    cases = tma_lean_cases(block_size)
-    if switch == "PAGEDCORE_DECODE_TMA_NEXT_WAVE":
-        cases = cases + [
-            dict(rows=[(1 + i % 2, 2 + (37 * i) % 3000) for i in range(80)], group=4, dtype=torch.bfloat16, window=0,
-                 softcap=0.0, fp8_scales=(0.5, 2.0), num_kv_heads=8),
-            dict(rows=[(1, 1 + (53 * i) % 700) for i in range(300)], group=4, dtype=torch.float16, window=100,
-                 softcap=0.0, fp8_scales=(1.0, 1.0), num_kv_heads=8),
-        ]
     for seed, case in enumerate(cases):
         outs = []
-        for setting in (value, None):
-            if setting is None:
-                monkeypatch.delenv(switch, raising=False)
+        for lean in ("0", None):
+            if lean is None:
+                monkeypatch.delenv("PAGEDCORE_DECODE_TMA_LEAN", raising=False)
             else:
-                monkeypatch.setenv(switch, setting)
+                monkeypatch.setenv("PAGEDCORE_DECODE_TMA_LEAN", lean)
             outs.append(run_cuda(block_size=block_size, head_dim=128, seed=seed, **case))
         assert torch.equal(outs[0], outs[1]), (seed, (outs[0].float() - outs[1].float()).abs().max())
 
 
-@pytest.mark.parametrize("block_size", [8, 16, 128])
-def test_decode_tma_pipelined_equals_the_default(monkeypatch, block_size):
-    # The trial of cross-tile pipelining (attention_mma.cu, kLeanPipelined; opt-in by
-    # PAGEDCORE_DECODE_TMA_PIPELINE=1, where the narrow lean kernel would run): Q K of
-    # tile t + 1 beside P V of tile t, the last tile peeled, restarted at each chunk of
-    # staged block ids. The same arithmetic in the same order: the default's outputs,
-    # bit for bit, over the lean test's cases (rows of 1 and 2 tiles, partial tiles,
-    # windows, splits, rescales; where narrow may not run, the same wide kernel) and, at
-    # block size 8, unsplit rows that cross a chunk (1024 blocks) mid-tile or at its end.
-    monkeypatch.setenv("PAGEDCORE_DECODE_WGMMA", "0")
-    monkeypatch.setenv("PAGEDCORE_DECODE_TMA", "2")
-    monkeypatch.setenv("PAGEDCORE_DECODE_DEEP_CTAS", "0")
-    monkeypatch.delenv("PAGEDCORE_DECODE_TMA_LEAN", raising=False)
-    cases = tma_lean_cases(block_size) + [
-        dict(rows=[(1, 8192), (1, 8193), (2, 8250), (1, 9000), (1, 16500)], group=4, dtype=torch.bfloat16, window=0,
-             softcap=0.0, fp8_scales=(0.5, 2.0), unsplit=True),
-        dict(rows=[(1, 8300), (2, 9000)], group=4, dtype=torch.float16, window=200, softcap=0.0,
-             fp8_scales=(1.0, 1.0), unsplit=True, head_scales=[1.0, 16.0, 64.0, 0.25, 4.0, 32.0, 1.0, 8.0]),
-    ]
-    for seed, case in enumerate(cases):
-        outs = []
-        for pipeline in (None, "1"):
-            if pipeline is None:
-                monkeypatch.delenv("PAGEDCORE_DECODE_TMA_PIPELINE", raising=False)
-            else:
-                monkeypatch.setenv("PAGEDCORE_DECODE_TMA_PIPELINE", pipeline)
-            outs.append(run_cuda(block_size=block_size, head_dim=128, seed=seed, **case))
-        assert torch.equal(outs[0], outs[1]), (seed, (outs[0].float() - outs[1].float()).abs().max())
-
-
-_LEAN_OFF = {"PAGEDCORE_DECODE_TMA_LEAN": "0"}
-_NO_FENCE = {"PAGEDCORE_DECODE_TMA_FENCE": "0"}
-_PIPELINE = {"PAGEDCORE_DECODE_TMA_PIPELINE": "1"}
-_NEXT_WAVE = {"PAGEDCORE_DECODE_TMA_NEXT_WAVE": "1"}
-
-
-@pytest.mark.parametrize("rows, group, softcap, env, kernel", [
-    ([(1, 3000)] * 4, 4, 0.0, {}, 3), ([(1, 3000)] * 4, 4, 0.0, _LEAN_OFF, 0),
-    ([(2, 3000), (1, 500)], 4, 0.0, {}, 3),  # (8 vectors: narrow)
-    ([(1, 3000)] * 4, 8, 0.0, {}, 3),
-    ([(3, 3000), (1, 500)], 4, 0.0, {}, 2),  # (12 vectors: wide)
-    ([(2, 3000), (1, 500)], 8, 0.0, {}, 2),  # (16 vectors: wide)
-    ([(2, 3000), (1, 500)], 8, 0.0, _LEAN_OFF, 0),
-    ([(1, 3000)] * 4, 4, 3.5, {}, 2),  # (softcap: wide)
-    ([(1, 3000)] * 4, 4, 0.0, _NO_FENCE, 11), ([(1, 3000)] * 4, 4, 3.5, _NO_FENCE, 10),
-    ([(1, 3000)] * 4, 4, 0.0, {**_LEAN_OFF, **_NO_FENCE}, 0),
-    # PAGEDCORE_DECODE_TMA_PIPELINE=1: the pipelined trial (7) where narrow serves, else the
-    # kernel without it; it takes precedence over PAGEDCORE_DECODE_TMA_FENCE=0
-    ([(1, 3000)] * 4, 4, 0.0, _PIPELINE, 7), ([(2, 3000), (1, 500)], 4, 0.0, _PIPELINE, 7),
-    ([(2, 3000), (1, 500)], 8, 0.0, _PIPELINE, 2), ([(1, 3000)] * 4, 4, 3.5, _PIPELINE, 2),
-    ([(1, 3000)] * 4, 4, 0.0, {**_LEAN_OFF, **_PIPELINE}, 0), ([(1, 3000)] * 4, 4, 0.0, {**_NO_FENCE, **_PIPELINE}, 7),
-    # PAGEDCORE_DECODE_TMA_NEXT_WAVE=1: either lean kernel with the next wave's prefetches
-    # (+16), before PAGEDCORE_DECODE_TMA_FENCE=0, after PAGEDCORE_DECODE_TMA_PIPELINE=1
-    ([(1, 3000)] * 4, 4, 0.0, _NEXT_WAVE, 19), ([(1, 3000)] * 4, 4, 3.5, _NEXT_WAVE, 18),
-    ([(1, 3000)] * 4, 4, 0.0, {**_NO_FENCE, **_NEXT_WAVE}, 19), ([(1, 3000)] * 4, 4, 0.0, {**_PIPELINE, **_NEXT_WAVE}, 7),
-    ([(1, 3000)] * 4, 4, 0.0, {**_LEAN_OFF, **_NEXT_WAVE}, 0),
+@pytest.mark.parametrize("rows, group, softcap, lean, kernel", [
+    ([(1, 3000)] * 4, 4, 0.0, None, 3), ([(1, 3000)] * 4, 4, 0.0, "0", 0),
+    ([(2, 3000), (1, 500)], 4, 0.0, None, 3),  # (8 vectors: narrow)
+    ([(1, 3000)] * 4, 8, 0.0, None, 3),
+    ([(3, 3000), (1, 500)], 4, 0.0, None, 2),  # (12 vectors: wide)
+    ([(2, 3000), (1, 500)], 8, 0.0, None, 2),  # (16 vectors: wide)
+    ([(2, 3000), (1, 500)], 8, 0.0, "0", 0),
+    ([(1, 3000)] * 4, 4, 3.5, None, 2),  # (softcap: wide)
 ])
-def test_decode_tma_lean_picks_its_kernel(monkeypatch, rows, group, softcap, env, kernel):
+def test_decode_tma_lean_picks_its_kernel(monkeypatch, rows, group, softcap, lean, kernel):
     # Which kernel a launch takes (the LEAN template argument, last of mma_attention_kernel's,
     # read from the profiler's kernel names): by default narrow and lean (3) only where the
     # plan has no decode row of more than 8 vectors and there is no softcap, else lean and
-    # wide (2); PAGEDCORE_DECODE_TMA_LEAN=0, the kernel before them (0); the trial
-    # PAGEDCORE_DECODE_TMA_FENCE=0, either lean kernel without the refills' proxy fence
-    # (+8); the trial PAGEDCORE_DECODE_TMA_PIPELINE=1, the pipelined one (7) only where
-    # narrow serves; the trial PAGEDCORE_DECODE_TMA_NEXT_WAVE=1, either lean kernel with
-    # the next wave's prefetches (+16). (Not under compute-sanitizer: the profiler's CUPTI
-    # takes no second subscriber.)
+    # wide (2); PAGEDCORE_DECODE_TMA_LEAN=0, the kernel before them (0). (Not under
+    # compute-sanitizer: the profiler's CUPTI takes no second subscriber.)
     from torch.profiler import ProfilerActivity, profile
 
     monkeypatch.setenv("PAGEDCORE_DECODE_WGMMA", "0")
     monkeypatch.setenv("PAGEDCORE_DECODE_TMA", "2")
     monkeypatch.setenv("PAGEDCORE_DECODE_DEEP_CTAS", "0")
-    for name in ("PAGEDCORE_DECODE_TMA_LEAN", "PAGEDCORE_DECODE_TMA_FENCE", "PAGEDCORE_DECODE_TMA_PIPELINE",
-                 "PAGEDCORE_DECODE_TMA_NEXT_WAVE"):
-        monkeypatch.delenv(name, raising=False)
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
+    if lean is None:
+        monkeypatch.delenv("PAGEDCORE_DECODE_TMA_LEAN", raising=False)
+    else:
+        monkeypatch.setenv("PAGEDCORE_DECODE_TMA_LEAN", lean)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         run_cuda(rows, block_size=16, head_dim=128, group=group, dtype=torch.bfloat16, softcap=softcap,
                  fp8_scales=(0.5, 2.0))
