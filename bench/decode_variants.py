@@ -40,6 +40,9 @@ share one set of tensors, and their graphs are replayed in turn, five rounds.
                               where the plan has no decode row of more than 8 vectors: not a
                               mixed graph's padded plan, so the "mixed" cases run wide), or the
                               kernel before them (0)
+  PAGEDCORE_DECODE_TMA_KT64    the narrow lean kernel (where it runs, block sizes up to 64) in
+                              64-key tiles, four CTAs an SM (1; a trial, not measured yet), or
+                              128-key tiles, two an SM (0, default)
   PAGEDCORE_DECODE_CLUSTER    rows under 512 keys, and split rows of at most
                               C x PAGEDCORE_DECODE_CLUSTER_KEYS keys (default 128), shared by
                               clusters of C = 4 or 8 CTAs, merged through distributed shared
@@ -106,6 +109,7 @@ VARIANTS = (
     ("tma warp 0 issue", {"PAGEDCORE_DECODE_TMA_SPREAD": "0"}),
     ("tma tile barrier", {"PAGEDCORE_DECODE_TMA_SKEW": "0"}),
     ("lean off", {"PAGEDCORE_DECODE_TMA_LEAN": "0"}),
+    ("tma 64-key tiles", {"PAGEDCORE_DECODE_TMA_KT64": "1"}),
     ("cluster off", {"PAGEDCORE_DECODE_CLUSTER": "0"}),
     ("cluster 4 barrier", {"PAGEDCORE_DECODE_CLUSTER": "4", "PAGEDCORE_DECODE_CLUSTER_ASYNC": "0"}),
     ("cluster 8 barrier", {"PAGEDCORE_DECODE_CLUSTER": "8", "PAGEDCORE_DECODE_CLUSTER_ASYNC": "0"}),

@@ -1866,6 +1866,14 @@ int launch_decode(const PagedAttentionParams& p, cudaStream_t stream, int flags,
                 if (env_int("PAGEDCORE_DECODE_TMA_LEAN", 1) != 0) {
                   if (p.softcap == 0.f && p.decode_max_query_tokens > 0 &&
                       p.decode_max_query_tokens * (p.num_heads / p.num_kv_heads) <= 8) {
+                    // PAGEDCORE_DECODE_TMA_KT64=1 (a trial; block sizes up to 64): the
+                    // narrow kernel in 64-key tiles, three stages (53 KB): four CTAs an SM
+                    // where registers allow (<= 128), so that fp8 B=64's 512 CTAs run in
+                    // one wave, with twice the warps a scheduler to hide the tile's chains.
+                    if (env_int("PAGEDCORE_DECODE_TMA_KT64", 0) == 1 && p.block_size <= 64) {
+                      return launch_variant<T, CT, HD, true, 3, kCvtIntV, 64, 0, true, kTmaSkew, 1,
+                                            kLeanSoftmax | kLeanNarrow>(p, stream, flags, maps);
+                    }
                     return launch_variant<T, CT, HD, true, 3, kCvtIntV, 128, 0, true, kTmaSkew, 1,
                                           kLeanSoftmax | kLeanNarrow>(p, stream, flags, maps);
                   }

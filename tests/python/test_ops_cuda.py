@@ -403,7 +403,8 @@ def test_decode_cluster_by_default(monkeypatch):
              graph_plan_len=8192, repeat=2)
 
 
-@pytest.mark.parametrize("kernel", ["wgmma", "mma", "mma-warp0-issue", "mma-tile-barrier", "mma-lean-off"])
+@pytest.mark.parametrize("kernel", ["wgmma", "mma", "mma-warp0-issue", "mma-tile-barrier", "mma-lean-off",
+                                    "mma-64-key-tiles"])
 @pytest.mark.parametrize("block_size", [8, 16, 32, 128])
 def test_decode_tma_fp8(monkeypatch, block_size, kernel):
     # fp8 decode at head dim 128 with its K/V tiles brought by bulk tensor copies, one
@@ -418,7 +419,10 @@ def test_decode_tma_fp8(monkeypatch, block_size, kernel):
     # mbarrier (the default), by every warp behind each tile's barrier (PAGEDCORE_DECODE_TMA_SKEW=0),
     # or by warp 0 alone behind it (PAGEDCORE_DECODE_TMA_SPREAD=0); the default's tiles lean
     # (the narrow kernel where a plan allows it), "mma-lean-off" the kernel before them
-    # (PAGEDCORE_DECODE_TMA_LEAN=0; test_decode_tma_lean_equals_the_kernel_before_it).
+    # (PAGEDCORE_DECODE_TMA_LEAN=0; test_decode_tma_lean_equals_the_kernel_before_it);
+    # "mma-64-key-tiles" the trial PAGEDCORE_DECODE_TMA_KT64=1 (the narrow kernel in 64-key
+    # tiles at block sizes up to 64; the default's kernels elsewhere).
+    monkeypatch.setenv("PAGEDCORE_DECODE_TMA_KT64", "1" if kernel == "mma-64-key-tiles" else "0")
     if kernel == "wgmma":
         monkeypatch.setenv("PAGEDCORE_DECODE_WGMMA", "2")
     else:
