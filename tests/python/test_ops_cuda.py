@@ -488,30 +488,36 @@ def test_decode_tma_lean_equals_the_kernel_before_it(monkeypatch, block_size):
         assert torch.equal(outs[0], outs[1]), (seed, (outs[0].float() - outs[1].float()).abs().max())
 
 
-@pytest.mark.parametrize("rows, group, softcap, lean, kernel", [
-    ([(1, 3000)] * 4, 4, 0.0, None, 3), ([(1, 3000)] * 4, 4, 0.0, "0", 0),
-    ([(2, 3000), (1, 500)], 4, 0.0, None, 3),  # (8 vectors: narrow)
-    ([(1, 3000)] * 4, 8, 0.0, None, 3),
-    ([(3, 3000), (1, 500)], 4, 0.0, None, 2),  # (12 vectors: wide)
-    ([(2, 3000), (1, 500)], 8, 0.0, None, 2),  # (16 vectors: wide)
-    ([(2, 3000), (1, 500)], 8, 0.0, "0", 0),
-    ([(1, 3000)] * 4, 4, 3.5, None, 2),  # (softcap: wide)
+@pytest.mark.parametrize("rows, group, softcap, lean, kt64, kernel, keys", [
+    ([(1, 3000)] * 4, 4, 0.0, None, None, 3, 128), ([(1, 3000)] * 4, 4, 0.0, "0", None, 0, 128),
+    ([(2, 3000), (1, 500)], 4, 0.0, None, None, 3, 128),  # (8 vectors: narrow)
+    ([(1, 3000)] * 4, 8, 0.0, None, None, 3, 128),
+    ([(3, 3000), (1, 500)], 4, 0.0, None, None, 2, 128),  # (12 vectors: wide)
+    ([(2, 3000), (1, 500)], 8, 0.0, None, None, 2, 128),  # (16 vectors: wide)
+    ([(2, 3000), (1, 500)], 8, 0.0, "0", None, 0, 128),
+    ([(1, 3000)] * 4, 4, 3.5, None, None, 2, 128),  # (softcap: wide)
+    # the trial PAGEDCORE_DECODE_TMA_KT64=1: the narrow kernel in 64-key tiles, the wide one as before
+    ([(1, 3000)] * 4, 4, 0.0, None, "1", 3, 64), ([(3, 3000), (1, 500)], 4, 0.0, None, "1", 2, 128),
+    ([(1, 3000)] * 4, 4, 0.0, "0", "1", 0, 128),
 ])
-def test_decode_tma_lean_picks_its_kernel(monkeypatch, rows, group, softcap, lean, kernel):
+def test_decode_tma_lean_picks_its_kernel(monkeypatch, rows, group, softcap, lean, kt64, kernel, keys):
     # Which kernel a launch takes (the LEAN template argument, last of mma_attention_kernel's,
-    # read from the profiler's kernel names): by default narrow and lean (3) only where the
-    # plan has no decode row of more than 8 vectors and there is no softcap, else lean and
-    # wide (2); PAGEDCORE_DECODE_TMA_LEAN=0, the kernel before them (0). (Not under
-    # compute-sanitizer: the profiler's CUPTI takes no second subscriber.)
+    # and KT, its tile's keys, the seventh, read from the profiler's kernel names): by default
+    # narrow and lean (3) only where the plan has no decode row of more than 8 vectors and
+    # there is no softcap, else lean and wide (2); PAGEDCORE_DECODE_TMA_LEAN=0, the kernel
+    # before them (0); the trial PAGEDCORE_DECODE_TMA_KT64=1 (block size 16 here), the narrow
+    # kernel in 64-key tiles. (Not under compute-sanitizer: the profiler's CUPTI takes no
+    # second subscriber.)
     from torch.profiler import ProfilerActivity, profile
 
     monkeypatch.setenv("PAGEDCORE_DECODE_WGMMA", "0")
     monkeypatch.setenv("PAGEDCORE_DECODE_TMA", "2")
     monkeypatch.setenv("PAGEDCORE_DECODE_DEEP_CTAS", "0")
-    if lean is None:
-        monkeypatch.delenv("PAGEDCORE_DECODE_TMA_LEAN", raising=False)
-    else:
-        monkeypatch.setenv("PAGEDCORE_DECODE_TMA_LEAN", lean)
+    for name, value in (("PAGEDCORE_DECODE_TMA_LEAN", lean), ("PAGEDCORE_DECODE_TMA_KT64", kt64)):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         run_cuda(rows, block_size=16, head_dim=128, group=group, dtype=torch.bfloat16, softcap=softcap,
                  fp8_scales=(0.5, 2.0))
@@ -520,6 +526,7 @@ def test_decode_tma_lean_picks_its_kernel(monkeypatch, rows, group, softcap, lea
     args = [name.split("mma_attention_kernel<", 1)[1].split(">", 1)[0].split(",") for name in launched]
     leans = {int(re.search(r"(\d+)\s*$", a[-1]).group(1)) for a in args}
     assert leans == {kernel}, launched
+    assert {int(re.search(r"\d+", a[6]).group(0)) for a in args} == {keys}, launched
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
