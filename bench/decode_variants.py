@@ -41,8 +41,8 @@ share one set of tensors, and their graphs are replayed in turn, five rounds.
                               mixed graph's padded plan, so the "mixed" cases run wide), or the
                               kernel before them (0)
   PAGEDCORE_DECODE_TMA_KT64    the narrow lean kernel (where it runs, block sizes up to 64) in
-                              64-key tiles, four CTAs an SM (1; a trial, not measured yet), or
-                              128-key tiles, two an SM (0, default)
+                              64-key tiles, four CTAs an SM (1, default), or 128-key tiles,
+                              two an SM (0)
   PAGEDCORE_DECODE_CLUSTER    rows under 512 keys, and split rows of at most
                               C x PAGEDCORE_DECODE_CLUSTER_KEYS keys (default 128), shared by
                               clusters of C = 4 or 8 CTAs, merged through distributed shared
@@ -109,7 +109,7 @@ VARIANTS = (
     ("tma warp 0 issue", {"PAGEDCORE_DECODE_TMA_SPREAD": "0"}),
     ("tma tile barrier", {"PAGEDCORE_DECODE_TMA_SKEW": "0"}),
     ("lean off", {"PAGEDCORE_DECODE_TMA_LEAN": "0"}),
-    ("tma 64-key tiles", {"PAGEDCORE_DECODE_TMA_KT64": "1"}),
+    ("tma 128-key tiles", {"PAGEDCORE_DECODE_TMA_KT64": "0"}),
     ("cluster off", {"PAGEDCORE_DECODE_CLUSTER": "0"}),
     ("cluster 4 barrier", {"PAGEDCORE_DECODE_CLUSTER": "4", "PAGEDCORE_DECODE_CLUSTER_ASYNC": "0"}),
     ("cluster 8 barrier", {"PAGEDCORE_DECODE_CLUSTER": "8", "PAGEDCORE_DECODE_CLUSTER_ASYNC": "0"}),

@@ -1866,11 +1866,16 @@ int launch_decode(const PagedAttentionParams& p, cudaStream_t stream, int flags,
                 if (env_int("PAGEDCORE_DECODE_TMA_LEAN", 1) != 0) {
                   if (p.softcap == 0.f && p.decode_max_query_tokens > 0 &&
                       p.decode_max_query_tokens * (p.num_heads / p.num_kv_heads) <= 8) {
-                    // PAGEDCORE_DECODE_TMA_KT64=1 (a trial; block sizes up to 64): the
-                    // narrow kernel in 64-key tiles, three stages (53 KB): four CTAs an SM
-                    // where registers allow (<= 128), so that fp8 B=64's 512 CTAs run in
-                    // one wave, with twice the warps a scheduler to hide the tile's chains.
-                    if (env_int("PAGEDCORE_DECODE_TMA_KT64", 0) == 1 && p.block_size <= 64) {
+                    // At block sizes up to 64, the narrow kernel in 64-key tiles, three
+                    // stages (53 KB, 117-119 registers): four CTAs an SM, so that fp8
+                    // B=64's 512 CTAs run in one wave, with twice the warps a scheduler
+                    // to hide each tile's chains; PAGEDCORE_DECODE_TMA_KT64=0: 128-key
+                    // tiles, as at larger blocks. Measured on an H100 (decode_variants.py,
+                    // two runs, us, 128 -> 64 keys, at 9dc434d): fp8 B=64 L=4k 185.1 ->
+                    // 183.7 and 185.2 -> 183.9, L=1k 55.1 -> 52.0 and 55.4 -> 52.3, B=512
+                    // one kv head 181.5 -> 179.9 and 182.0 -> 180.2; bf16 and head dim 64
+                    // unchanged (not these kernels).
+                    if (env_int("PAGEDCORE_DECODE_TMA_KT64", 1) != 0 && p.block_size <= 64) {
                       return launch_variant<T, CT, HD, true, 3, kCvtIntV, 64, 0, true, kTmaSkew, 1,
                                             kLeanSoftmax | kLeanNarrow>(p, stream, flags, maps);
                     }

@@ -404,7 +404,7 @@ def test_decode_cluster_by_default(monkeypatch):
 
 
 @pytest.mark.parametrize("kernel", ["wgmma", "mma", "mma-warp0-issue", "mma-tile-barrier", "mma-lean-off",
-                                    "mma-64-key-tiles"])
+                                    "mma-128-key-tiles"])
 @pytest.mark.parametrize("block_size", [8, 16, 32, 128])
 def test_decode_tma_fp8(monkeypatch, block_size, kernel):
     # fp8 decode at head dim 128 with its K/V tiles brought by bulk tensor copies, one
@@ -420,9 +420,9 @@ def test_decode_tma_fp8(monkeypatch, block_size, kernel):
     # or by warp 0 alone behind it (PAGEDCORE_DECODE_TMA_SPREAD=0); the default's tiles lean
     # (the narrow kernel where a plan allows it), "mma-lean-off" the kernel before them
     # (PAGEDCORE_DECODE_TMA_LEAN=0; test_decode_tma_lean_equals_the_kernel_before_it);
-    # "mma-64-key-tiles" the trial PAGEDCORE_DECODE_TMA_KT64=1 (the narrow kernel in 64-key
-    # tiles at block sizes up to 64; the default's kernels elsewhere).
-    monkeypatch.setenv("PAGEDCORE_DECODE_TMA_KT64", "1" if kernel == "mma-64-key-tiles" else "0")
+    # the default's narrow kernel in 64-key tiles at block sizes up to 64, "mma-128-key-tiles"
+    # in 128-key tiles there too (PAGEDCORE_DECODE_TMA_KT64=0; the default's at block size 128).
+    monkeypatch.setenv("PAGEDCORE_DECODE_TMA_KT64", "0" if kernel == "mma-128-key-tiles" else "1")
     if kernel == "wgmma":
         monkeypatch.setenv("PAGEDCORE_DECODE_WGMMA", "2")
     else:
@@ -457,7 +457,10 @@ def test_decode_tma_lean_equals_the_kernel_before_it(monkeypatch, block_size):
     # and partial tiles, windows, key splits, heads scaled up to 64x (sharp scores: rows'
     # maxima rise in later tiles, the rescale's path), rows of 2 queries x group 4 (8
     # vectors: narrow), and where narrow may not run (group 8 x 2 queries, the second
-    # column tile; softcap; a graph's padded plan) the launch takes the wide one.
+    # column tile; softcap; a graph's padded plan) the launch takes the wide one. Both in
+    # 128-key tiles (PAGEDCORE_DECODE_TMA_KT64=0): the default's 64-key narrow tiles sum
+    # the keys in another order (test_decode_tma_fp8 holds them to the reference).
+    monkeypatch.setenv("PAGEDCORE_DECODE_TMA_KT64", "0")
     monkeypatch.setenv("PAGEDCORE_DECODE_WGMMA", "0")
     monkeypatch.setenv("PAGEDCORE_DECODE_TMA", "2")
     monkeypatch.setenv("PAGEDCORE_DECODE_DEEP_CTAS", "0")
@@ -489,25 +492,25 @@ def test_decode_tma_lean_equals_the_kernel_before_it(monkeypatch, block_size):
 
 
 @pytest.mark.parametrize("rows, group, softcap, lean, kt64, kernel, keys", [
-    ([(1, 3000)] * 4, 4, 0.0, None, None, 3, 128), ([(1, 3000)] * 4, 4, 0.0, "0", None, 0, 128),
-    ([(2, 3000), (1, 500)], 4, 0.0, None, None, 3, 128),  # (8 vectors: narrow)
-    ([(1, 3000)] * 4, 8, 0.0, None, None, 3, 128),
+    ([(1, 3000)] * 4, 4, 0.0, None, None, 3, 64), ([(1, 3000)] * 4, 4, 0.0, "0", None, 0, 128),
+    ([(2, 3000), (1, 500)], 4, 0.0, None, None, 3, 64),  # (8 vectors: narrow)
+    ([(1, 3000)] * 4, 8, 0.0, None, None, 3, 64),
     ([(3, 3000), (1, 500)], 4, 0.0, None, None, 2, 128),  # (12 vectors: wide)
     ([(2, 3000), (1, 500)], 8, 0.0, None, None, 2, 128),  # (16 vectors: wide)
     ([(2, 3000), (1, 500)], 8, 0.0, "0", None, 0, 128),
     ([(1, 3000)] * 4, 4, 3.5, None, None, 2, 128),  # (softcap: wide)
-    # the trial PAGEDCORE_DECODE_TMA_KT64=1: the narrow kernel in 64-key tiles, the wide one as before
-    ([(1, 3000)] * 4, 4, 0.0, None, "1", 3, 64), ([(3, 3000), (1, 500)], 4, 0.0, None, "1", 2, 128),
-    ([(1, 3000)] * 4, 4, 0.0, "0", "1", 0, 128),
+    # PAGEDCORE_DECODE_TMA_KT64=0: the narrow kernel in 128-key tiles, the others as before
+    ([(1, 3000)] * 4, 4, 0.0, None, "0", 3, 128), ([(3, 3000), (1, 500)], 4, 0.0, None, "0", 2, 128),
+    ([(1, 3000)] * 4, 4, 0.0, "0", "0", 0, 128),
 ])
 def test_decode_tma_lean_picks_its_kernel(monkeypatch, rows, group, softcap, lean, kt64, kernel, keys):
     # Which kernel a launch takes (the LEAN template argument, last of mma_attention_kernel's,
     # and KT, its tile's keys, the seventh, read from the profiler's kernel names): by default
     # narrow and lean (3) only where the plan has no decode row of more than 8 vectors and
-    # there is no softcap, else lean and wide (2); PAGEDCORE_DECODE_TMA_LEAN=0, the kernel
-    # before them (0); the trial PAGEDCORE_DECODE_TMA_KT64=1 (block size 16 here), the narrow
-    # kernel in 64-key tiles. (Not under compute-sanitizer: the profiler's CUPTI takes no
-    # second subscriber.)
+    # there is no softcap, in 64-key tiles at block sizes up to 64 (16 here), else lean and
+    # wide (2) in 128-key tiles; PAGEDCORE_DECODE_TMA_LEAN=0, the kernel before them (0, 128
+    # keys); PAGEDCORE_DECODE_TMA_KT64=0, the narrow kernel in 128-key tiles. (Not under
+    # compute-sanitizer: the profiler's CUPTI takes no second subscriber.)
     from torch.profiler import ProfilerActivity, profile
 
     monkeypatch.setenv("PAGEDCORE_DECODE_WGMMA", "0")
