@@ -266,11 +266,16 @@ def main() -> None:
     torch.manual_seed(0)
     global VARIANTS, CASES
     VARIANTS, CASES = picked(VARIANTS, "DECODE_VARIANTS"), picked(CASES, "DECODE_CASES")
-    print(f"{'case':<32}" + "".join(f"{name:>16}" for name, _ in VARIANTS) + "   (us; max rel err)")
+    # (each column as wide as its name and two spaces, at least 16: names do not run together)
+    first = max([32] + [len(name) + 1 for name, *_ in CASES])
+    widths = [max(16, len(name) + 2) for name, _ in VARIANTS]
+    print(f"{'case':<{first}}" + "".join(f"{name:>{w}}" for (name, _), w in zip(VARIANTS, widths))
+          + "   (us; max rel err)")
     with ops.unchecked_indices():
         for name, *shape in CASES:
             cells, errs = time_variants(shape, VARIANTS)
-            print(f"{name:<32}" + "".join(f"{c:16.1f}" for c in cells) + f"   {max(errs):.1e}", flush=True)
+            print(f"{name:<{first}}" + "".join(f"{c:{w}.1f}" for c, w in zip(cells, widths))
+                  + f"   {max(errs):.1e}", flush=True)
     for layout in ("NHD", "HND"):
         print(f"FlashInfer B=64 L=4k {layout}: {flashinfer_peer(64, 4096, 32, 8, 128, layout)}", flush=True)
 
