@@ -12,9 +12,11 @@ and 128, 2048 new over 6144 cached, 16 x 512 over 1-4k cached, the SmolLM2 shape
 the prefill kernels (PAGEDCORE_PREFILL_KERNEL=mma / wgmma / wgmma-tma / wgmma-tma-pairs; the default at head dim
 128: -pairs up to block size 32, wgmma-tma above) beside FlashAttention-2
 varlen (SDPA's flash kernel) on contiguous keys and FlashInfer's paged prefill, in
-TFLOP/s. Prints the tables last.
+TFLOP/s. Prints the tables last. With --only decode: the decode rows, FlashInfer's, and
+issue 13's cases at block sizes 16 and 128 over the same keys with their graphs replayed
+in alternation (the block-size check without the run's drift between them).
 
-Usage: python3 bench/bench_kernels_gpu.py [--quick]
+Usage: python3 bench/bench_kernels_gpu.py [--quick] [--only decode]
 """
 
 from __future__ import annotations
@@ -273,6 +275,48 @@ def multi_query_case(batch: int, queries: int, ctx: int, heads: int, kv_heads: i
         outs.append(out)
     err = ((outs[0].float() - outs[1].float()).norm() / outs[1].float().norm()).item()
     return times[0], times[1], 2 * batch * ctx * kv_heads * head_dim * 2, err
+
+
+def block_size_pair(batch: int, ctx: int, fp8: bool = False, heads: int = 32, kv_heads: int = 8,
+                    head_dim: int = 128, sizes: tuple = (16, 128), rounds: int = 7) -> tuple[list[float], float]:
+    """One decode step over the same keys paged in blocks of each of `sizes` (shuffled
+    blocks), its graphs replayed in alternation for `rounds` rounds, so that the GPU's
+    drift over a run falls on every size alike (the table above times each size's case
+    once, all of block size 16 before any of 128). Returns each size's median us and the
+    largest relative difference of the outputs from the first size's."""
+    g = torch.Generator(device="cuda").manual_seed(4)
+    tokens = -(-ctx // max(sizes)) * max(sizes)  # whole blocks of every size
+    keys = torch.randn((batch, tokens, kv_heads, head_dim), generator=g, device="cuda", dtype=torch.bfloat16)
+    values = torch.randn_like(keys)
+    q = torch.randn((batch, heads, head_dim), generator=g, device="cuda", dtype=torch.bfloat16)
+    seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+    qsl_np = np.arange(batch + 1, dtype=np.int32)
+    qsl = torch.from_numpy(qsl_np).cuda()
+    graphs, outs, alive = [], [], []
+    for bs in sizes:
+        per = tokens // bs
+        tables = (torch.randperm(batch * per, generator=g, device="cuda").to(torch.int32) + 1).view(batch, per)
+        caches = []
+        for src in (keys, values):
+            cache = torch.zeros((batch * per + 1, bs, kv_heads, head_dim), device="cuda", dtype=torch.bfloat16)
+            cache[tables.flatten().long()] = src.view(batch * per, bs, kv_heads, head_dim)
+            caches.append(cache.to(torch.float8_e4m3fn) if fp8 else cache)
+        plan = ops.plan_attention(qsl_np, np.full(batch, ctx), heads, kv_heads, torch.device("cuda"), head_dim,
+                                  torch.bfloat16)
+        out = torch.empty_like(q)
+        fn = lambda kc=caches[0], vc=caches[1], t=tables, plan=plan, out=out: ops.paged_attention(  # noqa: E731
+            q, kc, vc, t, seq_lens, qsl, scale=head_dim**-0.5, out=out, plan=plan)
+        graphs.append(graph_of(fn))
+        outs.append(out)
+        alive.append((caches, tables, plan, fn))
+    for graph in graphs:
+        warm(graph, 20.0)
+    samples = [[] for _ in sizes]
+    for _ in range(rounds):
+        for i, graph in enumerate(graphs):
+            samples[i] += replay_us(graph, 20, 3)
+    diff = max(((o.float() - outs[0].float()).norm() / outs[0].float().norm()).item() for o in outs)
+    return [statistics.median(t) for t in samples], diff
 
 
 FLASHINFER: dict = {}  # the case's row name -> (us, rel err), or "error" -> why
@@ -548,6 +592,7 @@ def run(args) -> None:
         print(f"fp8 KV / bf16 KV time at B=64 L=4k bs=16: {fp8_ratio:.2f}x")
         print(f"4 queries a row / 1 query a row at B=64 L=4k bs=16: {four_us / bf16_us:.2f}x")
         print_flashinfer(rows)
+        print_block_size_pairs()
         return
 
     # Cache write of 16k tokens, block copy, swap.
@@ -602,6 +647,19 @@ def print_rows(bw: float, rows: list[tuple]) -> None:
     for name, ours, theirs, gbs, err in rows:
         peer = f"{theirs:10.1f}{theirs / ours:10.2f}x" if theirs is not None else f"{'-':>10}{'-':>11}"
         print(f"{name:<48}{ours:14.1f}{peer}{gbs:9.0f}{err:10.1e}")
+
+
+def print_block_size_pairs() -> None:
+    """Issue 13's cases at block sizes 16 and 128 over the same keys, in alternation."""
+    print("\nblock size 16 / 128 over the same keys, graphs replayed in alternation (median us):")
+    worst = 0.0
+    for batch, ctx, fp8 in ((1, 256, False), (1, 4096, False), (1, 32768, False), (64, 1024, False),
+                            (64, 4096, False), (64, 4096, True)):
+        (a, b), diff = block_size_pair(batch, ctx, fp8)
+        worst = max(worst, max(a, b) / min(a, b) - 1)
+        print(f"  {'fp8 ' if fp8 else ''}B={batch} L={ctx}: {a:.2f} / {b:.2f} us ({a / b:.3f}x; outputs differ by "
+              f"{diff:.1e} relative)")
+    print(f"block sizes 16 and 128 within {100 * worst:.1f}% of each other on every case")
 
 
 def print_flashinfer(rows: list[tuple]) -> None:

@@ -64,8 +64,9 @@ share one set of tensors, and their graphs are replayed in turn, five rounds.
 After the table, FlashInfer's tensor-core decode on B=64 L=4k with the cache in its NHD
 layout (ours) and in HND (head-major blocks), when flashinfer is installed.
 
-Usage: [DECODE_CASES=name,...] [DECODE_VARIANTS=name,...] python3 bench/decode_variants.py
-(each a comma-separated list of pieces of the names to run; all without it)
+Usage: [DECODE_CASES=name,...] [DECODE_VARIANTS=name,...] [DECODE_BLOCK_SIZE=16] python3 bench/decode_variants.py
+(each a comma-separated list of pieces of the names to run; all without it; the cache's block
+size, 16 without it)
 """
 
 from __future__ import annotations
@@ -234,7 +235,8 @@ def time_variants(shape, variants):
     graph made under its settings, then all graphs replayed in alternation."""
     batch, ctx, heads, kv_heads, hd, fp8, plan_len, *mixed = shape
     mixed = mixed[0] if mixed else 0
-    q, kc, vc, tables, lens, qsl, _ = build(*shape)
+    bs = int(os.environ.get("DECODE_BLOCK_SIZE", "") or 16)
+    q, kc, vc, tables, lens, qsl, _ = build(batch, ctx, heads, kv_heads, hd, fp8, plan_len, mixed, bs=bs)
     ref = reference(q[:batch], kc, vc, tables[:batch], ctx)
     graphs, errs, calls = [], [], []  # (calls: each graph's plan and output stay alive while it replays)
     for _, env in variants:
