@@ -589,8 +589,8 @@ def run(args) -> None:
     four_us = next(r[1] for r in rows if r[0].startswith("decode 4 queries/row B=64 L=4096"))
     if args.only == "decode":
         print_rows(bw, rows)
-        print(f"fp8 KV / bf16 KV time at B=64 L=4k bs=16: {fp8_ratio:.2f}x")
-        print(f"4 queries a row / 1 query a row at B=64 L=4k bs=16: {four_us / bf16_us:.2f}x")
+        print(f"fp8 KV / bf16 KV time at B=64 L=4k bs=16: {fp8_ratio:.3f}x")
+        print(f"4 queries a row / 1 query a row at B=64 L=4k bs=16: {four_us / bf16_us:.3f}x")
         print_flashinfer(rows)
         print_block_size_pairs()
         return
@@ -631,8 +631,8 @@ def run(args) -> None:
     print_rows(bw, rows)
     print(f"{'prefill 8k causal (32/8, d128) vs SDPA flash':<48}{prefill_ours:14.1f}{prefill_sdpa:10.1f}"
           f"{prefill_sdpa / prefill_ours:10.2f}x{prefill_flops / prefill_ours / 1e6:7.0f} TFLOP/s{prefill_err:9.1e}")
-    print(f"fp8 KV / bf16 KV time at B=64 L=4k bs=16: {fp8_ratio:.2f}x")
-    print(f"4 queries a row / 1 query a row at B=64 L=4k bs=16: {four_us / bf16_us:.2f}x")
+    print(f"fp8 KV / bf16 KV time at B=64 L=4k bs=16: {fp8_ratio:.3f}x")
+    print(f"4 queries a row / 1 query a row at B=64 L=4k bs=16: {four_us / bf16_us:.3f}x")
     print(f"\n{'prefill case':<42}{'kernel':<26}{'us':>10}{'TFLOP/s':>9}{'max err':>10}")
     for name, kernel, us, tflops, err in prefill_rows:
         print(f"{name:<42}{kernel:<26}{us:10.1f}{tflops:9.0f}{err:10.1e}")
