@@ -10,6 +10,10 @@ For each tensor-parallel size of ``--tp`` (one LLM at a time, same process):
 * with ``--allreduce nccl,symm_mem``, each TP > 1 once per all-reduce kind
   (PAGEDCORE_TP_ALLREDUCE: NCCL, or torch's symmetric-memory one-shot kernel for
   the all-reduces of up to 512 KiB);
+* with ``--one-rank``, TP=1 also through the tensor-parallel path, once per
+  all-reduce kind (PAGEDCORE_TP_ONE_RANK=1: the driver alone in a group of one
+  rank, its collectives real calls in the CUDA graphs): what that path costs
+  without a peer, on a machine of one GPU;
 * the driver's per-step send (the step message through the shared-memory ring,
   or the gloo control group with PAGEDCORE_TP_CONTROL=gloo): median time per step
   on the driver and median message size.
@@ -32,7 +36,7 @@ the CPU's tokens per second under TP say nothing about speed (the ranks share
 the cores).
 
 Usage: python bench/bench_tp.py --shape llama3-8b --tp 1,2 [--device cuda] [--collectives]
-       [--allreduce nccl,symm_mem]
+       [--allreduce nccl,symm_mem] [--one-rank]
 """
 
 from __future__ import annotations
@@ -57,10 +61,11 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def measure(path: Path, fields: dict, tp: int, args, allreduce: str = "nccl") -> dict:
+def measure(path: Path, fields: dict, tp: int, args, allreduce: str = "nccl", one_rank: bool = False) -> dict:
     from pagedcore import LLM, SamplingParams
 
     os.environ["PAGEDCORE_TP_ALLREDUCE"] = allreduce
+    os.environ["PAGEDCORE_TP_ONE_RANK"] = "1" if one_rank else "0"
     llm = LLM(model=str(path), load_format="dummy", dtype=args.dtype, device=args.device,
               max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
               max_num_seqs=args.max_num_seqs, enable_prefix_caching=False, tensor_parallel_size=tp,
@@ -104,8 +109,8 @@ def measure(path: Path, fields: dict, tp: int, args, allreduce: str = "nccl") ->
     sends.clear()
     sizes.clear()
     seconds = gen(ps, out)
-    label = "-" if tp == 1 else allreduce if args.device == "cuda" else "gloo"
-    result = {"tp": tp, "allreduce": label, "tpot_ms": tpot * 1e3, "tok_s": requests * out / seconds,
+    label = "-" if tp == 1 and not one_rank else allreduce if args.device == "cuda" else "gloo"
+    result = {"tp": tp, "one_rank": one_rank, "allreduce": label, "tpot_ms": tpot * 1e3, "tok_s": requests * out / seconds,
               "send_us_batch1": statistics.median(decode_sends) * 1e6 if decode_sends else 0.0,
               "send_us_load": statistics.median(sends) * 1e6 if sends else 0.0,
               "msg_kib_load": statistics.median(sizes) * 4 / 1024 if sizes else 0.0,
@@ -303,6 +308,8 @@ def main() -> None:
     parser.add_argument("--collectives", action="store_true", help="also time one decode step's collectives")
     parser.add_argument("--allreduce", default="nccl",
                         help="comma list of PAGEDCORE_TP_ALLREDUCE values for TP > 1 (nccl, symm_mem)")
+    parser.add_argument("--one-rank", action="store_true",
+                        help="also TP=1 through the tensor-parallel path (a group of one rank), per all-reduce kind")
     parser.add_argument("--control", action="store_true",
                         help="only the step message's latency between two processes (shared memory, gloo)")
     args = parser.parse_args()
@@ -325,27 +332,35 @@ def main() -> None:
             for kind in (kinds if tp > 1 else ["nccl"]):
                 rows.append(measure(path, fields, tp, args, kind))
                 print(rows[-1], flush=True)
+            for kind in (kinds if tp == 1 and args.one_rank else []):
+                rows.append(measure(path, fields, tp, args, kind, one_rank=True))
+                print(rows[-1], flush=True)
     coll = {}
     if args.collectives:
         batch_max = args.requests or SHAPES[args.shape][1]
         for tp in sizes:
-            for kind in (kinds if tp > 1 else []):
+            for kind in (kinds if tp > 1 or args.one_rank else []):
                 coll[tp, kind] = collectives(fields, tp, [1, batch_max], args, kind)
-                print({"tp": tp, "allreduce": kind, **coll[tp, kind]}, flush=True)
+                print({"tp": tp, "allreduce": kind if args.device == "cuda" else "gloo", **coll[tp, kind]}, flush=True)
     print(f"\n{args.shape} on {args.device} ({args.dtype}), tensor parallelism")
-    print(f"{'tp':>3}{'all-reduce':>11}{'TPOT b1 ms':>12}{'tok/s':>10}{'bcast us b1':>13}{'bcast us load':>15}"
+    print(f"{'tp':>3}{'all-reduce':>13}{'TPOT b1 ms':>12}{'tok/s':>10}{'bcast us b1':>13}{'bcast us load':>15}"
           f"{'msg KiB':>9}{'graphs':>8}")
     for r in rows:
-        print(f"{r['tp']:>3}{r['allreduce']:>11}{r['tpot_ms']:12.2f}{r['tok_s']:10.0f}{r['send_us_batch1']:13.1f}"
+        label = r["allreduce"] + (" 1r" if r["one_rank"] else "")
+        print(f"{r['tp']:>3}{label:>13}{r['tpot_ms']:12.2f}{r['tok_s']:10.0f}{r['send_us_batch1']:13.1f}"
               f"{r['send_us_load']:15.1f}{r['msg_kib_load']:9.1f}{r['graph_replays']:8d}")
     for (tp, kind), c in coll.items():
         steps = ", ".join(f"batch {k[len('step_us_b'):]}: {v:.1f} us" for k, v in c.items() if k.startswith("step_us"))
-        print(f"TP={tp} ({kind}) collectives of one decode step ({2 * fields['num_hidden_layers'] + 1} all-reduces "
-              f"+ the logits' all-gather): {steps}; all-reduce of {c['allreduce_mib']:.0f} MiB: bus bandwidth "
-              f"{c['allreduce_busbw_gbs']:.1f} GB/s")
-    base = next((r for r in rows if r["tp"] == 1), None)
+        print(f"TP={tp} ({kind if args.device == 'cuda' else 'gloo'}{', one rank' if tp == 1 else ''}) collectives of one decode step "
+              f"({2 * fields['num_hidden_layers'] + 1} all-reduces + the logits' all-gather): {steps}"
+              + (f"; all-reduce of {c['allreduce_mib']:.0f} MiB: bus bandwidth {c['allreduce_busbw_gbs']:.1f} GB/s"
+                 if tp > 1 else ""))
+    base = next((r for r in rows if r["tp"] == 1 and not r["one_rank"]), None)
     if base is not None:
         for r in rows:
+            if r["one_rank"]:
+                print(f"TP=1 through the tensor-parallel path ({r['allreduce']}, one rank) vs TP=1: TPOT "
+                      f"x{r['tpot_ms'] / base['tpot_ms']:.3f}, throughput x{r['tok_s'] / base['tok_s']:.3f}")
             if r["tp"] > 1:
                 print(f"TP={r['tp']} ({r['allreduce']}) vs TP=1: TPOT x{r['tpot_ms'] / base['tpot_ms']:.2f} "
                       f"(target <= 0.6), throughput x{r['tok_s'] / base['tok_s']:.2f} (target >= 1.6)")

@@ -28,7 +28,7 @@ import torch
 from . import _C
 from .compact_outputs import CompactOutputs, compact_eligible
 from .detokenizer import IncrementalDetokenizer
-from .distributed.driver import TP_ONE_GPU_ENV, TensorParallelDriver, tp_one_gpu
+from .distributed.driver import TP_ONE_GPU_ENV, TP_ONE_RANK_ENV, TensorParallelDriver, tp_one_gpu, tp_one_rank
 from .distributed.group import ALLREDUCE_ENV, allreduce_kind
 from .distributed.weights import iter_safetensors_shard
 from .distributed.worker import WorkerLaunch
@@ -429,7 +429,7 @@ class LLMEngine:
         # collectives below (pagedcore.distributed).
         self.tp: TensorParallelDriver | None = None
         shard = None
-        if args.tensor_parallel_size > 1:
+        if self._tp_one_rank() or args.tensor_parallel_size > 1:  # (the switch checked first, always)
             shard = TensorParallelShard(self.spec, 0, args.tensor_parallel_size)  # (checks the shapes)
             self.tp = self._start_workers(model_path)
         try:
@@ -500,6 +500,15 @@ class LLMEngine:
         self._engine_done: set[str] = set()
 
     # ---- set-up -------------------------------------------------------------
+
+    def _tp_one_rank(self) -> bool:
+        """$PAGEDCORE_TP_ONE_RANK=1 (see distributed/driver.py), checked against the arguments."""
+        if not tp_one_rank():
+            return False
+        if self.args.tensor_parallel_size != 1:
+            raise ValueError(f"${TP_ONE_RANK_ENV}=1 runs the tensor-parallel path in a group of one rank: it needs "
+                             f"tensor_parallel_size=1, got tensor_parallel_size={self.args.tensor_parallel_size}")
+        return True
 
     def _start_workers(self, model_path: str) -> TensorParallelDriver:
         size = self.args.tensor_parallel_size
@@ -649,10 +658,10 @@ class LLMEngine:
             size = a.tensor_parallel_size
             ranks = [kv_bytes_per_block(TensorParallelShard(spec, r, size).local_spec, a.block_size, self.kv_dtype)
                      for r in range(size)]
-            logger.info("KV cache per rank: %s (kv heads %s of %d); %d ranks: %s in total",
+            logger.info("KV cache per rank: %s (kv heads %s of %d); %d rank%s: %s in total",
                         " / ".join(_bytes(num_blocks * b) for b in ranks),
                         " / ".join(str(TensorParallelShard(spec, r, size).num_kv_heads) for r in range(size)),
-                        spec.num_kv_heads, size, _bytes(num_blocks * sum(ranks)))
+                        spec.num_kv_heads, size, "s" if size > 1 else "", _bytes(num_blocks * sum(ranks)))
         fields = dict(
             num_blocks=num_blocks,
             block_size=a.block_size,

@@ -389,6 +389,9 @@ def test_shapes_that_cannot_be_split_are_refused_before_any_worker_starts(tmp_pa
     ("PAGEDCORE_TP_ONE_GPU", "yes", r"\$PAGEDCORE_TP_ONE_GPU must be '0' or '1', got 'yes'"),
     ("PAGEDCORE_TP_ALLREDUCE", "custom", r"\$PAGEDCORE_TP_ALLREDUCE must be 'nccl' or 'symm_mem', got 'custom'"),
     ("PAGEDCORE_TP_ALLREDUCE", "symm_mem", r"\$PAGEDCORE_TP_ALLREDUCE=symm_mem needs GPUs \(NCCL\), got device cpu"),
+    ("PAGEDCORE_TP_ONE_RANK", "yes", r"\$PAGEDCORE_TP_ONE_RANK must be '0' or '1', got 'yes'"),
+    ("PAGEDCORE_TP_ONE_RANK", "1", r"\$PAGEDCORE_TP_ONE_RANK=1 runs the tensor-parallel path in a group of one rank: "
+                                   r"it needs tensor_parallel_size=1, got tensor_parallel_size=2"),
 ])
 def test_bad_switches_are_refused_before_any_worker_starts(name, value, error, tmp_path, monkeypatch) -> None:
     import multiprocessing
@@ -398,6 +401,36 @@ def test_bad_switches_are_refused_before_any_worker_starts(name, value, error, t
     with pytest.raises(ValueError, match=error):
         LLM(model=str(path), num_kv_blocks=16, tensor_parallel_size=2, device="cpu")
     assert not [p for p in multiprocessing.active_children() if p.name.startswith("pagedcore-tp")]
+
+
+def test_one_rank_group_equals_no_group(tokenizer_dir, tmp_path, caplog, monkeypatch) -> None:
+    """PAGEDCORE_TP_ONE_RANK=1: tensor_parallel_size=1 through the tensor-parallel
+    path (the driver alone in a gloo group: its shard, step messages, all-reduces
+    and the logits' gather) gives one rank's greedy tokens and log-probabilities."""
+    path = make_checkpoint("llama-3kv-uneven", tmp_path)
+    vocab = MODELS["llama-3kv-uneven"][1].get("vocab_size", VOCAB)
+    kwargs = dict(model=str(path), tokenizer=tokenizer_dir, num_kv_blocks=64, max_model_len=256, device="cpu")
+    params = greedy(logprobs=5)
+    one = LLM(**kwargs)
+    assert one.llm_engine.tp is None
+    want = run(one, prompts(vocab), params)
+    del one
+    monkeypatch.setenv("PAGEDCORE_TP_ONE_RANK", "1")
+    with caplog.at_level(logging.INFO, logger="pagedcore"):
+        llm = LLM(**kwargs)
+    try:
+        assert llm.llm_engine.tp is not None and llm.llm_engine.tp.worker_pids == []
+        assert llm.llm_engine.model.shard.size == 1
+        got = run(llm, prompts(vocab), params)
+    finally:
+        llm.shutdown()
+    assert "tensor parallelism: 1 rank (gloo, workers []" in caplog.text
+    for g, w in zip(got, want):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        for a, b in zip(g.outputs[0].logprobs, w.outputs[0].logprobs):
+            assert a.keys() == b.keys()
+            torch.testing.assert_close(torch.tensor([a[t].logprob for t in a]),
+                                       torch.tensor([b[t].logprob for t in a]), atol=1e-5, rtol=0)
 
 
 def test_shard_arithmetic_covers_every_head_once() -> None:
@@ -468,6 +501,38 @@ def test_cuda_tp2_on_one_gpu_equals_one_rank(tokenizer_dir, tmp_path, caplog, mo
             for a, b in zip(g.prompt_logprobs[1:], w.prompt_logprobs[1:]):
                 torch.testing.assert_close(torch.tensor([a[t].logprob for t in b]),
                                            torch.tensor([b[t].logprob for t in b]), atol=2e-4, rtol=0)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("allreduce", ["nccl", "symm_mem"])
+def test_cuda_one_rank_nccl_group_in_cuda_graphs_equals_one_gpu(allreduce, tokenizer_dir, tmp_path, caplog,
+                                                                 monkeypatch) -> None:
+    """PAGEDCORE_TP_ONE_RANK=1 on a GPU: the driver alone in an NCCL group, the
+    model's all-reduces (NCCL's, or torch's symmetric-memory kernel, which writes a
+    new tensor) and the logits' all-gather captured in the decode and mixed-step
+    CUDA graphs: the same greedy tokens as one GPU without a group. The part of
+    the 2-GPU path that one GPU can run (the group's set-up, the collectives
+    under capture), before a machine of two GPUs is lent."""
+    path = make_checkpoint("llama-3kv-uneven", tmp_path)
+    vocab = MODELS["llama-3kv-uneven"][1].get("vocab_size", VOCAB)
+    kwargs = dict(model=str(path), tokenizer=tokenizer_dir, num_kv_blocks=64, max_model_len=256,
+                  device="cuda", dtype="float32")
+    one = LLM(**kwargs)
+    want = [o.outputs[0].token_ids for o in run(one, prompts(vocab), greedy())]
+    del one
+    monkeypatch.setenv("PAGEDCORE_TP_ONE_RANK", "1")
+    monkeypatch.setenv("PAGEDCORE_TP_ALLREDUCE", allreduce)
+    with caplog.at_level(logging.INFO, logger="pagedcore"):
+        llm = LLM(**kwargs)
+    try:
+        assert llm.llm_engine.tp is not None and llm.llm_engine.tp.worker_pids == []
+        assert [o.outputs[0].token_ids for o in run(llm, prompts(vocab), greedy())] == want
+        assert llm.llm_engine.runner.graph_replays > 0
+    finally:
+        llm.shutdown()
+    kind = "NCCL, all-reduces up to 512 KiB on symmetric memory" if allreduce == "symm_mem" else "NCCL,"
+    assert f"tensor parallelism: 1 rank ({kind}" in caplog.text
 
 
 @pytest.mark.cuda

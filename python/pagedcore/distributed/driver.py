@@ -70,6 +70,22 @@ def tp_one_gpu() -> bool:
     return value == "1"
 
 
+# "1" with tensor_parallel_size=1: the tensor-parallel path with the driver alone in
+# a group of one rank (NCCL on a GPU, gloo on the CPU): the sharded model, the step
+# messages and the model's collectives run as with more ranks (real NCCL or
+# symmetric-memory calls, captured in the CUDA graphs), without a peer. A test of
+# that path on a machine of one GPU; no use otherwise.
+TP_ONE_RANK_ENV = "PAGEDCORE_TP_ONE_RANK"
+
+
+def tp_one_rank() -> bool:
+    """$PAGEDCORE_TP_ONE_RANK, checked: "0" (default) or "1"."""
+    value = os.environ.get(TP_ONE_RANK_ENV, "0") or "0"
+    if value not in ("0", "1"):
+        raise ValueError(f"${TP_ONE_RANK_ENV} must be '0' or '1', got {value!r}")
+    return value == "1"
+
+
 class TensorParallelError(RuntimeError):
     """A tensor-parallel worker died or failed: the engine cannot run any more."""
 
@@ -146,7 +162,8 @@ class TensorParallelDriver:
             raise
         self._watchdog = threading.Thread(target=self._watch, name="pagedcore-tp-watchdog", daemon=True)
         self._watchdog.start()
-        logger.info("tensor parallelism: %d ranks (%s, workers %s; steps by %s) up in %.1f s", self.size,
+        logger.info("tensor parallelism: %d rank%s (%s, workers %s; steps by %s) up in %.1f s", self.size,
+                    "s" if self.size > 1 else "",
                     (f"NCCL, all-reduces up to {SYMM_MEM_MAX_BYTES >> 10} KiB on symmetric memory"
                      if self.group.symm_mem else "NCCL") if self._nccl
                     else f"gloo on host copies, every rank on {self._device}" if self._staged
