@@ -11,11 +11,15 @@
 # of a large all-reduce beside the physical NVLink figure that nvidia-smi reports.
 # Logs go to $OUT (or /tmp/pagedcore-tp); a summary table is printed last.
 #
-#   bench/run_tp_gpu.sh [all|test|bench] [SHAPE]   (SHAPE: llama3-8b, the default, or smollm2)
+#   bench/run_tp_gpu.sh [all|test|bench|one] [SHAPE]   (SHAPE: llama3-8b, the default, or smollm2)
 #
 # all (default): build, tests, benchmark. If one call's 10 minutes do not hold it all:
 # `test` (build + tests), then, on the still-warm machine, `PAGEDCORE_SKIP_BUILD=1
-# bench/run_tp_gpu.sh bench`.
+# bench/run_tp_gpu.sh bench`. The benchmark also times TP=1 through the tensor-parallel
+# path in a group of one rank (PAGEDCORE_TP_ONE_RANK=1), which separates that path's own
+# cost from the collectives' between GPUs.
+# one: what a machine of ONE GPU can run (build, the tests that need one GPU, bench_tp.py
+# --tp 1 --one-rank --collectives); no TP=2 figure.
 set -uo pipefail
 mode="${1:-all}"
 shape="${2:-llama3-8b}"
@@ -41,8 +45,8 @@ step() {  # step NAME COMMAND...: runs it, logs to $out/NAME.log, records pass/f
 py="${PYTHON:-python3}"
 nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
 gpus=$("$py" -c "import torch; print(torch.cuda.device_count())")
-if (( gpus < 2 )); then
-  echo "bench/run_tp_gpu.sh needs 2 GPUs; torch sees $gpus" >&2
+if (( gpus < 2 )) && [[ "$mode" != one ]]; then
+  echo "bench/run_tp_gpu.sh needs 2 GPUs; torch sees $gpus (\`bench/run_tp_gpu.sh one\` runs what one GPU can)" >&2
   exit 2
 fi
 # The physical link: per-link NVLink speeds of GPU 0, summed (one direction), and the topology.
@@ -58,19 +62,26 @@ checks+=(build)
 step build env PAGEDCORE_CUDA=ON CMAKE_BUILD_PARALLEL_LEVEL=16 "$py" -m pip install -v --no-build-isolation \
   --no-deps --break-system-packages -C cmake.define.PAGEDCORE_CUDA_ARCHITECTURES=90 .
 fi
-if [[ "$mode" == all || "$mode" == test ]]; then
+if [[ "$mode" == all || "$mode" == test || "$mode" == one ]]; then
   checks+=(pytest_tp)
   step pytest_tp "$py" -m pytest -q -p no:cacheprovider -rs tests/python/test_tensor_parallel.py
 fi
 if [[ "$mode" == all || "$mode" == bench ]]; then
   checks+=(bench_tp)
-  step bench_tp "$py" bench/bench_tp.py --shape "$shape" --tp 1,2 --device cuda --collectives \
+  step bench_tp "$py" bench/bench_tp.py --shape "$shape" --tp 1,2 --device cuda --collectives --one-rank \
     --allreduce "${TP_ALLREDUCE:-nccl,symm_mem}"
   checks+=(bench_tp_control)  # the step message alone: shared memory against gloo
   step bench_tp_control "$py" bench/bench_tp.py --control
   echo
-  tail -n 12 "$out/bench_tp.log"
+  tail -n 18 "$out/bench_tp.log"
   tail -n 1 "$out/bench_tp_control.log"
+fi
+if [[ "$mode" == one ]]; then
+  checks+=(bench_tp_one_rank)
+  step bench_tp_one_rank "$py" bench/bench_tp.py --shape "$shape" --tp 1 --device cuda --collectives --one-rank \
+    --allreduce "${TP_ALLREDUCE:-nccl,symm_mem}"
+  echo
+  tail -n 8 "$out/bench_tp_one_rank.log"
 fi
 echo "NVLink of GPU 0: ${nvlink:-not reported}"
 echo
