@@ -9,7 +9,9 @@
 # cost (and alone, shared memory against gloo: bench_tp.py --control), the
 # collectives of one decode step (captured in a CUDA graph) and the bus bandwidth
 # of a large all-reduce beside the physical NVLink figure that nvidia-smi reports.
-# Logs go to $OUT (or /tmp/pagedcore-tp); a summary table is printed last.
+# Logs go to $OUT (or /tmp/pagedcore-tp); a summary table is printed last, with the commit
+# of PAGEDCORE_COMMIT, else git's (the device's copy of .git can lag the tree it was sent:
+# name the commit in the call).
 #
 #   bench/run_tp_gpu.sh [all|test|bench|one] [SHAPE]   (SHAPE: llama3-8b, the default, or smollm2)
 #
@@ -18,7 +20,7 @@
 # bench/run_tp_gpu.sh bench`. The benchmark also times TP=1 through the tensor-parallel
 # path in a group of one rank (PAGEDCORE_TP_ONE_RANK=1), which separates that path's own
 # cost from the collectives' between GPUs.
-# one: what a machine of ONE GPU can run (build, the tests that need one GPU, bench_tp.py
+# one: what a machine of ONE GPU can run (build, the file's cuda-marked tests, bench_tp.py
 # --tp 1 --one-rank --collectives); no TP=2 figure.
 set -uo pipefail
 mode="${1:-all}"
@@ -62,9 +64,12 @@ checks+=(build)
 step build env PAGEDCORE_CUDA=ON CMAKE_BUILD_PARALLEL_LEVEL=16 "$py" -m pip install -v --no-build-isolation \
   --no-deps --break-system-packages -C cmake.define.PAGEDCORE_CUDA_ARCHITECTURES=90 .
 fi
-if [[ "$mode" == all || "$mode" == test || "$mode" == one ]]; then
+if [[ "$mode" == all || "$mode" == test ]]; then
   checks+=(pytest_tp)
   step pytest_tp "$py" -m pytest -q -p no:cacheprovider -rs tests/python/test_tensor_parallel.py
+elif [[ "$mode" == one ]]; then  # (the unmarked tests take the GPUs by default: two of them)
+  checks+=(pytest_tp)
+  step pytest_tp "$py" -m pytest -q -p no:cacheprovider -rs -m cuda tests/python/test_tensor_parallel.py
 fi
 if [[ "$mode" == all || "$mode" == bench ]]; then
   checks+=(bench_tp)
