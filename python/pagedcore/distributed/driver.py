@@ -62,12 +62,17 @@ def control_channel() -> str:
 TP_ONE_GPU_ENV = "PAGEDCORE_TP_ONE_GPU"
 
 
-def tp_one_gpu() -> bool:
-    """$PAGEDCORE_TP_ONE_GPU, checked: "0" (default) or "1"."""
-    value = os.environ.get(TP_ONE_GPU_ENV, "0") or "0"
+def _switch(name: str) -> bool:
+    """The environment switch ``name``, checked: "0" (default) or "1"."""
+    value = os.environ.get(name, "0") or "0"
     if value not in ("0", "1"):
-        raise ValueError(f"${TP_ONE_GPU_ENV} must be '0' or '1', got {value!r}")
+        raise ValueError(f"${name} must be '0' or '1', got {value!r}")
     return value == "1"
+
+
+def tp_one_gpu() -> bool:
+    """$PAGEDCORE_TP_ONE_GPU, checked."""
+    return _switch(TP_ONE_GPU_ENV)
 
 
 # "1" with tensor_parallel_size=1: the tensor-parallel path with the driver alone in
@@ -79,11 +84,8 @@ TP_ONE_RANK_ENV = "PAGEDCORE_TP_ONE_RANK"
 
 
 def tp_one_rank() -> bool:
-    """$PAGEDCORE_TP_ONE_RANK, checked: "0" (default) or "1"."""
-    value = os.environ.get(TP_ONE_RANK_ENV, "0") or "0"
-    if value not in ("0", "1"):
-        raise ValueError(f"${TP_ONE_RANK_ENV} must be '0' or '1', got {value!r}")
-    return value == "1"
+    """$PAGEDCORE_TP_ONE_RANK, checked."""
+    return _switch(TP_ONE_RANK_ENV)
 
 
 class TensorParallelError(RuntimeError):
