@@ -110,7 +110,8 @@ def measure(path: Path, fields: dict, tp: int, args, allreduce: str = "nccl", on
     sizes.clear()
     seconds = gen(ps, out)
     label = "-" if tp == 1 and not one_rank else allreduce if args.device == "cuda" else "gloo"
-    result = {"tp": tp, "one_rank": one_rank, "allreduce": label, "tpot_ms": tpot * 1e3, "tok_s": requests * out / seconds,
+    result = {"tp": tp, "one_rank": one_rank, "allreduce": label, "tpot_ms": tpot * 1e3,
+              "tok_s": requests * out / seconds,
               "send_us_batch1": statistics.median(decode_sends) * 1e6 if decode_sends else 0.0,
               "send_us_load": statistics.median(sends) * 1e6 if sends else 0.0,
               "msg_kib_load": statistics.median(sizes) * 4 / 1024 if sizes else 0.0,
@@ -351,7 +352,8 @@ def main() -> None:
               f"{r['send_us_load']:15.1f}{r['msg_kib_load']:9.1f}{r['graph_replays']:8d}")
     for (tp, kind), c in coll.items():
         steps = ", ".join(f"batch {k[len('step_us_b'):]}: {v:.1f} us" for k, v in c.items() if k.startswith("step_us"))
-        print(f"TP={tp} ({kind if args.device == 'cuda' else 'gloo'}{', one rank' if tp == 1 else ''}) collectives of one decode step "
+        name = (kind if args.device == "cuda" else "gloo") + (", one rank" if tp == 1 else "")
+        print(f"TP={tp} ({name}) collectives of one decode step "
               f"({2 * fields['num_hidden_layers'] + 1} all-reduces + the logits' all-gather): {steps}"
               + (f"; all-reduce of {c['allreduce_mib']:.0f} MiB: bus bandwidth {c['allreduce_busbw_gbs']:.1f} GB/s"
                  if tp > 1 else ""))
