@@ -23,7 +23,8 @@ engine's own TensorParallelGroup, per all-reduce kind), between ``N`` spawned
 ranks, at batch 1 and ``--requests``: ``2 x layers + 1`` all-reduces of
 ``[batch, hidden]`` and the all-gather of the logits ``[batch, vocab / N]``,
 captured in one CUDA graph on GPUs (as the decode graphs hold them), timed over
-replays; plus the bus bandwidth of a 256 MiB all-reduce, to set beside the
+replays, beside a graph of as many plain kernels over the same rows (the graph's own
+cost, no collective); plus the bus bandwidth of a 256 MiB all-reduce, to set beside the
 physical link (``nvidia-smi nvlink``).
 
 ``--control``: the step message's latency alone between two spawned processes
@@ -151,28 +152,35 @@ def _collectives_rank(rank: int, size: int, port: int, fields: dict, batches: li
                 y = group.all_reduce(y)
             group.all_gather_rows(local)
 
-        if device_type == "cuda":
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                step()
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                step()
-            run = graph.replay
-        else:
-            run = step
-        for _ in range(5):
-            run()
-        _sync(device_type)
-        dist.barrier()
-        reps = 50 if device_type == "cuda" else 10
-        t = time.perf_counter()
-        for _ in range(reps):
-            run()
-        _sync(device_type)
-        results[f"step_us_b{b}"] = (time.perf_counter() - t) / reps * 1e6
+        def floor() -> None:  # as many kernels of the all-reduces' size, no collective: the graph's own cost
+            for _ in range(2 * layers + 2):
+                x.mul_(1)
+
+        for name, fn in (("step", step), ("floor", floor)):
+            if device_type == "cuda":
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    fn()
+                torch.cuda.current_stream().wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    fn()
+                run = graph.replay
+            elif name == "floor":
+                continue
+            else:
+                run = fn
+            for _ in range(5):
+                run()
+            _sync(device_type)
+            dist.barrier()
+            reps = 50 if device_type == "cuda" else 10
+            t = time.perf_counter()
+            for _ in range(reps):
+                run()
+            _sync(device_type)
+            results[f"{name}_us_b{b}"] = (time.perf_counter() - t) / reps * 1e6
     big = torch.empty((128 if device_type == "cuda" else 4) << 20,
                       dtype=torch.bfloat16 if device_type == "cuda" else torch.float32, device=device)
     nbytes = big.numel() * big.element_size()
@@ -351,7 +359,10 @@ def main() -> None:
         print(f"{r['tp']:>3}{label:>13}{r['tpot_ms']:12.2f}{r['tok_s']:10.0f}{r['send_us_batch1']:13.1f}"
               f"{r['send_us_load']:15.1f}{r['msg_kib_load']:9.1f}{r['graph_replays']:8d}")
     for (tp, kind), c in coll.items():
-        steps = ", ".join(f"batch {k[len('step_us_b'):]}: {v:.1f} us" for k, v in c.items() if k.startswith("step_us"))
+        steps = ", ".join(
+            f"batch {k[len('step_us_b'):]}: {v:.1f} us"
+            + (f" (as many plain kernels in a graph: {c['floor' + k[4:]]:.1f})" if "floor" + k[4:] in c else "")
+            for k, v in c.items() if k.startswith("step_us"))
         name = (kind if args.device == "cuda" else "gloo") + (", one rank" if tp == 1 else "")
         print(f"TP={tp} ({name}) collectives of one decode step "
               f"({2 * fields['num_hidden_layers'] + 1} all-reduces + the logits' all-gather): {steps}"
