@@ -64,12 +64,11 @@ checks+=(build)
 step build env PAGEDCORE_CUDA=ON CMAKE_BUILD_PARALLEL_LEVEL=16 "$py" -m pip install -v --no-build-isolation \
   --no-deps --break-system-packages -C cmake.define.PAGEDCORE_CUDA_ARCHITECTURES=90 .
 fi
-if [[ "$mode" == all || "$mode" == test ]]; then
+if [[ "$mode" != bench ]]; then
+  marker=()
+  [[ "$mode" == one ]] && marker=(-m cuda)  # (the unmarked tests take the GPUs by default: two of them)
   checks+=(pytest_tp)
-  step pytest_tp "$py" -m pytest -q -p no:cacheprovider -rs tests/python/test_tensor_parallel.py
-elif [[ "$mode" == one ]]; then  # (the unmarked tests take the GPUs by default: two of them)
-  checks+=(pytest_tp)
-  step pytest_tp "$py" -m pytest -q -p no:cacheprovider -rs -m cuda tests/python/test_tensor_parallel.py
+  step pytest_tp "$py" -m pytest -q -p no:cacheprovider -rs "${marker[@]}" tests/python/test_tensor_parallel.py
 fi
 if [[ "$mode" == all || "$mode" == bench ]]; then
   checks+=(bench_tp)
