@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Tensor parallelism on a machine with 2 (or more) GPUs, in one command: build
-# pagedcore with its CUDA kernels, run test_tensor_parallel.py (the CPU/gloo tests
-# and the cuda-marked NCCL equality tests: TP=2 greedy tokens == one GPU, with and
-# without CUDA graphs, NCCL's all-reduces and torch's symmetric-memory ones), then
+# pagedcore with its CUDA kernels, run test_tensor_parallel.py's cuda-marked tests
+# (TP=2 greedy tokens == one GPU, with and without CUDA graphs, NCCL's all-reduces
+# and torch's symmetric-memory ones; preemption, prefix caching, n > 1 and beam
+# search over NCCL; a worker killed mid-run; the file's CPU tests are CI's), then
 # bench_tp.py on the Llama-3-8B shape (random bf16 weights): batch-1 time per output
 # token and throughput at 256 requests, TP=2 (each all-reduce kind of $TP_ALLREDUCE,
 # default "nccl,symm_mem") against TP=1 on the same machine, the step message's
@@ -20,8 +21,9 @@
 # bench/run_tp_gpu.sh bench`. The benchmark also times TP=1 through the tensor-parallel
 # path in a group of one rank (PAGEDCORE_TP_ONE_RANK=1), which separates that path's own
 # cost from the collectives' between GPUs.
-# one: what a machine of ONE GPU can run (build, the file's cuda-marked tests, bench_tp.py
-# --tp 1 --one-rank --collectives); no TP=2 figure.
+# one: what a machine of ONE GPU can run (build, the file's cuda-marked tests, there with
+# both ranks on the one GPU or one rank alone, bench_tp.py --tp 1 --one-rank
+# --collectives); no TP=2 figure.
 set -uo pipefail
 mode="${1:-all}"
 shape="${2:-llama3-8b}"
@@ -65,10 +67,8 @@ step build env PAGEDCORE_CUDA=ON CMAKE_BUILD_PARALLEL_LEVEL=16 "$py" -m pip inst
   --no-deps --break-system-packages -C cmake.define.PAGEDCORE_CUDA_ARCHITECTURES=90 .
 fi
 if [[ "$mode" != bench ]]; then
-  marker=()
-  [[ "$mode" == one ]] && marker=(-m cuda)  # (the unmarked tests take the GPUs by default: two of them)
   checks+=(pytest_tp)
-  step pytest_tp "$py" -m pytest -q -p no:cacheprovider -rs "${marker[@]}" tests/python/test_tensor_parallel.py
+  step pytest_tp "$py" -m pytest -q -p no:cacheprovider -rs -m cuda tests/python/test_tensor_parallel.py
 fi
 if [[ "$mode" == all || "$mode" == bench ]]; then
   checks+=(bench_tp)

