@@ -1079,6 +1079,7 @@ class LLMEngine:
         try:
             if launched.copy is not None:
                 host = launched.copy.wait()
+                self._check_workers()
                 token_ids, sampled_lp, top = host.token_ids, host.sampled_logprobs, host.top
                 if (token_ids < 0).any():  # the sampler's mark of NaN / all -inf logits
                     raise RuntimeError("the model produced logits with nothing to sample (NaN?)")
@@ -1111,6 +1112,19 @@ class LLMEngine:
                                        result.finished_request_ids)
         self._abort_all(ended)
 
+    def _check_workers(self) -> None:
+        """Raises the tensor-parallel group's failure, if any, once a step's tokens
+        are on the host and before anything uses them.
+
+        NOTE: a worker that died while the step ran leaves the driver's NCCL
+        all-reduces waiting; the watchdog then aborts the group, which ends them
+        with partial sums, so the step's tokens are not the model's. The watchdog
+        names the worker before it aborts: a step whose tokens could be wrong
+        always finds the failure here. (A step that ran whole before the worker
+        died is dropped the same way: the two cannot be told apart.)"""
+        if self.tp is not None:
+            self.tp.check()
+
     def _complete_inflight(self) -> None:
         """Waits for the launched step's tokens and updates the engine with them."""
         if self._inflight is None:
@@ -1120,6 +1134,7 @@ class LLMEngine:
         try:
             if sampled is not None:
                 host = sampled.wait()
+                self._check_workers()
                 token_ids, sampled_lp, top = host.token_ids, host.sampled_logprobs, host.top
                 if (token_ids < 0).any():  # the sampler's mark of NaN / all -inf logits
                     raise RuntimeError("the model produced logits with nothing to sample (NaN?)")

@@ -354,6 +354,37 @@ def test_a_killed_worker_ends_generate_with_an_error_and_leaves_no_process(devic
     # (tp_llm checked that the worker was reaped)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_step_that_a_worker_died_under_is_not_delivered(device, tokenizer_dir, tmp_path, monkeypatch) -> None:
+    """The worker killed once the driver's last forward pass is launched, and named
+    by the watchdog before that step's tokens reach the host: generate raises the
+    worker's error instead of returning them (over NCCL, the group's abort ends
+    the driver's all-reduces with partial sums: such a step's tokens are not the
+    model's), and no request is left."""
+    path = make_checkpoint("qwen2", tmp_path)
+    with tp_llm(model=str(path), tokenizer=tokenizer_dir, num_kv_blocks=64, max_model_len=256,
+                **on(device, monkeypatch)) as llm:
+        engine = llm.llm_engine
+        (pid,) = engine.tp.worker_pids
+        real, calls = engine.runner.execute, []
+
+        def killing_after(batch, previous=None):
+            out = real(batch, previous)
+            calls.append(1)
+            if len(calls) == 3:  # the last of 3 tokens' steps
+                os.kill(pid, signal.SIGKILL)
+                deadline = time.monotonic() + 30
+                while engine.tp.failure() is None and time.monotonic() < deadline:
+                    time.sleep(0.01)
+            return out
+
+        engine.runner.execute = killing_after
+        with pytest.raises(TensorParallelError, match=rf"worker 1 \(pid {pid}\) exited with code -9"):
+            run(llm, prompts()[:1], greedy(n=3))
+        assert len(calls) == 3
+        assert not engine.has_unfinished_requests()
+
+
 _FAILS_TO_START = """
 import multiprocessing, sys, time
 import pagedcore.distributed.driver as driver
