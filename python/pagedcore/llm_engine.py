@@ -1077,9 +1077,9 @@ class LLMEngine:
         """Waits for a launched step's sampled ids, gives them to the engine
         (``resolve``) and turns them into outputs (``next_batch``: see _process)."""
         try:
-            if launched.copy is not None:
-                host = launched.copy.wait()
-                self._check_workers()
+            host = launched.copy.wait() if launched.copy is not None else None
+            self._check_workers()
+            if host is not None:
                 token_ids, sampled_lp, top = host.token_ids, host.sampled_logprobs, host.top
                 if (token_ids < 0).any():  # the sampler's mark of NaN / all -inf logits
                     raise RuntimeError("the model produced logits with nothing to sample (NaN?)")
@@ -1114,7 +1114,7 @@ class LLMEngine:
 
     def _check_workers(self) -> None:
         """Raises the tensor-parallel group's failure, if any, once a step's tokens
-        are on the host and before anything uses them.
+        are on the host and before anything uses them (its prompt logprobs too).
 
         NOTE: a worker that died while the step ran leaves the driver's NCCL
         all-reduces waiting; the watchdog then aborts the group, which ends them
@@ -1132,9 +1132,9 @@ class LLMEngine:
         batch, sampled, compact = self._inflight
         self._inflight = None
         try:
-            if sampled is not None:
-                host = sampled.wait()
-                self._check_workers()
+            host = sampled.wait() if sampled is not None else None
+            self._check_workers()
+            if host is not None:
                 token_ids, sampled_lp, top = host.token_ids, host.sampled_logprobs, host.top
                 if (token_ids < 0).any():  # the sampler's mark of NaN / all -inf logits
                     raise RuntimeError("the model produced logits with nothing to sample (NaN?)")
