@@ -3,7 +3,7 @@ worker) against Hugging Face transformers on the same weights, the independent
 reference: greedy tokens (and log-probabilities) of every supported family,
 GQA with kv heads split evenly, unevenly and replicated, n > 1, beam search,
 preemption and prefix caching, prompt logprobs, async scheduling; a worker
-killed mid-run; shapes that cannot be split. The driver's step messages go through
+killed mid-run, or once the last step is launched; shapes that cannot be split. The driver's step messages go through
 the shared-memory ring (the default) in every test, by gloo in one. Every
 unmarked test names device="cpu", so a machine with GPUs runs it as CI does.
 
