@@ -3,7 +3,8 @@
 # pagedcore with its CUDA kernels, run test_tensor_parallel.py's cuda-marked tests
 # (TP=2 greedy tokens == one GPU, with and without CUDA graphs, NCCL's all-reduces
 # and torch's symmetric-memory ones; preemption, prefix caching, n > 1 and beam
-# search over NCCL; a worker killed mid-run; the file's CPU tests are CI's), then
+# search over NCCL; a worker killed mid-run or once the last step is launched; the
+# file's CPU tests are CI's), then
 # bench_tp.py on the Llama-3-8B shape (random bf16 weights): batch-1 time per output
 # token and throughput at 256 requests, TP=2 (each all-reduce kind of $TP_ALLREDUCE,
 # default "nccl,symm_mem") against TP=1 on the same machine, the step message's

@@ -3,9 +3,10 @@ worker) against Hugging Face transformers on the same weights, the independent
 reference: greedy tokens (and log-probabilities) of every supported family,
 GQA with kv heads split evenly, unevenly and replicated, n > 1, beam search,
 preemption and prefix caching, prompt logprobs, async scheduling; a worker
-killed mid-run, or once the last step is launched; shapes that cannot be split. The driver's step messages go through
-the shared-memory ring (the default) in every test, by gloo in one. Every
-unmarked test names device="cpu", so a machine with GPUs runs it as CI does.
+killed mid-run, or once the last step is launched; shapes that cannot be split.
+The driver's step messages go through the shared-memory ring (the default) in
+every test, by gloo in one. Every unmarked test names device="cpu", so a
+machine with GPUs runs it as CI does.
 
 The cuda-marked tests: the features and the killed worker again on GPUs (NCCL
 between 2 GPUs with CUDA graphs; on a machine of one GPU both ranks on it, see
