@@ -1077,14 +1077,7 @@ class LLMEngine:
         """Waits for a launched step's sampled ids, gives them to the engine
         (``resolve``) and turns them into outputs (``next_batch``: see _process)."""
         try:
-            host = launched.copy.wait() if launched.copy is not None else None
-            self._check_workers()
-            if host is not None:
-                token_ids, sampled_lp, top = host.token_ids, host.sampled_logprobs, host.top
-                if (token_ids < 0).any():  # the sampler's mark of NaN / all -inf logits
-                    raise RuntimeError("the model produced logits with nothing to sample (NaN?)")
-            else:
-                token_ids, sampled_lp, top = np.empty(0, dtype=np.int32), None, None
+            token_ids, sampled_lp, top = self._host_tokens(launched.copy)
         except BaseException:
             self._fail_unresolved()
             raise
@@ -1112,18 +1105,26 @@ class LLMEngine:
                                        result.finished_request_ids)
         self._abort_all(ended)
 
-    def _check_workers(self) -> None:
-        """Raises the tensor-parallel group's failure, if any, once a step's tokens
-        are on the host and before anything uses them (its prompt logprobs too).
+    def _host_tokens(self, copy: _HostCopy | None) -> tuple[np.ndarray, Any, Any]:
+        """A step's sampled ids, sampled logprobs and top logprobs, once on the host
+        (``copy``: the step's host copy; None: it sampled nothing).
 
-        NOTE: a worker that died while the step ran leaves the driver's NCCL
-        all-reduces waiting; the watchdog then aborts the group, which ends them
-        with partial sums, so the step's tokens are not the model's. The watchdog
-        names the worker before it aborts: a step whose tokens could be wrong
-        always finds the failure here. (A step that ran whole before the worker
-        died is dropped the same way: the two cannot be told apart.)"""
+        Under tensor parallelism the group's failure, if any, is raised first, before
+        anything uses the step (its prompt logprobs too). NOTE: a worker that died
+        while the step ran leaves the driver's NCCL all-reduces waiting; the watchdog
+        then aborts the group, which ends them with partial sums, so the step's
+        tokens are not the model's. The watchdog names the worker before it aborts:
+        a step whose tokens could be wrong always finds the failure here. (A step
+        that ran whole before the worker died is dropped the same way: the two
+        cannot be told apart.)"""
+        host = copy.wait() if copy is not None else None
         if self.tp is not None:
             self.tp.check()
+        if host is None:
+            return np.empty(0, dtype=np.int32), None, None
+        if (host.token_ids < 0).any():  # the sampler's mark of NaN / all -inf logits
+            raise RuntimeError("the model produced logits with nothing to sample (NaN?)")
+        return host.token_ids, host.sampled_logprobs, host.top
 
     def _complete_inflight(self) -> None:
         """Waits for the launched step's tokens and updates the engine with them."""
@@ -1132,14 +1133,7 @@ class LLMEngine:
         batch, sampled, compact = self._inflight
         self._inflight = None
         try:
-            host = sampled.wait() if sampled is not None else None
-            self._check_workers()
-            if host is not None:
-                token_ids, sampled_lp, top = host.token_ids, host.sampled_logprobs, host.top
-                if (token_ids < 0).any():  # the sampler's mark of NaN / all -inf logits
-                    raise RuntimeError("the model produced logits with nothing to sample (NaN?)")
-            else:
-                token_ids, sampled_lp, top = np.empty(0, dtype=np.int32), None, None
+            token_ids, sampled_lp, top = self._host_tokens(sampled)
         except BaseException:
             self._fail_step(batch.num_samples)
             raise
